@@ -1,0 +1,50 @@
+# The README's commands. `make demo` runs the main job on its embedded default (Fashion-MNIST),
+# `make test` runs the test suite. Both create the virtual environment and install what they need.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# On a machine with no torch, pin the release this project is tested with (on the dev machines these
+# wheels lie on disk, CPU-runnable); a torch already installed in $(PYTHON) is respected instead.
+TORCH_PIN ?= torch==2.14.1 torchvision==0.29.1
+# Debian packages holding the real local data sets used by the demo and the tests.
+DEB_DATA := dataset-fashion-mnist fonts-noto-color-emoji unicode-data wordnet-base
+
+.PHONY: install system-data demo test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+	    echo "using the torch already installed in $(PYTHON)"; \
+	    $(PYTHON) -m venv --system-site-packages $(VENV); pin=""; \
+	else \
+	    $(PYTHON) -m venv $(VENV); pin="$(TORCH_PIN)"; \
+	fi; \
+	$(PY) -m pip install -q --upgrade pip && \
+	$(PY) -m pip install -q $$pin -e '.[dev]'
+	@touch $@
+
+# Installs the Debian data packages when missing (needs root and apt); otherwise says what to install.
+system-data:
+	@missing=""; for p in $(DEB_DATA); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	    if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	        echo "installing Debian data packages:$$missing"; \
+	        (apt-get install -y -qq $$missing || (apt-get update -qq && apt-get install -y -qq $$missing)) >/dev/null; \
+	    else \
+	        echo "note: Debian packages missing:$$missing (install them with: sudo apt-get install$$missing);" \
+	             "the demo needs dataset-fashion-mnist, some tests skip without the others"; \
+	    fi; \
+	fi
+
+demo: install system-data
+	$(PY) -m crate_clip.train.demo
+
+test: install system-data
+	$(PY) -m pytest -q tests
+
+bench: install system-data
+	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs bench/out

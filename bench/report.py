@@ -1,0 +1,25 @@
+"""Writes one benchmark's table into its own marked section of BENCHMARKS.md."""
+import platform
+import re
+import time
+from pathlib import Path
+
+import torch
+
+BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+
+
+def machine_line() -> str:
+    """One line naming the machine, torch build and thread count the numbers came from."""
+    return (f"_{time.strftime('%Y-%m-%d')}, {platform.machine()}, {torch.get_num_threads()} torch threads, "
+            f"torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}_")
+
+
+def write_section(name: str, markdown: str, path: Path = BENCHMARKS_MD) -> None:
+    """Replace the text between `<!-- BEGIN name -->` and `<!-- END name -->` (appending the pair if absent)."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + f"\n\n{block}\n"
+    path.write_text(text)

@@ -1,0 +1,36 @@
+"""The `crate-clip` command: dispatches to the train, eval and shards sub-commands."""
+import importlib
+import sys
+
+# sub-command -> module whose main(argv) runs it; imported lazily so `crate-clip shards` does not pay
+# for DeepSpeed's import, and so the packages keep their one direction of imports.
+SUBCOMMANDS = {
+    "train": ("crate_clip.train.cli", "train a CRATE-alpha CLIP from a run config (YAML)"),
+    "eval": ("eval.cli", "zero-shot classification and retrieval evaluation"),
+    "shards": ("data_pipelines.cli", "write DataComp-layout webdataset shards from local data"),
+    "demo": ("crate_clip.train.demo", "the embedded Fashion-MNIST demo (the README's first command)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: crate-clip <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8}{help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Run `crate-clip <command> ...`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"crate-clip: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

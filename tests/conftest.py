@@ -1,0 +1,25 @@
+"""Shared pytest set-up: offline hubs, NLTK test data, small thread counts for a 2-core machine."""
+import os
+from pathlib import Path
+
+import pytest
+
+# Nothing may be fetched from a model or data hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# NLTK's English tagger for the tests only (see ../shared/nltk_data/README.md); never copied in.
+SHARED_NLTK = REPO_ROOT.parent / "shared" / "nltk_data"
+if SHARED_NLTK.is_dir():
+    os.environ.setdefault("NLTK_DATA", str(SHARED_NLTK))
+
+FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+
+@pytest.fixture(scope="session")
+def fashion_mnist_dir():
+    """The Debian Fashion-MNIST folder; skips the test where the package is not installed."""
+    if not (FASHION_MNIST_DIR / "t10k-images-idx3-ubyte.gz").exists():
+        pytest.skip("Debian package dataset-fashion-mnist is not installed")
+    return FASHION_MNIST_DIR
