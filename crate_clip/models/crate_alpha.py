@@ -1,0 +1,555 @@
+"""CRATE-alpha and the original CRATE as one timm-registered family of white-box vision transformers.
+
+Order (timm's habit): patch embeddings, block, model class, init, checkpoint_filter_fn, _create, variants.
+The three CRATE-alpha switches rebuild the paper's ablation ladder from CRATE:
+  overcomplete_ratio (C: 1 -> 4), decoupled_dictionary (separate output dictionary D1), ista_residual.
+"""
+import logging
+import math
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, resample_abs_pos_embed, to_2tuple
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+
+from crate_clip.models.ista import ISTA
+from crate_clip.models.mssa import MSSA
+from crate_clip.models.token_masks import apply_token_mask, check_token_mask
+
+_logger = logging.getLogger(__name__)
+
+__all__ = ["CrateAlpha", "checkpoint_filter_fn", "official_to_timm"]
+
+
+class ConvPatchEmbed(nn.Module):
+    """CRATE-alpha patch embedding: a stride-p p x p convolution (VALID: leftover pixels are dropped)."""
+
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, bias: bool = True):
+        super().__init__()
+        self.patch_size = patch_size
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, floor(H/p) * floor(W/p), d), raster order over the patch grid."""
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class CratePatchEmbed(nn.Module):
+    """Original CRATE patch embedding: p*p*C pixel vectors -> LayerNorm -> Linear -> LayerNorm."""
+
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.patch_size = patch_size
+        pixels = patch_size * patch_size * in_chans
+        self.norm_in = nn.LayerNorm(pixels, eps=eps)
+        self.proj = nn.Linear(pixels, embed_dim)
+        self.norm_out = nn.LayerNorm(embed_dim, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, N, d); pixels that do not fill a whole patch are dropped (as VALID conv)."""
+        B, C, H, W = x.shape
+        p = self.patch_size
+        gh, gw = H // p, W // p
+        x = x[:, :, :gh * p, :gw * p].reshape(B, C, gh, p, gw, p)
+        x = x.permute(0, 2, 4, 3, 5, 1).reshape(B, gh * gw, p * p * C)  # (p1 p2 c) order, as the original
+        return self.norm_out(self.proj(self.norm_in(x)))
+
+
+class CrateBlock(nn.Module):
+    """Pre-norm block: t + MSSA(LN1 t), then ISTA(LN2 t) added to t (`residual`) or replacing it."""
+
+    def __init__(self, dim: int, num_heads: int, overcomplete_ratio: int = 4, decoupled: bool = True,
+                 residual: bool = True, eta: float = 0.1, lambd: float = 0.1, attn_out_bias: bool = False,
+                 norm_eps: float = 1e-6, drop_path: float = 0.0, attn_impl: str = "sdpa"):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        self.attn = MSSA(dim, num_heads, out_bias=attn_out_bias, attn_impl=attn_impl)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.ista = ISTA(dim, overcomplete_ratio, decoupled, eta, lambd)
+        self.residual = residual
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, L, d) -> (B, L, d)."""
+        return self.forward_with_extras(x, False)[0]
+
+    def forward_with_extras(self, x: torch.Tensor, return_attn: bool):
+        """Block output plus the attention map (when asked) and the ISTA sparse code."""
+        a, attn = self.attn(self.norm1(x), return_attn=return_attn)
+        x = x + self.drop_path(a)
+        if self.residual and isinstance(self.drop_path, nn.Identity):
+            x, code = self.ista(self.norm2(x), residual=x)  # residual add fused into the last matmul
+        else:
+            out, code = self.ista(self.norm2(x))
+            x = x + self.drop_path(out) if self.residual else out
+        return x, attn, code
+
+
+class CrateAlpha(nn.Module):
+    """CRATE-alpha / CRATE image tower (timm interface).
+
+    Input sizes follow the official VALID convolution: an image side that is not a multiple of the patch
+    size loses its last `side % patch_size` pixels (e.g. 84 px with /16 patches gives a 5x5 grid).
+    The position embedding is built for `img_size`; other input sizes need `set_input_size` (persistent)
+    or `dynamic_img_size=True` (resampled each forward).
+
+    Token masks (`token_mask` in none/random/grid/block, `token_drop_ratio`) act after the position
+    embedding, in training mode only, and always keep the class token.
+
+    Architecture switches (defaults = CRATE-alpha): `overcomplete_ratio` C of the dictionary (1 = CRATE),
+    `decoupled_dictionary` (learned output dictionary D1), `ista_residual` (residual around ISTA);
+    original CRATE also sets patch_embed_type='crate', attn_out_bias=True, norm_eps=1e-5.
+    CLIP towers: patch_bias=False, num_classes=0. `attn_impl='math'` is the explicit softmax baseline.
+    """
+
+    def __init__(
+            self,
+            img_size: Union[int, Tuple[int, int]] = 224,
+            patch_size: int = 16,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            global_pool: str = "token",
+            embed_dim: int = 768,
+            depth: int = 12,
+            num_heads: int = 12,
+            overcomplete_ratio: int = 4,
+            decoupled_dictionary: bool = True,
+            ista_residual: bool = True,
+            eta: float = 0.1,
+            lambd: float = 0.1,
+            patch_embed_type: str = "conv",
+            patch_bias: bool = True,
+            attn_out_bias: bool = False,
+            norm_eps: float = 1e-6,
+            drop_rate: float = 0.0,
+            drop_path_rate: float = 0.0,
+            patch_drop_rate: float = 0.0,
+            token_mask: str = "none",
+            token_drop_ratio: float = 0.0,
+            dynamic_img_size: bool = False,
+            attn_impl: str = "sdpa",
+            weight_init: str = "jax",
+    ):
+        super().__init__()
+        if global_pool not in ("token", "avg", ""):
+            raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
+        if patch_drop_rate > 0 and token_mask == "none":
+            # open_clip's `patch_dropout` arrives as timm's patch_drop_rate: it is our random token mask
+            token_mask, token_drop_ratio = "random", patch_drop_rate
+        check_token_mask(token_mask, token_drop_ratio)
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        self.num_prefix_tokens = 1
+        self.dynamic_img_size = dynamic_img_size
+        self.grad_checkpointing = False
+        self.token_mask, self.token_drop_ratio = token_mask, token_drop_ratio
+        self.patch_size = patch_size
+        self.img_size = to_2tuple(img_size)
+        self.grid_size = self._grid_for(self.img_size)
+
+        if patch_embed_type == "conv":
+            self.patch_embed = ConvPatchEmbed(patch_size, in_chans, embed_dim, bias=patch_bias)
+        elif patch_embed_type == "crate":
+            self.patch_embed = CratePatchEmbed(patch_size, in_chans, embed_dim, eps=norm_eps)
+        else:
+            raise ValueError(f"patch_embed_type must be 'conv' or 'crate', got {patch_embed_type!r}")
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.grid_size[0] * self.grid_size[1] + 1, embed_dim))
+        dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # python floats: works on meta
+        self.blocks = nn.ModuleList([
+            CrateBlock(embed_dim, num_heads, overcomplete_ratio, decoupled_dictionary, ista_residual, eta, lambd,
+                       attn_out_bias, norm_eps, dpr[i], attn_impl)
+            for i in range(depth)])
+        self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=patch_size) for i in range(depth)]
+        self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        if weight_init != "skip":
+            self.init_weights(weight_init)
+
+    # ----- initialisation and policies -----
+    def init_weights(self, mode: str = "jax") -> None:
+        """JAX initialisation of the published CRATE-alpha models (spec table)."""
+        if mode != "jax":
+            raise ValueError(f"weight_init must be 'jax' or 'skip', got {mode!r}")
+        pe = self.patch_embed
+        if isinstance(pe, ConvPatchEmbed):
+            fan_in = pe.proj.in_channels * pe.patch_size ** 2
+            bound = math.sqrt(6.0 / fan_in)
+            nn.init.uniform_(pe.proj.weight, -bound, bound)
+        else:
+            nn.init.normal_(pe.proj.weight, std=0.02)
+        if pe.proj.bias is not None:
+            nn.init.zeros_(pe.proj.bias)
+        nn.init.normal_(self.cls_token, std=1e-6)
+        nn.init.normal_(self.pos_embed, std=0.02)
+        for blk in self.blocks:
+            nn.init.normal_(blk.attn.qkv.weight, std=0.02)
+            nn.init.normal_(blk.attn.proj.weight, std=0.02)
+            if blk.attn.proj.bias is not None:
+                nn.init.zeros_(blk.attn.proj.bias)
+            blk.ista.reset_parameters()
+        if isinstance(self.head, nn.Linear):
+            nn.init.normal_(self.head.weight, std=0.02)
+            nn.init.zeros_(self.head.bias)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        """Parameters the published recipes do not decay: cls, pos and the dictionaries D, D1 (1-D ones too)."""
+        names = {"cls_token", "pos_embed"}
+        names.update(n for n, p in self.named_parameters() if n.endswith(("ista.D", "ista.D1")) or p.ndim <= 1)
+        return names
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict:
+        """Parameter groups for layer-wise LR decay / partial freezing (timm convention)."""
+        return dict(stem=r"^cls_token|pos_embed|patch_embed",
+                    blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in the backward pass instead of storing its activations."""
+        self.grad_checkpointing = enable
+
+    def set_token_mask(self, kind: str, drop_ratio: float = 0.0) -> None:
+        """Choose the training-time token mask ('none', 'random', 'grid', 'block') and its drop ratio."""
+        check_token_mask(kind, drop_ratio)
+        self.token_mask, self.token_drop_ratio = kind, drop_ratio
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        """The classification head."""
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """Replace the head (0 removes it) and optionally the pooling ('token', 'avg', '')."""
+        if global_pool is not None:
+            if global_pool not in ("token", "avg", ""):
+                raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
+            self.global_pool = global_pool
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+
+    # ----- input size -----
+    def _grid_for(self, img_size: Tuple[int, int]) -> Tuple[int, int]:
+        grid = (img_size[0] // self.patch_size, img_size[1] // self.patch_size)
+        if min(grid) < 1:
+            raise ValueError(f"image size {tuple(img_size)} is smaller than one {self.patch_size}px patch")
+        return grid
+
+    def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None,
+                       patch_size: Optional[int] = None) -> None:
+        """Rebuild for a new input size; the position embedding is resampled 2-D (bicubic), cls slot apart."""
+        if patch_size is not None and to_2tuple(patch_size) != to_2tuple(self.patch_size):
+            raise ValueError("changing the patch size of a CRATE tower is not supported")
+        if img_size is None:
+            return
+        new_grid = self._grid_for(to_2tuple(img_size))
+        if new_grid != self.grid_size:
+            base, base_grid = self._pos_embed_base()
+            with torch.no_grad():
+                pos = resample_abs_pos_embed(base, new_size=new_grid, old_size=base_grid, num_prefix_tokens=1)
+            self.pos_embed = nn.Parameter(pos, requires_grad=self.pos_embed.requires_grad)
+        self.img_size, self.grid_size = to_2tuple(img_size), new_grid
+
+    def _pos_embed_base(self) -> Tuple[torch.Tensor, Tuple[int, int]]:
+        """The position embedding to resample from: the last loaded one if ours is still just its resampling.
+
+        This keeps load-at-224-then-set_input_size(84) exact for an 84 px checkpoint (open_clip's
+        create_model(pretrained=..., force_image_size=84) does exactly that), and falls back to the current
+        weights once they were trained or changed.
+        """
+        current = self.pos_embed.detach()
+        source = getattr(self, "_loaded_pos_embed", None)
+        if source is not None and source[0].device == current.device:
+            pos, grid = source
+            with torch.no_grad():
+                if torch.equal(resample_abs_pos_embed(pos, list(self.grid_size), list(grid), 1), current):
+                    return pos, grid
+        return current, self.grid_size
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A checkpoint of another input size loads into this size: its square patch grid of position
+        # embeddings is resampled (2-D, cls apart), so plain load_state_dict and open_clip's loader both work.
+        key = prefix + "pos_embed"
+        pos = state_dict.get(key)
+        # (a ZeRO-3-partitioned parameter has no elements: DeepSpeed loads those itself, gathered)
+        if (isinstance(pos, torch.Tensor) and pos.ndim == 3 and self.pos_embed.numel() > 0
+                and pos.shape != self.pos_embed.shape
+                and pos.shape[-1] == self.embed_dim and math.isqrt(pos.shape[1] - 1) ** 2 == pos.shape[1] - 1):
+            old = (math.isqrt(pos.shape[1] - 1),) * 2
+            with torch.no_grad():
+                state_dict[key] = resample_abs_pos_embed(pos.float(), list(self.grid_size), list(old), 1).to(pos.dtype)
+            self._loaded_pos_embed = (pos.detach().clone(), old)
+            _logger.info("resampled %s from a %s to a %s patch grid", key, old, self.grid_size)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # ----- forward -----
+    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
+        """Patch embedding, class token and position embedding: (B, C, H, W) -> (B, 1 + N, d), grid."""
+        grid = self._grid_for(x.shape[-2:])
+        x = self.patch_embed(x)
+        pos = self.pos_embed
+        if grid != self.grid_size:
+            if not self.dynamic_img_size:
+                raise ValueError(
+                    f"the input gives a {grid} patch grid but the position embedding is for {self.grid_size} "
+                    f"(img_size={self.img_size}): call set_input_size(new_size) or build with dynamic_img_size=True")
+            pos = resample_abs_pos_embed(pos, new_size=grid, old_size=self.grid_size, num_prefix_tokens=1)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
+        return x + pos.to(x.dtype), grid
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens after the final LayerNorm: (B, 1 + N_kept, d)."""
+        x, grid = self._embed(x)
+        if self.training and self.token_mask != "none":
+            x = apply_token_mask(x, self.token_mask, grid, self.token_drop_ratio)
+        for blk in self.blocks:
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+        return self.norm(x)
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """Class token ('token'), mean of the patch tokens ('avg') or all tokens ('')."""
+        if self.global_pool == "token":
+            return x[:, 0]
+        if self.global_pool == "avg":
+            return x[:, 1:].mean(dim=1)
+        return x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Pool, then the classification head (skipped when `pre_logits`)."""
+        x = self.head_drop(self.pool(x))
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) -> logits (B, num_classes), or pooled features when the head is removed."""
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            return_prefix_tokens: bool = False,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = "NCHW",
+            intermediates_only: bool = False,
+            return_attn: bool = False,
+            return_sparse_codes: bool = False,
+    ):
+        """Per-block outputs (timm convention), optionally with per-block attention maps and ISTA codes.
+
+        `indices`: last n blocks if int, all if None, else the listed block indices. Without extras the
+        return is timm's: intermediates list (`intermediates_only`) or (final tokens, intermediates).
+        With `return_attn` / `return_sparse_codes` it is a dict with keys 'intermediates', 'attn'
+        ((B, h, L, L) per taken block), 'sparse_codes' ((B, L, C*d) per taken block) and, unless
+        `intermediates_only`, 'final'. No token mask is applied here (white-box analysis of full images).
+        """
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        B = x.shape[0]
+        x, (gh, gw) = self._embed(x)
+        blocks = self.blocks if not stop_early else self.blocks[:max_index + 1]
+        intermediates, attns, codes = [], [], []
+        for i, blk in enumerate(blocks):
+            x, attn, code = blk.forward_with_extras(x, return_attn)
+            if i in take_indices:
+                y = self.norm(x) if norm else x
+                prefix, spatial = y[:, :1], y[:, 1:]
+                if output_fmt == "NCHW":
+                    spatial = spatial.reshape(B, gh, gw, -1).permute(0, 3, 1, 2).contiguous()
+                intermediates.append((spatial, prefix) if return_prefix_tokens else spatial)
+                attns.append(attn)
+                codes.append(code)
+        final = None if intermediates_only else self.norm(x)
+        if return_attn or return_sparse_codes:
+            out = {"intermediates": intermediates}
+            if return_attn:
+                out["attn"] = attns
+            if return_sparse_codes:
+                out["sparse_codes"] = codes
+            if not intermediates_only:
+                out["final"] = final
+            return out
+        return intermediates if intermediates_only else (final, intermediates)
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        """Drop the blocks after the last index taken (timm convention); returns the taken indices."""
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[:max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices
+
+
+# ----- official checkpoints -----
+_OFFICIAL_BLOCK_KEYS = {
+    "0.norm.weight": "norm1.weight", "0.norm.bias": "norm1.bias",
+    "0.fn.qkv.weight": "attn.qkv.weight",
+    "0.fn.to_out.0.weight": "attn.proj.weight", "0.fn.to_out.0.bias": "attn.proj.bias",
+    "1.norm.weight": "norm2.weight", "1.norm.bias": "norm2.bias",
+    "1.fn.D": "ista.D", "1.fn.D1": "ista.D1",
+}
+_OFFICIAL_TOP_KEYS = {
+    "conv1.weight": "patch_embed.proj.weight", "conv1.bias": "patch_embed.proj.bias",
+    "cls_token": "cls_token", "pos_embedding": "pos_embed",
+    "mlp_head.0.weight": "norm.weight", "mlp_head.0.bias": "norm.bias",
+    "mlp_head.1.weight": "head.weight", "mlp_head.1.bias": "head.bias",
+}
+
+
+def official_to_timm(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Rename the official PyTorch port's keys (torch_inference/model/crate_alpha.py) to this model's.
+
+    Keys it does not know are kept unchanged, so a strict load names them as unexpected.
+    """
+    out = {}
+    for key, value in state_dict.items():
+        new = _OFFICIAL_TOP_KEYS.get(key)
+        if new is None and key.startswith("transformer.layers."):
+            layer, _, rest = key[len("transformer.layers."):].partition(".")
+            new = f"blocks.{layer}.{_OFFICIAL_BLOCK_KEYS[rest]}" if rest in _OFFICIAL_BLOCK_KEYS else None
+        out[new or key] = value
+    return out
+
+
+def _is_official_layout(state_dict: Dict[str, torch.Tensor]) -> bool:
+    return "conv1.weight" in state_dict or any(k.startswith("transformer.layers.") for k in state_dict)
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: CrateAlpha) -> Dict[str, torch.Tensor]:
+    """Adapt a checkpoint (official port layout or ours) to `model`.
+
+    Renames the official layout, resamples the position embedding to the model's grid, folds a patch-conv
+    bias into the position embedding when the model's conv has none (exact: the bias adds to every patch
+    token), drops the head when the model has none and keeps the model's own (freshly initialised) head
+    when the class counts differ (e.g. a 19,167-class IN-21K checkpoint into a 1000-class model).
+    """
+    state_dict = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state_dict.items()}
+    if _is_official_layout(state_dict):
+        state_dict = official_to_timm(state_dict)
+    pos = state_dict.get("pos_embed")
+    if pos is not None and pos.shape != model.pos_embed.shape:
+        old = int(math.isqrt(pos.shape[1] - 1))
+        if old * old != pos.shape[1] - 1:
+            raise ValueError(f"checkpoint pos_embed {tuple(pos.shape)} is not a square patch grid plus cls")
+        state_dict["pos_embed"] = resample_abs_pos_embed(pos, new_size=model.grid_size, old_size=(old, old),
+                                                         num_prefix_tokens=1)
+    conv_bias = state_dict.get("patch_embed.proj.bias")
+    if conv_bias is not None and getattr(model.patch_embed.proj, "bias", None) is None:
+        pos = state_dict["pos_embed"].clone()
+        pos[:, 1:] += conv_bias
+        state_dict["pos_embed"] = pos
+        del state_dict["patch_embed.proj.bias"]
+    _adapt_head(state_dict, model)
+    return state_dict
+
+
+def _adapt_head(state_dict: Dict[str, torch.Tensor], model: CrateAlpha) -> None:
+    if "head.weight" not in state_dict:
+        return
+    if not isinstance(model.head, nn.Linear):
+        state_dict.pop("head.weight"), state_dict.pop("head.bias", None)
+    elif state_dict["head.weight"].shape != model.head.weight.shape:
+        _logger.warning("checkpoint head %s != model head %s: keeping the model's freshly initialised head",
+                        tuple(state_dict["head.weight"].shape), tuple(model.head.weight.shape))
+        state_dict["head.weight"], state_dict["head.bias"] = model.head.weight, model.head.bias
+
+
+# ----- build and register -----
+def _create_crate_alpha(variant: str, pretrained: bool = False, **kwargs) -> CrateAlpha:
+    return build_model_with_cfg(
+        CrateAlpha, variant, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=3, feature_cls="getter"),
+        **kwargs,
+    )
+
+
+def _cfg(input_px: int = 224, num_classes: int = 1000, **kwargs) -> Dict:
+    # no 'classifier' entry on purpose: head mismatches are handled by checkpoint_filter_fn, so giving
+    # num_classes=19167 loads an IN-21K head instead of timm silently discarding it.
+    # mean/std: ImageNet defaults (the released models' own normalisation is not recorded in the spec).
+    return dict(url="", num_classes=num_classes, input_size=(3, input_px, input_px), pool_size=None,
+                crop_pct=0.875, interpolation="bicubic", fixed_input_size=True,
+                mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, first_conv="patch_embed.proj", **kwargs)
+
+
+_SIZES = {  # name: (width, depth, heads)  (CRATE-alpha decode_variant; note S is 576 wide)
+    "tiny": (192, 12, 3), "small": (576, 12, 12), "base": (768, 12, 12), "large": (1024, 24, 16),
+    "huge": (1280, 32, 16),
+}
+_CRATE_SIZES = {"tiny": (384, 12, 6), "small": (576, 12, 12), "base": (768, 12, 12), "large": (1024, 24, 16)}
+_CRATE_ARGS = dict(overcomplete_ratio=1, decoupled_dictionary=False, ista_residual=False,
+                   patch_embed_type="crate", attn_out_bias=True, norm_eps=1e-5)
+_CLIP_TOWER_ARGS = dict(patch_bias=False, num_classes=0)
+
+
+def _variants() -> Dict[str, Dict]:
+    """Every registered name -> its architecture kwargs."""
+    out = {}
+    for size in ("tiny", "small", "base", "large"):
+        for p in (32, 16, 14, 8):
+            out[f"crate_alpha_{size}_patch{p}_224"] = dict(zip(("embed_dim", "depth", "num_heads"), _SIZES[size]),
+                                                          patch_size=p)
+    for p in (14, 16):
+        out[f"crate_alpha_huge_patch{p}_224"] = dict(zip(("embed_dim", "depth", "num_heads"), _SIZES["huge"]),
+                                                    patch_size=p)
+    for size, dims in _CRATE_SIZES.items():
+        out[f"crate_{size}_patch16_224"] = dict(zip(("embed_dim", "depth", "num_heads"), dims), patch_size=16,
+                                                **_CRATE_ARGS)
+    # CLIP image towers (CRATE-alpha-CLIPA): conv without bias, no head; open_clip adds the projection.
+    # open_clip's TimmModel does not pass image_size to timm, so each tower's default size is its name's.
+    for size, p in (("base", 16), ("large", 14), ("huge", 14)):
+        out[f"crate_alpha_clipa_{size}_patch{p}_224"] = dict(
+            zip(("embed_dim", "depth", "num_heads"), _SIZES[size]), patch_size=p, **_CLIP_TOWER_ARGS)
+    # small demo towers are named parametrically in their JSON (see open_clip_configs.py)
+    return out
+
+
+VARIANTS = _variants()
+
+
+def _default_cfgs() -> Dict[str, Dict]:
+    cfgs = {}
+    for name, arch in VARIANTS.items():
+        px = arch.get("img_size", 224)
+        if name.startswith("crate_alpha_clipa_"):
+            cfgs[name] = _cfg(px, num_classes=0)
+        elif name.startswith("crate_alpha_"):
+            cfgs[f"{name}.in21k_ft_in1k"] = _cfg(px, 1000)   # first tag = default
+            cfgs[f"{name}.in21k"] = _cfg(px, 19167)          # IN-21K pre-training head
+        else:
+            cfgs[name] = _cfg(px, 1000)
+    return cfgs
+
+
+default_cfgs = generate_default_cfgs(_default_cfgs())
+
+
+def _make_entrypoint(name: str, arch: Dict):
+    def entrypoint(pretrained: bool = False, **kwargs) -> CrateAlpha:
+        # registered-architecture defaults, overridable by timm.create_model(name, **overrides)
+        return _create_crate_alpha(name, pretrained, **{**arch, **kwargs})
+    entrypoint.__name__ = entrypoint.__qualname__ = name
+    entrypoint.__module__ = __name__
+    entrypoint.__doc__ = f"{name}: {arch}"
+    return entrypoint
+
+
+for _name, _arch in VARIANTS.items():
+    globals()[_name] = register_model(_make_entrypoint(_name, _arch))

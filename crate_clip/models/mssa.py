@@ -1,0 +1,40 @@
+"""MSSA: multi-head subspace self-attention, the CRATE attention block (one projection U used as Q = K = V)."""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MSSA(nn.Module):
+    """Multi-head subspace self-attention: softmax((yU)_h (yU)_h^T / sqrt(hd)) (yU)_h, heads merged, then W_out.
+
+    `qkv.weight` stores U transposed (a Linear weight, as in the official port: w = y @ qkv.weight.T);
+    `proj` is W_out. CRATE-alpha has no output bias; the original CRATE has one (`out_bias=True`).
+    """
+
+    def __init__(self, dim: int, num_heads: int, out_bias: bool = False, attn_impl: str = "sdpa"):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.attn_impl = attn_impl
+        self.qkv = nn.Linear(dim, dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=out_bias)
+
+    def forward(self, y: torch.Tensor, return_attn: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Attend (B, L, d) -> (B, L, d); also the (B, h, L, L) attention map when `return_attn`."""
+        B, L, d = y.shape
+        w = self.qkv(y).reshape(B, L, self.num_heads, self.head_dim).transpose(1, 2)  # (B, h, L, hd)
+        attn = None
+        if return_attn or self.attn_impl == "math":
+            # explicit path: needed to hand the map out (SDPA never materialises it); also the bench baseline
+            attn = (w * self.scale) @ w.transpose(-2, -1)
+            attn = attn.softmax(dim=-1)
+            out = attn @ w
+        else:
+            out = F.scaled_dot_product_attention(w, w, w)
+        out = out.transpose(1, 2).reshape(B, L, d)
+        return self.proj(out), (attn if return_attn else None)

@@ -1,0 +1,51 @@
+"""Registers the CRATE-alpha CLIP model configs (model_configs/*.json) with open_clip.
+
+A JSON may name its image tower parametrically, `crate_alpha_clipa_w{width}_d{depth}_h{heads}_p{patch}_{px}`
+(e.g. the demo's `crate_alpha_clipa_w128_d4_h4_p4_28`): such towers are registered with timm here, so a
+config's tower can be retuned by editing its JSON alone (open_clip passes no tower kwargs to timm).
+"""
+import json
+import re
+from pathlib import Path
+from typing import Dict, List
+
+import open_clip
+from timm.models import is_model, register_model
+
+from crate_clip.models import crate_alpha
+
+MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
+_PARAMETRIC = re.compile(r"^crate_alpha_clipa_w(\d+)_d(\d+)_h(\d+)_p(\d+)_(\d+)$")
+
+
+def parse_clip_tower_name(name: str) -> Dict:
+    """Architecture kwargs of a parametric CLIP tower name; ValueError when the name is not parametric."""
+    m = _PARAMETRIC.match(name)
+    if not m:
+        raise ValueError(f"{name!r} is not of the form crate_alpha_clipa_w<width>_d<depth>_h<heads>_p<patch>_<px>")
+    width, depth, heads, patch, px = map(int, m.groups())
+    return dict(embed_dim=width, depth=depth, num_heads=heads, patch_size=patch, img_size=px,
+                **crate_alpha._CLIP_TOWER_ARGS)
+
+
+def register_clip_tower(name: str) -> None:
+    """Register a parametric CLIP tower name with timm (no-op when already registered)."""
+    if is_model(name):
+        return
+    arch = parse_clip_tower_name(name)
+    crate_alpha.default_cfgs.update(
+        crate_alpha.generate_default_cfgs({name: crate_alpha._cfg(arch["img_size"], num_classes=0)}))
+    entry = crate_alpha._make_entrypoint(name, arch)
+    setattr(crate_alpha, name, register_model(entry))
+
+
+def register_open_clip_configs(config_dir: Path = MODEL_CONFIG_DIR) -> List[str]:
+    """Register every JSON in `config_dir` with open_clip (and its parametric tower with timm); returns names."""
+    names = []
+    for path in sorted(Path(config_dir).glob("*.json")):
+        tower = json.loads(path.read_text()).get("vision_cfg", {}).get("timm_model_name", "")
+        if _PARAMETRIC.match(tower):
+            register_clip_tower(tower)
+        names.append(path.stem)
+    open_clip.add_model_config(config_dir)
+    return names

@@ -1,0 +1,200 @@
+"""DeepSpeed checkpoints that are safe to resume from: atomic completion, retention, per-rank client state.
+
+Layout (contract with eval/): `<run_dir>/checkpoints/<tag>/` holds DeepSpeed's files (written by all
+ranks), one `train_state_rank<r>.pt` per rank (data-stream position, RNG states), and `crate_clip.json`,
+written by rank 0 only after every rank finished writing. `crate_clip.json` marks a checkpoint complete;
+DeepSpeed's `latest` file is replaced atomically only after that, so a save interrupted at any point
+(SIGKILL, full disk) never becomes the one resumed from: `latest` still names the previous complete one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+INFO_FILE = "crate_clip.json"
+LATEST_FILE = "latest"
+
+
+class ResumeError(RuntimeError):
+    """A checkpoint that cannot be resumed from (missing, incomplete, or from another job shape)."""
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder and rename: readers see the old or the new file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def checkpoint_tag(stage_index: int, step: int) -> str:
+    """Tag of the checkpoint after `step` optimizer steps of stage `stage_index` (sorts by time)."""
+    return f"stage{stage_index}-step{step:08d}"
+
+
+def rng_state() -> dict:
+    """This process's random-number generator states (torch, numpy, python)."""
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what rng_state() returned."""
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def rank_state_path(tag_dir: Path, rank: int) -> Path:
+    """The per-rank client state file of one checkpoint."""
+    return Path(tag_dir) / f"train_state_rank{rank:05d}.pt"
+
+
+def read_info(tag_dir: Path) -> dict | None:
+    """The checkpoint's crate_clip.json, or None when the checkpoint is incomplete."""
+    path = Path(tag_dir) / INFO_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+class CheckpointManager:
+    """Saves, finds, prunes and loads the checkpoints of one run (`<run_dir>/checkpoints`)."""
+
+    def __init__(self, root: Path, keep_last: int, rank: int, world_size: int):
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.rank = rank
+        self.world_size = world_size
+
+    # ------------------------------------------------------------ save
+    def save(self, engine, tag: str, info: dict, rank_state: dict) -> Path:
+        """Save on ALL ranks; returns the tag folder once it is complete and `latest` names it."""
+        import torch.distributed as dist
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        tag_dir = self.root / tag
+        if self.rank == 0 and tag_dir.exists():  # a leftover of an interrupted save with the same tag
+            shutil.rmtree(tag_dir)
+        dist.barrier()
+        engine.save_checkpoint(str(self.root), tag=tag, client_state={"crate_clip": info}, save_latest=False)
+        _atomic_torch_save(rank_state, rank_state_path(tag_dir, self.rank))
+        dist.barrier()  # every rank's files are on disk before the checkpoint is declared complete
+        if self.rank == 0:
+            _atomic_write_text(tag_dir / INFO_FILE, json.dumps({**info, "world_size": self.world_size}, indent=1))
+            _atomic_write_text(self.root / LATEST_FILE, tag)
+            self.prune()
+        dist.barrier()
+        return tag_dir
+
+    def prune(self) -> None:
+        """Keep the newest `keep_last` complete checkpoints; remove older ones and interrupted saves."""
+        latest = self.latest_tag()
+        complete = self.complete_tags()
+        for tag in complete[:-self.keep_last]:
+            if tag != latest:
+                shutil.rmtree(self.root / tag, ignore_errors=True)
+        for path in self.root.iterdir():
+            if path.is_dir() and read_info(path) is None:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------ find
+    def complete_tags(self) -> list[str]:
+        """Complete checkpoints, oldest first (by global step)."""
+        if not self.root.is_dir():
+            return []
+        found = [(info.get("global_step", 0), p.name) for p in self.root.iterdir()
+                 if p.is_dir() and (info := read_info(p)) is not None]
+        return [name for _, name in sorted(found)]
+
+    def latest_tag(self) -> str | None:
+        """The tag `latest` names, if that checkpoint is complete; else the newest complete one."""
+        path = self.root / LATEST_FILE
+        if path.is_file():
+            tag = path.read_text().strip()
+            if read_info(self.root / tag) is not None:
+                return tag
+        complete = self.complete_tags()
+        return complete[-1] if complete else None
+
+    def resolve(self, resume: str) -> Path:
+        """`latest` -> newest complete checkpoint of this run; else a tag folder or a checkpoints folder."""
+        if resume == "latest":
+            tag = self.latest_tag()
+            if tag is None:
+                raise ResumeError(f"--resume latest: no complete checkpoint in {self.root}; "
+                                  "fix: start without --resume")
+            return self.root / tag
+        path = Path(resume)
+        if (path / LATEST_FILE).is_file() or (path.is_dir() and read_info(path) is None and
+                                              any(read_info(p) for p in path.iterdir() if p.is_dir())):
+            other = CheckpointManager(path, self.keep_last, self.rank, self.world_size)
+            return other.resolve("latest")
+        if read_info(path) is None:
+            raise ResumeError(f"--resume {resume}: not a complete checkpoint (no {INFO_FILE}: missing or an "
+                              "interrupted save); fix: pass a checkpoint folder or 'latest'")
+        return path
+
+    # ------------------------------------------------------------ load
+    def load(self, engine, tag_dir: Path) -> tuple[dict, dict]:
+        """Load DeepSpeed states into `engine` (all ranks); returns (info, this rank's client state)."""
+        info = self.check_compatible(tag_dir)
+        load_path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None:
+            raise ResumeError(f"DeepSpeed could not load the checkpoint {tag_dir}")
+        return info, self.load_rank_state(tag_dir)
+
+    def check_compatible(self, tag_dir: Path) -> dict:
+        """The checkpoint's info; raises ResumeError when it was written by a job of another size."""
+        info = read_info(tag_dir)
+        if info is None:
+            raise ResumeError(f"{tag_dir}: incomplete checkpoint (no {INFO_FILE})")
+        if info.get("world_size", self.world_size) != self.world_size:
+            raise ResumeError(f"{tag_dir}: written by {info['world_size']} processes, this job has "
+                              f"{self.world_size}; fix: relaunch with {info['world_size']} processes (the "
+                              "data-stream positions are per rank)")
+        return info
+
+    def load_rank_state(self, tag_dir: Path) -> dict:
+        """This rank's data-stream position and RNG states."""
+        path = rank_state_path(tag_dir, self.rank)
+        if not path.is_file():
+            raise ResumeError(f"{path}: missing; the checkpoint holds no state for rank {self.rank}")
+        return torch.load(path, weights_only=False)
+
+
+def consolidated_state_dict(tag_dir: Path) -> dict:
+    """Plain fp32 state dict of a complete checkpoint (any ZeRO stage), logit_scale as saved ([1])."""
+    try:
+        from eval.model_loading import consolidate_deepspeed_checkpoint
+    except ImportError:
+        consolidate_deepspeed_checkpoint = _consolidate_with_deepspeed
+    state, _ = consolidate_deepspeed_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _consolidate_with_deepspeed(root: str, tag: str):
+    info = read_info(Path(root) / tag) or {}
+    if info.get("zero_stage", 1) == 0:  # zero_to_fp32 needs ZeRO partitions; stage 0 saves the module whole
+        module = torch.load(Path(root) / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+        return dict(module), info
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    return dict(get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)), info

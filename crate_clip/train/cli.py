@@ -1,0 +1,69 @@
+"""`crate-clip train --config X [--set a.b=v ...] [--resume latest|PATH]`: one entry for every launcher.
+
+Runs as it is in one process, or under `deepspeed`, `torchrun` or `accelerate launch` (they set RANK,
+WORLD_SIZE, MASTER_ADDR; the DeepSpeed launcher also passes --local_rank, accepted and ignored here).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_CONFIG, EXIT_NONFINITE, EXIT_RESUME = 2, 3, 4
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `crate-clip train` argument parser."""
+    p = argparse.ArgumentParser(prog="crate-clip train", description="Train a CRATE-alpha CLIP from a run config.")
+    p.add_argument("--config", required=True, help="run config YAML (see configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set stages.0.lr=1e-3 (repeatable)")
+    p.add_argument("--resume", default=None, metavar="latest|PATH",
+                   help="continue from the newest complete checkpoint of the run, or from a checkpoint folder")
+    p.add_argument("--validate", action="store_true", help="check the config and exit")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    """Run `crate-clip train`; returns the exit code."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from crate_clip.train.checkpoints import ResumeError
+    from crate_clip.train.run_config import ConfigError, load_run_config
+
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"crate-clip train: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.validate:
+        print(f"{args.config}: valid ({len(cfg.stages)} stages, "
+              f"{sum(s.samples for s in cfg.stages):,} samples)")
+        return 0
+    from crate_clip.train.stage_loop import NonFiniteLossError, run_training
+
+    try:
+        summary = run_training(cfg, resume=args.resume)
+    except ConfigError as exc:
+        print(f"crate-clip train: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except NonFiniteLossError as exc:
+        print(f"crate-clip train: {exc}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except ResumeError as exc:
+        print(f"crate-clip train: {exc}", file=sys.stderr)
+        return EXIT_RESUME
+    finally:
+        _close_process_group()
+    if summary.get("export_dir"):
+        print(f"done in {summary['seconds']:.0f} s; export: {summary['export_dir']}")
+    return 0
+
+
+def _close_process_group() -> None:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

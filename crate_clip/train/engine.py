@@ -1,0 +1,141 @@
+"""The one place that sets up training: process group, model, optimizer, schedule and deepspeed.initialize.
+
+The DeepSpeed JSON is derived from the run config (a ZeRO file from configs/deepspeed/ merged with the
+stage's batch, the precision and the gradient clip), so nothing about a run is configured twice.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import yaml
+
+from crate_clip.train.optim import build_optimizer, build_schedule
+from crate_clip.train.run_config import RunConfig, StageConfig
+
+# Sections of a DeepSpeed JSON that the run config owns; a ZeRO file may not set them.
+RUN_OWNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                  "gradient_clipping", "bf16", "fp16", "optimizer", "scheduler")
+
+
+@dataclass
+class DistInfo:
+    """This process's place in the job."""
+    rank: int
+    world_size: int
+    local_rank: int
+    device: str
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes the shared files (latest, results, plot, export)."""
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: int = 1800) -> DistInfo:
+    """Join the process group set up by deepspeed / torchrun / accelerate launch, or make a 1-process one."""
+    import deepspeed
+    import deepspeed.ops
+
+    if "RANK" not in os.environ:  # plain `crate-clip train`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        # Otherwise DeepSpeed compiles its shared-memory collective op with g++ (about a minute per run).
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False,
+                               timeout=timedelta(seconds=timeout_s))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    return DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_zero_file(path: str | None) -> dict:
+    """Read a DeepSpeed settings file (JSON or YAML) from configs/deepspeed/; {} when none is given."""
+    if not path:
+        return {}
+    text = Path(path).read_text()
+    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    clash = [k for k in RUN_OWNED_KEYS if k in (data or {})]
+    if clash:
+        raise ValueError(f"deepspeed.config {path}: keys {clash} are set by the run config (stages.N.global_batch, "
+                         "precision, optimizer.grad_clip); remove them from the DeepSpeed file")
+    return data or {}
+
+
+def zero_stage_of(cfg: RunConfig) -> int:
+    """The ZeRO stage: deepspeed.zero_stage, else the DeepSpeed file's, else 1."""
+    if cfg.deepspeed.zero_stage is not None:
+        return cfg.deepspeed.zero_stage
+    return int(load_zero_file(cfg.deepspeed.config).get("zero_optimization", {}).get("stage", 1))
+
+
+def deepspeed_config(cfg: RunConfig, stage: StageConfig, world_size: int) -> dict:
+    """The DeepSpeed JSON for one stage, derived from the run config."""
+    ds = load_zero_file(cfg.deepspeed.config)
+    ds = _deep_merge(ds, {
+        "train_batch_size": stage.global_batch,
+        "train_micro_batch_size_per_gpu": stage.global_batch // world_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.optimizer.grad_clip,
+        "zero_optimization": {"stage": zero_stage_of(cfg)},
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "fp16": {"enabled": cfg.precision == "fp16", "initial_scale_power": 16, "loss_scale_window": 500},
+        # we pass a torch AdamW: ZeRO wraps it (a DeepSpeed-named optimizer would compile a C++ op)
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10 ** 12,
+        "wall_clock_breakdown": False,
+    })
+    return _deep_merge(ds, cfg.deepspeed.overrides)
+
+
+def prepare_model_for_deepspeed(model: torch.nn.Module) -> torch.nn.Module:
+    """DeepSpeed (CPU) crashes on 0-dim parameters: store open_clip's logit_scale (and bias) as shape [1]."""
+    for name in ("logit_scale", "logit_bias"):
+        p = getattr(model, name, None)
+        if isinstance(p, torch.nn.Parameter) and p.ndim == 0:
+            setattr(model, name, torch.nn.Parameter(p.detach().reshape(1).clone(), requires_grad=p.requires_grad))
+    return model
+
+
+def build_engine(model: torch.nn.Module, cfg: RunConfig, stage: StageConfig, dist: DistInfo):
+    """Wrap `model` for one stage: AdamW groups, warm-up + cosine schedule, deepspeed.initialize -> engine."""
+    import deepspeed
+
+    prepare_model_for_deepspeed(model)
+    optimizer = build_optimizer(model, lr=stage.lr, weight_decay=stage.weight_decay,
+                                betas=cfg.optimizer.betas, eps=cfg.optimizer.eps)
+    schedule = build_schedule(optimizer, total_steps=stage.steps, warmup_steps=stage.warmup_steps,
+                              lr=stage.lr, min_lr=stage.min_lr)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                           config=deepspeed_config(cfg, stage, dist.world_size))
+    return engine
+
+
+def model_dtype(precision: str) -> torch.dtype:
+    """The dtype DeepSpeed keeps the working copy of the model in."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)

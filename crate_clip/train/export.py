@@ -1,0 +1,63 @@
+"""Export trained weights as an open_clip `local-dir:` model (safetensors + open_clip_config.json)."""
+from __future__ import annotations
+
+import json
+import os
+from copy import deepcopy
+from pathlib import Path
+
+import open_clip
+import torch
+from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+WEIGHTS_FILE = "open_clip_model.safetensors"
+CONFIG_FILE = "open_clip_config.json"
+
+
+def export_open_clip(state_dict: dict, model_name: str, out_dir: Path, *, image_size: int, context_length: int,
+                     mean=OPENAI_DATASET_MEAN, std=OPENAI_DATASET_STD) -> Path:
+    """Write fp32 weights and the config so `open_clip.create_model_and_transforms('local-dir:OUT')` rebuilds
+    the model (after `import crate_clip`, which registers the CRATE-alpha tower); returns OUT."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_cfg = deepcopy(open_clip.get_model_config(model_name))
+    if model_cfg is None:
+        raise ValueError(f"export: unknown open_clip model {model_name!r}")
+    model_cfg["vision_cfg"]["image_size"] = image_size
+    model_cfg["text_cfg"]["context_length"] = context_length
+    weights = {}
+    for key, value in state_dict.items():
+        value = value.detach().to("cpu")
+        value = value.float() if value.is_floating_point() else value
+        if key in ("logit_scale", "logit_bias"):
+            value = value.reshape(())  # DeepSpeed trained it as [1]; open_clip's CLIP holds a scalar
+        weights[key] = value.contiguous().clone()
+    preprocess_cfg = {"size": image_size, "mode": "RGB", "mean": list(mean), "std": list(std),
+                      "interpolation": "bicubic", "resize_mode": "shortest", "fill_color": 0}
+    # write both files under temporary names, then rename: a reader never sees half an export
+    tmp_weights = out_dir / f".{WEIGHTS_FILE}.tmp"
+    save_file(weights, str(tmp_weights), metadata={"model_name": model_name, "format": "pt"})
+    tmp_cfg = out_dir / f".{CONFIG_FILE}.tmp"
+    tmp_cfg.write_text(json.dumps({"model_name": model_name, "model_cfg": model_cfg,
+                                   "preprocess_cfg": preprocess_cfg}, indent=2))
+    os.replace(tmp_weights, out_dir / WEIGHTS_FILE)
+    os.replace(tmp_cfg, out_dir / CONFIG_FILE)
+    return out_dir
+
+
+def load_export(out_dir: Path, device: str = "cpu"):
+    """(model, preprocess, tokenizer) of an export, through open_clip's own `local-dir:` loader."""
+    import crate_clip  # noqa: F401  (registers the CRATE-alpha tower with timm)
+
+    spec = f"local-dir:{Path(out_dir).resolve()}"
+    model, _, preprocess = open_clip.create_model_and_transforms(spec, device=device)
+    return model.eval(), preprocess, open_clip.get_tokenizer(spec)
+
+
+def export_state_equal(model: torch.nn.Module, state_dict: dict) -> bool:
+    """True when `model` holds exactly `state_dict` (logit_scale compared by value, any shape)."""
+    own = model.state_dict()
+    return set(own) == set(state_dict) and all(
+        torch.equal(own[k].float().reshape(-1), state_dict[k].float().reshape(-1)) for k in own)

@@ -1,0 +1,164 @@
+"""Training metrics: a progress bar on rank 0, TensorBoard scalars, metrics.jsonl / results.jsonl, PNG plot."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+RESULTS_FILE = "results.jsonl"
+PLOT_FILE = "training_curve.png"
+
+
+class MetricsLog:
+    """Everything a run reports; only rank 0 writes, other ranks get a no-op log."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, progress: bool = True, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.use_progress = progress
+        self._bar = None
+        self._tb = None
+        if enabled:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    # ------------------------------------------------------------ console
+    def start_stage(self, stage_name: str, total_steps: int, done_steps: int, samples_per_step: int) -> None:
+        """Open the stage's progress bar (resumed stages start part-way)."""
+        self._samples_per_step = samples_per_step
+        self._t0, self._step0 = time.perf_counter(), done_steps
+        if self.enabled and self.use_progress:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, initial=done_steps, desc=stage_name, unit="step",
+                             dynamic_ncols=True, mininterval=1.0)
+
+    def samples_per_second(self, step: int) -> float:
+        """Throughput of this process's job since the stage (or resume) started."""
+        elapsed = time.perf_counter() - self._t0
+        return (step - self._step0) * self._samples_per_step / elapsed if elapsed > 0 else 0.0
+
+    def advance(self, loss: float | None, lr: float, step: int) -> None:
+        """One step done: move the bar, show samples/s, loss and LR (tqdm shows the ETA)."""
+        if self._bar is not None:
+            self._bar.update(1)
+            post = {"samples/s": f"{self.samples_per_second(step):.0f}", "lr": f"{lr:.2e}"}
+            if loss is not None:
+                post["loss"] = f"{loss:.4f}"
+            self._bar.set_postfix(post, refresh=False)
+
+    def end_stage(self) -> None:
+        """Close the stage's progress bar."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def print(self, text: str) -> None:
+        """A console line from rank 0 (kept clear of the progress bar)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    # ------------------------------------------------------------ files
+    def log_step(self, record: dict) -> None:
+        """Append one training record to metrics.jsonl and its numbers to TensorBoard."""
+        if not self.enabled:
+            return
+        with open(self.run_dir / METRICS_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            x = record["samples_seen"]
+            for key in ("loss", "lr", "logit_scale", "samples_per_s", "nonfinite_skipped"):
+                if record.get(key) is not None:
+                    self._tb.add_scalar(f"train/{key}", record[key], x)
+            for key, value in (record.get("data_skips") or {}).items():
+                self._tb.add_scalar(f"data_skips/{key}", value, x)
+
+    def log_eval(self, record: dict) -> None:
+        """Append one evaluation result to results.jsonl, TensorBoard and the console."""
+        if not self.enabled:
+            return
+        with open(self.run_dir / RESULTS_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        tag = f"eval/{record['eval']}@{record['image_size']}px"
+        for key in ("top1", "top5", "mean_per_class"):
+            if record.get(key) is not None and self._tb is not None:
+                self._tb.add_scalar(f"{tag}/{key}", record[key], record["samples_seen"])
+        if self._tb is not None:
+            self._tb.flush()
+        top5 = f", top-5 {100 * record['top5']:.2f}%" if record.get("top5") is not None else ""
+        self.print(f"[eval] stage {record['stage_index']} ({record['stage_name']}) {record['eval']} at "
+                   f"{record['image_size']} px: zero-shot top-1 {100 * record['top1']:.2f}%{top5} "
+                   f"on {record.get('n_images', '?')} images")
+
+    def close(self) -> None:
+        """Flush TensorBoard."""
+        self.end_stage()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of a JSONL file ([] if missing; a torn last line from a killed run is ignored)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def latest_per_step(records: list[dict]) -> list[dict]:
+    """One record per (stage, step), the last written (a resumed run re-logs steps after its checkpoint)."""
+    by_key = {}
+    for r in records:
+        by_key[(r["stage_index"], r["step"])] = r
+    return [by_key[k] for k in sorted(by_key)]
+
+
+def write_plot(run_dir: Path) -> Path | None:
+    """PNG of the loss against samples seen, each stage's zero-shot top-1 marked at its end."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    steps = latest_per_step([r for r in read_jsonl(run_dir / METRICS_FILE) if r.get("loss") is not None])
+    results = read_jsonl(run_dir / RESULTS_FILE)
+    if not steps:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    ax.plot([r["samples_seen"] for r in steps], [r["loss"] for r in steps], lw=1, color="tab:blue")
+    ax.set_xlabel("samples seen")
+    ax.set_ylabel("contrastive loss", color="tab:blue")
+    ends = {}
+    for r in steps:
+        ends[r["stage_index"]] = (r["samples_seen"], r.get("stage_name", ""))
+    for _, (x, name) in sorted(ends.items()):
+        ax.axvline(x, color="grey", lw=0.6, ls=":")
+    if results:
+        ax2 = ax.twinx()
+        ax2.set_ylabel("zero-shot top-1 (%)", color="tab:red")
+        for size in sorted({r["image_size"] for r in results}):
+            pts = [(r["samples_seen"], 100 * r["top1"]) for r in results if r["image_size"] == size]
+            ax2.plot(*zip(*pts), "o--", ms=6, label=f"top-1 @ {size} px")
+            for x, y in pts:
+                ax2.annotate(f"{y:.1f}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax2.set_ylim(0, 100)
+        ax2.legend(loc="center right", fontsize=8)
+    ax.set_title(run_dir.name)
+    fig.tight_layout()
+    out = run_dir / PLOT_FILE
+    fig.savefig(out)
+    plt.close(fig)
+    return out

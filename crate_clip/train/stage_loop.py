@@ -1,0 +1,331 @@
+"""The training run, top to bottom: stages in order, each with a fresh engine; checkpoints, eval, export.
+
+    for each stage:   model (new, or the previous stage's weights with position embeddings resized)
+                      -> engine (fresh AdamW + warm-up/cosine, deepspeed.initialize)
+                      -> steps (image mask in the tower, ClipLoss with local loss + gathered features)
+                      -> checkpoint every N steps and at the end -> zero-shot eval on all ranks
+    export the last stage's consolidated weights for open_clip, plot the curve.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+import yaml
+
+from crate_clip.models import create_clip, load_clip_weights, set_image_token_mask
+from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, consolidated_state_dict, read_info,
+                                          rng_state, set_rng_state)
+from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
+from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl, write_plot
+from crate_clip.train.run_config import RunConfig, StageConfig, check_runtime
+
+MAX_LOGIT_SCALE = 100.0  # CLIP's cap on exp(logit_scale)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many non-finite losses in a row; the message names the step and the checkpoint to go back to."""
+
+
+@dataclass
+class Progress:
+    """Where the run is; saved in every checkpoint (crate_clip.json)."""
+    stage_index: int = 0
+    step: int = 0                  # optimizer steps done in this stage (skipped non-finite steps included)
+    global_step: int = 0
+    samples_seen: int = 0
+    nonfinite_skipped: int = 0
+    nonfinite_in_a_row: int = 0
+
+
+# ---------------------------------------------------------------- one step
+def forward_loss(engine, loss_fn, images: torch.Tensor, tokens: torch.Tensor):
+    """Contrastive loss of one batch; the logit scale is clamped here, out of place, so the clamp acts
+    on what the fp32 master weights produce (an in-place clamp of the parameter would not reach them)."""
+    out = engine(image=images, text=tokens)
+    if isinstance(out, dict):
+        image_f, text_f, scale = out["image_features"], out["text_features"], out["logit_scale"]
+    else:
+        image_f, text_f, scale = out[:3]
+    scale = scale.float().clamp(max=MAX_LOGIT_SCALE).reshape(())
+    return loss_fn(image_f.float(), text_f.float(), scale), scale.detach()
+
+
+def attention_kernel(name: str, device: str):
+    """Context choosing scaled_dot_product_attention's kernel for the forward (the backward follows it)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name == "auto":
+        name = "math" if device == "cpu" else "default"
+    if name == "default":
+        return contextlib.nullcontext()
+    backend = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+    return sdpa_kernel(backend)
+
+
+def train_step(engine, loss_fn, images, tokens, dist: DistInfo, dtype,
+               attention: str = "auto") -> tuple[Optional[float], float]:
+    """One optimizer step on all ranks; returns (mean loss, logit scale), loss None when the step was
+    skipped because some rank's loss was NaN or infinite (every rank skips, so collectives stay matched)."""
+    images = images.to(dist.device, dtype=dtype, non_blocking=True)
+    tokens = tokens.to(dist.device, non_blocking=True)
+    with attention_kernel(attention, dist.device.split(":")[0]):
+        loss, scale = forward_loss(engine, loss_fn, images, tokens)
+    finite = bool(torch.isfinite(loss.detach()).item())
+    flags = torch.tensor([loss.detach().float().item() if finite else 0.0, 0.0 if finite else 1.0])
+    tdist.all_reduce(flags)
+    if flags[1].item() > 0:
+        # no backward / step: the weights and the optimizer state stay as they were; the schedule moves on
+        # so the stage still ends after its planned samples
+        engine.lr_scheduler.step()
+        return None, float(scale)
+    engine.backward(loss)
+    engine.step()
+    return flags[0].item() / dist.world_size, float(scale)
+
+
+# ---------------------------------------------------------------- building blocks
+def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict]) -> torch.nn.Module:
+    """The model at the stage's image size / context length: from carried weights (position embeddings
+    resized 2-D for the image grid, 1-D for the text), or fresh (plus model.pretrained) for the first."""
+    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
+    pretrained = cfg.model.pretrained if weights is None else None
+    model = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length,
+                        pretrained=pretrained)
+    if weights is not None:
+        load_clip_weights(model, weights, strict=True)
+    set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
+    if cfg.model.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    return model
+
+
+def default_stream_factory(cfg: RunConfig, stage: StageConfig, stage_index: int, dist: DistInfo):
+    """The stage's webdataset stream (data_pipelines), each rank reading its own shards."""
+    from data_pipelines.train_stream import StreamConfig, build_train_stream
+
+    stream_cfg = StreamConfig(
+        sources=list(cfg.data.sources), weights=cfg.data.weights, mode=cfg.data.mode,
+        seed=cfg.run.seed + 1009 * stage_index,  # each stage sees the data in a new order
+        shuffle_buffer=cfg.data.shuffle_buffer, num_workers=cfg.data.num_workers,
+        num_samples=cfg.data.num_samples, crop_scale=tuple(cfg.data.crop_scale))
+    return build_train_stream(stream_cfg, image_size=stage.image_size, context_length=stage.context_length,
+                              text_mask=stage.text_mask, batch_size=stage.global_batch // dist.world_size,
+                              rank=dist.rank, world_size=dist.world_size,
+                              tokenizer_name=cfg.model.tokenizer or cfg.model.name)
+
+
+def _make_loss(dist: DistInfo):
+    from open_clip import ClipLoss
+    # local loss + gathered features (with grad): each rank's logits are (B_local x B_global), the only
+    # setting whose memory does not grow with the square of the global batch
+    return ClipLoss(local_loss=True, gather_with_grad=True, cache_labels=True,
+                    rank=dist.rank, world_size=dist.world_size)
+
+
+def _summed_skips(stream, dist: DistInfo) -> dict:
+    """The data stream's bad-sample counters, summed over ranks."""
+    local = stream.skip_counts() if hasattr(stream, "skip_counts") else {}
+    gathered = [None] * dist.world_size
+    tdist.all_gather_object(gathered, dict(local))
+    total: dict = {}
+    for d in gathered:
+        for k, v in (d or {}).items():
+            total[k] = total.get(k, 0) + int(v)
+    return total
+
+
+# ---------------------------------------------------------------- evaluation
+def evaluate_after_stage(cfg: RunConfig, stage_index: int, weights: dict, progress: Progress,
+                         log: MetricsLog, dist: DistInfo) -> list[dict]:
+    """Zero-shot evaluation of the stage's consolidated weights on all ranks (images split across them),
+    at the stage's resolution and, after a low-resolution stage, also at the full resolution."""
+    if not (cfg.eval.after_each_stage and cfg.eval.evals):
+        return []
+    from eval.stage_hook import evaluate_stage
+
+    stage = cfg.stages[stage_index]
+    sizes = [stage.image_size] + ([cfg.full_image_size] if cfg.full_image_size != stage.image_size else [])
+    records = []
+    for size in sizes:
+        model = create_clip(cfg.model.name, image_size=size, context_length=stage.context_length)
+        load_clip_weights(model, weights, strict=True)
+        model.to(dist.device).eval()
+        results = evaluate_stage(model, model_name=cfg.model.name, evals=[dataclasses.asdict(e) for e in cfg.eval.evals],
+                                 image_size=size, device=dist.device, precision="fp32",
+                                 cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main)
+        for name, res in results.items():
+            record = {"stage_index": stage_index, "stage_name": stage.name, "eval": name, "image_size": size,
+                      "stage_image_size": stage.image_size, "context_length": stage.context_length,
+                      "samples_seen": progress.samples_seen, "global_step": progress.global_step,
+                      **{k: v for k, v in res.items() if isinstance(v, (int, float, str, list)) or v is None}}
+            records.append(record)
+            log.log_eval(record)
+        del model
+    return records
+
+
+def _stage_evaluated(run_dir: Path, stage_index: int) -> bool:
+    return any(r.get("stage_index") == stage_index for r in read_jsonl(run_dir / RESULTS_FILE))
+
+
+# ---------------------------------------------------------------- checkpoints
+def _info(cfg: RunConfig, stage: StageConfig, progress: Progress) -> dict:
+    return {"model_name": cfg.model.name, "image_size": stage.image_size, "context_length": stage.context_length,
+            "zero_stage": zero_stage_of(cfg), "stage_index": progress.stage_index, "stage_name": stage.name,
+            "step": progress.step, "stage_steps": stage.steps, "global_step": progress.global_step,
+            "samples_seen": progress.samples_seen, "nonfinite_skipped": progress.nonfinite_skipped,
+            "nonfinite_in_a_row": progress.nonfinite_in_a_row, "logit_scale_shape": [1],
+            "precision": cfg.precision, "run_config": cfg.to_dict()}
+
+
+def _save(ckpts: CheckpointManager, engine, cfg: RunConfig, stage: StageConfig, progress: Progress, stream) -> Path:
+    rank_state = {"stream": stream.state_dict() if hasattr(stream, "state_dict") else None, "rng": rng_state(),
+                  "progress": dataclasses.asdict(progress)}
+    return ckpts.save(engine, checkpoint_tag(progress.stage_index, progress.step),
+                      _info(cfg, stage, progress), rank_state)
+
+
+# ---------------------------------------------------------------- one stage
+def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Progress,
+                ckpts: CheckpointManager, log: MetricsLog, dist: DistInfo) -> Path:
+    """Run the stage's remaining steps; returns the folder of its final checkpoint."""
+    loss_fn = _make_loss(dist)
+    dtype = model_dtype(cfg.precision)
+    engine.train()
+    batches = iter(stream)
+    log.start_stage(f"stage {progress.stage_index} {stage.name} @{stage.image_size}px", stage.steps,
+                    progress.step, stage.global_batch)
+    every_log, every_ckpt = cfg.logging.every_steps, cfg.checkpoint.every_steps
+    while progress.step < stage.steps:
+        try:
+            images, tokens = next(batches)
+        except StopIteration:  # epoch mode: the next pass over the shards
+            batches = iter(stream)
+            images, tokens = next(batches)
+        lr = engine.get_lr()[0]
+        loss, scale = train_step(engine, loss_fn, images, tokens, dist, dtype, cfg.model.attention)
+        progress.step += 1
+        progress.global_step += 1
+        progress.samples_seen += stage.global_batch
+        if loss is None:
+            progress.nonfinite_skipped += 1
+            progress.nonfinite_in_a_row += 1
+            log.print(f"[warn] stage {progress.stage_index} step {progress.step}: non-finite loss, step skipped "
+                      f"({progress.nonfinite_in_a_row} in a row, {progress.nonfinite_skipped} in total)")
+        else:
+            progress.nonfinite_in_a_row = 0
+        log.advance(loss, lr, progress.step)
+        last = progress.step == stage.steps
+        if progress.step % every_log == 0 or last or loss is None:
+            log.log_step({"stage_index": progress.stage_index, "stage_name": stage.name, "step": progress.step,
+                          "global_step": progress.global_step, "samples_seen": progress.samples_seen,
+                          "image_size": stage.image_size, "loss": loss, "lr": lr, "logit_scale": scale,
+                          "samples_per_s": log.samples_per_second(progress.step),
+                          "nonfinite_skipped": progress.nonfinite_skipped,
+                          "data_skips": _summed_skips(stream, dist), "time": time.time()})
+        if progress.nonfinite_in_a_row >= cfg.run.max_nonfinite_in_a_row:
+            # the skipped steps left the weights untouched: this checkpoint holds the last good state
+            tag_dir = _save(ckpts, engine, cfg, stage, progress, stream)
+            log.end_stage()
+            raise NonFiniteLossError(
+                f"stopped: {progress.nonfinite_in_a_row} non-finite losses in a row (run.max_nonfinite_in_a_row="
+                f"{cfg.run.max_nonfinite_in_a_row}) at stage {progress.stage_index} ({stage.name}) step "
+                f"{progress.step}, {progress.samples_seen} samples seen. The weights of the last good step are "
+                f"saved in {tag_dir}. Fix: lower stages.{progress.stage_index}.lr or raise its warmup_steps, use "
+                f"precision: bf16/fp32 instead of fp16, or check the data; then resume with --resume latest.")
+        if every_ckpt and progress.step % every_ckpt == 0 and not last:
+            _save(ckpts, engine, cfg, stage, progress, stream)
+    tag_dir = _save(ckpts, engine, cfg, stage, progress, stream)
+    log.end_stage()
+    return tag_dir
+
+
+# ---------------------------------------------------------------- the run
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+def _write_run_config(cfg: RunConfig) -> None:
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "run_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def run_training(cfg: RunConfig, resume: Optional[str] = None,
+                 stream_factory: Optional[Callable] = None, dist: Optional[DistInfo] = None) -> dict:
+    """Train all stages of `cfg` (resuming from `resume`: 'latest' or a checkpoint path); returns a summary."""
+    from crate_clip.train.export import export_open_clip
+
+    dist = dist or init_distributed()
+    check_runtime(cfg, dist.world_size, "cuda" if dist.device.startswith("cuda") else "cpu")
+    stream_factory = stream_factory or default_stream_factory
+    if dist.is_main:
+        _write_run_config(cfg)
+    log = MetricsLog(cfg.run_dir, enabled=dist.is_main, progress=cfg.logging.progress,
+                     tensorboard=cfg.logging.tensorboard)
+    ckpts = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
+    start_dir = ckpts.resolve(resume) if resume else None
+    start = ckpts.check_compatible(start_dir) if start_dir else None
+    progress, weights, evals, tag_dir = Progress(), None, [], start_dir
+    t_start = time.time()
+    try:
+        if start is not None:
+            progress = Progress(**{k: start[k] for k in dataclasses.asdict(Progress()) if k in start})
+            log.print(f"resuming from {start_dir} (stage {progress.stage_index}, step {progress.step}, "
+                      f"{progress.samples_seen} samples seen)")
+        for i, stage in enumerate(cfg.stages):
+            if start is not None and i < start["stage_index"]:
+                continue
+            if start is not None and i == start["stage_index"] and start["step"] >= stage.steps:
+                # the stage had finished before the interruption: evaluate it if that was cut short too
+                weights = consolidated_state_dict(start_dir)
+                if not _stage_evaluated(cfg.run_dir, i):
+                    evals += evaluate_after_stage(cfg, i, weights, progress, log, dist)
+                start = None
+                continue
+            resuming_here = start is not None and i == start["stage_index"]
+            model = build_stage_model(cfg, stage, weights)
+            engine = build_engine(model, cfg, stage, dist)
+            _seed_everything(cfg.run.seed * 7919 + 104729 * i + dist.rank)  # token masks differ per rank
+            stream = stream_factory(cfg, stage, i, dist)
+            if resuming_here:
+                _, rank_state = ckpts.load(engine, start_dir)
+                if rank_state.get("stream") is not None:
+                    stream.load_state_dict(rank_state["stream"])
+                set_rng_state(rank_state["rng"])
+                start = None
+            else:
+                progress.stage_index, progress.step, progress.nonfinite_in_a_row = i, 0, 0
+            tag_dir = train_stage(cfg, stage, engine, stream, progress, ckpts, log, dist)
+            engine.destroy()
+            del engine, model, stream
+            weights = consolidated_state_dict(tag_dir)
+            evals += evaluate_after_stage(cfg, i, weights, progress, log, dist)
+        export_dir = None
+        if dist.is_main:
+            last = cfg.stages[-1]
+            export_dir = export_open_clip(weights, cfg.model.name, cfg.run_dir / "export",
+                                          image_size=last.image_size, context_length=last.context_length)
+            log.print(f"exported the final weights to {export_dir} "
+                      f"(open_clip.create_model_and_transforms('local-dir:{export_dir}') after `import crate_clip`)")
+        tdist.barrier()
+        return {"run_dir": str(cfg.run_dir), "export_dir": str(export_dir) if export_dir else None,
+                "evals": evals, "progress": dataclasses.asdict(progress), "last_checkpoint": str(tag_dir),
+                "seconds": time.time() - t_start}
+    finally:
+        log.close()
+        if dist.is_main and cfg.logging.plot:
+            plot = write_plot(cfg.run_dir)
+            if plot:
+                log.print(f"wrote {plot}")

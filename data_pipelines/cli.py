@@ -1,0 +1,147 @@
+"""`crate-clip shards ...`: write DataComp-layout shards from local data, eval sets, and inspect a stream."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_writer_args(p: argparse.ArgumentParser, default_max_side: int | None = 512) -> None:
+    """Options shared by every shard-writing command."""
+    p.add_argument("--out", required=True, help="output folder for {shard:08d}.tar + _stats.json")
+    p.add_argument("--samples-per-shard", type=int, default=10_000)
+    p.add_argument("--max-side", type=int, default=default_max_side,
+                   help="shrink images whose longer side exceeds this (DataComp: 512; 0 keeps sizes)")
+    p.add_argument("--parquet", action="store_true", help="also write {shard:08d}.parquet (needs pyarrow)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Argument parser of `crate-clip shards`."""
+    parser = argparse.ArgumentParser(prog="crate-clip shards", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("fashion-mnist", help="Fashion-MNIST idx files -> captioned shards")
+    _add_writer_args(p, default_max_side=None)
+    p.add_argument("--split", default="train", choices=("train", "test"))
+    p.add_argument("--source-dir", default=None, help="folder of the idx .gz files (default: auto-found)")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--upscale", type=int, default=None, help="resize the 28 px images to this size")
+
+    p = sub.add_parser("folder", help="ImageFolder tree <root>/<class>/<image> -> shards captioned by class")
+    p.add_argument("root")
+    _add_writer_args(p)
+
+    p = sub.add_parser("table", help="CSV/TSV/parquet table of image path + caption -> shards")
+    p.add_argument("table")
+    p.add_argument("--image-col", default="image")
+    p.add_argument("--caption-col", default="caption")
+    p.add_argument("--root", default=None, help="folder that relative image paths are relative to")
+    _add_writer_args(p)
+
+    p = sub.add_parser("emoji", help="Noto Color Emoji renderings captioned with their Unicode names")
+    _add_writer_args(p)
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--size", type=int, default=136, help="canvas size in px")
+
+    p = sub.add_parser("eval-folder", help="Fashion-MNIST split as an ImageNet-val-style ImageFolder")
+    p.add_argument("--out", required=True)
+    p.add_argument("--split", default="test", choices=("train", "test"))
+    p.add_argument("--source-dir", default=None)
+    p.add_argument("--limit", type=int, default=None)
+
+    p = sub.add_parser("eval-shards", help="Fashion-MNIST split as classification shards (.jpg + .cls)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--split", default="test", choices=("train", "test"))
+    p.add_argument("--source-dir", default=None)
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--samples-per-shard", type=int, default=10_000)
+
+    p = sub.add_parser("inspect", help="stream a few batches from shards and print sizes, skips, POS source")
+    p.add_argument("sources", nargs="+", help="brace patterns, folders, globs, pipe: commands")
+    p.add_argument("--batches", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--image-size", type=int, default=84)
+    p.add_argument("--context-length", type=int, default=8)
+    p.add_argument("--text-mask", default="syntax", choices=("truncate", "random", "block", "syntax"))
+    p.add_argument("--mode", default="resampled", choices=("resampled", "epoch"))
+    p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--num-samples", type=int, default=None)
+    return parser
+
+
+def _write(args, samples, total=None, description="writing shards") -> dict:
+    """Run write_shards with the common options."""
+    from .shard_writer import write_shards
+
+    return write_shards(samples, args.out, args.samples_per_shard, max_side=args.max_side or None,
+                        write_parquet=args.parquet, progress=not args.no_progress, total=total,
+                        description=description)
+
+
+def _inspect(args) -> dict:
+    """Stream a few batches and summarise them."""
+    from .text_reduction import load_tokenizer
+    from .train_stream import StreamConfig, build_train_stream
+
+    cfg = StreamConfig(sources=args.sources, mode=args.mode, num_workers=args.num_workers,
+                       num_samples=args.num_samples)
+    stream = build_train_stream(cfg, image_size=args.image_size, context_length=args.context_length,
+                                text_mask=args.text_mask, batch_size=args.batch_size)
+    tok = load_tokenizer()
+    shapes, captions = [], []
+    for i, (images, tokens) in enumerate(stream):
+        shapes.append([list(images.shape), list(tokens.shape)])
+        captions += [tok.decode([t for t in row.tolist() if t not in (0, tok.sot_token_id, tok.eot_token_id)]).strip()
+                     for row in tokens[:3]]
+        if i + 1 >= args.batches:
+            break
+    return {"num_samples": stream.num_samples, "pos_source": stream.pos_source, "batches": shapes,
+            "example_texts": captions, "skip_counts": stream.skip_counts()}
+
+
+def main(argv=None) -> int:
+    """Entry point of `crate-clip shards`; returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "fashion-mnist":
+            from .sources.fashion_mnist import write_fashion_mnist_shards
+
+            result = write_fashion_mnist_shards(args.out, args.split, args.samples_per_shard, args.source_dir,
+                                                args.limit, progress=not args.no_progress, upscale=args.upscale)
+        elif args.command == "folder":
+            from .sources.image_folder import image_folder_samples
+
+            result = _write(args, image_folder_samples(args.root), description=f"folder {args.root}")
+        elif args.command == "table":
+            from .sources.table import table_samples
+
+            result = _write(args, table_samples(args.table, args.image_col, args.caption_col, args.root),
+                            description=f"table {args.table}")
+        elif args.command == "emoji":
+            from .sources.emoji import emoji_samples
+
+            result = _write(args, emoji_samples(args.limit, args.size), description="emoji")
+        elif args.command == "eval-folder":
+            from .sources.fashion_mnist import write_fashion_mnist_eval_folder
+
+            result = {"out_dir": str(write_fashion_mnist_eval_folder(args.out, args.split, args.source_dir, args.limit))}
+        elif args.command == "eval-shards":
+            from .sources.fashion_mnist import write_fashion_mnist_classification_shards
+
+            result = write_fashion_mnist_classification_shards(args.out, args.split, args.samples_per_shard,
+                                                               args.source_dir, args.limit)
+        else:
+            result = _inspect(args)
+    except (FileNotFoundError, KeyError, ValueError) as exn:
+        print(f"crate-clip shards {args.command}: error: {exn}", file=sys.stderr)
+        return 2
+    summary = {k: v for k, v in result.items() if k != "shards"}
+    if "shards" in result:
+        summary["num_shards"] = len(result["shards"])
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

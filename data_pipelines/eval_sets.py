@@ -1,0 +1,91 @@
+"""Evaluation sets: classification shards (`.jpg` + `.cls`) and ImageNet-val-style ImageFolders."""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Iterable
+
+from PIL import Image
+from webdataset import TarWriter
+
+from .shard_writer import _atomic_write_text, encode_jpeg, sample_key
+
+
+def _class_dir_names(classnames) -> list[str]:
+    """Folder names that sort in label order: '<index, zero-padded>_<name without slashes>'."""
+    width = len(str(len(classnames) - 1))
+    return [f"{i:0{width}d}_{name.replace('/', '-').replace(' ', '_')}" for i, name in enumerate(classnames)]
+
+
+def write_classnames(out_dir: str | Path, classnames) -> Path:
+    """classnames.txt: one class name per line, in label order."""
+    path = Path(out_dir) / "classnames.txt"
+    _atomic_write_text(path, "".join(f"{c}\n" for c in classnames))
+    return path
+
+
+def write_image_folder(labelled: Iterable[tuple], out_dir: str | Path, classnames) -> Path:
+    """(image, label) pairs as `<root>/<classdir>/<n>.png` (sorted class dirs == label order) + classnames.txt.
+
+    Written into a temporary folder and renamed, so an interrupted run leaves no half folder; an existing
+    complete folder (classnames.txt present) is kept as is.
+    """
+    root = Path(out_dir)
+    if (root / "classnames.txt").is_file():
+        return root
+    tmp = root.with_name(f".{root.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dirs = _class_dir_names(classnames)
+    for d in dirs:
+        (tmp / d).mkdir(parents=True)
+    for i, (img, label) in enumerate(labelled):
+        if not 0 <= label < len(classnames):
+            raise ValueError(f"label {label} of image {i} is outside the {len(classnames)} classes")
+        img = img if isinstance(img, Image.Image) else Image.open(io.BytesIO(img))
+        img.save(tmp / dirs[label] / f"{i:06d}.png")
+    write_classnames(tmp, classnames)
+    if root.exists():
+        shutil.rmtree(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, root)
+    return root
+
+
+def write_classification_shards(labelled: Iterable[tuple], out_dir: str | Path, classnames,
+                                samples_per_shard: int = 10_000, max_side: int | None = None) -> dict:
+    """(image, label) pairs as tars of `<key>.jpg` + `<key>.cls` (ascii int) with classnames.txt beside them."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards, count, shard, index = [], 0, 0, 0
+    sink = f = tmp = None
+
+    def close():
+        sink.close()
+        f.close()
+        final = out / f"{shard:08d}.tar"
+        os.replace(tmp, final)
+        shards.append(str(final))
+
+    for img, label in labelled:
+        if sink is None:
+            tmp = out / f".{shard:08d}.tar.tmp{os.getpid()}"
+            f = open(tmp, "wb")
+            sink = TarWriter(f, mtime=int(time.time()))
+        img = img if isinstance(img, Image.Image) else Image.open(io.BytesIO(img))
+        jpg, _, _ = encode_jpeg(img, max_side=max_side)
+        sink.write({"__key__": sample_key(shard, index, samples_per_shard), "jpg": jpg, "cls": int(label)})
+        count += 1
+        index += 1
+        if index == samples_per_shard:
+            close()
+            sink, shard, index = None, shard + 1, 0
+    if sink is not None:
+        close()
+    write_classnames(out, classnames)
+    pattern = (str(out / f"{{00000000..{len(shards) - 1:08d}}}.tar") if len(shards) > 1
+               else (shards[0] if shards else ""))
+    return {"out_dir": str(out), "shards": shards, "samples": count, "pattern": pattern,
+            "classnames": str(out / "classnames.txt")}

@@ -1,0 +1,1 @@
+"""Local data sources that become DataComp-layout shards: Fashion-MNIST, ImageFolder, tables, emoji."""

@@ -1,0 +1,126 @@
+"""Fashion-MNIST from its idx files (Debian's dataset-fashion-mnist) as captioned samples and eval sets."""
+from __future__ import annotations
+
+import gzip
+import random
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from PIL import Image
+
+SEARCH_DIRS = ("/usr/share/datasets/fashion-mnist", "~/.cache/fashion-mnist", "data/fashion-mnist")
+SPLIT_PREFIX = {"train": "train", "test": "t10k"}
+# Label order of the data set; names written so that a prompt "a photo of a {name}" reads naturally.
+CLASSNAMES = ("t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
+              "ankle boot")
+# Caption wording varies per sample (synonyms and templates) so the text tower sees real language.
+SYNONYMS = {
+    "t-shirt": ("t-shirt", "tee", "top", "t-shirt top"), "trouser": ("trouser", "pair of trousers", "pair of pants"),
+    "pullover": ("pullover", "sweater", "jumper"), "dress": ("dress", "gown", "frock"),
+    "coat": ("coat", "jacket", "overcoat"), "sandal": ("sandal", "open shoe", "summer sandal"),
+    "shirt": ("shirt", "button-up shirt", "blouse"), "sneaker": ("sneaker", "trainer", "running shoe"),
+    "bag": ("bag", "handbag", "purse"), "ankle boot": ("ankle boot", "boot", "short boot"),
+}
+TEMPLATES = ("a photo of a {}.", "a grayscale photo of a {}.", "a product photo of the {}.",
+             "a small picture of a {}.", "a {} on a black background.", "a low resolution photo of a {}.",
+             "a centered image of a {}.", "a {}, seen from the front.", "an item of clothing: a {}.",
+             "a black and white photo of the {}.")
+
+
+def find_fashion_mnist(source_dir: str | Path | None = None) -> Path:
+    """Folder holding the Fashion-MNIST idx .gz files (explicit, else the usual install places)."""
+    candidates = [Path(source_dir)] if source_dir else [Path(d).expanduser() for d in SEARCH_DIRS]
+    for d in candidates:
+        if (d / "t10k-images-idx3-ubyte.gz").is_file() or (d / "t10k-images-idx3-ubyte").is_file():
+            return d
+    raise FileNotFoundError(f"Fashion-MNIST idx files not found in {', '.join(map(str, candidates))}; install "
+                            "Debian's dataset-fashion-mnist or pass source_dir")
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """An idx array (ubyte images or labels), gzipped or plain."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if data[:2] != b"\0\0" or data[2] != 8:
+        raise ValueError(f"{path} is not an unsigned-byte idx file")
+    ndim = data[3]
+    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def load_fashion_mnist(split: str = "train", source_dir=None) -> tuple[np.ndarray, np.ndarray]:
+    """(images uint8 (N, 28, 28), labels uint8 (N,)) of a split."""
+    if split not in SPLIT_PREFIX:
+        raise ValueError(f"split {split!r} is not one of {tuple(SPLIT_PREFIX)}")
+    d = find_fashion_mnist(source_dir)
+    prefix = SPLIT_PREFIX[split]
+
+    def pick(name):
+        gz = d / f"{name}.gz"
+        return gz if gz.is_file() else d / name
+
+    images = _read_idx(pick(f"{prefix}-images-idx3-ubyte"))
+    labels = _read_idx(pick(f"{prefix}-labels-idx1-ubyte"))
+    if len(images) != len(labels):
+        raise ValueError(f"{d}: {len(images)} images but {len(labels)} labels in split {split}")
+    return images, labels
+
+
+def fashion_mnist_caption(label: int, rng: random.Random) -> str:
+    """A varied caption for a Fashion-MNIST class."""
+    name = rng.choice(SYNONYMS[CLASSNAMES[label]])
+    return rng.choice(TEMPLATES).format(name)
+
+
+def fashion_mnist_samples(split: str = "train", source_dir=None, limit: int | None = None,
+                          seed: int = 0, upscale: int | None = None) -> Iterator[dict]:
+    """Captioned samples of a split for write_shards (deterministic captions for a seed)."""
+    images, labels = load_fashion_mnist(split, source_dir)
+    n = len(images) if limit is None else min(limit, len(images))
+    rng = random.Random(f"fashion-mnist-{split}-{seed}")
+    for i in range(n):
+        img = Image.fromarray(images[i], mode="L")
+        if upscale:
+            img = img.resize((upscale, upscale), Image.BICUBIC)
+        yield {"image": img, "caption": fashion_mnist_caption(int(labels[i]), rng),
+               "uid": f"fashion-mnist/{split}/{i}", "url": f"fashion-mnist://{split}/{i}",
+               "extra": {"label": int(labels[i]), "classname": CLASSNAMES[int(labels[i])]}}
+
+
+def write_fashion_mnist_shards(out_dir, split: str = "train", samples_per_shard: int = 10_000,
+                               source_dir=None, limit: int | None = None, progress: bool = False,
+                               upscale: int | None = None, seed: int = 0) -> dict:
+    """Fashion-MNIST image-caption pairs as DataComp-layout shards (see shard_writer.write_shards)."""
+    from ..shard_writer import write_shards
+
+    images, _ = load_fashion_mnist(split, source_dir)
+    total = len(images) if limit is None else min(limit, len(images))
+    return write_shards(fashion_mnist_samples(split, source_dir, limit, seed, upscale), out_dir,
+                        samples_per_shard, max_side=None, progress=progress, total=total,
+                        description=f"fashion-mnist {split}")
+
+
+def fashion_mnist_labelled(split: str = "test", source_dir=None, limit: int | None = None) -> Iterator[tuple]:
+    """(PIL image, label) pairs of a split."""
+    images, labels = load_fashion_mnist(split, source_dir)
+    n = len(images) if limit is None else min(limit, len(images))
+    for i in range(n):
+        yield Image.fromarray(images[i], mode="L"), int(labels[i])
+
+
+def write_fashion_mnist_eval_folder(out_dir, split: str = "test", source_dir=None, limit: int | None = None) -> Path:
+    """The split as an ImageNet-val-style ImageFolder (`<root>/<NN_class>/<i>.png`) with classnames.txt."""
+    from ..eval_sets import write_image_folder
+
+    return write_image_folder(fashion_mnist_labelled(split, source_dir, limit), out_dir, CLASSNAMES)
+
+
+def write_fashion_mnist_classification_shards(out_dir, split: str = "test", samples_per_shard: int = 10_000,
+                                              source_dir=None, limit: int | None = None) -> dict:
+    """The split as classification shards (`<key>.jpg` + `<key>.cls`) with classnames.txt."""
+    from ..eval_sets import write_classification_shards
+
+    return write_classification_shards(fashion_mnist_labelled(split, source_dir, limit), out_dir, CLASSNAMES,
+                                       samples_per_shard)

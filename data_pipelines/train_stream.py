@@ -1,0 +1,549 @@
+"""The training stream: DataComp-layout shards -> (images, tokens) batches, resumable, bad data counted.
+
+Each DataLoader worker reads its own sequence of *shard groups* (`shards_per_group` shards whose samples
+are interleaved at random, then passed through a shuffle buffer that is drained at the end of the group):
+- resampled mode: group g's shards are drawn with replacement (by source weight) from a generator seeded
+  with (seed, rank, worker, epoch, g), so the stream is endless and any rank or worker always has data;
+- epoch mode: the shard list shuffled by (seed, epoch) is split by rank, then by worker; one pass.
+Every random choice for a sample (crop, text mask) is seeded by its position (group, index in group),
+so a worker's position is two integers. The main process records the position of the last batch the
+trainer consumed from each worker; resuming fast-forwards within one group without decoding anything,
+and rotates the worker order so that the batch sequence continues exactly where it stopped.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import tarfile
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .image_decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_train, normalize_batch
+from .shard_reader import (SKIP_REASONS, ShardListError, expand_source, is_remote, iter_shard_samples,
+                           sample_caption, sample_image_bytes, shard_sizes)
+from .text_reduction import TEXT_MASKS, TextReducer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+OPENAI_DATASET_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_DATASET_STD = (0.26862954, 0.26130258, 0.27577711)
+MODES = ("resampled", "epoch")
+STATE_VERSION = 1
+# A worker that reads this many groups in a row without one usable sample stops with an error
+# (every shard unreadable) instead of spinning forever.
+MAX_EMPTY_GROUPS = 50
+
+
+@dataclass
+class StreamConfig:
+    """Where the shards are and how they are read (everything but the stage's image size / text length)."""
+
+    sources: list[str]
+    weights: list[float] | None = None
+    mode: str = "resampled"
+    seed: int = 0
+    shuffle_buffer: int = 1000
+    num_workers: int = 2
+    num_samples: int | None = None
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    crop_scale: tuple[float, float] = (0.4, 1.0)
+    mean: tuple = OPENAI_DATASET_MEAN
+    std: tuple = OPENAI_DATASET_STD
+    shards_per_group: int = 2          # shards interleaved per worker; bounds resume fast-forward reading
+    drop_last: bool = True             # epoch mode: drop each worker's final partial batch
+    pos_source: str = "auto"           # syntax mask POS source: auto | nltk | wordnet | builtin
+    reduced_decode: bool = True        # JPEG draft decode when the target is small
+    prefetch_factor: int = 4
+    crop_ratio: tuple[float, float] = field(default=(3 / 4, 4 / 3))
+
+    def __post_init__(self):
+        if isinstance(self.sources, str):
+            self.sources = [self.sources]
+        self.sources = [str(s) for s in self.sources]
+        if not self.sources:
+            raise ValueError("StreamConfig.sources is empty: give at least one shard pattern, folder or pipe: command")
+        if self.mode not in MODES:
+            raise ValueError(f"StreamConfig.mode={self.mode!r} is not one of {MODES}")
+        if self.weights is not None:
+            if len(self.weights) != len(self.sources):
+                raise ValueError(f"StreamConfig.weights has {len(self.weights)} entries for {len(self.sources)} sources")
+            if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
+                raise ValueError(f"StreamConfig.weights={self.weights} must be >= 0 with a positive sum")
+        lo, hi = self.crop_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"StreamConfig.crop_scale={self.crop_scale} must satisfy 0 < min <= max <= 1")
+        for name in ("shuffle_buffer", "num_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"StreamConfig.{name} must be >= 0")
+        if self.shards_per_group < 1:
+            raise ValueError("StreamConfig.shards_per_group must be >= 1")
+        if self.max_image_pixels < 1:
+            raise ValueError("StreamConfig.max_image_pixels must be >= 1")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Shard plan: which shards each (rank, worker) reads, group by group. Pure function of the config.
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class ShardPlan:
+    """Deterministic assignment of shard groups to (rank, worker) for one stream."""
+
+    shards_by_source: list[list[str]]
+    weights: list[float]
+    sizes: dict[str, int]
+    mode: str
+    seed: int
+    epoch: int
+    rank: int
+    world_size: int
+    num_workers: int
+    group_size: int
+    overflow: bool  # epoch mode, several ranks: a worker past its own shards continues into the next epoch's
+
+    @property
+    def all_shards(self) -> list[str]:
+        """Every shard of every source, in source order."""
+        return [s for shards in self.shards_by_source for s in shards]
+
+    def worker_shards(self, epoch: int, worker: int, rank: int | None = None) -> list[str]:
+        """Epoch mode: the shards `worker` of `rank` reads in `epoch`."""
+        shards = self.all_shards
+        order = random.Random(f"epoch-{self.seed}-{epoch}").sample(range(len(shards)), len(shards))
+        rank = self.rank if rank is None else rank
+        mine = [shards[i] for i in order[rank::self.world_size]]
+        return mine[worker::self.num_workers]
+
+    def group_shards(self, worker: int, group: int) -> list[str] | None:
+        """Shards of a worker's group `group`, or None once the worker's stream has ended."""
+        if self.mode == "resampled":
+            rng = random.Random(f"shards-{self.seed}-{self.rank}-{worker}-{self.epoch}-{group}")
+            picks = []
+            for _ in range(self.group_size):
+                src = rng.choices(range(len(self.shards_by_source)), weights=self.weights)[0]
+                picks.append(rng.choice(self.shards_by_source[src]))
+            return picks
+        epoch = self.epoch
+        while True:
+            mine = self.worker_shards(epoch, worker)
+            groups = [mine[i:i + self.group_size] for i in range(0, len(mine), self.group_size)]
+            if group < len(groups):
+                return groups[group]
+            if not self.overflow or not groups:
+                return None
+            group -= len(groups)
+            epoch += 1
+
+    def expected_batches(self, batch_size: int, drop_last: bool, rank: int) -> int:
+        """Epoch mode: batches `rank` yields in one pass, from the known shard sizes."""
+        total = 0
+        for w in range(self.num_workers):
+            n = sum(self.sizes.get(s, 0) for s in self.worker_shards(self.epoch, w, rank))
+            total += n // batch_size if drop_last else math.ceil(n / batch_size)
+        return total
+
+
+def _shuffle(samples: Iterator, bufsize: int, rng: random.Random) -> Iterator:
+    """Shuffle buffer: yields in random order from up to `bufsize` samples; drains at the end."""
+    if bufsize <= 1:
+        yield from samples
+        return
+    initial = min(bufsize, 100)  # start yielding early; the buffer keeps growing to bufsize
+    buf: list = []
+    for sample in samples:
+        buf.append(sample)
+        if len(buf) < initial:
+            continue
+        if len(buf) < bufsize:
+            extra = next(samples, None)
+            if extra is not None:
+                buf.append(extra)
+        j = rng.randrange(len(buf))
+        buf[j], buf[-1] = buf[-1], buf[j]
+        yield buf.pop()
+    while buf:
+        j = rng.randrange(len(buf))
+        buf[j], buf[-1] = buf[-1], buf[j]
+        yield buf.pop()
+
+
+def _interleave(iterators: list[Iterator], rng: random.Random) -> Iterator:
+    """Samples of several shards, each next one taken from a random still-open shard."""
+    active = list(iterators)
+    while active:
+        i = rng.randrange(len(active))
+        try:
+            yield next(active[i])
+        except StopIteration:
+            active.pop(i)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class _BatchSpec:
+    """What a worker needs to turn raw samples into batches."""
+
+    batch_size: int
+    image_size: int
+    crop_scale: tuple
+    crop_ratio: tuple
+    mean: tuple
+    std: tuple
+    max_image_pixels: int
+    reduced_decode: bool
+    shuffle_buffer: int
+    drop_last: bool
+
+
+class _StreamDataset(IterableDataset):
+    """One pass of the per-worker batch streams; worker ids rotated so a resume continues the order."""
+
+    def __init__(self, plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer, positions: list[dict],
+                 rotate: int):
+        super().__init__()
+        self.plan, self.spec, self.reducer = plan, spec, reducer
+        self.positions, self.rotate = positions, rotate
+
+    def __iter__(self):
+        info = get_worker_info()
+        dl_id = info.id if info is not None else 0
+        worker = (dl_id + self.rotate) % self.plan.num_workers
+        pos = self.positions[worker]
+        yield from worker_batches(self.plan, self.spec, self.reducer, worker, pos["group"], pos["offset"],
+                                  pos.get("skips", {}))
+
+
+def _group_raw(plan: ShardPlan, spec: _BatchSpec, worker: int, group: int, shards: list[str],
+               skips: Counter) -> Iterator[dict]:
+    """Raw samples of one group: its shards interleaved at random, then shuffled; bad data counted."""
+    tag = f"{plan.seed}-{plan.rank}-{worker}-{plan.epoch}-{group}"
+    iters = [iter_shard_samples(url, skips) for url in shards]
+    yield from _shuffle(_interleave(iters, random.Random(f"mix-{tag}")), spec.shuffle_buffer,
+                        random.Random(f"shuffle-{tag}"))
+
+
+class _GatedCounter:
+    """A view of a Counter that ignores increments while `active` is False."""
+
+    def __init__(self, target: Counter, active: bool = True):
+        self.target, self.active = target, active
+
+    def __getitem__(self, key):
+        return self.target[key]
+
+    def __setitem__(self, key, value):
+        if self.active:
+            self.target[key] = value
+
+
+def _decode_sample(raw: dict, spec: _BatchSpec, reducer: TextReducer, rng: random.Random,
+                   skips: Counter):
+    """(image uint8 HWC, tokens) of a raw sample, or None after counting why it was skipped."""
+    caption, reason = sample_caption(raw)
+    if reason:
+        skips[reason] += 1
+        return None
+    data = sample_image_bytes(raw)
+    if data is None:
+        skips["missing_image"] += 1
+        return None
+    try:
+        image = decode_train(data, spec.image_size, rng, spec.crop_scale, spec.crop_ratio,
+                             spec.max_image_pixels, spec.reduced_decode)
+    except BadImage as exn:
+        skips[exn.reason] += 1
+        return None
+    return image, reducer(caption, rng)
+
+
+def _collate(images: list, tokens: list, spec: _BatchSpec):
+    """Stack a worker's samples into normalised float images (B,3,S,S) and int64 tokens (B,L)."""
+    return normalize_batch(np.stack(images), spec.mean, spec.std), torch.from_numpy(np.stack(tokens))
+
+
+def worker_batches(plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer, worker: int, group: int,
+                   offset: int, skips: dict) -> Iterator[tuple]:
+    """(images, tokens, meta) batches of one worker from position (group, offset); meta = new position."""
+    skips = Counter(skips)
+    images, tokens = [], []
+    empty_groups = 0
+    while True:
+        shards = plan.group_shards(worker, group)
+        if shards is None:
+            break
+        produced = False
+        # While fast-forwarding, reading-time events (duplicate keys, broken tars) were already counted
+        # in the saved skips: the gate opens as the last already-consumed sample comes out.
+        gate = _GatedCounter(skips, active=offset == 0)
+        for idx, raw in enumerate(_group_raw(plan, spec, worker, group, shards, gate)):
+            if idx < offset:
+                gate.active = idx == offset - 1
+                continue  # fast-forward after a resume: read, do not decode
+            offset = idx + 1
+            rng = random.Random(f"sample-{plan.seed}-{plan.rank}-{worker}-{plan.epoch}-{group}-{idx}")
+            item = _decode_sample(raw, spec, reducer, rng, skips)
+            if item is None:
+                continue
+            produced = True
+            images.append(item[0])
+            tokens.append(item[1])
+            if len(images) == spec.batch_size:
+                meta = {"worker": worker, "group": group, "offset": offset, "skips": dict(skips)}
+                yield (*_collate(images, tokens, spec), meta)
+                images, tokens = [], []
+        empty_groups = 0 if produced else empty_groups + 1
+        if empty_groups >= MAX_EMPTY_GROUPS:
+            raise RuntimeError(f"worker {worker} of rank {plan.rank} read {MAX_EMPTY_GROUPS} shard groups in a "
+                               f"row without one usable sample (last shards: {shards}); skipped so far: "
+                               f"{dict(skips)}")
+        group, offset = group + 1, 0
+    if images and not spec.drop_last:
+        meta = {"worker": worker, "group": group, "offset": 0, "skips": dict(skips)}
+        yield (*_collate(images, tokens, spec), meta)
+    elif images or skips:
+        # Report the final skip counts even when the partial batch is dropped.
+        yield (None, None, {"worker": worker, "group": group, "offset": 0, "skips": dict(skips)})
+
+
+# --------------------------------------------------------------------------------------------------------
+# Main-process side
+# --------------------------------------------------------------------------------------------------------
+class TrainStream:
+    """Iterable of (images float32 (B,3,S,S), tokens int64 (B,L)); resumable; counts skipped samples."""
+
+    def __init__(self, cfg: StreamConfig, plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer,
+                 num_samples: int, context_length: int, text_mask: str):
+        self.cfg, self.plan, self.spec, self.reducer = cfg, plan, spec, reducer
+        self.num_samples = num_samples
+        self.context_length, self.text_mask = context_length, text_mask
+        self.batch_size = spec.batch_size
+        self.num_workers = plan.num_workers
+        self._positions = self._fresh_positions()
+        self._batches = 0  # batches consumed in the current epoch (resampled: since the start)
+        self._done_skips: Counter = Counter()  # skip counts of finished epochs
+        self._pos_probe: str | None = None
+
+    @property
+    def pos_source(self) -> str:
+        """Active part-of-speech source of the syntax mask: 'nltk' | 'wordnet' | 'builtin' (or 'none')."""
+        if self.reducer.pos_tagger is not None:
+            return self.reducer.pos_source
+        if self._pos_probe is None:
+            self._pos_probe = _probe_pos_source(self.cfg)
+        return self._pos_probe
+
+    @property
+    def epoch(self) -> int:
+        """Current epoch (resampled mode: the seed component set at build time)."""
+        return self.plan.epoch
+
+    @property
+    def batches_per_epoch(self) -> int | None:
+        """Epoch mode: batches this rank yields per pass (all ranks equal when world_size > 1)."""
+        if self.plan.mode != "epoch":
+            return None
+        counts = [self.plan.expected_batches(self.batch_size, self.spec.drop_last, r)
+                  for r in range(self.plan.world_size)]
+        return min(counts) if self.plan.world_size > 1 else counts[self.plan.rank]
+
+    def _fresh_positions(self) -> list[dict]:
+        """Every worker at the start of its stream."""
+        return [{"group": 0, "offset": 0, "skips": {}} for _ in range(self.plan.num_workers)]
+
+    def _loader(self) -> DataLoader:
+        """A DataLoader over the workers' streams, starting each worker at its recorded position."""
+        rotate = self._batches % self.plan.num_workers
+        dataset = _StreamDataset(self.plan, self.spec, self.reducer, [dict(p) for p in self._positions], rotate)
+        kwargs = {}
+        if self.cfg.num_workers > 0:
+            kwargs = {"prefetch_factor": self.cfg.prefetch_factor, "persistent_workers": False}
+        return DataLoader(dataset, batch_size=None, num_workers=self.cfg.num_workers, **kwargs)
+
+    def __iter__(self):
+        """Endless batches in resampled mode; the rest of the current epoch in epoch mode."""
+        cap = self.batches_per_epoch if (self.plan.mode == "epoch" and self.plan.world_size > 1) else None
+        if cap is not None and self._batches >= cap:
+            self._next_epoch()
+            cap = self.batches_per_epoch
+        for images, tokens, meta in self._loader():
+            self._positions[meta["worker"]] = {k: meta[k] for k in ("group", "offset", "skips")}
+            if images is None:
+                continue  # a worker's final skip report
+            self._batches += 1
+            yield images, tokens
+            if cap is not None and self._batches >= cap:
+                break  # every rank stops after the same number of batches: no rank waits on another
+        if self.plan.mode == "epoch":
+            self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        """Move an epoch-mode stream to the start of the next epoch."""
+        self._done_skips.update(self._current_skips())
+        self.plan.epoch += 1
+        self._positions = self._fresh_positions()
+        self._batches = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start over at the beginning of `epoch` (a different shard order / resampling seed)."""
+        self._done_skips.update(self._current_skips())
+        self.plan.epoch = int(epoch)
+        self._positions = self._fresh_positions()
+        self._batches = 0
+
+    def _current_skips(self) -> Counter:
+        """Skip counts of the current epoch, summed over workers."""
+        total: Counter = Counter()
+        for p in self._positions:
+            total.update(p.get("skips", {}))
+        return total
+
+    def skip_counts(self) -> dict[str, int]:
+        """Bad samples skipped so far, by reason (summed over DataLoader workers and finished epochs)."""
+        total = self._current_skips() + self._done_skips
+        return {reason: int(total.get(reason, 0)) for reason in SKIP_REASONS}
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable position of the stream (what the trainer has consumed so far)."""
+        return {"version": STATE_VERSION, "mode": self.plan.mode, "seed": self.plan.seed, "epoch": self.plan.epoch,
+                "rank": self.plan.rank, "world_size": self.plan.world_size, "num_workers": self.plan.num_workers,
+                "batch_size": self.batch_size, "batches": self._batches,
+                "samples": self._batches * self.batch_size,
+                "workers": [{"group": p["group"], "offset": p["offset"], "skips": dict(p.get("skips", {}))}
+                            for p in self._positions],
+                "done_skips": dict(self._done_skips)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position; exact when mode, seed, world size and worker count match."""
+        for key in ("mode", "seed", "rank", "world_size"):
+            if key in state and state[key] != getattr(self.plan, key):
+                raise ValueError(f"stream state has {key}={state[key]!r} but this stream has "
+                                 f"{key}={getattr(self.plan, key)!r}; resume with the same data settings")
+        self.plan.epoch = int(state.get("epoch", self.plan.epoch))
+        self._done_skips = Counter(state.get("done_skips", {}))
+        workers = state.get("workers", [])
+        if len(workers) != self.plan.num_workers or state.get("batch_size", self.batch_size) != self.batch_size:
+            # Positions belong to other worker streams: they cannot be mapped. Keep the skip counts and
+            # start this epoch's streams over (resampled: fresh draws; epoch: the epoch is repeated).
+            log.warning("stream state was saved with %s workers / batch %s, now %s / %s: resume is not exact "
+                        "(resampled mode restarts its draws; epoch mode restarts epoch %d)",
+                        len(workers), state.get("batch_size"), self.plan.num_workers, self.batch_size,
+                        self.plan.epoch)
+            for w in workers:
+                self._done_skips.update(w.get("skips", {}))
+            self._positions = self._fresh_positions()
+            self._batches = 0
+            if self.plan.mode == "resampled":
+                self.plan.seed = _reseed(self.plan.seed, state.get("batches", 0))
+            return
+        self._positions = [{"group": int(w["group"]), "offset": int(w["offset"]), "skips": dict(w.get("skips", {}))}
+                           for w in workers]
+        self._batches = int(state.get("batches", 0))
+
+
+def _reseed(seed: int, salt: int) -> int:
+    """A new resampling seed after an inexact resume, so the restarted draws differ from the first ones."""
+    return random.Random(f"reseed-{seed}-{salt}").randrange(2**31)
+
+
+def _probe_pos_source(cfg: StreamConfig) -> str:
+    """The POS source the syntax mask would use (reported even when this stage uses another mask)."""
+    from .pos_tagging import select_pos_tagger
+
+    return select_pos_tagger(cfg.pos_source).source
+
+
+def count_tar_samples(shard: str) -> int:
+    """Samples (distinct keys) in a local tar, reading headers only."""
+    from webdataset.tariterators import base_plus_ext
+
+    keys = set()
+    with tarfile.open(shard, "r") as tar:
+        for member in tar:
+            if member.isreg():
+                key, _ = base_plus_ext(member.name)
+                if key is not None and not key.split("/")[-1].startswith("__"):
+                    keys.add(key)
+    return len(keys)
+
+
+def _resolve_sizes(shards: list[str]) -> tuple[dict[str, int], bool]:
+    """Known or estimated sample count of every shard; the flag says some were estimated."""
+    sizes, estimated = shard_sizes(shards)
+    unknown = [i for i, n in enumerate(sizes) if n is None and not is_remote(shards[i])]
+    # Shards without img2dataset stats (someone else's webdataset): count headers, or a sample of them.
+    probe = unknown if len(unknown) <= 1000 else unknown[:: max(1, len(unknown) // 16)][:16]
+    counted = {}
+    for i in probe:
+        try:
+            counted[i] = count_tar_samples(shards[i])
+        except (OSError, tarfile.TarError):
+            counted[i] = 0
+    for i, n in counted.items():
+        sizes[i] = n
+    if len(probe) < len(unknown):
+        estimated = True
+        mean = round(sum(counted.values()) / max(1, len(counted)))
+        for i in unknown:
+            sizes[i] = counted.get(i, mean)
+    known = [n for n in sizes if n is not None]
+    if len(known) < len(sizes):
+        estimated = True
+        mean = round(sum(known) / len(known)) if known else 0
+        sizes = [mean if n is None else n for n in sizes]
+    return dict(zip(shards, sizes)), estimated
+
+
+def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: int, text_mask: str,
+                       batch_size: int, rank: int = 0, world_size: int = 1, tokenizer_name: str = "clip-bpe",
+                       epoch: int = 0) -> TrainStream:
+    """The training stream of one rank for one stage (image size, text length and mask)."""
+    if text_mask not in TEXT_MASKS:
+        raise ValueError(f"text_mask={text_mask!r} is not one of {TEXT_MASKS}")
+    if batch_size < 1 or image_size < 1:
+        raise ValueError(f"batch_size ({batch_size}) and image_size ({image_size}) must be >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    shards_by_source = []
+    for src in cfg.sources:
+        try:
+            shards_by_source.append(expand_source(src))
+        except ShardListError as exn:
+            raise ShardListError(f"StreamConfig.sources: {exn}") from None
+    all_shards = [s for shards in shards_by_source for s in shards]
+    num_workers = max(1, cfg.num_workers)
+    if cfg.mode == "epoch" and len(all_shards) < world_size:
+        raise ValueError(f"epoch mode needs at least one shard per rank: {len(all_shards)} shards for "
+                         f"world_size={world_size}; use mode='resampled' or write more, smaller shards")
+    sizes, estimated = _resolve_sizes(all_shards) if (cfg.num_samples is None or cfg.mode == "epoch") else ({}, False)
+    num_samples = cfg.num_samples if cfg.num_samples is not None else sum(sizes.values())
+    if estimated:
+        log.warning("data set size estimated from a subset of the shards: %d samples", num_samples)
+    if cfg.mode == "epoch":
+        per_rank = len(all_shards[rank::world_size])
+        if per_rank < num_workers:
+            log.info("rank %d has %d shards per epoch; %d workers would idle", rank, per_rank, num_workers - per_rank)
+    tokenizer = _tokenizer(tokenizer_name)
+    reducer = TextReducer(context_length, text_mask, tokenizer, pos_source=cfg.pos_source)
+    plan = ShardPlan(shards_by_source, list(cfg.weights or [1.0] * len(cfg.sources)), sizes, cfg.mode, cfg.seed,
+                     epoch, rank, world_size, num_workers, cfg.shards_per_group,
+                     overflow=cfg.mode == "epoch" and world_size > 1)
+    spec = _BatchSpec(batch_size, image_size, tuple(cfg.crop_scale), tuple(cfg.crop_ratio), tuple(cfg.mean),
+                      tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, cfg.shuffle_buffer, cfg.drop_last)
+    return TrainStream(cfg, plan, spec, reducer, num_samples, context_length, text_mask)
+
+
+def _tokenizer(name: str):
+    """CLIP BPE tokenizer, or the tokenizer of an open_clip model (registering crate_clip's configs)."""
+    try:
+        return load_tokenizer(name)
+    except Exception:
+        import crate_clip.models  # noqa: F401  (registers the CRATE-alpha open_clip configs)
+
+        return load_tokenizer(name)

@@ -1,0 +1,261 @@
+"""Evaluation data: ImageNet-val ImageFolder, flat folder + label file, and webdataset shards.
+
+Every source yields samples `(image tensor or None, target, index, name)`: target is a class index
+(classification) or a caption (retrieval); None marks an unreadable image, which is counted and
+reported rather than fatal. `make_loader` splits the samples across ranks and workers.
+"""
+import csv
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import webdataset as wds
+from PIL import Image
+from timm.data import ImageNetInfo
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+from eval.distributed_batches import rank_slice
+
+IMAGENET_NUM_CLASSES = 1000
+SHARD_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+# What PIL raises on a corrupt, truncated or oversized file: such images are counted, not fatal.
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
+def imagenet_wnids() -> list[str]:
+    """The 1,000 ImageNet-1K WordNet ids in sorted order (= class index order), from timm's table."""
+    return list(ImageNetInfo().label_names())
+
+
+def decode_image(source, transform: Callable):
+    """Open a path or bytes as RGB and transform it; None when the file cannot be decoded."""
+    try:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
+            img.load()
+            return transform(img.convert("RGB"))
+    except DECODE_ERRORS:
+        return None
+
+
+class ClassificationFolder(Dataset):
+    """Map-style set of (path, label) pairs decoded on access."""
+
+    def __init__(self, samples: list[tuple[str, int]], transform: Callable, num_classes: int, root: Path):
+        self.samples, self.transform, self.num_classes, self.root = samples, transform, num_classes, root
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        path, label = self.samples[index]
+        return decode_image(path, self.transform), label, index, str(Path(path).relative_to(self.root))
+
+
+def image_folder(root: str | Path, transform: Callable, *, num_classes: int, imagenet: bool = False) -> ClassificationFolder:
+    """ImageNet-val layout `<root>/<class dir>/<image>`; class index = sorted class-dir order."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"evaluation data folder {root} does not exist")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    if imagenet:
+        _check_imagenet_classes(root, classes)
+    elif len(classes) != num_classes:
+        raise ValueError(f"{root}: found {len(classes)} class folders but {num_classes} class names; "
+                         f"they must agree (one folder per class, sorted folder order = class-name order)")
+    _, class_to_idx = find_classes(str(root))
+    samples = make_dataset(str(root), class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
+    if not samples:
+        raise ValueError(f"{root}: no image files ({', '.join(IMG_EXTENSIONS)}) in its {len(classes)} class folders")
+    return ClassificationFolder(samples, transform, num_classes, root)
+
+
+def _check_imagenet_classes(root: Path, classes: list[str]) -> None:
+    images_at_top = sum(1 for p in root.iterdir() if p.suffix.lower() in IMG_EXTENSIONS)
+    hint = (f" It holds {images_at_top} images directly: for the flat val layout pass a ground-truth label "
+            f"file (--labels).") if images_at_top else ""
+    if len(classes) != IMAGENET_NUM_CLASSES:
+        shown = ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
+        raise ValueError(f"{root}: imagenet1k needs the 1,000 WordNet-id class folders of the ImageNet val layout "
+                         f"(n01440764/ ... n15075141/), found {len(classes)} class folders"
+                         f"{' (' + shown + ')' if classes else ''}.{hint}")
+    unknown = sorted(set(classes) - set(imagenet_wnids()))
+    if unknown:
+        raise ValueError(f"{root}: {len(unknown)} class folders are not ImageNet-1K WordNet ids, e.g. {unknown[:5]}")
+
+
+def flat_folder(root: str | Path, labels_file: str | Path, transform: Callable, *, num_classes: int,
+                label_names: list[str] | None = None) -> ClassificationFolder:
+    """Flat layout `<root>/<image>` with a ground-truth file (see `read_label_file` for its formats)."""
+    root = Path(root)
+    files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS)
+    if not files:
+        raise ValueError(f"{root}: no image files for the flat layout")
+    labels = read_label_file(labels_file, [p.name for p in files], num_classes, label_names)
+    return ClassificationFolder([(str(p), labels[p.name]) for p in files], transform, num_classes, root)
+
+
+def read_label_file(path: str | Path, file_names: list[str], num_classes: int,
+                    label_names: list[str] | None = None) -> dict[str, int]:
+    """Labels per file name from `name label` lines, Kaggle's LOC_val_solution.csv, or one label per line.
+
+    A label is a 0-based class index (sorted-WordNet-id order for ImageNet) or a name from `label_names`
+    (WordNet ids for ImageNet). One-label-per-line files follow the sorted file-name order.
+    """
+    path = Path(path)
+    rows = _label_rows(path)
+    index_of = {name: i for i, name in enumerate(label_names or [])}
+    if all(len(r) == 1 for r in rows):
+        if len(rows) != len(file_names):
+            raise ValueError(f"{path}: {len(rows)} labels for {len(file_names)} images (one label per line "
+                             f"must match the sorted image files one to one)")
+        rows = [(name, r[0]) for name, r in zip(file_names, rows)]
+    by_stem = {Path(n).stem: n for n in file_names}
+    labels = {}
+    for line_no, (name, raw) in enumerate(rows, 1):
+        file_name = name if name in by_stem.values() else by_stem.get(Path(name).stem, by_stem.get(name))
+        if file_name is not None:
+            labels[file_name] = _parse_label(raw, index_of, num_classes, f"{path}:{line_no}")
+    missing = [n for n in file_names if n not in labels]
+    if missing:
+        raise ValueError(f"{path}: no label for {len(missing)} of {len(file_names)} images, e.g. {missing[:3]}")
+    return labels
+
+
+def _label_rows(path: Path) -> list[tuple[str, ...]]:
+    text = path.read_text(encoding="utf-8")
+    if text.startswith("ImageId,PredictionString"):   # Kaggle ImageNet localisation solution file
+        return [(r["ImageId"], r["PredictionString"].split()[0]) for r in csv.DictReader(io.StringIO(text))]
+    return [tuple(line.replace(",", " ").split()) for line in text.splitlines() if line.strip()]
+
+
+def _parse_label(raw: str, index_of: dict[str, int], num_classes: int, where: str) -> int:
+    if raw in index_of:
+        return index_of[raw]
+    if not raw.lstrip("-").isdigit():
+        raise ValueError(f"{where}: label {raw!r} is neither a class index nor a known class name")
+    label = int(raw)
+    if not 0 <= label < num_classes:
+        raise ValueError(f"{where}: label {label} outside 0..{num_classes - 1} for {num_classes} class names "
+                         f"(indices are 0-based; the ImageNet devkit's 1-based ILSVRC2012 ids need converting)")
+    return label
+
+
+def shard_urls(data: str | Path) -> list[str]:
+    """Shard paths from a folder of .tar files, a glob-free brace pattern, or one .tar file."""
+    path = Path(str(data))
+    if path.is_dir():
+        urls = sorted(str(p) for p in path.glob("*.tar"))
+        if not urls:
+            raise FileNotFoundError(f"{path}: no .tar shards in this folder")
+        return urls
+    urls = list(wds.shardlists.expand_urls(str(data)))
+    missing = [u for u in urls if not Path(u).is_file()]
+    if missing:
+        raise FileNotFoundError(f"shard files not found: {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    return urls
+
+
+def is_shard_source(data: str | Path) -> bool:
+    """True for a .tar file, a brace pattern, or a folder holding .tar shards."""
+    path = Path(str(data))
+    return str(data).endswith(".tar") or "{" in str(data) or (path.is_dir() and any(path.glob("*.tar")))
+
+
+@dataclass
+class ShardSamples(IterableDataset):
+    """Samples of webdataset shards: `.jpg` + `.cls` (classification) or `.jpg` + `.txt` (retrieval)."""
+    urls: list[str]
+    transform: Callable
+    target: str = "cls"                  # 'cls' -> class index, 'txt' -> caption
+    num_classes: int | None = None
+    rank: int = 0
+    world: int = 1
+    limit: int | None = None             # first `limit` samples of the shard list (max_images)
+
+    def __iter__(self):
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        # Sample-level interleave over (rank, worker): balanced even when shards < ranks x workers.
+        stride, offset = self.world * workers, self.rank * workers + worker
+        pipeline = wds.DataPipeline(wds.SimpleShardList(self.urls), wds.tarfile_to_samples())
+        for index, sample in enumerate(pipeline):
+            if self.limit is not None and index >= self.limit:
+                return
+            if index % stride == offset:
+                yield self._decode(index, sample)
+
+    def _decode(self, index: int, sample: dict):
+        name = f"{sample.get('__url__', '?')}:{sample['__key__']}"
+        if self.target not in sample:
+            raise ValueError(f"shard sample {name} has no .{self.target} member")
+        raw = sample[self.target].decode("utf-8").strip()
+        target = _parse_label(raw, {}, self.num_classes, name) if self.target == "cls" else raw
+        image_key = next((k for k in SHARD_IMAGE_KEYS if k in sample), None)
+        image = decode_image(sample[image_key], self.transform) if image_key else None
+        return image, target, index, name
+
+
+@dataclass
+class ImageBatch:
+    """One collated batch: decodable images with their targets and sample indices; unreadable names."""
+    images: torch.Tensor | None
+    targets: torch.Tensor | list[str]
+    indices: torch.Tensor
+    unreadable: list[str] = field(default_factory=list)
+
+
+def collate_samples(items: list[tuple]) -> ImageBatch:
+    """Stack the readable samples of a batch and list the unreadable ones by name."""
+    good = [it for it in items if it[0] is not None]
+    targets = [it[1] for it in good]
+    return ImageBatch(
+        images=torch.stack([it[0] for it in good]) if good else None,
+        targets=torch.tensor(targets, dtype=torch.int64) if targets and isinstance(targets[0], int) else targets,
+        indices=torch.tensor([it[2] for it in good], dtype=torch.int64),
+        unreadable=[it[3] for it in items if it[0] is None],
+    )
+
+
+def subset_indices(n: int, max_images: int | None) -> np.ndarray:
+    """All n indices, or `max_images` of them spread evenly (class-sorted folders keep every class)."""
+    if max_images is None or max_images >= n:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, max_images).round().astype(np.int64))
+
+
+def make_loader(dataset, *, batch_size: int, num_workers: int = 0, rank: int = 0, world: int = 1,
+                max_images: int | None = None) -> DataLoader:
+    """A DataLoader over this rank's share of a ClassificationFolder or ShardSamples."""
+    if isinstance(dataset, ShardSamples):
+        shard_set = ShardSamples(**{**dataset.__dict__, "rank": rank, "world": world, "limit": max_images})
+        return DataLoader(shard_set, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_samples)
+    chosen = subset_indices(len(dataset), max_images)
+    mine = [int(chosen[i]) for i in rank_slice(len(chosen), rank, world)]
+    return DataLoader(Subset(dataset, mine), batch_size=batch_size, num_workers=num_workers,
+                      collate_fn=collate_samples, shuffle=False)
+
+
+def loader_length(dataset, max_images: int | None, world: int, batch_size: int) -> int | None:
+    """Number of batches on rank 0 (for progress bars), None for shards of unknown length."""
+    if isinstance(dataset, ShardSamples):
+        return None
+    n = len(subset_indices(len(dataset), max_images))
+    return -(-len(range(0, n, world)) // batch_size)
+
+
+def classification_dataset(data: str | Path, transform: Callable, *, dataset: str, num_classes: int,
+                           labels_file: str | Path | None = None):
+    """The classification source at `data`: shards with .cls, a flat folder + labels, or an ImageFolder."""
+    imagenet = dataset == "imagenet1k"
+    if imagenet and num_classes != IMAGENET_NUM_CLASSES:
+        raise ValueError(f"imagenet1k needs 1000 class names, got {num_classes}")
+    if is_shard_source(data):
+        return ShardSamples(shard_urls(data), transform, "cls", num_classes)
+    if labels_file:
+        names = imagenet_wnids() if imagenet else None
+        return flat_folder(data, labels_file, transform, num_classes=num_classes, label_names=names)
+    return image_folder(data, transform, num_classes=num_classes, imagenet=imagenet)

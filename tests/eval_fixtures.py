@@ -1,0 +1,230 @@
+"""Fixtures for the eval tests: Fashion-MNIST eval sets on disk and a briefly trained tiny CLIP."""
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import open_clip
+import torch
+import torch.nn.functional as F
+import webdataset as wds
+from PIL import Image
+
+import crate_clip  # noqa: F401  (registers the CRATE-alpha open_clip configs)
+from eval.class_sets import FASHION_MNIST_CLASSNAMES
+
+PER_CLASS = 16          # eval images per class -> 160 images
+TRAIN_IMAGES = 2048
+TRAIN_STEPS = 150
+
+
+def read_idx(directory: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """Fashion-MNIST images (N,28,28) uint8 and labels (N,) from the Debian idx.gz files."""
+    prefix = "t10k" if split == "test" else "train"
+    with gzip.open(directory / f"{prefix}-images-idx3-ubyte.gz") as f:
+        images = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 28, 28)
+    with gzip.open(directory / f"{prefix}-labels-idx1-ubyte.gz") as f:
+        labels = np.frombuffer(f.read(), np.uint8, offset=8)
+    return images, labels
+
+
+def balanced_subset(labels: np.ndarray, per_class: int) -> np.ndarray:
+    """The first `per_class` indices of every class, in data order."""
+    picks = [np.flatnonzero(labels == c)[:per_class] for c in range(10)]
+    return np.sort(np.concatenate(picks))
+
+
+def class_dir(label: int) -> str:
+    """Folder name whose sorted order equals label order."""
+    return f"{label:02d}_{FASHION_MNIST_CLASSNAMES[label].replace('/', '_').replace(' ', '_')}"
+
+
+def jpeg_bytes(image: np.ndarray) -> bytes:
+    """A 28x28 grayscale array as JPEG bytes."""
+    import io
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def write_eval_sets(root: Path, images: np.ndarray, labels: np.ndarray) -> dict[str, Path]:
+    """ImageFolder, flat folder + label file, and .cls / .txt shards of the same images."""
+    folder, flat, shards, captions = root / "folder", root / "flat", root / "shards", root / "captions"
+    for path in (folder, flat, shards, captions):
+        path.mkdir(parents=True)
+    label_lines = []
+    with wds.TarWriter(str(shards / "00000000.tar")) as cls_sink, \
+            wds.TarWriter(str(captions / "00000000.tar")) as txt_sink:
+        for i, (img, label) in enumerate(zip(images, labels)):
+            data, label, key = jpeg_bytes(img), int(label), f"{i:012d}"
+            (folder / class_dir(label)).mkdir(exist_ok=True)
+            (folder / class_dir(label) / f"img_{i:05d}.jpg").write_bytes(data)
+            (flat / f"val_{i:05d}.jpg").write_bytes(data)
+            label_lines.append(f"val_{i:05d}.jpg {label}")
+            cls_sink.write({"__key__": key, "jpg": data, "cls": str(label).encode()})
+            caption = f"a photo of a {FASHION_MNIST_CLASSNAMES[label]}, item {i}."
+            txt_sink.write({"__key__": key, "jpg": data, "txt": caption.encode()})
+    (root / "flat_labels.txt").write_text("\n".join(label_lines) + "\n")
+    for path in (folder, shards):
+        (path / "classnames.txt").write_text("\n".join(FASHION_MNIST_CLASSNAMES) + "\n")
+    return {"folder": folder, "flat": flat, "labels": root / "flat_labels.txt", "shards": shards,
+            "captions": captions}
+
+
+TINY_VIT_CONFIG = {
+    "embed_dim": 64,
+    "vision_cfg": {"image_size": 28, "layers": 2, "width": 64, "head_width": 32, "patch_size": 7},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
+}
+TINY_VIT_NAME = "evaltest-tiny-vit"
+
+
+def register_tiny_vit(directory: Path) -> str:
+    """Register the tiny ViT CLIP config with open_clip under TINY_VIT_NAME."""
+    path = directory / f"{TINY_VIT_NAME}.json"
+    path.write_text(json.dumps(TINY_VIT_CONFIG))
+    open_clip.add_model_config(path)
+    return TINY_VIT_NAME
+
+
+def to_model_input(images: np.ndarray) -> torch.Tensor:
+    """uint8 (N,28,28) -> the normalised (N,3,28,28) float batch open_clip's eval transform produces."""
+    x = torch.from_numpy(images.copy()).float().div(255).unsqueeze(1).expand(-1, 3, -1, -1)
+    mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(open_clip.OPENAI_DATASET_STD).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+def train_tiny_clip(model_name: str, images: np.ndarray, labels: np.ndarray, steps: int = TRAIN_STEPS,
+                    seed: int = 0) -> torch.nn.Module:
+    """A tiny CLIP whose projections are fitted to tell Fashion-MNIST classes apart (towers stay random).
+
+    Only the two output projections are trained, on tower features computed once: a real, class-
+    discriminative CLIP in seconds on a CPU (so evaluation numbers mean something).
+    """
+    torch.manual_seed(seed)
+    model = open_clip.create_model(model_name).eval()
+    tokenizer = open_clip.get_tokenizer(model_name)
+    visual_proj, text_proj = model.visual.proj, model.text_projection
+    with torch.no_grad():
+        model.visual.proj, model.text_projection = None, None   # pooled tower outputs, before projection
+        pooled_images = model.encode_image(to_model_input(images))
+        pooled_texts = model.encode_text(tokenizer([f"a photo of a {c}." for c in FASHION_MNIST_CLASSNAMES]))
+    model.visual.proj, model.text_projection = visual_proj, text_proj
+    y = torch.from_numpy(labels.astype(np.int64))
+    optimizer = torch.optim.Adam([visual_proj, text_proj], lr=1e-2)
+    for _ in range(steps):
+        image_feats = F.normalize(pooled_images @ visual_proj, dim=-1)
+        text_feats = F.normalize(pooled_texts @ text_proj, dim=-1)
+        loss = F.cross_entropy(20.0 * image_feats @ text_feats.T, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.requires_grad_(False)
+
+
+# Built once per test session and shared by the eval test modules (pytest would otherwise build a
+# session fixture imported into several modules once per module).
+_SHARED: dict = {}
+
+
+def shared_eval_sets(tmp_path_factory, fashion_mnist_dir: Path) -> dict[str, Path]:
+    """The Fashion-MNIST eval sets (PER_CLASS images per class) written once per session."""
+    if "sets" not in _SHARED:
+        images, labels = read_idx(fashion_mnist_dir, "test")
+        pick = balanced_subset(labels, PER_CLASS)
+        _SHARED["sets"] = write_eval_sets(tmp_path_factory.mktemp("eval_sets"), images[pick], labels[pick])
+        _SHARED["labels"] = labels[pick]
+    return _SHARED["sets"]
+
+
+def shared_trained_vit(tmp_path_factory, fashion_mnist_dir: Path) -> tuple[torch.nn.Module, str]:
+    """(tiny ViT CLIP trained for TRAIN_STEPS on Fashion-MNIST train, its registered open_clip name)."""
+    if "vit" not in _SHARED:
+        name = register_tiny_vit(tmp_path_factory.mktemp("evaltest_config"))
+        images, labels = read_idx(fashion_mnist_dir, "train")
+        _SHARED["vit"] = (train_tiny_clip(name, images[:TRAIN_IMAGES], labels[:TRAIN_IMAGES]), name)
+    return _SHARED["vit"]
+
+
+def shared_crate_tiny() -> torch.nn.Module:
+    """CRATE-alpha-CLIPA-tiny with seeded random weights (checkpoint round trips compare exactly)."""
+    if "crate" not in _SHARED:
+        torch.manual_seed(0)
+        _SHARED["crate"] = open_clip.create_model(CRATE_TINY).eval()
+    return _SHARED["crate"]
+
+
+CRATE_TINY = "CRATE-alpha-CLIPA-tiny"
+
+
+def free_port() -> int:
+    """An unused local TCP port for a gloo rendezvous."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+DIST_MAX_IMAGES = 151   # 76 + 75 images over 2 ranks: rank 0 makes one more forward call than rank 1
+DIST_BATCH = 25
+DS_STAGES = (0, 2, 3)
+
+
+def distributed_worker(rank: int, world: int, workdir: str, port: int) -> None:
+    """One rank: plain-model zero-shot split over ranks, then a DeepSpeed engine per ZeRO stage
+    (one training step, evaluation through the engine, save_checkpoint). Rank 0 writes results.json."""
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import deepspeed
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False   # else a one-minute g++ build on CPU
+    deepspeed.init_distributed(dist_backend="gloo")
+    from eval.class_sets import FASHION_MNIST_TEMPLATES
+    from eval.eval_datasets import classification_dataset
+    from eval.model_loading import eval_transform
+    from eval.zeroshot import zero_shot_evaluate
+
+    workdir = Path(workdir)
+    tokenizer = open_clip.get_tokenizer(CRATE_TINY)
+
+    def fresh_model():
+        model = open_clip.create_model(CRATE_TINY)
+        model.load_state_dict(torch.load(workdir / "init.pt", weights_only=True))
+        return model
+
+    def evaluate(model, **kwargs):
+        dataset = classification_dataset(workdir / "shards", eval_transform(fresh_model()), dataset="fashion_mnist",
+                                         num_classes=10)
+        return zero_shot_evaluate(model, tokenizer, dataset, FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES,
+                                  batch_size=DIST_BATCH, max_images=DIST_MAX_IMAGES, progress=False, **kwargs)
+
+    results = {"plain": evaluate(fresh_model().eval())}
+    images = to_model_input(read_idx(Path("/usr/share/datasets/fashion-mnist"), "test")[0][:8])
+    tokens = tokenizer([f"a photo of a {c}." for c in FASHION_MNIST_CLASSNAMES[:8]])
+    for stage in DS_STAGES:
+        model = fresh_model()
+        model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))   # DeepSpeed needs >= 1-D
+        config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": stage}}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                          config=config)
+        engine.train()
+        loss = open_clip.ClipLoss()(*engine(image=images, text=tokens)[:3])
+        engine.backward(loss)
+        engine.step()
+        cache = workdir / "cache" if stage == 3 else None
+        results[f"engine{stage}"] = evaluate(engine, cache_dir=cache)
+        if stage == 3:
+            results["engine3_cached"] = evaluate(engine, cache_dir=cache)
+        engine.save_checkpoint(str(workdir / f"ckpt{stage}"), tag="stage0_step1")
+        if rank == 0:
+            info = {"model_name": CRATE_TINY, "image_size": 28, "context_length": 32, "zero_stage": stage,
+                    "stage_index": 0, "stage_name": "stage0", "step": 1, "samples_seen": 8,
+                    "logit_scale_shape": [1]}
+            (workdir / f"ckpt{stage}" / "stage0_step1" / "crate_clip.json").write_text(json.dumps(info))
+    if rank == 0:
+        (workdir / "results.json").write_text(json.dumps(results))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

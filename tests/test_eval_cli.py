@@ -1,0 +1,78 @@
+"""`crate-clip eval zeroshot|retrieval` and the per-stage hook the trainer calls."""
+import json
+
+import open_clip
+import pytest
+from safetensors.torch import save_file
+
+from crate_clip.cli import main as crate_clip_main
+from eval.stage_hook import evaluate_stage
+from eval_fixtures import CRATE_TINY, PER_CLASS, shared_crate_tiny, shared_eval_sets, shared_trained_vit
+
+
+@pytest.fixture
+def sets(tmp_path_factory, fashion_mnist_dir):
+    return shared_eval_sets(tmp_path_factory, fashion_mnist_dir)
+
+
+@pytest.fixture
+def vit_file(tmp_path_factory, fashion_mnist_dir, tmp_path):
+    model, name = shared_trained_vit(tmp_path_factory, fashion_mnist_dir)
+    path = tmp_path / "vit.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    return name, path
+
+
+def test_cli_zeroshot_writes_json_and_uses_the_cache(sets, vit_file, tmp_path, capsys):
+    name, weights = vit_file
+    args = ["eval", "zeroshot", "--model", name, "--pretrained", str(weights), "--data", str(sets["folder"]),
+            "--dataset", "fashion_mnist", "--batch-size", "64", "--workers", "0", "--no-progress",
+            "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "zs.json")]
+    assert crate_clip_main(args) == 0
+    first = json.loads((tmp_path / "zs.json").read_text())
+    assert "zero-shot: top-1" in capsys.readouterr().out
+    assert crate_clip_main(args) == 0
+    second = json.loads((tmp_path / "zs.json").read_text())
+    assert first["n_images"] == 10 * PER_CLASS and first["top1"] > 0.25
+    assert (first["cache_hit"], second["cache_hit"]) == (False, True) and second["top1"] == first["top1"]
+
+
+def test_cli_imagenet_on_a_10_class_folder_exits_with_the_reason(sets, vit_file, capsys):
+    name, weights = vit_file
+    code = crate_clip_main(["eval", "zeroshot", "--model", name, "--pretrained", str(weights),
+                            "--data", str(sets["folder"]), "--dataset", "imagenet1k", "--no-progress"])
+    assert code == 2
+    assert "imagenet1k needs the 1,000 WordNet-id class folders" in capsys.readouterr().err
+
+
+def test_cli_retrieval(sets, vit_file, tmp_path):
+    name, weights = vit_file
+    assert crate_clip_main(["eval", "retrieval", "--model", name, "--pretrained", str(weights),
+                            "--data", str(sets["captions"]), "--workers", "0", "--no-progress",
+                            "--output", str(tmp_path / "rt.json")]) == 0
+    result = json.loads((tmp_path / "rt.json").read_text())
+    assert result["n_pairs"] == 10 * PER_CLASS and 0 <= result["image_to_text_R@1"] <= result["image_to_text_R@10"]
+
+
+def test_stage_hook_runs_declared_evals_with_a_deterministic_tokenizer(sets):
+    model = shared_crate_tiny()
+    evals = [{"name": "fmnist", "type": "zeroshot", "dataset": "fashion_mnist", "data": str(sets["shards"]),
+              "templates": "fashion_mnist", "batch_size": 40, "max_images": 60},
+             {"name": "captions", "type": "retrieval", "data": str(sets["captions"]), "batch_size": 40}]
+    results = evaluate_stage(model, model_name=CRATE_TINY, evals=evals, image_size=28, progress=False)
+    assert results["fmnist"]["n_images"] == 60 and results["captions"]["n_pairs"] == 10 * PER_CLASS
+    assert model.training is False
+    with pytest.raises(ValueError, match=r"unknown keys \['batchsize'\]"):
+        evaluate_stage(model, model_name=CRATE_TINY, evals=[{**evals[0], "batchsize": 4}], image_size=28)
+
+
+def test_eval_tokenizer_drops_a_training_reduction_mask(tmp_path):
+    from eval.model_loading import eval_tokenizer
+    config = open_clip.get_model_config(CRATE_TINY)
+    config["text_cfg"]["tokenizer_kwargs"] = {"reduction_mask": "random"}
+    (tmp_path / "evaltest-masked-tiny.json").write_text(json.dumps(config))
+    open_clip.add_model_config(tmp_path / "evaltest-masked-tiny.json")
+    text = ["a photo of a small red dress with long sleeves, a collar, buttons, pockets and a belt " * 2] * 8
+    assert not (open_clip.get_tokenizer("evaltest-masked-tiny")(text) == open_clip.get_tokenizer(CRATE_TINY)(text)).all()
+    tokens = eval_tokenizer("evaltest-masked-tiny", shared_crate_tiny())(text)
+    assert tokens.shape == (8, 32) and (tokens == open_clip.get_tokenizer(CRATE_TINY)(text)).all()

@@ -1,0 +1,158 @@
+"""Run configs: shipped ones validate; bad ones fail before any work with the key named and a fix;
+`--set` overrides; parameter groups and the warm-up + cosine schedule."""
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from crate_clip.train.run_config import (ConfigError, apply_override, check_runtime, config_from_dict,
+                                         load_run_config)
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
+
+
+def _good() -> dict:
+    return {"data": {"sources": ["/data/{00000000..00000009}.tar"]},
+            "stages": [{"name": "pre", "image_size": 84, "context_length": 8, "samples": 1024, "global_batch": 64,
+                        "lr": 1e-3, "warmup_steps": 2, "text_mask": "syntax"},
+                       {"name": "ft", "image_size": 224, "context_length": 32, "samples": 256, "global_batch": 64,
+                        "lr": 5e-5}]}
+
+
+def _error(raw: dict, **kw) -> str:
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict(raw, check_paths=kw.pop("check_paths", False), **kw)
+    return str(exc.value)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(REPO)) for p in CONFIGS])
+def test_shipped_configs_validate(path):
+    cfg = load_run_config(path, check_paths=False)
+    assert cfg.stages and all(s.steps >= 1 for s in cfg.stages)
+    assert cfg.stages[-1].image_size >= cfg.stages[0].image_size
+
+
+def test_datacomp_recipes_match_the_paper():
+    for size in ("B-16", "L-14", "H-14"):
+        cfg = load_run_config(REPO / f"configs/datacomp/crate_alpha_clipa_{size.lower()}.yaml", check_paths=False)
+        pre, ft = cfg.stages
+        assert (pre.image_size, pre.samples, pre.global_batch, pre.lr, pre.warmup_steps) == \
+            (84, 2_560_000_000, 32_768, 1.024e-3, 1600)
+        assert (ft.image_size, ft.samples, ft.lr, ft.warmup_steps) == (224, 512_500_000, 5.12e-5, 800)
+        assert cfg.optimizer.betas == [0.9, 0.95] and cfg.optimizer.grad_clip == 1.0
+        assert pre.weight_decay == ft.weight_decay == 0.2 and cfg.model.name == f"CRATE-alpha-CLIPA-{size}"
+
+
+def test_unknown_key_is_named_with_a_suggestion():
+    raw = _good()
+    raw["stages"][1]["warmup_step"] = 5
+    raw["optimiser"] = {}
+    msg = _error(raw)
+    assert "stages.1.warmup_step: unknown key" in msg and "did you mean 'warmup_steps'" in msg
+    assert "optimiser: unknown key" in msg and "'optimizer'" in msg
+
+
+@pytest.mark.parametrize("path, value, expected", [
+    ("stages.0.lr", "fast", "stages.0.lr: expected a number"),
+    ("stages.0.lr", -1.0, "stages.0.lr: -1.0; fix: a positive peak learning rate"),
+    ("stages.1.text_mask", "nouns", "stages.1.text_mask: 'nouns' is not one of"),
+    ("stages.0.image_mask", "random", "stages.0.image_mask_ratio: 0 with image_mask 'random'"),
+    ("stages.0.samples", 10, "stages.0.samples: 10 is less than one global batch"),
+    ("stages.0.warmup_steps", 99, "stages.0.warmup_steps: 99 but the stage has 16 steps"),
+    ("precision", "fp8", "precision: 'fp8' is not one of"),
+    ("deepspeed.zero_stage", 4, "deepspeed.zero_stage: 4; fix: use 0, 1, 2 or 3"),
+    ("data.weights", [1.0, 2.0], "data.weights: 2 weights for 1 sources"),
+    ("checkpoint.keep_last", 0, "checkpoint.keep_last: must be >= 1"),
+    ("eval.evals", [{"name": "in1k", "type": "linear", "data": "x"}], "eval.evals.0.type: 'linear'"),
+])
+def test_bad_values_name_the_key(path, value, expected):
+    raw = _good()
+    apply_override(raw, f"{path}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
+    assert expected in _error(raw)
+
+
+def test_missing_paths_are_named(tmp_path):
+    raw = _good()
+    raw["data"]["sources"] = [str(tmp_path / "nowhere")]
+    raw["eval"] = {"evals": [{"name": "in1k", "data": str(tmp_path / "val")}]}
+    msg = _error(raw, check_paths=True)
+    assert "data.sources.0:" in msg and "does not exist" in msg and "eval.evals.0.data:" in msg
+
+
+def test_runtime_checks_name_the_key():
+    cfg = config_from_dict(_good(), check_paths=False)
+    with pytest.raises(ConfigError, match=r"stages.0.global_batch: 64 is not divisible by the 3 processes"):
+        check_runtime(cfg, world_size=3)
+    cfg.precision = "fp16"
+    with pytest.raises(ConfigError, match="precision: fp16 is not supported by DeepSpeed on CPU"):
+        check_runtime(cfg, world_size=2)
+
+
+def test_overrides():
+    raw = _good()
+    apply_override(raw, "stages.0.lr=1e-3")
+    apply_override(raw, "deepspeed.overrides.zero_optimization.overlap_comm=true")
+    apply_override(raw, "data.sources=[/a, /b]")
+    cfg = config_from_dict(raw, check_paths=False)
+    assert cfg.stages[0].lr == 1e-3 and isinstance(cfg.stages[0].lr, float)  # YAML 1.1 reads 1e-3 as text
+    assert cfg.deepspeed.overrides == {"zero_optimization": {"overlap_comm": True}}
+    assert cfg.data.sources == ["/a", "/b"]
+    with pytest.raises(ConfigError, match=r"--set stages.5.lr: 'stages.5' is not an index of a list of 2"):
+        apply_override(raw, "stages.5.lr=1")
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        apply_override(raw, "stages.0.lr")
+
+
+def test_cli_rejects_a_bad_config_before_training(tmp_path, capsys):
+    from crate_clip.train.cli import EXIT_CONFIG, main
+
+    path = tmp_path / "bad.yaml"
+    raw = _good()
+    raw["stages"][0]["global_batch"] = "big"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["--config", str(path)]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "stages.0.global_batch: expected an integer, got 'big'" in err
+    assert main(["--config", str(tmp_path / "none.yaml")]) == EXIT_CONFIG
+    assert "--config: file" in capsys.readouterr().err
+
+
+def test_deepspeed_json_is_derived_from_the_run_config():
+    from crate_clip.train.engine import deepspeed_config
+
+    raw = _good()
+    raw["deepspeed"] = {"config": str(REPO / "configs/deepspeed/zero3.json"), "overrides": {"zero_optimization": {
+        "stage3_param_persistence_threshold": 0}}}
+    raw["precision"] = "bf16"
+    cfg = config_from_dict(raw, check_paths=False)
+    ds = deepspeed_config(cfg, cfg.stages[1], world_size=4)
+    assert ds["train_batch_size"] == 64 and ds["train_micro_batch_size_per_gpu"] == 16
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"] and ds["gradient_clipping"] == 1.0
+
+
+def test_param_groups_and_schedule():
+    import crate_clip  # noqa: F401
+    from crate_clip.models import create_clip
+    from crate_clip.train.engine import prepare_model_for_deepspeed
+    from crate_clip.train.optim import param_groups, warmup_cosine
+
+    model = prepare_model_for_deepspeed(create_clip("CRATE-alpha-CLIPA-tiny", image_size=16, context_length=16))
+    assert model.logit_scale.shape == (1,)
+    groups = {g["weight_decay"]: set(g["names"]) for g in param_groups(model, 0.2)}
+    decay, no_decay = groups[0.2], groups[0.0]
+    assert not decay & no_decay and len(decay | no_decay) == len(list(model.parameters()))
+    for name in ("logit_scale", "token_embedding.weight", "positional_embedding", "visual.trunk.pos_embed",
+                 "visual.trunk.cls_token", "visual.trunk.blocks.0.ista.D", "visual.trunk.blocks.0.ista.D1",
+                 "visual.trunk.blocks.0.norm1.weight", "ln_final.bias"):
+        assert name in no_decay, name
+    for name in ("visual.trunk.patch_embed.proj.weight", "text_projection", "visual.head.proj.weight",
+                 "transformer.resblocks.0.mlp.c_fc.weight"):
+        assert name in decay, name
+    assert all(model.get_parameter(n).ndim >= 2 for n in decay)
+    lrs = [warmup_cosine(s, total_steps=10, warmup_steps=4) for s in range(10)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == 1.0
+    assert lrs[7] == pytest.approx(0.5 * (1 + math.cos(math.pi * 3 / 6)))
+    assert all(a > b for a, b in zip(lrs[4:], lrs[5:]))

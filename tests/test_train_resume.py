@@ -1,0 +1,152 @@
+"""Two-process training of the tiny CRATE-alpha CLIP on real Fashion-MNIST shards, end to end:
+a run killed with SIGKILL in the middle of a stage and resumed ends exactly like an uninterrupted run;
+the stage transition resizes the position embeddings; the zero-shot hook runs after each stage (at the
+stage's and at the full resolution); the export loads through open_clip's local-dir loader."""
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from train_fixtures import (REPO_ROOT, read_jsonl, run_env, run_job, tiny_config, tiny_fmnist,  # noqa: F401
+                            torchrun_cmd, write_config)
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+CKPT_EVERY = 3
+KILL_AT_STEP = 5  # of stage 0's 10 steps: after the step-3 checkpoint, before the stage ends
+
+
+def _train_cmd(config: Path, *extra: str) -> list[str]:
+    return torchrun_cmd(2, "--config", str(config), *extra, module="crate_clip.train.cli")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _sigkill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and both training processes at once: no clean-up code runs anywhere."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _losses(run_dir: Path) -> dict:
+    """(stage, step) -> loss, the last record of each step (a resumed run re-logs the steps it redoes)."""
+    return {(r["stage_index"], r["step"]): r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")}
+
+
+def _export(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(run_dir / "export" / "open_clip_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, tiny_fmnist):
+    """The uninterrupted run (2 stages, ZeRO-2, bf16, checkpoints every 3 steps)."""
+    root = tmp_path_factory.mktemp("reference")
+    cfg = write_config(tiny_config(root / "run", tiny_fmnist, every_steps=CKPT_EVERY), root / "run.yaml")
+    proc = run_job(_train_cmd(cfg), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return root / "run"
+
+
+def test_sigkill_mid_stage_then_resume_matches_uninterrupted(reference_run, tiny_fmnist, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = write_config(tiny_config(run_dir, tiny_fmnist, every_steps=CKPT_EVERY), tmp_path / "run.yaml")
+    proc = subprocess.Popen(_train_cmd(cfg), env=run_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            steps = [r["step"] for r in read_jsonl(metrics) if r["stage_index"] == 0] if metrics.exists() else []
+            if steps and max(steps) >= KILL_AT_STEP:
+                _sigkill_job(proc)
+                break
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            _sigkill_job(proc)
+        proc.wait()
+        time.sleep(0.5)
+    assert proc.returncode == -signal.SIGKILL
+    time.sleep(1.0)
+    latest = (run_dir / "checkpoints" / "latest").read_text()
+    assert latest.startswith("stage0-") and latest != "stage0-step00000010", latest  # killed mid-stage
+    assert not (run_dir / "export").exists()
+
+    resumed = run_job(_train_cmd(cfg, "--resume", "latest"), timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
+    assert f"resuming from {run_dir / 'checkpoints' / latest}" in resumed.stdout + resumed.stderr
+
+    ref_losses, got_losses = _losses(reference_run), _losses(run_dir)
+    assert len(ref_losses) == 10 + 4 and set(got_losses) == set(ref_losses)
+    for key, value in ref_losses.items():
+        assert got_losses[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    ref, got = _export(reference_run), _export(run_dir)
+    assert set(ref) == set(got)
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_stage_transition_resizes_pos_embed_and_evaluates(reference_run):
+    from crate_clip.train.checkpoints import consolidated_state_dict
+
+    ckpts = reference_run / "checkpoints"
+    tags = sorted(p.name for p in ckpts.iterdir() if (p / "crate_clip.json").is_file())
+    # retention: keep_last=3 complete checkpoints (stage 0's end among them); latest names the newest
+    assert tags == ["stage0-step00000010", "stage1-step00000003", "stage1-step00000004"]
+    assert (ckpts / "latest").read_text() == "stage1-step00000004"
+    low, full = consolidated_state_dict(ckpts / tags[0]), consolidated_state_dict(ckpts / tags[-1])
+    width = full["visual.trunk.pos_embed"].shape[-1]
+    assert full["visual.trunk.pos_embed"].shape == (1, 7 * 7 + 1, width)  # 28 px / patch 4, + cls
+    assert low["visual.trunk.pos_embed"].shape == (1, 4 * 4 + 1, width)  # 16 px
+    assert full["logit_scale"].shape == (1,)
+
+    results = read_jsonl(reference_run / "results.jsonl")
+    seen = {(r["stage_index"], r["image_size"]) for r in results}
+    assert seen == {(0, 16), (0, 28), (1, 28)}  # low-res stage: its own and the full resolution
+    for r in results:
+        assert r["n_images"] == 200 and 0.0 <= r["top1"] <= 1.0
+    final = [r for r in results if r["stage_index"] == 1][0]
+    assert final["top1"] > 0.2  # 10 classes: chance is 0.1; 224 real pairs' training already beats it
+    assert (reference_run / "training_curve.png").stat().st_size > 10_000
+    assert list((reference_run / "tensorboard").glob("events.*"))
+
+
+def test_export_loads_with_open_clip_local_dir(reference_run):
+    import open_clip
+
+    from crate_clip.train.export import load_export
+
+    model, preprocess, tokenizer = load_export(reference_run / "export")
+    weights = _export(reference_run)
+    own = model.state_dict()
+    assert set(own) == set(weights)
+    for key, value in weights.items():
+        assert torch.equal(own[key].float().reshape(-1), value.reshape(-1)), key
+    assert own["logit_scale"].shape == ()
+    assert model.visual.image_size == (28, 28)
+    with torch.no_grad():
+        feats = model.encode_text(tokenizer(["a photo of a sneaker."]))
+    assert feats.shape == (1, model.text_projection.shape[1]) and torch.isfinite(feats).all()
+    assert isinstance(preprocess, open_clip.transform.Compose) or callable(preprocess)

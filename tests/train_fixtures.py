@@ -1,0 +1,89 @@
+"""Shared pieces of the training tests: a small real Fashion-MNIST data set, run configs, launching torchrun."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).resolve().parent / "train_workers.py"
+
+
+@pytest.fixture(scope="session")
+def tiny_fmnist(tmp_path_factory, fashion_mnist_dir):
+    """1,200 real Fashion-MNIST training pairs in 3 shards and 200 test images as an ImageFolder."""
+    from data_pipelines.sources.fashion_mnist import write_fashion_mnist_eval_folder, write_fashion_mnist_shards
+
+    root = tmp_path_factory.mktemp("fmnist")
+    write_fashion_mnist_shards(root / "train", split="train", samples_per_shard=400, limit=1200,
+                               source_dir=fashion_mnist_dir)
+    write_fashion_mnist_eval_folder(root / "test", split="test", limit=200, source_dir=fashion_mnist_dir)
+    return root
+
+
+def tiny_config(run_dir: Path, data: Path, *, zero_stage: int = 2, precision: str = "bf16",
+                stages: list[dict] | None = None, every_steps: int = 0, evals: bool = True, **sections) -> dict:
+    """A two-stage run config of the tiny model on the small data set (16 px, then 28 px)."""
+    stages = stages or [
+        {"name": "low", "image_size": 16, "context_length": 16, "samples": 160, "global_batch": 16, "lr": 2e-3,
+         "warmup_steps": 2},
+        {"name": "full", "image_size": 28, "context_length": 16, "samples": 64, "global_batch": 16, "lr": 2e-4,
+         "warmup_steps": 1},
+    ]
+    cfg = {
+        "run": {"name": "test", "output_dir": str(run_dir), "seed": 3},
+        "model": {"name": "CRATE-alpha-CLIPA-tiny"},
+        "data": {"sources": [str(data / "train")], "num_workers": 1, "shuffle_buffer": 100},
+        "stages": stages,
+        "precision": precision,
+        "deepspeed": {"zero_stage": zero_stage},
+        "checkpoint": {"every_steps": every_steps, "keep_last": 3},
+        "eval": {"full_image_size": 28, "evals": [
+            {"name": "fmnist", "type": "zeroshot", "dataset": "fashion_mnist", "data": str(data / "test"),
+             "templates": "simple", "batch_size": 100}] if evals else []},
+        "logging": {"every_steps": 1, "progress": False, "tensorboard": True},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            cfg.setdefault(key, {}).update(value)
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def write_config(cfg: dict, path: Path) -> Path:
+    """The config as a YAML file."""
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def torchrun_cmd(nproc: int, *args: str, module: str | None = None) -> list[str]:
+    """`python -m torch.distributed.run --nproc_per_node N (-m module | tests/train_workers.py) args`."""
+    from crate_clip.train.engine import _free_port
+
+    target = ["-m", module] if module else [str(WORKERS)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *target, *args]
+
+
+def run_env() -> dict:
+    """Environment of a launched job: one thread per process (2 cores), repo importable."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_job(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run a launched job to completion (output captured; shown on failure by the caller)."""
+    return subprocess.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of a JSONL file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
