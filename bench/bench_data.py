@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -89,7 +88,8 @@ def baseline(pattern: str, size: int, workers: int, warmup: int, measure: int, n
 
     tok = open_clip.get_tokenizer("ViT-B-16")
     preprocess = open_clip.image_transform(size, is_train=True, aug_cfg=AugmentationCfg(scale=(0.4, 1.0)))
-    args = argparse.Namespace(train_data=pattern, val_data=None, train_num_samples=num_samples,
+    # open_clip cuts its resampled stream into "epochs" of train_num_samples: make one epoch outlast the timing.
+    args = argparse.Namespace(train_data=pattern, val_data=None, train_num_samples=max(num_samples, 10**7),
                               dataset_resampled=True, train_data_upsampling_factors=None, seed=0,
                               batch_size=BATCH, world_size=1, workers=workers)
     data = get_wds_dataset(args, preprocess, True, tokenizer=lambda t: tok(t, context_length=CONTEXT))

@@ -92,7 +92,7 @@ def _shard_done(out_dir: Path, shard: int, fingerprint: str, settings: dict) -> 
 
 
 def _write_one_shard(out_dir: Path, shard: int, chunk: list[dict], samples_per_shard: int, settings: dict,
-                     write_parquet: bool, on_sample: Callable[[], None]) -> dict:
+                     write_parquet: bool, on_sample: Callable[[], None] | None) -> dict:
     """Encode and write one shard atomically; returns its stats."""
     start = time.time()
     tmp = out_dir / f".{shard:08d}.tar.tmp{os.getpid()}"
@@ -114,7 +114,7 @@ def _write_one_shard(out_dir: Path, shard: int, chunk: list[dict], samples_per_s
 
 
 def _encode_into(tmp: Path, shard: int, chunk: list[dict], samples_per_shard: int, settings: dict,
-                 on_sample: Callable[[], None], start: float) -> tuple[list[dict], int]:
+                 on_sample: Callable[[], None] | None, start: float) -> tuple[list[dict], int]:
     """Encode a shard's samples into the tar at `tmp`; returns (metadata rows, failed count)."""
     rows, failed = [], 0
     # Integer mtime: a float one makes tarfile add a PAX header to every member (slower to read).
@@ -127,7 +127,8 @@ def _encode_into(tmp: Path, shard: int, chunk: list[dict], samples_per_shard: in
                 jpg, w, h = encode_jpeg(img, settings["max_side"], settings["min_side"], settings["quality"])
             except Exception as exn:  # an unreadable source image is a failed sample, as in img2dataset
                 failed += 1
-                on_sample()
+                if on_sample:
+                    on_sample()
                 rows.append({"key": key, "uid": sample.get("uid"), "status": "failed_to_resize",
                              "error_message": str(exn)[:200]})
                 continue
@@ -138,7 +139,8 @@ def _encode_into(tmp: Path, shard: int, chunk: list[dict], samples_per_shard: in
             meta.update(sample.get("extra", {}))
             sink.write({"__key__": key, "jpg": jpg, "txt": sample["caption"], "json": meta})
             rows.append(meta)
-            on_sample()
+            if on_sample:
+                on_sample()
     return rows, failed
 
 
@@ -169,16 +171,32 @@ def _chunks(samples: Iterable[dict], size: int) -> Iterator[list[dict]]:
         yield chunk
 
 
+def _default_workers() -> int:
+    """Encoding processes when none is asked for: the CPUs, at most 4 (JPEG encoding is per-core work)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _materialised(chunk: list[dict]) -> list[dict]:
+    """The chunk with lazy (callable) images loaded, so it can be pickled to an encoding process."""
+    return [{**s, "image": s["image"]()} if callable(s["image"]) and not isinstance(s["image"], Image.Image) else s
+            for s in chunk]
+
+
 def write_shards(samples: Iterable[dict], out_dir: str | Path, samples_per_shard: int = 10_000, *,
                  max_side: int | None = DEFAULT_MAX_SIDE, min_side: int | None = None, quality: int = 95,
                  first_shard: int = 0, write_parquet: bool = False, progress: bool = True,
-                 total: int | None = None, description: str = "writing shards") -> dict:
+                 total: int | None = None, description: str = "writing shards",
+                 num_workers: int | None = None) -> dict:
     """Write samples ({'image', 'caption', 'uid'?, 'url'?, 'extra'?}) as DataComp-layout shards.
 
     'image' is a PIL image, encoded bytes, a file path, or a callable returning one of those (loaded
-    only when the shard is actually written). Returns {'out_dir', 'pattern', 'shards', 'samples',
-    'failed', 'shards_written', 'shards_skipped'}.
+    only when the shard is actually written). Shards are encoded by `num_workers` processes (default:
+    up to 4). Returns {'out_dir', 'pattern', 'shards', 'samples', 'failed', 'shards_written',
+    'shards_skipped'}.
     """
+    from concurrent.futures import Future, ProcessPoolExecutor
+    from multiprocessing import get_context
+
     from tqdm import tqdm
 
     if samples_per_shard < 1:
@@ -188,23 +206,42 @@ def write_shards(samples: Iterable[dict], out_dir: str | Path, samples_per_shard
     settings = {"max_side": max_side, "min_side": min_side, "quality": quality, "samples_per_shard": samples_per_shard}
     result = {"out_dir": str(out), "shards": [], "samples": 0, "failed": 0, "shards_written": 0, "shards_skipped": 0}
     bar = tqdm(total=total, desc=description, unit="img", disable=not progress, leave=False)
-    for shard, chunk in enumerate(_chunks(samples, samples_per_shard), start=first_shard):
-        for s in chunk:
-            if not isinstance(s.get("caption"), str):
-                raise ValueError(f"sample {s.get('uid', '?')!r} for shard {shard:08d} has no str 'caption'")
-        fingerprint = _fingerprint(chunk)
-        if _shard_done(out, shard, fingerprint, settings):
-            stats = json.loads((out / f"{shard:08d}_stats.json").read_text())
-            result["shards_skipped"] += 1
-            bar.update(len(chunk))
-        else:
-            stats = _write_one_shard(out, shard, chunk, samples_per_shard, settings, write_parquet,
-                                     lambda: bar.update(1))
-            result["shards_written"] += 1
-        result["shards"].append(str(out / f"{shard:08d}.tar"))
-        result["samples"] += stats["successes"]
-        result["failed"] += stats["count"] - stats["successes"]
-    bar.close()
+    workers = _default_workers() if num_workers is None else max(1, num_workers)
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("fork")) if workers > 1 else None
+    pending: list[tuple] = []  # (shard, written?, stats or Future, samples not yet shown on the bar), in order
+
+    def collect_ready(limit: int) -> None:
+        """Account for finished shards in order, waiting while more than `limit` are in flight."""
+        while pending and (len(pending) > limit or not isinstance(pending[0][2], Future) or pending[0][2].done()):
+            shard, written, stats, shown_later = pending.pop(0)
+            stats = stats.result() if isinstance(stats, Future) else stats
+            bar.update(shown_later)
+            result["shards"].append(str(out / f"{shard:08d}.tar"))
+            result["shards_written" if written else "shards_skipped"] += 1
+            result["samples"] += stats["successes"]
+            result["failed"] += stats["count"] - stats["successes"]
+
+    try:
+        for shard, chunk in enumerate(_chunks(samples, samples_per_shard), start=first_shard):
+            for s in chunk:
+                if not isinstance(s.get("caption"), str):
+                    raise ValueError(f"sample {s.get('uid', '?')!r} for shard {shard:08d} has no str 'caption'")
+            if _shard_done(out, shard, _fingerprint(chunk), settings):
+                pending.append((shard, False, json.loads((out / f"{shard:08d}_stats.json").read_text()), len(chunk)))
+            elif pool is None:
+                stats = _write_one_shard(out, shard, chunk, samples_per_shard, settings, write_parquet,
+                                         lambda: bar.update(1))
+                pending.append((shard, True, stats, 0))
+            else:
+                future = pool.submit(_write_one_shard, out, shard, _materialised(chunk), samples_per_shard,
+                                     settings, write_parquet, None)
+                pending.append((shard, True, future, len(chunk)))
+            collect_ready(limit=2 * workers)  # bounded: at most ~2 shards per process held in memory
+        collect_ready(limit=0)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
     n = len(result["shards"])
     result["pattern"] = (str(out / f"{{{first_shard:08d}..{first_shard + n - 1:08d}}}.tar") if n > 1
                          else (result["shards"][0] if n else ""))

@@ -13,9 +13,7 @@ and rotates the worker order so that the batch sequence continues exactly where 
 from __future__ import annotations
 
 import logging
-import math
 import random
-import tarfile
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -25,8 +23,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .image_decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_train, normalize_batch
-from .shard_reader import (SKIP_REASONS, ShardListError, expand_source, is_remote, iter_shard_samples,
-                           sample_caption, sample_image_bytes, shard_sizes)
+from .shard_plan import ShardPlan, interleave, resolve_sizes, shuffle_buffer
+from .shard_reader import (SKIP_REASONS, ShardListError, expand_source, iter_shard_samples, sample_caption,
+                           sample_image_bytes)
 from .text_reduction import TEXT_MASKS, TextReducer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -59,7 +58,7 @@ class StreamConfig:
     drop_last: bool = True             # epoch mode: drop each worker's final partial batch
     pos_source: str = "auto"           # syntax mask POS source: auto | nltk | wordnet | builtin
     reduced_decode: bool = True        # JPEG draft decode when the target is small
-    prefetch_factor: int = 4
+    prefetch_factor: int = 2           # batches each worker prepares ahead (x batch memory)
     crop_ratio: tuple[float, float] = field(default=(3 / 4, 4 / 3))
 
     def __post_init__(self):
@@ -85,102 +84,6 @@ class StreamConfig:
             raise ValueError("StreamConfig.shards_per_group must be >= 1")
         if self.max_image_pixels < 1:
             raise ValueError("StreamConfig.max_image_pixels must be >= 1")
-
-
-# --------------------------------------------------------------------------------------------------------
-# Shard plan: which shards each (rank, worker) reads, group by group. Pure function of the config.
-# --------------------------------------------------------------------------------------------------------
-@dataclass
-class ShardPlan:
-    """Deterministic assignment of shard groups to (rank, worker) for one stream."""
-
-    shards_by_source: list[list[str]]
-    weights: list[float]
-    sizes: dict[str, int]
-    mode: str
-    seed: int
-    epoch: int
-    rank: int
-    world_size: int
-    num_workers: int
-    group_size: int
-    overflow: bool  # epoch mode, several ranks: a worker past its own shards continues into the next epoch's
-
-    @property
-    def all_shards(self) -> list[str]:
-        """Every shard of every source, in source order."""
-        return [s for shards in self.shards_by_source for s in shards]
-
-    def worker_shards(self, epoch: int, worker: int, rank: int | None = None) -> list[str]:
-        """Epoch mode: the shards `worker` of `rank` reads in `epoch`."""
-        shards = self.all_shards
-        order = random.Random(f"epoch-{self.seed}-{epoch}").sample(range(len(shards)), len(shards))
-        rank = self.rank if rank is None else rank
-        mine = [shards[i] for i in order[rank::self.world_size]]
-        return mine[worker::self.num_workers]
-
-    def group_shards(self, worker: int, group: int) -> list[str] | None:
-        """Shards of a worker's group `group`, or None once the worker's stream has ended."""
-        if self.mode == "resampled":
-            rng = random.Random(f"shards-{self.seed}-{self.rank}-{worker}-{self.epoch}-{group}")
-            picks = []
-            for _ in range(self.group_size):
-                src = rng.choices(range(len(self.shards_by_source)), weights=self.weights)[0]
-                picks.append(rng.choice(self.shards_by_source[src]))
-            return picks
-        epoch = self.epoch
-        while True:
-            mine = self.worker_shards(epoch, worker)
-            groups = [mine[i:i + self.group_size] for i in range(0, len(mine), self.group_size)]
-            if group < len(groups):
-                return groups[group]
-            if not self.overflow or not groups:
-                return None
-            group -= len(groups)
-            epoch += 1
-
-    def expected_batches(self, batch_size: int, drop_last: bool, rank: int) -> int:
-        """Epoch mode: batches `rank` yields in one pass, from the known shard sizes."""
-        total = 0
-        for w in range(self.num_workers):
-            n = sum(self.sizes.get(s, 0) for s in self.worker_shards(self.epoch, w, rank))
-            total += n // batch_size if drop_last else math.ceil(n / batch_size)
-        return total
-
-
-def _shuffle(samples: Iterator, bufsize: int, rng: random.Random) -> Iterator:
-    """Shuffle buffer: yields in random order from up to `bufsize` samples; drains at the end."""
-    if bufsize <= 1:
-        yield from samples
-        return
-    initial = min(bufsize, 100)  # start yielding early; the buffer keeps growing to bufsize
-    buf: list = []
-    for sample in samples:
-        buf.append(sample)
-        if len(buf) < initial:
-            continue
-        if len(buf) < bufsize:
-            extra = next(samples, None)
-            if extra is not None:
-                buf.append(extra)
-        j = rng.randrange(len(buf))
-        buf[j], buf[-1] = buf[-1], buf[j]
-        yield buf.pop()
-    while buf:
-        j = rng.randrange(len(buf))
-        buf[j], buf[-1] = buf[-1], buf[j]
-        yield buf.pop()
-
-
-def _interleave(iterators: list[Iterator], rng: random.Random) -> Iterator:
-    """Samples of several shards, each next one taken from a random still-open shard."""
-    active = list(iterators)
-    while active:
-        i = rng.randrange(len(active))
-        try:
-            yield next(active[i])
-        except StopIteration:
-            active.pop(i)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -223,9 +126,9 @@ class _StreamDataset(IterableDataset):
 def _group_raw(plan: ShardPlan, spec: _BatchSpec, worker: int, group: int, shards: list[str],
                skips: Counter) -> Iterator[dict]:
     """Raw samples of one group: its shards interleaved at random, then shuffled; bad data counted."""
-    tag = f"{plan.seed}-{plan.rank}-{worker}-{plan.epoch}-{group}"
+    tag = f"{plan.rng_seed}-{plan.rank}-{worker}-{plan.epoch}-{group}"
     iters = [iter_shard_samples(url, skips) for url in shards]
-    yield from _shuffle(_interleave(iters, random.Random(f"mix-{tag}")), spec.shuffle_buffer,
+    yield from shuffle_buffer(interleave(iters, random.Random(f"mix-{tag}")), spec.shuffle_buffer,
                         random.Random(f"shuffle-{tag}"))
 
 
@@ -287,7 +190,7 @@ def worker_batches(plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer, work
                 gate.active = idx == offset - 1
                 continue  # fast-forward after a resume: read, do not decode
             offset = idx + 1
-            rng = random.Random(f"sample-{plan.seed}-{plan.rank}-{worker}-{plan.epoch}-{group}-{idx}")
+            rng = random.Random(f"sample-{plan.rng_seed}-{plan.rank}-{worker}-{plan.epoch}-{group}-{idx}")
             item = _decode_sample(raw, spec, reducer, rng, skips)
             if item is None:
                 continue
@@ -413,7 +316,7 @@ class TrainStream:
         """JSON-serialisable position of the stream (what the trainer has consumed so far)."""
         return {"version": STATE_VERSION, "mode": self.plan.mode, "seed": self.plan.seed, "epoch": self.plan.epoch,
                 "rank": self.plan.rank, "world_size": self.plan.world_size, "num_workers": self.plan.num_workers,
-                "batch_size": self.batch_size, "batches": self._batches,
+                "batch_size": self.batch_size, "batches": self._batches, "generation": self.plan.generation,
                 "samples": self._batches * self.batch_size,
                 "workers": [{"group": p["group"], "offset": p["offset"], "skips": dict(p.get("skips", {}))}
                             for p in self._positions],
@@ -426,6 +329,7 @@ class TrainStream:
                 raise ValueError(f"stream state has {key}={state[key]!r} but this stream has "
                                  f"{key}={getattr(self.plan, key)!r}; resume with the same data settings")
         self.plan.epoch = int(state.get("epoch", self.plan.epoch))
+        self.plan.generation = int(state.get("generation", 0))
         self._done_skips = Counter(state.get("done_skips", {}))
         workers = state.get("workers", [])
         if len(workers) != self.plan.num_workers or state.get("batch_size", self.batch_size) != self.batch_size:
@@ -440,16 +344,11 @@ class TrainStream:
             self._positions = self._fresh_positions()
             self._batches = 0
             if self.plan.mode == "resampled":
-                self.plan.seed = _reseed(self.plan.seed, state.get("batches", 0))
+                self.plan.generation += 1
             return
         self._positions = [{"group": int(w["group"]), "offset": int(w["offset"]), "skips": dict(w.get("skips", {}))}
                            for w in workers]
         self._batches = int(state.get("batches", 0))
-
-
-def _reseed(seed: int, salt: int) -> int:
-    """A new resampling seed after an inexact resume, so the restarted draws differ from the first ones."""
-    return random.Random(f"reseed-{seed}-{salt}").randrange(2**31)
 
 
 def _probe_pos_source(cfg: StreamConfig) -> str:
@@ -457,47 +356,6 @@ def _probe_pos_source(cfg: StreamConfig) -> str:
     from .pos_tagging import select_pos_tagger
 
     return select_pos_tagger(cfg.pos_source).source
-
-
-def count_tar_samples(shard: str) -> int:
-    """Samples (distinct keys) in a local tar, reading headers only."""
-    from webdataset.tariterators import base_plus_ext
-
-    keys = set()
-    with tarfile.open(shard, "r") as tar:
-        for member in tar:
-            if member.isreg():
-                key, _ = base_plus_ext(member.name)
-                if key is not None and not key.split("/")[-1].startswith("__"):
-                    keys.add(key)
-    return len(keys)
-
-
-def _resolve_sizes(shards: list[str]) -> tuple[dict[str, int], bool]:
-    """Known or estimated sample count of every shard; the flag says some were estimated."""
-    sizes, estimated = shard_sizes(shards)
-    unknown = [i for i, n in enumerate(sizes) if n is None and not is_remote(shards[i])]
-    # Shards without img2dataset stats (someone else's webdataset): count headers, or a sample of them.
-    probe = unknown if len(unknown) <= 1000 else unknown[:: max(1, len(unknown) // 16)][:16]
-    counted = {}
-    for i in probe:
-        try:
-            counted[i] = count_tar_samples(shards[i])
-        except (OSError, tarfile.TarError):
-            counted[i] = 0
-    for i, n in counted.items():
-        sizes[i] = n
-    if len(probe) < len(unknown):
-        estimated = True
-        mean = round(sum(counted.values()) / max(1, len(counted)))
-        for i in unknown:
-            sizes[i] = counted.get(i, mean)
-    known = [n for n in sizes if n is not None]
-    if len(known) < len(sizes):
-        estimated = True
-        mean = round(sum(known) / len(known)) if known else 0
-        sizes = [mean if n is None else n for n in sizes]
-    return dict(zip(shards, sizes)), estimated
 
 
 def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: int, text_mask: str,
@@ -521,7 +379,7 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
     if cfg.mode == "epoch" and len(all_shards) < world_size:
         raise ValueError(f"epoch mode needs at least one shard per rank: {len(all_shards)} shards for "
                          f"world_size={world_size}; use mode='resampled' or write more, smaller shards")
-    sizes, estimated = _resolve_sizes(all_shards) if (cfg.num_samples is None or cfg.mode == "epoch") else ({}, False)
+    sizes, estimated = resolve_sizes(all_shards) if (cfg.num_samples is None or cfg.mode == "epoch") else ({}, False)
     num_samples = cfg.num_samples if cfg.num_samples is not None else sum(sizes.values())
     if estimated:
         log.warning("data set size estimated from a subset of the shards: %d samples", num_samples)
@@ -540,10 +398,10 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
 
 
 def _tokenizer(name: str):
-    """CLIP BPE tokenizer, or the tokenizer of an open_clip model (registering crate_clip's configs)."""
-    try:
-        return load_tokenizer(name)
-    except Exception:
-        import crate_clip.models  # noqa: F401  (registers the CRATE-alpha open_clip configs)
-
-        return load_tokenizer(name)
+    """CLIP BPE tokenizer, or the tokenizer of an open_clip model (after registering crate_clip's configs)."""
+    if name not in ("clip-bpe", "clip", "openai"):
+        try:
+            import crate_clip.models  # noqa: F401  (registers the CRATE-alpha open_clip model configs)
+        except ImportError:
+            pass  # a plain open_clip model name still works
+    return load_tokenizer(name)

@@ -113,10 +113,10 @@ def read_label_file(path: str | Path, file_names: list[str], num_classes: int,
             raise ValueError(f"{path}: {len(rows)} labels for {len(file_names)} images (one label per line "
                              f"must match the sorted image files one to one)")
         rows = [(name, r[0]) for name, r in zip(file_names, rows)]
-    by_stem = {Path(n).stem: n for n in file_names}
+    by_stem, known = {Path(n).stem: n for n in file_names}, set(file_names)
     labels = {}
     for line_no, (name, raw) in enumerate(rows, 1):
-        file_name = name if name in by_stem.values() else by_stem.get(Path(name).stem, by_stem.get(name))
+        file_name = name if name in known else by_stem.get(Path(name).stem)
         if file_name is not None:
             labels[file_name] = _parse_label(raw, index_of, num_classes, f"{path}:{line_no}")
     missing = [n for n in file_names if n not in labels]
@@ -227,12 +227,28 @@ def subset_indices(n: int, max_images: int | None) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, max_images).round().astype(np.int64))
 
 
+class IndexedPairs(Dataset):
+    """Any map-style data set of (image tensor, label) pairs (e.g. torchvision's ImageFolder) as eval samples."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        image, label = self.dataset[index][:2]
+        return image, int(label), index, str(index)
+
+
 def make_loader(dataset, *, batch_size: int, num_workers: int = 0, rank: int = 0, world: int = 1,
                 max_images: int | None = None) -> DataLoader:
     """A DataLoader over this rank's share of a ClassificationFolder or ShardSamples."""
     if isinstance(dataset, ShardSamples):
         shard_set = ShardSamples(**{**dataset.__dict__, "rank": rank, "world": world, "limit": max_images})
         return DataLoader(shard_set, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_samples)
+    if not isinstance(dataset, ClassificationFolder):
+        dataset = IndexedPairs(dataset)
     chosen = subset_indices(len(dataset), max_images)
     mine = [int(chosen[i]) for i in rank_slice(len(chosen), rank, world)]
     return DataLoader(Subset(dataset, mine), batch_size=batch_size, num_workers=num_workers,

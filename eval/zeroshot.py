@@ -69,9 +69,7 @@ def zero_shot_evaluate(model, tokenizer, dataset, classnames: Sequence[str], tem
     classifier, cache_info = cached_text_classifier(model, tokenizer, classnames, templates, device=device,
                                                     precision=precision, cache_dir=cache_dir,
                                                     progress=progress and rank == 0)
-    num_classes = len(classnames)
-    k = min(5, num_classes)
-    counts = torch.zeros(3, num_classes, dtype=torch.float64)   # images, top-1 hits, top-5 hits per class
+    counts = torch.zeros(3, len(classnames), dtype=torch.float64)   # images, top-1 hits, top-5 hits per class
     unreadable = []
     loader = make_loader(dataset, batch_size=batch_size, num_workers=num_workers, rank=rank, world=world,
                          max_images=max_images)
@@ -80,25 +78,30 @@ def zero_shot_evaluate(model, tokenizer, dataset, classnames: Sequence[str], tem
     start = time.perf_counter()
     for batch in lockstep(loader):
         bar.update(1)
+        unreadable += batch.unreadable if batch is not None else []
         if batch is None or batch.images is None:
-            image_features(model, dummy_images(model, device), precision)
-            unreadable += batch.unreadable if batch is not None else []
-            continue
-        unreadable += batch.unreadable
-        _check_labels(batch.targets, num_classes)
-        logits = 100.0 * image_features(model, batch.images.to(device), precision) @ classifier
-        hits = logits.topk(k, dim=1).indices.cpu() == batch.targets.view(-1, 1)
-        counts[0].index_add_(0, batch.targets, torch.ones(len(batch.targets), dtype=torch.float64))
-        counts[1].index_add_(0, batch.targets, hits[:, 0].double())
-        counts[2].index_add_(0, batch.targets, hits.any(dim=1).double())
+            image_features(model, dummy_images(model, device), precision)   # keeps ZeRO-3 ranks in step
+        else:
+            _score_batch(model, batch, classifier, counts, device=device, precision=precision)
     bar.close()
     model.train(was_training)
     return _summary(all_reduce_sum(counts), unreadable, world, classnames, cache_info,
                     time.perf_counter() - start)
 
 
+def _score_batch(model, batch, classifier: torch.Tensor, counts: torch.Tensor, *, device, precision: str) -> None:
+    # As open_clip_train.zero_shot: logits = 100 * features @ classifier; a hit is the label in the top-k.
+    labels = batch.targets
+    _check_labels(labels, counts.shape[1])
+    logits = 100.0 * image_features(model, batch.images.to(device), precision) @ classifier
+    hits = logits.topk(min(5, counts.shape[1]), dim=1).indices.cpu() == labels.view(-1, 1)
+    counts[0].index_add_(0, labels, torch.ones(len(labels), dtype=torch.float64))
+    counts[1].index_add_(0, labels, hits[:, 0].double())
+    counts[2].index_add_(0, labels, hits.any(dim=1).double())
+
+
 def _check_class_count(dataset, classnames) -> None:
-    expected = getattr(dataset, "num_classes", None)
+    expected = getattr(dataset, "num_classes", None) or len(getattr(dataset, "classes", classnames))
     if expected is not None and expected != len(classnames):
         raise ValueError(f"{len(classnames)} class names but the data set has {expected} classes; they must agree")
 

@@ -220,7 +220,9 @@ def distributed_worker(rank: int, world: int, workdir: str, port: int) -> None:
             results["engine3_cached"] = evaluate(engine, cache_dir=cache)
         engine.save_checkpoint(str(workdir / f"ckpt{stage}"), tag="stage0_step1")
         if rank == 0:
-            info = {"model_name": CRATE_TINY, "image_size": 28, "context_length": 32, "zero_stage": stage,
+            context = open_clip.get_model_config(CRATE_TINY)["text_cfg"]["context_length"]
+            size = open_clip.get_model_config(CRATE_TINY)["vision_cfg"]["image_size"]
+            info = {"model_name": CRATE_TINY, "image_size": size, "context_length": context, "zero_stage": stage,
                     "stage_index": 0, "stage_name": "stage0", "step": 1, "samples_seen": 8,
                     "logit_scale_shape": [1]}
             (workdir / f"ckpt{stage}" / "stage0_step1" / "crate_clip.json").write_text(json.dumps(info))

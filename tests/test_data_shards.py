@@ -25,7 +25,8 @@ def read_all(pattern):
 
 def test_write_read_round_trip(tmp_path, fashion_mnist_dir):
     expected = list(numbered_samples(120, fashion_mnist_dir))
-    result = write_shards(numbered_samples(120, fashion_mnist_dir), tmp_path, 50, max_side=None, progress=False)
+    result = write_shards(numbered_samples(120, fashion_mnist_dir), tmp_path, 50, max_side=None, progress=False,
+                          num_workers=2)
     assert result["samples"] == 120 and result["shards_written"] == 3
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["00000000.tar", "00000000_stats.json", "00000001.tar", "00000001_stats.json",
@@ -44,7 +45,8 @@ def test_write_read_round_trip(tmp_path, fashion_mnist_dir):
     assert Image.open(io.BytesIO(samples[7]["jpg"])).size == (28, 28)
     # Idempotent: a second run finds every shard complete and rewrites nothing.
     mtimes = [p.stat().st_mtime_ns for p in sorted(tmp_path.glob("*.tar"))]
-    again = write_shards(numbered_samples(120, fashion_mnist_dir), tmp_path, 50, max_side=None, progress=False)
+    again = write_shards(numbered_samples(120, fashion_mnist_dir), tmp_path, 50, max_side=None, progress=False,
+                         num_workers=1)
     assert again["shards_skipped"] == 3 and again["shards_written"] == 0 and again["samples"] == 120
     assert mtimes == [p.stat().st_mtime_ns for p in sorted(tmp_path.glob("*.tar"))]
 
@@ -124,7 +126,7 @@ def test_interrupted_write_leaves_no_partial_shard(tmp_path):
                {"image": Image.new("RGB", (20, 20)), "caption": "two", "uid": "2"},
                {"image": killed, "caption": "three", "uid": "3"}]
     with pytest.raises(KeyboardInterrupt):
-        write_shards(samples, tmp_path, 2, progress=False)
+        write_shards(samples, tmp_path, 2, progress=False, num_workers=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["00000000.tar", "00000000_stats.json"]
 
 

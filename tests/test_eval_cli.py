@@ -75,4 +75,4 @@ def test_eval_tokenizer_drops_a_training_reduction_mask(tmp_path):
     text = ["a photo of a small red dress with long sleeves, a collar, buttons, pockets and a belt " * 2] * 8
     assert not (open_clip.get_tokenizer("evaltest-masked-tiny")(text) == open_clip.get_tokenizer(CRATE_TINY)(text)).all()
     tokens = eval_tokenizer("evaltest-masked-tiny", shared_crate_tiny())(text)
-    assert tokens.shape == (8, 32) and (tokens == open_clip.get_tokenizer(CRATE_TINY)(text)).all()
+    assert tokens.shape == (8, open_clip.get_model_config(CRATE_TINY)["text_cfg"]["context_length"]) and (tokens == open_clip.get_tokenizer(CRATE_TINY)(text)).all()

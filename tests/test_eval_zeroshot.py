@@ -79,6 +79,20 @@ def test_trained_model_matches_open_clip_zero_shot(sets, vit, monkeypatch):
     assert np.mean([c["top1"] for c in result["per_class"]]) == pytest.approx(result["mean_per_class"])
 
 
+def test_any_map_style_dataset_of_pairs_is_accepted(sets, vit):
+    model, name = vit
+    pairs = ImageFolder(str(sets["folder"]), transform=eval_transform(model))
+    result = zero_shot_evaluate(model, open_clip.get_tokenizer(name), pairs, NAMES, TEMPLATES, batch_size=64,
+                                progress=False)
+    assert pick(result) == pick(ours(model, name, sets["folder"]))
+    with pytest.raises(ValueError, match="9 class names but the data set has 10 classes"):
+        zero_shot_evaluate(model, open_clip.get_tokenizer(name), pairs, NAMES[:9], TEMPLATES, progress=False)
+
+
+def pick(result):
+    return {k: result[k] for k in ("top1", "top5", "mean_per_class", "n_images", "per_class")}
+
+
 def test_crate_alpha_tiny_matches_open_clip_zero_shot(sets, monkeypatch):
     model = shared_crate_tiny()
     result = ours(model, CRATE_TINY, sets["folder"])

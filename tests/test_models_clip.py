@@ -52,6 +52,8 @@ def test_tiny_clip_forward_backward():
     torch.testing.assert_close(img.norm(dim=-1), torch.ones(3))
     assert abs(scale.item() - 1 / 0.07) < 1e-3
     open_clip.ClipLoss()(img, txt, scale).backward()
+    inter = model.forward_intermediates(image=torch.randn(1, 3, 28, 28), image_indices=2)["image_intermediates"]
+    assert [t.shape for t in inter] == [(1, 128, 7, 7)] * 2  # open_clip's API reaches the tower's intermediates
     trunk = model.visual.trunk
     assert trunk.patch_embed.proj.bias is None
     for p in (trunk.blocks[0].ista.D1, trunk.blocks[-1].attn.qkv.weight, model.visual.head.proj.weight,

@@ -5,7 +5,8 @@ import torch
 
 import crate_clip  # noqa: F401
 from crate_clip.models import checkpoint_filter_fn, official_to_timm
-from models_fixtures import TINY, random_official_state_dict, reference_forward
+from models_fixtures import (TINY, crate_reference_forward, random_crate_state_dict, random_official_state_dict,
+                            reference_forward)
 
 D, DEPTH, HEADS, PATCH = TINY["embed_dim"], TINY["depth"], TINY["num_heads"], 16
 
@@ -95,3 +96,11 @@ def test_weights_only_refuses_pickled_code(tmp_path):
     torch.save(sd, tmp_path / "pickled.pth")
     with pytest.raises(Exception, match="(?i)weights_only|unpickl"):
         load(tmp_path / "pickled.pth", num_classes=7)
+
+
+def test_original_crate_checkpoint_matches_reference(tmp_path):
+    sd = random_crate_state_dict(D, DEPTH, PATCH, 2, 7)
+    torch.save(sd, tmp_path / "crate.pth")
+    model = load(tmp_path / "crate.pth", name="crate_base_patch16_224", num_classes=7)
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(model(x), crate_reference_forward(sd, x, DEPTH, HEADS, PATCH), rtol=1e-4, atol=1e-5)

@@ -125,10 +125,9 @@ def test_stage_transition_resizes_pos_embed_and_evaluates(reference_run):
     results = read_jsonl(reference_run / "results.jsonl")
     seen = {(r["stage_index"], r["image_size"]) for r in results}
     assert seen == {(0, 16), (0, 28), (1, 28)}  # low-res stage: its own and the full resolution
-    for r in results:
-        assert r["n_images"] == 200 and 0.0 <= r["top1"] <= 1.0
-    final = [r for r in results if r["stage_index"] == 1][0]
-    assert final["top1"] > 0.2  # 10 classes: chance is 0.1; 224 real pairs' training already beats it
+    for r in results:  # the hook ran on the 200 test images, all 10 classes (14 tiny steps: no accuracy claim)
+        assert r["n_images"] == 200 and 0.0 <= r["top1"] <= r["top5"] <= 1.0 and len(r["per_class"]) == 10
+        assert r["samples_seen"] == (160 if r["stage_index"] == 0 else 224)
     assert (reference_run / "training_curve.png").stat().st_size > 10_000
     assert list((reference_run / "tensorboard").glob("events.*"))
 

@@ -403,17 +403,21 @@ _OFFICIAL_BLOCK_KEYS = {
     "0.fn.to_out.0.weight": "attn.proj.weight", "0.fn.to_out.0.bias": "attn.proj.bias",
     "1.norm.weight": "norm2.weight", "1.norm.bias": "norm2.bias",
     "1.fn.D": "ista.D", "1.fn.D1": "ista.D1",
+    "1.fn.weight": "ista.D",  # original CRATE (Ma-Lab-Berkeley/CRATE): the square dictionary, same orientation
 }
 _OFFICIAL_TOP_KEYS = {
     "conv1.weight": "patch_embed.proj.weight", "conv1.bias": "patch_embed.proj.bias",
     "cls_token": "cls_token", "pos_embedding": "pos_embed",
     "mlp_head.0.weight": "norm.weight", "mlp_head.0.bias": "norm.bias",
     "mlp_head.1.weight": "head.weight", "mlp_head.1.bias": "head.bias",
+    # original CRATE's patch embedding: Rearrange, LayerNorm(3p^2), Linear, LayerNorm(d)
+    **{f"to_patch_embedding.{i}.{w}": f"patch_embed.{name}.{w}"
+       for i, name in ((1, "norm_in"), (2, "proj"), (3, "norm_out")) for w in ("weight", "bias")},
 }
 
 
 def official_to_timm(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Rename the official PyTorch port's keys (torch_inference/model/crate_alpha.py) to this model's.
+    """Rename the official keys to this model's: CRATE-alpha's PyTorch port and the original CRATE release.
 
     Keys it does not know are kept unchanged, so a strict load names them as unexpected.
     """

@@ -68,15 +68,15 @@ def optimizer_state_numel(engine) -> int:
 
 
 def _view_bytes(tensors) -> int:
-    """Bytes of distinct tensor views (a partition that is a view of a larger bucket counts its own size)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None or not torch.is_tensor(t) or t.numel() == 0:
-            continue
-        key = (t.data_ptr(), t.numel())
-        if key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
+    """Bytes covered by the tensors' own extents (a partition that views a larger bucket counts its own
+    size; overlapping views, e.g. per-parameter views of one flat partition, count once)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors
+                   if t is not None and torch.is_tensor(t) and t.numel() > 0)
+    total, end = 0, -1
+    for lo, hi in spans:
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
     return total
 
 

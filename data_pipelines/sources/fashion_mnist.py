@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import random
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
@@ -50,8 +51,9 @@ def _read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
+@lru_cache(maxsize=2)
 def load_fashion_mnist(split: str = "train", source_dir=None) -> tuple[np.ndarray, np.ndarray]:
-    """(images uint8 (N, 28, 28), labels uint8 (N,)) of a split."""
+    """(images uint8 (N, 28, 28), labels uint8 (N,)) of a split (read-only arrays, cached)."""
     if split not in SPLIT_PREFIX:
         raise ValueError(f"split {split!r} is not one of {tuple(SPLIT_PREFIX)}")
     d = find_fashion_mnist(source_dir)
