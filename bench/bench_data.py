@@ -17,6 +17,7 @@ import random
 import subprocess
 import sys
 import time
+from statistics import median
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--measure", type=int, default=30)
     p.add_argument("--num-samples", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="alternating ours/baseline pairs per setting")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     if args.child:
@@ -165,21 +167,28 @@ def main(argv=None) -> int:
         for workers in WORKERS:
             common = ["--pattern", pattern, "--size", str(size), "--workers", str(workers),
                       "--warmup", str(args.warmup), "--measure", str(args.measure), "--num-samples", str(num_samples)]
-            # Alternate the order so neither loader always runs on a warmer (or busier) machine.
-            first, second = ("ours", "baseline") if (size + workers) % 2 else ("baseline", "ours")
-            res = {first: run_child(base_py if first == "baseline" else Path(sys.executable), "--child", first, *common),
-                   second: run_child(base_py if second == "baseline" else Path(sys.executable), "--child", second, *common)}
-            o, b = res["ours"].get("samples_per_s"), res["baseline"].get("samples_per_s")
-            ratio = f"{o / b:.2f}x" if o and b else "n/a"
-            rows.append((size, workers, o, b, ratio, res))
-            print(f"{size:4d} px  {workers} workers  ours {o or res['ours']}  open_clip {b or res['baseline']}  {ratio}",
-                  flush=True)
-    table = ["| image size | workers | ours (samples/s) | open_clip get_wds_dataset (samples/s) | ratio | target |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for size, workers, o, b, ratio, _ in rows:
+            pairs = []
+            for rep in range(args.repeats):
+                # Alternate the order so neither loader always runs on a warmer (or busier) machine.
+                order = ("ours", "baseline") if (size + workers + rep) % 2 else ("baseline", "ours")
+                res = {name: run_child(base_py if name == "baseline" else Path(sys.executable), "--child", name, *common)
+                       for name in order}
+                o, b = res["ours"].get("samples_per_s"), res["baseline"].get("samples_per_s")
+                print(f"{size:4d} px  {workers} workers  ours {o or res['ours']}  open_clip {b or res['baseline']}",
+                      flush=True)
+                if o and b:
+                    pairs.append((o, b))
+            rows.append((size, workers, pairs))
+    table = ["| image size | workers | ours (samples/s) | open_clip get_wds_dataset (samples/s) | ratio (median) "
+             "| ratio range | target |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for size, workers, pairs in rows:
         target = {84: ">= 1.5x", 224: ">= 1.0x"}.get(size, "")
-        table.append(f"| {size} | {workers} | {o:.0f} | {b:.0f} | {ratio} | {target} |" if o and b
-                     else f"| {size} | {workers} | {o} | {b} | n/a | {target} |")
+        if not pairs:
+            table.append(f"| {size} | {workers} | n/a | n/a | n/a | n/a | {target} |")
+            continue
+        ratios = sorted(o / b for o, b in pairs)
+        table.append(f"| {size} | {workers} | {median(o for o, _ in pairs):.0f} | {median(b for _, b in pairs):.0f} "
+                     f"| {median(ratios):.2f}x | {ratios[0]:.2f}-{ratios[-1]:.2f}x | {target} |")
     from report import machine_line, write_section
 
     md = "\n".join([
@@ -187,7 +196,7 @@ def main(argv=None) -> int:
         f"Same {num_samples} DataComp-like samples (JPEG, max side 512, real emoji / Fashion-MNIST images upscaled "
         f"to 320-512 px) in {len(list(SHARDS.glob('*.tar')))} shards; resampled mode, random resized crop "
         f"(area 0.4-1.0, bicubic), normalise, tokenize to {CONTEXT}; batch {BATCH}; {args.measure} batches timed "
-        "after warm-up. Baseline: `open_clip_train.data.get_wds_dataset` (open_clip 3.3.0) run in a throwaway "
+        f"after warm-up, {args.repeats} alternating runs of each loader per row (median shown). Baseline: `open_clip_train.data.get_wds_dataset` (open_clip 3.3.0) run in a throwaway "
         f"venv with webdataset 0.2.86, because with webdataset 1.0.2 it fails: `{wds1}`.",
         "", *table, "", machine_line() + " (2 cores shared with other jobs: compare ratios, not absolute rates)",
     ])

@@ -8,6 +8,7 @@ build_zero_shot_classifier on the same model, classes and 80 templates, for the 
 Writes its table to BENCHMARKS.md (section `eval`).
 """
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -123,15 +124,19 @@ def main(argv=None) -> int:
     parser.add_argument("--classes", type=int, default=1000)
     parser.add_argument("--baseline-classes", type=int, default=100)
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]
     image_rows = bench_images(args.images, args.batch_size, args.workers, args.rounds)
     classifier_rows = bench_classifier(args.classes, args.baseline_classes)
     base = image_rows[0][1]
+    load_note = (f"1-min load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end on "
+                 f"{os.cpu_count()} cores: above the core count other jobs shared the CPU and ratios near 1x are noise.")
     lines = [f"`python bench/bench_eval.py --images {args.images} --rounds {args.rounds} --classes {args.classes} "
              f"--baseline-classes {args.baseline_classes}`", "", machine_line(), "",
              f"Zero-shot throughput, {IMAGE_MODEL} (random weights) at 224 px, {args.images} JPEGs, batch "
              f"{args.batch_size}, {args.workers} loader worker(s), best of {args.rounds} interleaved rounds:", "",
              "| path | images/s | vs baseline |", "| --- | ---: | ---: |"]
     lines += [f"| {name} | {rate:.2f} | {rate / base:.2f}x |" for name, rate in image_rows]
+    lines += ["", load_note]
     lines += ["", f"Text classifier (80 OpenAI templates) through the text tower of {TEXT_MODEL} "
               f"({_text_tower(TEXT_MODEL)[0]}); {IMAGE_MODEL}'s ({_text_tower(IMAGE_MODEL)[0]}) needs "
               f"~{_text_tower(IMAGE_MODEL)[1] / _text_tower(TEXT_MODEL)[1]:.0f}x its FLOPs per prompt:", "", "| build | seconds | speed-up |", "| --- | ---: | ---: |"]

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "per line, or Kaggle's LOC_val_solution.csv)")
     zs.add_argument("--templates", help=f"{' | '.join(BUILTIN_TEMPLATES)} | a file of '{{}}' lines "
                                         "(default: openai for imagenet1k)")
+    zs.add_argument("--per-class", action="store_true", help="print the per-class accuracy table")
     zs.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "crate_clip" / "zeroshot"),
                     help="text-classifier cache ('' disables)")
     rt = sub.add_parser("retrieval", help="image<->text recall@1/5/10 on captioned shards (.jpg + .txt)")
@@ -67,6 +68,13 @@ def _spec(args) -> dict:
     if args.command == "zeroshot":
         spec.update(dataset=args.dataset, templates=args.templates, labels=args.labels, classnames=args.classnames)
     return spec
+
+
+def _print_per_class(metrics: dict) -> None:
+    print(f"{'class':<32} {'images':>7} {'top-1':>7} {'top-5':>7}")
+    for row in metrics["per_class"]:
+        top1, top5 = (f"{100 * row[k]:.1f}" if row[k] is not None else "-" for k in ("top1", "top5"))
+        print(f"{row['class'][:32]:<32} {row['n']:>7} {top1:>7} {top5:>7}")
 
 
 def _print_summary(command: str, metrics: dict) -> None:
@@ -93,6 +101,8 @@ def main(argv=None) -> int:
         print(f"crate-clip eval: error: {err}", file=sys.stderr)
         return 2
     if rank_and_world()[0] == 0:
+        if getattr(args, "per_class", False):
+            _print_per_class(metrics)
         _print_summary(args.command, metrics)
         if args.output:
             args.output.parent.mkdir(parents=True, exist_ok=True)

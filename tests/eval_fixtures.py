@@ -166,8 +166,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-DIST_MAX_IMAGES = 151   # 76 + 75 images over 2 ranks: rank 0 makes one more forward call than rank 1
-DIST_BATCH = 25
+DIST_MAX_IMAGES = 73    # 37 + 36 images over 2 ranks in batches of 12: rank 0 makes 4 forward calls, rank 1 3 (+1 dummy)
+DIST_BATCH = 12
 DS_STAGES = (0, 2, 3)
 
 

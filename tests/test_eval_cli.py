@@ -1,5 +1,6 @@
 """`crate-clip eval zeroshot|retrieval` and the per-stage hook the trainer calls."""
 import json
+import re
 
 import open_clip
 import pytest
@@ -28,9 +29,10 @@ def test_cli_zeroshot_writes_json_and_uses_the_cache(sets, vit_file, tmp_path, c
     args = ["eval", "zeroshot", "--model", name, "--pretrained", str(weights), "--data", str(sets["folder"]),
             "--dataset", "fashion_mnist", "--batch-size", "64", "--workers", "0", "--no-progress",
             "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "zs.json")]
-    assert crate_clip_main(args) == 0
+    assert crate_clip_main(args + ["--per-class"]) == 0
     first = json.loads((tmp_path / "zs.json").read_text())
-    assert "zero-shot: top-1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "zero-shot: top-1" in out and re.search(rf"\nankle boot +{PER_CLASS} +\d", out)
     assert crate_clip_main(args) == 0
     second = json.loads((tmp_path / "zs.json").read_text())
     assert first["n_images"] == 10 * PER_CLASS and first["top1"] > 0.25
