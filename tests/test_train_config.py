@@ -65,6 +65,7 @@ def test_unknown_key_is_named_with_a_suggestion():
     ("deepspeed.zero_stage", 4, "deepspeed.zero_stage: 4; fix: use 0, 1, 2 or 3"),
     ("data.weights", [1.0, 2.0], "data.weights: 2 weights for 1 sources"),
     ("checkpoint.keep_last", 0, "checkpoint.keep_last: must be >= 1"),
+    ("stages.1.crop_scale", [0.9, 0.5], "stages.1.crop_scale: [0.9, 0.5]; fix: [min, max]"),
     ("eval.evals", [{"name": "in1k", "type": "linear", "data": "x"}], "eval.evals.0.type: 'linear'"),
 ])
 def test_bad_values_name_the_key(path, value, expected):

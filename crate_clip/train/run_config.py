@@ -76,6 +76,7 @@ class StageConfig:
     text_mask: str = "truncate"
     image_mask: str = "none"
     image_mask_ratio: float = 0.0
+    crop_scale: Optional[list[float]] = None  # random-resized-crop area range; default: data.crop_scale
 
     @property
     def steps(self) -> int:
@@ -335,6 +336,8 @@ def _check(cfg: RunConfig, errors: list[str], base_dir: Path, check_paths: bool)
         need(s.text_mask in TEXT_MASKS, f"{k}.text_mask: {s.text_mask!r} is not one of {TEXT_MASKS}")
         need(s.image_mask in IMAGE_MASKS, f"{k}.image_mask: {s.image_mask!r} is not one of {IMAGE_MASKS}")
         need(0 <= s.image_mask_ratio < 1, f"{k}.image_mask_ratio: {s.image_mask_ratio}; fix: in [0, 1)")
+        need(s.crop_scale is None or (len(s.crop_scale) == 2 and 0 < s.crop_scale[0] <= s.crop_scale[1] <= 1),
+             f"{k}.crop_scale: {s.crop_scale}; fix: [min, max] with 0 < min <= max <= 1, or remove it")
         need(s.image_mask == "none" or s.image_mask_ratio > 0 or s.image_mask in ("grid",),
              f"{k}.image_mask_ratio: 0 with image_mask {s.image_mask!r}; fix: set a ratio such as 0.3, "
              "or image_mask: none")

@@ -117,7 +117,7 @@ def default_stream_factory(cfg: RunConfig, stage: StageConfig, stage_index: int,
         sources=list(cfg.data.sources), weights=cfg.data.weights, mode=cfg.data.mode,
         seed=cfg.run.seed + 1009 * stage_index,  # each stage sees the data in a new order
         shuffle_buffer=cfg.data.shuffle_buffer, num_workers=cfg.data.num_workers,
-        num_samples=cfg.data.num_samples, crop_scale=tuple(cfg.data.crop_scale))
+        num_samples=cfg.data.num_samples, crop_scale=tuple(stage.crop_scale or cfg.data.crop_scale))
     return build_train_stream(stream_cfg, image_size=stage.image_size, context_length=stage.context_length,
                               text_mask=stage.text_mask, batch_size=stage.global_batch // dist.world_size,
                               rank=dist.rank, world_size=dist.world_size,
