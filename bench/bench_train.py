@@ -143,6 +143,10 @@ def markdown(rows: list[dict], e2e: list[dict]) -> str:
         r["total"] = total
         lines.append(f"| {zs} | {_mib(r['param_bytes'])} | {_mib(r['grad_bytes'])} | {_mib(r['master_bytes'])} | "
                      f"{_mib(r['optimizer_state_bytes'])} | {_mib(total)} | {total / base_total:.2f}x |")
+    lines += ["", "ZeRO-0 is DeepSpeed's bf16 wrapper (whole fp32 master copy and Adam state on every rank). Gradients "
+              "are counted after backward: DeepSpeed 0.19's ZeRO-1 reduces into per-rank partitions in the backward "
+              "just as ZeRO-2 does, so the two coincide here; its communication buckets (reduce_bucket_size) come "
+              "on top for both."]
     steps = {r["image_size"]: r for r in rows if r["kind"] == "step" and r["rank"] == 0}
     flops = {s: r["flops_per_sample"] for s, r in steps.items()}
     speed = steps[FULL]["step_s"] / steps[LOW]["step_s"]

@@ -157,3 +157,26 @@ def test_param_groups_and_schedule():
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == 1.0
     assert lrs[7] == pytest.approx(0.5 * (1 + math.cos(math.pi * 3 / 6)))
     assert all(a > b for a, b in zip(lrs[4:], lrs[5:]))
+
+
+def test_stage_model_carries_weights_resizes_and_sets_the_token_mask():
+    import torch
+
+    from crate_clip.train.stage_loop import build_stage_model
+
+    raw = _good()
+    raw["model"] = {"name": "CRATE-alpha-CLIPA-tiny"}
+    raw["stages"][0].update(image_size=16, context_length=8, image_mask="block", image_mask_ratio=0.5)
+    raw["stages"][1].update(image_size=28, context_length=16, image_mask="random", image_mask_ratio=0.3)
+    cfg = config_from_dict(raw, check_paths=False)
+    low = build_stage_model(cfg, cfg.stages[0], None)
+    assert (low.visual.trunk.token_mask, low.visual.trunk.token_drop_ratio) == ("block", 0.5)
+    weights = {k: v.clone() for k, v in low.state_dict().items()}
+    full = build_stage_model(cfg, cfg.stages[1], weights)
+    assert (full.visual.trunk.token_mask, full.visual.trunk.token_drop_ratio) == ("random", 0.3)
+    got = full.state_dict()
+    assert weights["visual.trunk.pos_embed"].shape[1] == 17 and got["visual.trunk.pos_embed"].shape[1] == 50
+    assert weights["positional_embedding"].shape[0] == 8 and got["positional_embedding"].shape[0] == 16
+    torch.testing.assert_close(got["visual.trunk.pos_embed"][:, 0], weights["visual.trunk.pos_embed"][:, 0])
+    same = [k for k in weights if k not in ("visual.trunk.pos_embed", "positional_embedding")]
+    assert all(torch.equal(got[k], weights[k]) for k in same)

@@ -49,9 +49,10 @@ def param_numel(engine) -> tuple[int, int]:
 def master_tensors(engine) -> list:
     """The fp32 master weights the optimizer updates (this rank's partitions under ZeRO 1-3)."""
     opt = engine.optimizer
-    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
+    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
+                 "fp32_groups_flat", "fp32_groups"):
         if hasattr(opt, attr):
-            return list(getattr(opt, attr))
+            return list(_flat(getattr(opt, attr)))  # lists of flat partitions, or lists of lists of tensors
     return []
 
 
