@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eval.model_loading import consolidate_deepspeed_checkpoint
+
 INFO_FILE = "crate_clip.json"
 LATEST_FILE = "latest"
 
@@ -183,18 +185,5 @@ class CheckpointManager:
 
 def consolidated_state_dict(tag_dir: Path) -> dict:
     """Plain fp32 state dict of a complete checkpoint (any ZeRO stage), logit_scale as saved ([1])."""
-    try:
-        from eval.model_loading import consolidate_deepspeed_checkpoint
-    except ImportError:
-        consolidate_deepspeed_checkpoint = _consolidate_with_deepspeed
     state, _ = consolidate_deepspeed_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-
-
-def _consolidate_with_deepspeed(root: str, tag: str):
-    info = read_info(Path(root) / tag) or {}
-    if info.get("zero_stage", 1) == 0:  # zero_to_fp32 needs ZeRO partitions; stage 0 saves the module whole
-        module = torch.load(Path(root) / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-        return dict(module), info
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    return dict(get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)), info
