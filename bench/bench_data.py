@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     from report import machine_line, write_section
 
     md = "\n".join([
-        "### Data stream throughput (`bench/bench_data.py`)",
+        "## Data stream throughput (`bench/bench_data.py`)",
         f"Same {num_samples} DataComp-like samples (JPEG, max side 512, real emoji / Fashion-MNIST images upscaled "
         f"to 320-512 px) in {len(list(SHARDS.glob('*.tar')))} shards; resampled mode, random resized crop "
         f"(area 0.4-1.0, bicubic), normalise, tokenize to {CONTEXT}; batch {BATCH}; {args.measure} batches timed "

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     load_note = (f"1-min load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end on "
                  f"{os.cpu_count()} cores (above the core count, other jobs shared the CPU and the images/s ratios are "
                  f"not reliable: re-run on an idle machine).")
-    lines = [f"`python bench/bench_eval.py --images {args.images} --rounds {args.rounds} --classes {args.classes} "
+    lines = ["## Evaluation (`bench/bench_eval.py`)", "", f"`python bench/bench_eval.py --images {args.images} --rounds {args.rounds} --classes {args.classes} "
              f"--baseline-classes {args.baseline_classes}`", "", machine_line(), "",
              f"Zero-shot throughput, {IMAGE_MODEL} (random weights) at 224 px, {args.images} JPEGs, batch "
              f"{args.batch_size}, {args.workers} loader worker(s), best of {args.rounds} interleaved rounds:", "",

@@ -95,7 +95,7 @@ def attention_rows(args):
     return rows
 
 
-INTRO = ("### Models: CRATE-α tower cost (`bench/bench_models.py`)\n"
+INTRO = ("## Models: CRATE-α tower cost (`bench/bench_models.py`)\n"
          "Baselines: timm `vit_base_patch16_224` at the same input size and batch; a plain "
          "`softmax(q k^T / sqrt(hd)) v` MSSA (`attn_impl='math'`) for the SDPA rows. One table per device/precision.")
 

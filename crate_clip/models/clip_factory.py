@@ -28,9 +28,10 @@ class CheckpointMismatchError(RuntimeError):
 
 
 def create_clip(model_name: str, image_size: Optional[int] = None, context_length: Optional[int] = None,
-                pretrained: Optional[str] = None, device: Union[str, torch.device] = "cpu", precision: str = "fp32",
+                pretrained: Union[str, Path, Dict, None] = None, device: Union[str, torch.device] = "cpu", precision: str = "fp32",
                 text_cfg: Optional[Dict] = None, **open_clip_kwargs) -> nn.Module:
-    """Build an open_clip CLIP at `image_size` / `context_length`; `pretrained` (a file) of any size is loaded.
+    """Build an open_clip CLIP at `image_size` / `context_length`; `pretrained` (a file or a state dict)
+    of any size is loaded.
 
     `text_cfg` entries override the config's text tower (e.g. from `bert_text_cfg`). Unknown model names
     raise open_clip's usual error.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 EXIT_CONFIG, EXIT_NONFINITE, EXIT_RESUME = 2, 3, 4
 
@@ -27,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Run `crate-clip train`; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # DeepSpeed 0.19 still calls this torch collective under its old name; the notice says nothing to a user
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     from crate_clip.train.checkpoints import ResumeError
     from crate_clip.train.run_config import ConfigError, load_run_config
 

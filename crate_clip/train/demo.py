@@ -66,6 +66,16 @@ def prepare_data(data_dir: Path) -> tuple[Path, Path]:
     return train_dir, test_dir
 
 
+def keep_previous_run(run_dir: Path) -> None:
+    """Move an earlier demo run aside to `<run_dir>.previous` (replacing an older one): each demo starts
+    fresh, --resume continues instead, and the last finished run is not thrown away."""
+    previous = run_dir.with_name(run_dir.name + ".previous")
+    if previous.exists():
+        shutil.rmtree(previous)
+    run_dir.rename(previous)
+    print(f"[demo] the earlier run is kept in {previous}", flush=True)
+
+
 def launch_command(config: str, nproc: int, overrides: list[str], resume: bool) -> list[str]:
     """`torchrun --nproc_per_node N -m crate_clip.train.cli ...` (torch's launcher, shipped with torch)."""
     from crate_clip.train.engine import _free_port
@@ -101,7 +111,7 @@ def main(argv=None) -> int:
         print(f"[demo] {exc}", file=sys.stderr)
         return 1
     if run_dir.exists() and not args.resume:
-        shutil.rmtree(run_dir)  # a fresh run each time; --resume continues the previous one
+        keep_previous_run(run_dir)
     overrides = [f"run.output_dir={json.dumps(str(run_dir))}", f"data.sources={json.dumps([str(train_dir)])}",
                  f"eval.evals.0.data={json.dumps(str(test_dir))}",
                  *args.overrides]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as tdist
 import yaml
 
-from crate_clip.models import create_clip, load_clip_weights, set_image_token_mask
+from crate_clip.models import create_clip, set_image_token_mask
 from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, consolidated_state_dict, read_info,
                                           rng_state, set_rng_state)
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
@@ -98,11 +98,9 @@ def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict
     """The model at the stage's image size / context length: from carried weights (position embeddings
     resized 2-D for the image grid, 1-D for the text), or fresh (plus model.pretrained) for the first."""
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    pretrained = cfg.model.pretrained if weights is None else None
+    pretrained = cfg.model.pretrained if weights is None else weights
     model = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length,
                         pretrained=pretrained)
-    if weights is not None:
-        load_clip_weights(model, weights, strict=True)
     set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
@@ -158,8 +156,7 @@ def evaluate_after_stage(cfg: RunConfig, stage_index: int, weights: dict, progre
     sizes = [stage.image_size] + ([cfg.full_image_size] if cfg.full_image_size != stage.image_size else [])
     records = []
     for size in sizes:
-        model = create_clip(cfg.model.name, image_size=size, context_length=stage.context_length)
-        load_clip_weights(model, weights, strict=True)
+        model = create_clip(cfg.model.name, image_size=size, context_length=stage.context_length, pretrained=weights)
         model.to(dist.device).eval()
         results = evaluate_stage(model, model_name=cfg.model.name, evals=[dataclasses.asdict(e) for e in cfg.eval.evals],
                                  image_size=size, device=dist.device, precision=cfg.precision,
