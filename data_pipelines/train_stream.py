@@ -267,7 +267,11 @@ class TrainStream:
         kwargs = {}
         if self.cfg.num_workers > 0:
             kwargs = {"prefetch_factor": self.cfg.prefetch_factor, "persistent_workers": False}
-        return DataLoader(dataset, batch_size=None, num_workers=self.cfg.num_workers, **kwargs)
+        # The stream seeds its own randomness; a private generator keeps DataLoader from drawing its base
+        # seed from torch's global RNG, which would shift the trainer's (image masks) on every new iterator
+        # and make a resumed run diverge from an uninterrupted one.
+        generator = torch.Generator().manual_seed(self.cfg.seed)
+        return DataLoader(dataset, batch_size=None, num_workers=self.cfg.num_workers, generator=generator, **kwargs)
 
     def __iter__(self):
         """Endless batches in resampled mode; the rest of the current epoch in epoch mode."""
@@ -292,12 +296,6 @@ class TrainStream:
         self.plan.epoch += 1
         self._positions = self._fresh_positions()
         self._batches = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start over at the beginning of `epoch` (a different shard order / resampling seed)."""
-        self._done_skips.update(self._current_skips())
-        self.plan.epoch = int(epoch)
-        self._positions = self._fresh_positions()
         self._batches = 0
 
     def _current_skips(self) -> Counter:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_fixtures import (REPO_ROOT, read_jsonl, run_env, run_job, tiny_config, tiny_fmnist,  # noqa: F401
+from train_fixtures import (REPO_ROOT, default_stages, read_jsonl, run_env, run_job, tiny_config, tiny_fmnist,  # noqa: F401
                             torchrun_cmd, write_config)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -60,11 +60,20 @@ def _export(run_dir: Path) -> dict:
     return load_file(str(run_dir / "export" / "open_clip_model.safetensors"))
 
 
+def _masked_stages() -> list[dict]:
+    """The default stages with 30% of the patch tokens dropped at random in the first: the resumed run must
+    draw the same masks (and the same data) as the uninterrupted one."""
+    stages = default_stages()
+    stages[0].update(image_mask="random", image_mask_ratio=0.3)
+    return stages
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, tiny_fmnist):
     """The uninterrupted run (2 stages, ZeRO-2, bf16, checkpoints every 3 steps)."""
     root = tmp_path_factory.mktemp("reference")
-    cfg = write_config(tiny_config(root / "run", tiny_fmnist, every_steps=CKPT_EVERY), root / "run.yaml")
+    cfg = write_config(tiny_config(root / "run", tiny_fmnist, stages=_masked_stages(), every_steps=CKPT_EVERY),
+                       root / "run.yaml")
     proc = run_job(_train_cmd(cfg), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return root / "run"
@@ -72,7 +81,8 @@ def reference_run(tmp_path_factory, tiny_fmnist):
 
 def test_sigkill_mid_stage_then_resume_matches_uninterrupted(reference_run, tiny_fmnist, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = write_config(tiny_config(run_dir, tiny_fmnist, every_steps=CKPT_EVERY), tmp_path / "run.yaml")
+    cfg = write_config(tiny_config(run_dir, tiny_fmnist, stages=_masked_stages(), every_steps=CKPT_EVERY),
+                       tmp_path / "run.yaml")
     proc = subprocess.Popen(_train_cmd(cfg), env=run_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240

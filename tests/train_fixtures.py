@@ -26,15 +26,20 @@ def tiny_fmnist(tmp_path_factory, fashion_mnist_dir):
     return root
 
 
-def tiny_config(run_dir: Path, data: Path, *, zero_stage: int = 2, precision: str = "bf16",
-                stages: list[dict] | None = None, every_steps: int = 0, evals: bool = True, **sections) -> dict:
-    """A two-stage run config of the tiny model on the small data set (16 px, then 28 px)."""
-    stages = stages or [
+def default_stages() -> list[dict]:
+    """The tiny run's two stages: 10 steps at 16 px, then 4 at 28 px (batch 16)."""
+    return [
         {"name": "low", "image_size": 16, "context_length": 16, "samples": 160, "global_batch": 16, "lr": 2e-3,
          "warmup_steps": 2},
         {"name": "full", "image_size": 28, "context_length": 16, "samples": 64, "global_batch": 16, "lr": 2e-4,
          "warmup_steps": 1},
     ]
+
+
+def tiny_config(run_dir: Path, data: Path, *, zero_stage: int = 2, precision: str = "bf16",
+                stages: list[dict] | None = None, every_steps: int = 0, evals: bool = True, **sections) -> dict:
+    """A two-stage run config of the tiny model on the small data set (16 px, then 28 px)."""
+    stages = stages or default_stages()
     cfg = {
         "run": {"name": "test", "output_dir": str(run_dir), "seed": 3},
         "model": {"name": "CRATE-alpha-CLIPA-tiny"},

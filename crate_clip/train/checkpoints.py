@@ -50,8 +50,11 @@ def checkpoint_tag(stage_index: int, step: int) -> str:
 
 
 def rng_state() -> dict:
-    """This process's random-number generator states (torch, numpy, python)."""
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's random-number generator states (torch CPU and CUDA, numpy, python)."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():  # image token masks are drawn on the training device
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
@@ -59,6 +62,8 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def rank_state_path(tag_dir: Path, rank: int) -> Path:
