@@ -296,7 +296,6 @@ class TrainStream:
         self.plan.epoch += 1
         self._positions = self._fresh_positions()
         self._batches = 0
-        self._batches = 0
 
     def _current_skips(self) -> Counter:
         """Skip counts of the current epoch, summed over workers."""
