@@ -193,6 +193,16 @@ def _save(ckpts: CheckpointManager, engine, cfg: RunConfig, stage: StageConfig, 
                       _info(cfg, stage, progress), rank_state)
 
 
+def _first_batch_of_epoch(batches, cfg: RunConfig):
+    """The first batch of a new pass; a pass that yields nothing would otherwise end the run silently."""
+    try:
+        return next(batches)
+    except StopIteration:
+        raise RuntimeError(f"data.sources {list(cfg.data.sources)}: a whole epoch gave no batch on this rank "
+                           "(too few usable samples for the per-rank batch; see the stream's skip counters in "
+                           "metrics.jsonl)") from None
+
+
 # ---------------------------------------------------------------- one stage
 def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Progress,
                 ckpts: CheckpointManager, log: MetricsLog, dist: DistInfo) -> Path:
@@ -209,7 +219,7 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
             images, tokens = next(batches)
         except StopIteration:  # epoch mode: the next pass over the shards
             batches = iter(stream)
-            images, tokens = next(batches)
+            images, tokens = _first_batch_of_epoch(batches, cfg)
         lr = engine.get_lr()[0]
         loss, scale = train_step(engine, loss_fn, images, tokens, dist, dtype, cfg.model.attention)
         progress.step += 1
