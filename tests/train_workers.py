@@ -2,6 +2,8 @@
 
     train_workers.py zero OUT.json          ZeRO 1/2/3 engines: per-rank footprint + losses of 3 steps
     train_workers.py nonfinite CONFIG.yaml  a run whose stream yields NaN/inf images on rank 1 at set steps
+    train_workers.py accum OUT.json         gradients / updated weights with k = 4 micro-batches vs k = 1
+    train_workers.py gradpoison OUT.json    a finite loss with an infinite gradient on rank 1 at step 1
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def zero_probe(out: Path) -> None:
         losses = [float(loss)]
         for step in (1, 2):
             images, tokens = _batch(dist.rank, step)
-            losses.append(train_step(engine, loss_fn, images, tokens, dist, dtype)[0])
+            losses.append(train_step(engine, loss_fn, images, tokens, dist, dtype).loss)
         record = {"rank": dist.rank, "world_size": dist.world_size, "precision": precision,
                   "optimizer": type(engine.optimizer).__name__, "losses": losses,
                   "lr": engine.get_lr()[0], **zero_footprint.footprint(engine, grad_bytes)}
@@ -101,10 +103,134 @@ def nonfinite_run(config: Path) -> int:
     return 0
 
 
+ACCUM_CASES = [(1, False), (2, False), (3, False), (2, True)]  # (ZeRO stage, text tower frozen)
+TEXT_FREE = ("logit_scale", "logit_bias")
+
+
+def _one_stage_cfg(zs: int, precision: str, micro=None, global_batch: int = 16):
+    return config_from_dict({
+        "data": {"sources": ["unused"]}, "precision": precision,
+        "deepspeed": {"zero_stage": zs,
+                      "overrides": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}},
+        "stages": [{"name": "s", "image_size": 16, "context_length": 16, "samples": 4 * global_batch,
+                    "global_batch": global_batch, "micro_batch": micro, "lr": 1e-3, "warmup_steps": 1,
+                    "image_mask": "random", "image_mask_ratio": 0.5}]}, check_paths=False)
+
+
+def _freeze_text(model) -> None:
+    for name, p in model.named_parameters():
+        if not name.startswith("visual.") and name not in TEXT_FREE:
+            p.requires_grad_(False)
+
+
+def _full_grads(engine) -> dict:
+    from deepspeed.utils import safe_get_full_grad
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            g = safe_get_full_grad(p)
+            out[name] = None if g is None else g.detach().float().clone()
+    return out
+
+
+def _full_weights(engine) -> dict:
+    from deepspeed.utils import safe_get_full_fp32_param
+    out = {}
+    for name, p in engine.module.named_parameters():
+        w = safe_get_full_fp32_param(p)  # None for a frozen parameter: not partitioned below ZeRO-3
+        out[name] = (p if w is None else w).detach().float().clone()
+    return out
+
+
+def _max_diff(a: dict, b: dict) -> tuple[float, float]:
+    """(max |a - b|, max |a|) over the tensors both hold."""
+    diff = scale = 0.0
+    for name, x in a.items():
+        y = b.get(name)
+        if x is None or y is None:
+            continue
+        diff = max(diff, (x - y).abs().max().item())
+        scale = max(scale, x.abs().max().item())
+    return diff, scale
+
+
+def accum_probe(out: Path) -> None:
+    """Per case: one step at k = 1 (micro 8) and one at k = 4 (micro 2), global batch 16 on 2 ranks, same
+    data and RNG seed, random image mask (50%): compare the full gradients before the step and the weights."""
+    dist = init_distributed()
+    loss_fn = _make_loss(dist)
+    results = []
+    for zs, frozen in ACCUM_CASES:
+        runs = {}
+        for micro in (8, 2):
+            cfg = _one_stage_cfg(zs, "fp32", micro)
+            model = build_stage_model(cfg, cfg.stages[0], None)
+            if frozen:
+                _freeze_text(model)
+            engine = build_engine(model, cfg, cfg.stages[0], dist)
+            grads = {}
+            images, tokens = _batch(dist.rank, 0, batch=8)
+            torch.manual_seed(77 + dist.rank)  # image token masks: same draws for both k
+            res = train_step(engine, loss_fn, images, tokens, dist, torch.float32,
+                             before_step=lambda e: grads.update(_full_grads(e)))
+            runs[micro] = {"k": engine.gradient_accumulation_steps(), "loss": res.loss, "grads": grads,
+                           "weights": _full_weights(engine), "grad_norm": res.grad_norm,
+                           "n_grads": sum(g is not None for g in grads.values())}
+            engine.destroy()
+        g_diff, g_scale = _max_diff(runs[8]["grads"], runs[2]["grads"])
+        w_diff, _ = _max_diff(runs[8]["weights"], runs[2]["weights"])
+        w_moved, _ = _max_diff(runs[8]["weights"], _full_weights_of_fresh(zs, dist))
+        results.append({"rank": dist.rank, "zero_stage": zs, "frozen_text": frozen,
+                        "k": [runs[8]["k"], runs[2]["k"]], "loss": [runs[8]["loss"], runs[2]["loss"]],
+                        "grad_norm": [runs[8]["grad_norm"], runs[2]["grad_norm"]],
+                        "n_grads": [runs[8]["n_grads"], runs[2]["n_grads"]],
+                        "grad_max_diff": g_diff, "grad_max_abs": g_scale, "weight_max_diff": w_diff,
+                        "weight_moved": w_moved})
+    gathered = [None] * dist.world_size
+    torch.distributed.all_gather_object(gathered, results)
+    if dist.rank == 0:
+        out.write_text(json.dumps([r for rank_results in gathered for r in rank_results], indent=1))
+
+
+def _full_weights_of_fresh(zs: int, dist) -> dict:
+    """The initial weights (to show the step moved them)."""
+    cfg = _one_stage_cfg(zs, "fp32", 8)
+    return {n: p.detach().clone() for n, p in build_stage_model(cfg, cfg.stages[0], None).named_parameters()}
+
+
+def gradpoison_probe(out: Path) -> None:
+    """Three steps per case; at step 1 rank 1's gradient of one weight is made infinite (the loss stays
+    finite): the step must be skipped on every rank, counted, the weights kept, the schedule moved."""
+    dist = init_distributed()
+    loss_fn = _make_loss(dist)
+    results = []
+    for zs, precision, micro in [(2, "bf16", None), (3, "fp32", None), (1, "fp32", 2)]:
+        cfg = _one_stage_cfg(zs, precision, micro, global_batch=8)
+        engine = build_engine(build_stage_model(cfg, cfg.stages[0], None), cfg, cfg.stages[0], dist)
+        param = dict(engine.module.named_parameters())["visual.head.proj.weight"]
+        poison = {"on": False}
+        param.register_hook(lambda g: g * float("inf") if poison["on"] and dist.rank == 1 else g)
+        steps = []
+        for step in range(3):
+            poison["on"] = step == 1
+            before = _full_weights(engine)
+            images, tokens = _batch(dist.rank, step)
+            res = train_step(engine, loss_fn, images, tokens, dist, model_dtype(precision))
+            moved, _ = _max_diff(before, _full_weights(engine))
+            steps.append({"loss": res.loss, "skipped": res.skipped, "grad_norm": res.grad_norm,
+                          "weights_moved": moved, "lr": engine.get_lr()[0]})
+        results.append({"rank": dist.rank, "zero_stage": zs, "precision": precision, "steps": steps})
+        engine.destroy()
+    gathered = [None] * dist.world_size
+    torch.distributed.all_gather_object(gathered, results)
+    if dist.rank == 0:
+        out.write_text(json.dumps([r for rank_results in gathered for r in rank_results], indent=1))
+
+
 if __name__ == "__main__":
     mode, arg = sys.argv[1], Path(sys.argv[2])
-    if mode == "zero":
-        zero_probe(arg)
+    if mode in ("zero", "accum", "gradpoison"):
+        {"zero": zero_probe, "accum": accum_probe, "gradpoison": gradpoison_probe}[mode](arg)
         code = 0
     else:
         code = nonfinite_run(arg)

@@ -94,16 +94,30 @@ def zero_stage_of(cfg: RunConfig) -> int:
     return int(load_zero_file(cfg.deepspeed.config).get("zero_optimization", {}).get("stage", 1))
 
 
+def micro_batch_of(cfg: RunConfig, stage: StageConfig, world_size: int) -> int:
+    """Per-rank micro-batch: stages.N.micro_batch, the planner's choice for "auto", else the whole rank batch."""
+    per_rank = stage.global_batch // world_size
+    if stage.micro_batch is None:
+        return per_rank
+    if stage.micro_batch == "auto":
+        from crate_clip.train.planner import auto_micro_batch
+        return auto_micro_batch(cfg, stage, world_size)
+    return int(stage.micro_batch)
+
+
 def deepspeed_config(cfg: RunConfig, stage: StageConfig, world_size: int) -> dict:
     """The DeepSpeed JSON for one stage, derived from the run config."""
+    micro = micro_batch_of(cfg, stage, world_size)
     ds = load_zero_file(cfg.deepspeed.config)
     ds = _deep_merge(ds, {
         "train_batch_size": stage.global_batch,
-        "train_micro_batch_size_per_gpu": stage.global_batch // world_size,
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": micro,
+        # k > 1: train_step's feature cache makes each micro-step's gradient exact (backward without GAS scaling)
+        "gradient_accumulation_steps": stage.global_batch // (micro * world_size),
         "gradient_clipping": cfg.optimizer.grad_clip,
         "zero_optimization": {"stage": zero_stage_of(cfg)},
-        "bf16": {"enabled": cfg.precision == "bf16"},
+        # check_grad_overflow: a finite loss with a non-finite gradient is skipped (train_step counts it)
+        "bf16": {"enabled": cfg.precision == "bf16", "check_grad_overflow": True},
         "fp16": {"enabled": cfg.precision == "fp16", "initial_scale_power": 16, "loss_scale_window": 500},
         # we pass a torch AdamW: ZeRO wraps it (a DeepSpeed-named optimizer would compile a C++ op)
         "zero_allow_untested_optimizer": True,

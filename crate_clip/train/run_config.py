@@ -77,6 +77,9 @@ class StageConfig:
     image_mask: str = "none"
     image_mask_ratio: float = 0.0
     crop_scale: Optional[list[float]] = None  # random-resized-crop area range; default: data.crop_scale
+    # per-rank micro-batch (an int, or "auto": the planner's largest that fits); None = global_batch / world.
+    # k = global_batch / (micro_batch x world) accumulation steps with exact contrastive gradients
+    micro_batch: Any = None
 
     @property
     def steps(self) -> int:
@@ -338,6 +341,9 @@ def _check(cfg: RunConfig, errors: list[str], base_dir: Path, check_paths: bool)
         need(0 <= s.image_mask_ratio < 1, f"{k}.image_mask_ratio: {s.image_mask_ratio}; fix: in [0, 1)")
         need(s.crop_scale is None or (len(s.crop_scale) == 2 and 0 < s.crop_scale[0] <= s.crop_scale[1] <= 1),
              f"{k}.crop_scale: {s.crop_scale}; fix: [min, max] with 0 < min <= max <= 1, or remove it")
+        need(s.micro_batch is None or s.micro_batch == "auto"
+             or (isinstance(s.micro_batch, int) and not isinstance(s.micro_batch, bool) and s.micro_batch >= 1),
+             f"{k}.micro_batch: {s.micro_batch!r}; fix: a positive integer (per-rank), \"auto\", or remove it")
         need(s.image_mask == "none" or s.image_mask_ratio > 0 or s.image_mask in ("grid",),
              f"{k}.image_mask_ratio: 0 with image_mask {s.image_mask!r}; fix: set a ratio such as 0.3, "
              "or image_mask: none")
@@ -398,6 +404,10 @@ def check_runtime(cfg: RunConfig, world_size: int, device: str = "cpu") -> None:
         if s.global_batch % world_size:
             errors.append(f"stages.{i}.global_batch: {s.global_batch} is not divisible by the {world_size} "
                           f"processes; fix: use a multiple of {world_size}")
+        elif isinstance(s.micro_batch, int) and (s.global_batch // world_size) % s.micro_batch:
+            errors.append(f"stages.{i}.micro_batch: {s.micro_batch} does not divide the per-rank batch "
+                          f"{s.global_batch // world_size} (global_batch {s.global_batch} / {world_size} "
+                          "processes); fix: a divisor of it, or \"auto\"")
     if device == "cpu" and cfg.precision == "fp16":
         errors.append("precision: fp16 is not supported by DeepSpeed on CPU; fix: use bf16 or fp32")
     if errors:

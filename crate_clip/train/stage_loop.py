@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
 import time
@@ -27,9 +26,8 @@ from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, con
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
 from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl, write_plot
 from crate_clip.train.run_config import RunConfig, StageConfig, check_runtime
-
-MAX_LOGIT_SCALE = 100.0  # CLIP's cap on exp(logit_scale)
-
+from crate_clip.train.train_step import (MAX_LOGIT_SCALE, StepResult, attention_kernel,  # noqa: F401
+                                         forward_loss, train_step)
 
 class NonFiniteLossError(RuntimeError):
     """Too many non-finite losses in a row; the message names the step and the checkpoint to go back to."""
@@ -44,53 +42,6 @@ class Progress:
     samples_seen: int = 0
     nonfinite_skipped: int = 0
     nonfinite_in_a_row: int = 0
-
-
-# ---------------------------------------------------------------- one step
-def forward_loss(engine, loss_fn, images: torch.Tensor, tokens: torch.Tensor):
-    """Contrastive loss of one batch; the logit scale is clamped here, out of place, so the clamp acts
-    on what the fp32 master weights produce (an in-place clamp of the parameter would not reach them)."""
-    out = engine(image=images, text=tokens)
-    if isinstance(out, dict):
-        image_f, text_f, scale = out["image_features"], out["text_features"], out["logit_scale"]
-    else:
-        image_f, text_f, scale = out[:3]
-    scale = scale.float().clamp(max=MAX_LOGIT_SCALE).reshape(())
-    return loss_fn(image_f.float(), text_f.float(), scale), scale.detach()
-
-
-def attention_kernel(name: str, device: str):
-    """Context choosing scaled_dot_product_attention's kernel for the forward (the backward follows it)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if name == "auto":
-        name = "math" if device == "cpu" else "default"
-    if name == "default":
-        return contextlib.nullcontext()
-    backend = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
-               "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
-    return sdpa_kernel(backend)
-
-
-def train_step(engine, loss_fn, images, tokens, dist: DistInfo, dtype,
-               attention: str = "auto") -> tuple[Optional[float], float]:
-    """One optimizer step on all ranks; returns (mean loss, logit scale), loss None when the step was
-    skipped because some rank's loss was NaN or infinite (every rank skips, so collectives stay matched)."""
-    images = images.to(dist.device, dtype=dtype, non_blocking=True)
-    tokens = tokens.to(dist.device, non_blocking=True)
-    with attention_kernel(attention, dist.device.split(":")[0]):
-        loss, scale = forward_loss(engine, loss_fn, images, tokens)
-    finite = bool(torch.isfinite(loss.detach()).item())
-    flags = torch.tensor([loss.detach().float().item() if finite else 0.0, 0.0 if finite else 1.0])
-    tdist.all_reduce(flags)
-    if flags[1].item() > 0:
-        # no backward / step: the weights and the optimizer state stay as they were; the schedule moves on
-        # so the stage still ends after its planned samples
-        engine.lr_scheduler.step()
-        return None, float(scale)
-    engine.backward(loss)
-    engine.step()
-    return flags[0].item() / dist.world_size, float(scale)
 
 
 # ---------------------------------------------------------------- building blocks
@@ -221,14 +172,18 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
             batches = iter(stream)
             images, tokens = _first_batch_of_epoch(batches, cfg)
         lr = engine.get_lr()[0]
-        loss, scale = train_step(engine, loss_fn, images, tokens, dist, dtype, cfg.model.attention)
+        result = train_step(engine, loss_fn, images, tokens, dist, dtype, cfg.model.attention)
+        loss, scale = result.loss, result.logit_scale
         progress.step += 1
         progress.global_step += 1
         progress.samples_seen += stage.global_batch
         if loss is None:
             progress.nonfinite_skipped += 1
-            progress.nonfinite_in_a_row += 1
-            log.print(f"[warn] stage {progress.stage_index} step {progress.step}: non-finite loss, step skipped "
+            # fp16's dynamic loss scale overflows now and then by design: not a sign of divergence
+            progress.nonfinite_in_a_row += result.skipped != "loss_scale_overflow"
+            what = {"nonfinite_grad": "finite loss but non-finite gradient norm",
+                    "loss_scale_overflow": "fp16 loss-scale overflow"}.get(result.skipped, "non-finite loss")
+            log.print(f"[warn] stage {progress.stage_index} step {progress.step}: {what}, step skipped "
                       f"({progress.nonfinite_in_a_row} in a row, {progress.nonfinite_skipped} in total)")
         else:
             progress.nonfinite_in_a_row = 0
@@ -238,6 +193,7 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
             log.log_step({"stage_index": progress.stage_index, "stage_name": stage.name, "step": progress.step,
                           "global_step": progress.global_step, "samples_seen": progress.samples_seen,
                           "image_size": stage.image_size, "loss": loss, "lr": lr, "logit_scale": scale,
+                          "grad_norm": result.grad_norm, "skipped": result.skipped,
                           "samples_per_s": log.samples_per_second(progress.step),
                           "nonfinite_skipped": progress.nonfinite_skipped,
                           "data_skips": _summed_skips(stream, dist), "time": time.time()})
