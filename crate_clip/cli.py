@@ -8,6 +8,7 @@ SUBCOMMANDS = {
     "train": ("crate_clip.train.cli", "train a CRATE-alpha CLIP from a run config (YAML)"),
     "eval": ("eval.cli", "zero-shot classification and retrieval evaluation"),
     "shards": ("data_pipelines.cli", "write DataComp-layout webdataset shards from local data"),
+    "plan": ("crate_clip.train.plan_cli", "per-stage memory fit, micro-batch, FLOPs and GPU-hours of a run config"),
     "demo": ("crate_clip.train.demo", "the embedded Fashion-MNIST demo (the README's first command)"),
 }
 

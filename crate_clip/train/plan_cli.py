@@ -1,0 +1,57 @@
+"""`crate-clip plan CONFIG --gpus N --gpu-memory 80GiB [--gpu h100] [--mfu 0.4] [--json]`: fit and time a run."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from crate_clip.train.planner import DEFAULT_MFU, GPU_TABLE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `crate-clip plan` argument parser."""
+    p = argparse.ArgumentParser(prog="crate-clip plan",
+                                description="Per stage: parameters, counted FLOPs, per-rank memory, the largest "
+                                            "micro-batch that fits, accumulation steps, wall time and GPU-hours.")
+    p.add_argument("config", help="run config YAML")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (ranks)")
+    p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB (default: the --gpu's)")
+    p.add_argument("--gpu", default=None, help=f"GPU type for the bf16 peak: {', '.join(GPU_TABLE)}")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilisation assumed for time")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return p
+
+
+def main(argv=None) -> int:
+    """Run `crate-clip plan`; returns the exit code."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from crate_clip.train.engine import zero_stage_of
+    from crate_clip.train.planner import format_plan, parse_bytes, plan_run, plans_as_dicts
+    from crate_clip.train.run_config import ConfigError, load_run_config
+
+    try:
+        cfg = load_run_config(args.config, args.overrides, check_paths=False)
+    except ConfigError as exc:
+        print(f"crate-clip plan: {exc}", file=sys.stderr)
+        return 2
+    gpu_key = (args.gpu or "").lower()
+    if args.gpu_memory is None and gpu_key not in GPU_TABLE:
+        print("crate-clip plan: --gpu-memory: required unless --gpu names a known GPU "
+              f"({', '.join(GPU_TABLE)})", file=sys.stderr)
+        return 2
+    memory = parse_bytes(args.gpu_memory) if args.gpu_memory else GPU_TABLE[gpu_key][1] * 2 ** 30
+    bad = [f"stages.{i}.global_batch {s.global_batch}" for i, s in enumerate(cfg.stages) if s.global_batch % args.gpus]
+    if bad:
+        print(f"crate-clip plan: {', '.join(bad)} not divisible by --gpus {args.gpus}", file=sys.stderr)
+        return 2
+    plans = plan_run(cfg, args.gpus, memory, args.gpu, args.mfu)
+    if args.json:
+        print(json.dumps(plans_as_dicts(plans), indent=1))
+    else:
+        print(format_plan(plans, args.gpus, memory, args.gpu, args.mfu, zero_stage_of(cfg), cfg.precision))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

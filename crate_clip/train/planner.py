@@ -1,0 +1,341 @@
+"""Will a run config fit, and how long will it take? Per stage, from counted FLOPs and measured activations.
+
+    parameters        trainable / frozen, from the stage's model
+    FLOPs per sample  counted with torch.utils.flop_counter on a real forward + backward (batch 2, CPU),
+                      token masks and text length as configured
+    state bytes       weights / grads / AdamW state per rank under the ZeRO stage and precision
+    activations       bytes per sample measured on CPU (live tensors traced through dispatch, batch 1 and 2,
+                      slope = per sample), with and without gradient checkpointing, scaled to the dtype
+    micro-batch       the largest divisor of global_batch / world that fits, and k accumulation steps
+    time              total FLOPs / (GPUs x peak bf16 x MFU); GPU-hours
+
+The activation trace counts every tensor an op creates while it is alive (views share their storage),
+which is what a caching allocator must hold at the peak, less fragmentation (the 10% reserve).
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# dense bf16 tensor-core peak (TFLOP/s, no sparsity) and memory (GiB) of known GPUs
+GPU_TABLE = {
+    "h100": (989.0, 80), "h100-pcie": (756.0, 80), "h200": (989.0, 141), "b200": (2250.0, 180),
+    "a100": (312.0, 80), "a100-40gb": (312.0, 40), "l40s": (362.0, 48), "a10g": (70.0, 24),
+    "l4": (121.0, 24), "v100": (125.0, 32),  # v100: fp16 (no bf16)
+}
+DEFAULT_MFU = 0.40
+MEMORY_RESERVE = 0.10       # allocator fragmentation, CUDA context, NCCL buffers
+# CPU JPEG decode + crop at the stage size, images/s per core (BENCHMARKS.md, data loader on DataComp-size JPEGs)
+CPU_DECODE_RATE = {84: 550.0, 224: 70.0}
+
+
+def gpu_peak_tflops(name: Optional[str]) -> Optional[float]:
+    """Dense bf16 peak of a GPU from GPU_TABLE by name (case-insensitive substring), None if unknown."""
+    if not name:
+        return None
+    key = name.lower().replace("nvidia", "").replace(" ", "").replace("_", "-")
+    for gpu in sorted(GPU_TABLE, key=len, reverse=True):
+        if gpu in key:
+            return GPU_TABLE[gpu][0]
+    return None
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80GB', '141G', '12345' -> bytes (GB and GiB both read as 2**30: GPUs are sold in GiB)."""
+    t = str(text).strip().lower().replace(" ", "")
+    for suffix, mult in (("tib", 2 ** 40), ("tb", 2 ** 40), ("gib", 2 ** 30), ("gb", 2 ** 30), ("g", 2 ** 30),
+                         ("mib", 2 ** 20), ("mb", 2 ** 20), ("m", 2 ** 20)):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(float(t))
+
+
+# ---------------------------------------------------------------- live-tensor trace
+class LiveTensorPeak(TorchDispatchMode):
+    """Peak bytes of tensors created by ops inside the mode that are alive at the same time."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, list] = {}  # storage data_ptr -> [nbytes, tensors alive]
+        self.now = self.peak = 0
+
+    def _release(self, key: int) -> None:
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[key]
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0:
+            return
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = [storage.nbytes(), 0]
+            self.now += entry[0]
+            self.peak = max(self.peak, self.now)
+        entry[1] += 1
+        weakref.finalize(t, self._release, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t)
+        return out
+
+
+def _train_pass(model, images, tokens, track_memory: bool) -> tuple[int, float, float]:
+    """(peak live bytes, total FLOPs, forward FLOPs) of one forward + contrastive loss + backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import torch.nn.functional as F
+    model.zero_grad(set_to_none=True)
+    tracer = LiveTensorPeak() if track_memory else None
+    with FlopCounterMode(display=False) as flops:
+        with (tracer or _null()):
+            image_f, text_f, scale = model(image=images, text=tokens)[:3]
+            logits = scale * image_f @ text_f.t()
+            labels = torch.arange(len(images))
+            loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+            forward = flops.get_total_flops()
+            loss.backward()
+    peak = tracer.peak if tracer else 0
+    model.zero_grad(set_to_none=True)
+    return peak, float(flops.get_total_flops()), float(forward)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---------------------------------------------------------------- per-stage measurement
+@dataclass
+class StageMeasure:
+    """What the planner measured for one stage's model (per sample, fp32 on CPU)."""
+    trainable_params: int
+    frozen_params: int
+    flops_per_sample: float          # forward + backward
+    forward_flops_per_sample: float
+    activation_bytes_per_sample: float
+    activation_bytes_fixed: float
+    activation_bytes_per_sample_ckpt: float
+
+
+def build_plan_model(cfg, stage):
+    """The stage's model as training builds it (random init; token mask; locked towers frozen)."""
+    from crate_clip.train import stage_loop
+    pretrained = cfg.model.pretrained
+    try:
+        cfg.model.pretrained = None  # weights do not change the shapes; do not read a file here
+        return stage_loop.build_stage_model(cfg, stage, None)
+    finally:
+        cfg.model.pretrained = pretrained
+
+
+def measure_stage(cfg, stage, batches=(1, 2)) -> StageMeasure:
+    """Count FLOPs and trace activations of the stage's model at two batch sizes (CPU, fp32)."""
+    model = build_plan_model(cfg, stage)
+    model.train()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    peaks, peaks_ckpt, flops = {}, {}, {}
+    g = torch.Generator().manual_seed(0)
+    for b in batches:
+        images = torch.randn(b, 3, stage.image_size, stage.image_size, generator=g)
+        tokens = torch.randint(1, 1000, (b, stage.context_length), generator=g)
+        peaks[b], total, fwd = _train_pass(model, images, tokens, track_memory=True)
+        flops[b] = (total, fwd)
+        _set_ckpt(model, True)
+        peaks_ckpt[b], _, _ = _train_pass(model, images, tokens, track_memory=True)
+        _set_ckpt(model, bool(cfg.model.grad_checkpointing))
+    b1, b2 = batches
+    per = (peaks[b2] - peaks[b1]) / (b2 - b1)
+    per_ckpt = (peaks_ckpt[b2] - peaks_ckpt[b1]) / (b2 - b1)
+    # the trace also holds the fp32 parameter gradients: counted apart, in the per-rank state
+    fixed = max(0.0, peaks[b1] - per * b1 - 4.0 * trainable)
+    return StageMeasure(trainable, frozen, flops[b2][0] / b2, flops[b2][1] / b2, per, fixed, per_ckpt)
+
+
+def _set_ckpt(model, on: bool) -> None:
+    model.set_grad_checkpointing(on)
+
+
+# ---------------------------------------------------------------- memory model
+def state_bytes_per_rank(trainable: int, frozen: int, precision: str, zero_stage: int, world: int) -> dict:
+    """Weights / gradients / optimizer bytes one rank holds (DeepSpeed mixed precision: bf16 working
+    weights and gradients, fp32 master weights + AdamW m and v in the optimizer)."""
+    half = precision in ("bf16", "fp16")
+    w_b = 2 if half else 4
+    weights = (trainable + frozen) * w_b
+    grads = trainable * w_b
+    optim = trainable * ((4 if half else 0) + 8)
+    if zero_stage >= 1:
+        optim /= world
+    if zero_stage >= 2:
+        grads /= world
+    if zero_stage >= 3:
+        weights /= world
+    return {"weights": weights, "grads": grads, "optimizer": optim}
+
+
+@dataclass
+class StagePlan:
+    """The planner's answer for one stage."""
+    name: str
+    image_size: int
+    context_length: int
+    global_batch: int
+    per_rank_batch: int
+    trainable_params: int
+    frozen_params: int
+    flops_per_sample: float
+    state_bytes: dict
+    activation_bytes_per_sample: float
+    activation_bytes_per_sample_ckpt: float
+    micro_batch: Optional[int]
+    accumulation_steps: Optional[int]
+    grad_checkpointing: bool
+    peak_bytes_per_rank: float
+    steps: int
+    total_flops: float
+    wall_hours: Optional[float]
+    gpu_hours: Optional[float]
+    cpu_cores_per_gpu: Optional[float]
+    notes: list = field(default_factory=list)
+
+
+def _divisors_desc(n: int) -> list[int]:
+    return sorted({d for i in range(1, math.isqrt(n) + 1) if n % i == 0 for d in (i, n // i)}, reverse=True)
+
+
+def logits_bytes(micro: int, global_batch: int) -> float:
+    """Local-loss logits (micro x global, fp32, image and text side, with softmax grads): about 4 copies."""
+    return 4 * 4.0 * micro * global_batch
+
+
+def plan_stage(cfg, stage, measure: StageMeasure, gpus: int, gpu_memory: int, zero_stage: int,
+               peak_tflops: Optional[float], mfu: float) -> StagePlan:
+    """Fit the stage on `gpus` ranks of `gpu_memory` bytes; time at `mfu` of `peak_tflops`."""
+    per_rank = stage.global_batch // gpus
+    dtype_scale = 0.5 if cfg.precision in ("bf16", "fp16") else 1.0  # activations measured in fp32
+    state = state_bytes_per_rank(measure.trainable_params, measure.frozen_params, cfg.precision, zero_stage, gpus)
+    fixed = sum(state.values()) + measure.activation_bytes_fixed * dtype_scale
+    budget = gpu_memory * (1 - MEMORY_RESERVE)
+    notes = []
+
+    def peak(micro, ckpt):
+        per = measure.activation_bytes_per_sample_ckpt if ckpt else measure.activation_bytes_per_sample
+        return fixed + per * dtype_scale * micro + logits_bytes(micro, stage.global_batch)
+
+    choice = None
+    ckpt_options = [bool(cfg.model.grad_checkpointing)] + ([True] if not cfg.model.grad_checkpointing else [])
+    for ckpt in ckpt_options:
+        for micro in _divisors_desc(per_rank):
+            if peak(micro, ckpt) <= budget:
+                choice = (micro, ckpt)
+                break
+        if choice:
+            break
+    if choice and choice[1] and not cfg.model.grad_checkpointing:
+        notes.append("fits only with model.grad_checkpointing: true")
+    if choice is None:
+        notes.append("does not fit even at micro-batch 1 with gradient checkpointing: raise the ZeRO stage or GPUs")
+    micro, ckpt = choice if choice else (None, bool(cfg.model.grad_checkpointing))
+    k = per_rank // micro if micro else None
+    # k > 1 adds the no-grad caching forward; checkpointing adds a second forward in backward
+    extra = (measure.forward_flops_per_sample if k and k > 1 else 0.0) + \
+            (measure.forward_flops_per_sample if ckpt else 0.0)
+    total = (measure.flops_per_sample + extra) * stage.steps * stage.global_batch
+    wall = gpu_h = cores = None
+    if peak_tflops:
+        seconds = total / (gpus * peak_tflops * 1e12 * mfu)
+        wall, gpu_h = seconds / 3600, seconds * gpus / 3600
+        per_gpu_rate = peak_tflops * 1e12 * mfu / (measure.flops_per_sample + extra)
+        rate = CPU_DECODE_RATE[min(CPU_DECODE_RATE, key=lambda s: abs(s - stage.image_size))]
+        cores = per_gpu_rate / rate
+    return StagePlan(stage.name, stage.image_size, stage.context_length, stage.global_batch, per_rank,
+                     measure.trainable_params, measure.frozen_params, measure.flops_per_sample, state,
+                     measure.activation_bytes_per_sample * dtype_scale,
+                     measure.activation_bytes_per_sample_ckpt * dtype_scale, micro, k, ckpt,
+                     peak(micro, ckpt) if micro else float("nan"), stage.steps, total, wall, gpu_h, cores, notes)
+
+
+def plan_run(cfg, gpus: int, gpu_memory: int, gpu: Optional[str] = None, mfu: float = DEFAULT_MFU,
+             measures: Optional[list] = None) -> list[StagePlan]:
+    """Plan every stage of `cfg` on `gpus` GPUs of `gpu_memory` bytes each."""
+    from crate_clip.train.engine import zero_stage_of
+
+    peak = gpu_peak_tflops(gpu)
+    measures = measures or [measure_stage(cfg, s) for s in cfg.stages]
+    return [plan_stage(cfg, s, m, gpus, gpu_memory, zero_stage_of(cfg), peak, mfu)
+            for s, m in zip(cfg.stages, measures)]
+
+
+def auto_micro_batch(cfg, stage, world_size: int) -> int:
+    """stages.N.micro_batch: auto -> the planner's largest micro-batch that fits this device's memory
+    (CUDA: the GPU's total memory; CPU: the whole rank batch, no accumulation)."""
+    if not torch.cuda.is_available():
+        return stage.global_batch // world_size
+    from crate_clip.train.engine import zero_stage_of
+    memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    plan = plan_stage(cfg, stage, measure_stage(cfg, stage), world_size, memory, zero_stage_of(cfg), None, DEFAULT_MFU)
+    if plan.micro_batch is None:
+        raise RuntimeError(f"stages {stage.name}: micro_batch auto: even 1 sample per rank does not fit in "
+                           f"{memory / 2 ** 30:.0f} GiB; raise deepspeed.zero_stage or enable model.grad_checkpointing")
+    return plan.micro_batch
+
+
+# ---------------------------------------------------------------- printing
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optional[str], mfu: float,
+                zero_stage: int, precision: str) -> str:
+    """The human-readable plan (what `crate-clip plan` prints)."""
+    peak = gpu_peak_tflops(gpu)
+    head = (f"plan: {gpus} x {gpu or 'GPU'} ({_fmt_bytes(gpu_memory)}"
+            f"{f', {peak:.0f} TFLOP/s bf16 peak' if peak else ''}), ZeRO-{zero_stage}, {precision}, "
+            f"MFU {mfu:.0%} (assumed)")
+    lines = [head]
+    for p in plans:
+        lines += [
+            f"stage {p.name}: {p.image_size}px, {p.context_length} tokens, global batch {p.global_batch:,} "
+            f"({p.per_rank_batch} per rank), {p.steps:,} steps",
+            f"  parameters        {p.trainable_params / 1e6:.1f} M trainable, {p.frozen_params / 1e6:.1f} M frozen",
+            f"  FLOPs per sample  {p.flops_per_sample / 1e9:.1f} GFLOP (forward + backward, counted)",
+            f"  per-rank state    weights {_fmt_bytes(p.state_bytes['weights'])}, grads "
+            f"{_fmt_bytes(p.state_bytes['grads'])}, optimizer {_fmt_bytes(p.state_bytes['optimizer'])}",
+            f"  activations       {_fmt_bytes(p.activation_bytes_per_sample)}/sample "
+            f"({_fmt_bytes(p.activation_bytes_per_sample_ckpt)} with grad checkpointing)",
+            (f"  micro-batch       {p.micro_batch} per rank, k = {p.accumulation_steps}"
+             f"{' (grad checkpointing)' if p.grad_checkpointing else ''}, peak {_fmt_bytes(p.peak_bytes_per_rank)}"
+             if p.micro_batch else "  micro-batch       none fits"),
+            f"  total             {p.total_flops / 1e18:.1f} EFLOP"
+            + (f", {p.wall_hours:.1f} h wall, {p.gpu_hours:,.0f} GPU-hours, "
+               f"{p.cpu_cores_per_gpu:.0f} CPU cores/GPU for CPU JPEG decode" if p.wall_hours is not None else
+               " (give --gpu for time)"),
+        ] + [f"  note: {n}" for n in p.notes]
+    if plans and plans[0].gpu_hours is not None:
+        total = sum(p.gpu_hours for p in plans)
+        lines.append(f"all stages: {sum(p.wall_hours for p in plans):.1f} h wall, {total:,.0f} GPU-hours")
+    return "\n".join(lines)
+
+
+def plans_as_dicts(plans: list[StagePlan]) -> list[dict]:
+    """JSON-ready form."""
+    return [asdict(p) for p in plans]
