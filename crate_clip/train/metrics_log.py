@@ -7,6 +7,9 @@ from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.jsonl"
+# throughput fields of a training record (crate_clip.train.throughput.StepMeter.fields)
+THROUGHPUT_KEYS = ("step_time_s", "data_wait_s", "data_wait_frac", "samples_per_s_window", "tokens_per_s",
+                   "tflops", "tflops_per_gpu", "mfu", "peak_memory_gib_max_rank")
 PLOT_FILE = "training_curve.png"
 
 
@@ -18,6 +21,7 @@ class MetricsLog:
         self.enabled = enabled
         self.use_progress = progress
         self._bar = None
+        self._perf_post: dict = {}
         self._tb = None
         if enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -47,7 +51,14 @@ class MetricsLog:
             post = {"samples/s": f"{self.samples_per_second(step):.0f}", "lr": f"{lr:.2e}"}
             if loss is not None:
                 post["loss"] = f"{loss:.4f}"
+            post.update(self._perf_post)
             self._bar.set_postfix(post, refresh=False)
+
+    def show_throughput(self, perf: dict) -> None:
+        """Keep the latest MFU / TFLOP/s / data-wait figures for the progress bar."""
+        keys = (("mfu", "mfu", "{:.0%}"), ("tflops_per_gpu", "TFLOP/s/gpu", "{:.1f}"),
+                ("data_wait_frac", "wait", "{:.0%}"))
+        self._perf_post = {label: fmt.format(perf[k]) for k, label, fmt in keys if perf.get(k) is not None}
 
     def end_stage(self) -> None:
         """Close the stage's progress bar."""
@@ -73,9 +84,12 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
         if self._tb is not None:
             x = record["samples_seen"]
-            for key in ("loss", "lr", "logit_scale", "samples_per_s", "nonfinite_skipped"):
+            for key in ("loss", "lr", "logit_scale", "samples_per_s", "nonfinite_skipped", "grad_norm"):
                 if record.get(key) is not None:
                     self._tb.add_scalar(f"train/{key}", record[key], x)
+            for key in THROUGHPUT_KEYS:
+                if record.get(key) is not None:
+                    self._tb.add_scalar(f"throughput/{key}", record[key], x)
             for key, value in (record.get("data_skips") or {}).items():
                 self._tb.add_scalar(f"data_skips/{key}", value, x)
 

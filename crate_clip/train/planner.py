@@ -38,7 +38,7 @@ def gpu_peak_tflops(name: Optional[str]) -> Optional[float]:
     """Dense bf16 peak of a GPU from GPU_TABLE by name (case-insensitive substring), None if unknown."""
     if not name:
         return None
-    key = name.lower().replace("nvidia", "").replace(" ", "").replace("_", "-")
+    key = name.lower().replace("nvidia", "").replace(" ", "-").replace("_", "-")
     for gpu in sorted(GPU_TABLE, key=len, reverse=True):
         if gpu in key:
             return GPU_TABLE[gpu][0]
@@ -339,3 +339,22 @@ def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optiona
 def plans_as_dicts(plans: list[StagePlan]) -> list[dict]:
     """JSON-ready form."""
     return [asdict(p) for p in plans]
+
+
+def count_flops_per_sample(cfg, stage, batch: int = 2) -> tuple[float, float]:
+    """(forward + backward, forward) model FLOPs per sample of the stage's model, counted on the meta
+    device (no memory, no compute): token masks and text length as configured."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from crate_clip.models import create_clip, set_image_token_mask
+    model = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length,
+                        device="meta")
+    set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
+    model.train()
+    images = torch.empty(batch, 3, stage.image_size, stage.image_size, device="meta")
+    tokens = torch.ones(batch, stage.context_length, dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        image_f, text_f, scale = model(image=images, text=tokens)[:3]
+        forward = counter.get_total_flops()
+        (scale * (image_f @ text_f.t())).sum().backward()
+    return counter.get_total_flops() / batch, forward / batch

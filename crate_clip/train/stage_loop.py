@@ -26,6 +26,7 @@ from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, con
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
 from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl, write_plot
 from crate_clip.train.run_config import RunConfig, StageConfig, check_runtime
+from crate_clip.train.throughput import StepMeter
 from crate_clip.train.train_step import (MAX_LOGIT_SCALE, StepResult, attention_kernel,  # noqa: F401
                                          forward_loss, train_step)
 
@@ -165,14 +166,18 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
     log.start_stage(f"stage {progress.stage_index} {stage.name} @{stage.image_size}px", stage.steps,
                     progress.step, stage.global_batch)
     every_log, every_ckpt = cfg.logging.every_steps, cfg.checkpoint.every_steps
+    meter = StepMeter(cfg, stage, dist)
     while progress.step < stage.steps:
+        meter.begin()
         try:
             images, tokens = next(batches)
         except StopIteration:  # epoch mode: the next pass over the shards
             batches = iter(stream)
             images, tokens = _first_batch_of_epoch(batches, cfg)
         lr = engine.get_lr()[0]
+        meter.data_ready()
         result = train_step(engine, loss_fn, images, tokens, dist, dtype, cfg.model.attention)
+        meter.step_done()
         loss, scale = result.loss, result.logit_scale
         progress.step += 1
         progress.global_step += 1
@@ -190,7 +195,12 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
         log.advance(loss, lr, progress.step)
         last = progress.step == stage.steps
         if progress.step % every_log == 0 or last or loss is None:
-            log.log_step({"stage_index": progress.stage_index, "stage_name": stage.name, "step": progress.step,
+            perf = meter.fields()
+            warning = meter.data_wait_warning(perf)
+            if warning:
+                log.print(warning)
+            log.show_throughput(perf)
+            log.log_step({**perf, "stage_index": progress.stage_index, "stage_name": stage.name, "step": progress.step,
                           "global_step": progress.global_step, "samples_seen": progress.samples_seen,
                           "image_size": stage.image_size, "loss": loss, "lr": lr, "logit_scale": scale,
                           "grad_norm": result.grad_norm, "skipped": result.skipped,
