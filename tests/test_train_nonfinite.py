@@ -31,6 +31,11 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tiny_fmnist, tmp_p
     assert records[9]["nonfinite_skipped"] == 4 and max(records) == 9
     assert all(math.isfinite(records[s]["loss"]) for s in (1, 2, 4, 5, 6))
     assert "data_skips" in records[1]
+    # throughput accounting (CPU: TFLOP/s counted, no MFU)
+    perf = records[2]
+    assert perf["tflops"] > 0 and perf["tokens_per_s"] > perf["samples_per_s_window"] > 0
+    assert perf["mfu"] is None and perf["peak_memory_gib_max_rank"] > 0.1
+    assert 0 <= perf["data_wait_frac"] < 1 and perf["step_time_s"] > perf["data_wait_s"] >= 0
 
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "latest").read_text() == "stage0-step00000009"

@@ -47,6 +47,7 @@ class ModelSection:
     # scaled_dot_product_attention kernel: 'auto' = the math kernel on CPU (its backward is several times
     # faster than the CPU flash kernel's for short sequences), torch's choice on GPU
     attention: str = "auto"
+    compile: bool = False                  # torch.compile the image and text towers (Module.compile: same keys)
 
 
 @dataclass

@@ -56,7 +56,17 @@ def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict
     set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
+    if cfg.model.compile:
+        compile_towers(model)
     return model
+
+
+def compile_towers(model: torch.nn.Module) -> None:
+    """torch.compile each tower in place (nn.Module.compile keeps the state-dict keys, so checkpoints and
+    exports are unchanged); the contrastive loss and DeepSpeed stay eager."""
+    for tower in (getattr(model, "visual", None), getattr(model, "transformer", None)):
+        if tower is not None:
+            tower.compile()
 
 
 def default_stream_factory(cfg: RunConfig, stage: StageConfig, stage_index: int, dist: DistInfo):
