@@ -271,7 +271,9 @@ class TrainStream:
         # seed from torch's global RNG, which would shift the trainer's (image masks) on every new iterator
         # and make a resumed run diverge from an uninterrupted one.
         generator = torch.Generator().manual_seed(self.cfg.seed)
-        return DataLoader(dataset, batch_size=None, num_workers=self.cfg.num_workers, generator=generator, **kwargs)
+        # pinned host batches: the trainer's non_blocking copies to the GPU then overlap with compute
+        return DataLoader(dataset, batch_size=None, num_workers=self.cfg.num_workers, generator=generator,
+                          pin_memory=torch.cuda.is_available(), **kwargs)
 
     def __iter__(self):
         """Endless batches in resampled mode; the rest of the current epoch in epoch mode."""
