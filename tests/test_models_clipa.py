@@ -1,4 +1,6 @@
 """The paper's CRATE-alpha-CLIPA: CLIPA text tower configs, released-weight import, BERT tokenizer, pos-embed modes."""
+import hashlib
+import json
 from copy import deepcopy
 from pathlib import Path
 
@@ -251,3 +253,6 @@ def test_official_file_through_eval_loader_and_convert_cli(tmp_path, small_names
     assert all(torch.equal(v, reference.state_dict()[k]) for k, v in loaded.state_dict().items())
     exported_tok = open_clip.get_tokenizer(f"local-dir:{out}")
     assert torch.equal(exported_tok(["a photo of a cat"]), tokenizer(["a photo of a cat"]))
+    record = json.loads((out / "open_clip_config.json").read_text())["tokenizer"]
+    assert record["name"] == "bert-base-uncased" and record["kwargs"] == {"strip_sep_token": True}
+    assert record["vocab_sha1"] == hashlib.sha1((bert_vocab / "vocab.txt").read_bytes()).hexdigest()
