@@ -111,7 +111,8 @@ def test_import_errors_name_the_keys(tmp_path, small, official):
         load_official_clipa(_save(tmp_path, bad), small)
     missing = dict(sd)
     del missing["visual.transformer.resblocks.0.mlp.c_proj"]
-    with pytest.raises(CheckpointMismatchError, match=r"missing keys \[visual\.transformer\.resblocks\.0\.mlp\.c_proj\]"):
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"missing keys \[visual\.transformer\.resblocks\.0\.mlp\.c_proj\]"):
         load_official_clipa(_save(tmp_path, missing), small)
     shape = dict(sd, **{"token_embedding.weight": torch.zeros(60, SMALL["tw"])})
     with pytest.raises(CheckpointMismatchError, match=r"token_embedding\.weight.*\(60, 16\), \(50, 16\)"):
@@ -256,3 +257,12 @@ def test_official_file_through_eval_loader_and_convert_cli(tmp_path, small_names
     record = json.loads((out / "open_clip_config.json").read_text())["tokenizer"]
     assert record["name"] == "bert-base-uncased" and record["kwargs"] == {"strip_sep_token": True}
     assert record["vocab_sha1"] == hashlib.sha1((bert_vocab / "vocab.txt").read_bytes()).hexdigest()
+
+
+def test_open_clip_vit_checkpoints_are_not_taken_for_the_official_layout():
+    # open_clip's ViT-*-CLIPA share the OpenAI-style visual names; converting them would transpose their text
+    # projection by mistake
+    from crate_clip.models import is_official_clipa_layout
+
+    assert not is_official_clipa_layout(_meta_clip("ViT-H-14-CLIPA").state_dict())
+    assert is_official_clipa_layout(random_official_clipa())

@@ -78,7 +78,8 @@ def _image_tower(model: nn.Module) -> Optional[CrateAlpha]:
 
 def resize_clip_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
                            mode: str = "grid_2d") -> Dict[str, torch.Tensor]:
-    """Resize the image pos-embed (`mode`: 'grid_2d' or 'official_1d') and the text pos-embed (1-D linear) to `model`."""
+    """Resize the image pos-embed (`mode`: 'grid_2d' or 'official_1d') and the text pos-embed (1-D linear)
+    to `model`."""
     check_resize_mode(mode)
     sd = dict(state_dict)
     target = getattr(model, "module", model).state_dict()
@@ -150,7 +151,8 @@ def load_clip_weights(model: nn.Module, source: Union[str, Path, Dict[str, torch
     where = f" in {source}" if isinstance(source, (str, Path)) else ""
     name = str  # how keys are named in errors: the checkpoint's own names
     if is_official_clipa_layout(sd):
-        sd, name, where = official_clipa_to_open_clip(sd), official_key, f" (official CRATE-alpha-CLIPA layout){where}"
+        sd, name = official_clipa_to_open_clip(sd), official_key
+        where = f" (official CRATE-alpha-CLIPA layout){where}"
     for key in ("logit_scale", "logit_bias"):  # DeepSpeed trains them as [1], open_clip holds scalars
         if key in sd and key in target and sd[key].shape != target[key].shape and sd[key].numel() == 1:
             sd[key] = sd[key].reshape(target[key].shape)

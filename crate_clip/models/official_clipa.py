@@ -21,6 +21,7 @@ import torch
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError, key_list
 
 _BLOCK = re.compile(r"^visual\.transformer\.resblocks\.(\d+)\.(.+)$")
+_ISTA_KEY = re.compile(r"^visual\.transformer\.resblocks\.\d+\.mlp\.c_(fc|proj)$")
 _BLOCK_KEYS = {"ln_1.weight": "norm1.weight", "ln_1.bias": "norm1.bias", "ln_2.weight": "norm2.weight",
                "ln_2.bias": "norm2.bias", "attn.in_proj_weight": "attn.qkv.weight",
                "attn.out_proj.weight": "attn.proj.weight", "mlp.c_fc": "ista.D", "mlp.c_proj": "ista.D1"}
@@ -34,9 +35,13 @@ _REVERSE_TOP = {v: k for k, v in _TOP_KEYS.items()}
 
 
 def is_official_clipa_layout(state_dict: Dict[str, torch.Tensor]) -> bool:
-    """True for a state dict in the official CRATE-alpha-CLIPA layout (OpenAI-CLIP-style visual keys)."""
-    return "visual.class_embedding" in state_dict or any(k.startswith("visual.transformer.resblocks.")
-                                                         for k in state_dict)
+    """True for a state dict in the official CRATE-alpha-CLIPA layout.
+
+    OpenAI-CLIP-style visual keys alone do not tell: open_clip's own ViT towers (e.g. ViT-H-14-CLIPA) have
+    them too. The CRATE port's ISTA dictionaries are raw Parameters, `...resblocks.{i}.mlp.c_fc` without
+    `.weight`, which no Linear-based ViT has.
+    """
+    return any(_ISTA_KEY.match(k) for k in state_dict)
 
 
 def official_key(open_clip_key: str) -> str:
