@@ -87,10 +87,8 @@ def resize_clip_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module
     if pos is not None and IMAGE_POS_KEY in target and pos.shape != target[IMAGE_POS_KEY].shape:
         sd[IMAGE_POS_KEY] = _resize_image_pos(pos, target[IMAGE_POS_KEY], model, mode)
     tpos = sd.get(TEXT_POS_KEY)
-    if tpos is not None and TEXT_POS_KEY in target and tpos.shape != target[TEXT_POS_KEY].shape:
-        if tpos.shape[1:] != target[TEXT_POS_KEY].shape[1:]:
-            raise CheckpointMismatchError(f"{TEXT_POS_KEY}: checkpoint shape {tuple(tpos.shape)} cannot be "
-                                          f"resized to {tuple(target[TEXT_POS_KEY].shape)} (another width)")
+    # (another width cannot be resized: the loader's key and shape checks report it)
+    if tpos is not None and TEXT_POS_KEY in target and tpos.shape[1:] == target[TEXT_POS_KEY].shape[1:]:
         sd[TEXT_POS_KEY] = resize_text_pos_embed(tpos, target[TEXT_POS_KEY].shape[0])
     return sd
 
