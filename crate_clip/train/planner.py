@@ -138,12 +138,13 @@ class StageMeasure:
 def build_plan_model(cfg, stage):
     """The stage's model as training builds it (random init; token mask; locked towers frozen)."""
     from crate_clip.train import stage_loop
-    pretrained = cfg.model.pretrained
+    pretrained, compiled = cfg.model.pretrained, cfg.model.compile
     try:
         cfg.model.pretrained = None  # weights do not change the shapes; do not read a file here
+        cfg.model.compile = False    # the traced passes run eagerly
         return stage_loop.build_stage_model(cfg, stage, None)
     finally:
-        cfg.model.pretrained = pretrained
+        cfg.model.pretrained, cfg.model.compile = pretrained, compiled
 
 
 def measure_stage(cfg, stage, batches=(1, 2)) -> StageMeasure:
