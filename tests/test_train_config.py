@@ -237,3 +237,41 @@ def test_validate_flag_checks_and_exits(tmp_path, capsys):
     assert "valid (2 stages, 1,280 samples)" in capsys.readouterr().out
     assert main(["--config", str(path), "--validate", "--set", "stages.0.text_mask=nouns"]) == EXIT_CONFIG
     assert "stages.0.text_mask: 'nouns' is not one of" in capsys.readouterr().err
+
+
+def _validate(tmp_path, raw) -> tuple[int, str]:
+    from crate_clip.train.cli import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    code = main(["--config", str(path), "--validate"])
+    return code, path
+
+
+@pytest.mark.parametrize("fault", ["folder without tar", "not a tar", "image smaller than a patch"])
+def test_validate_rejects_what_training_would_crash_on(tmp_path, capsys, monkeypatch, fault):
+    from crate_clip.train.cli import EXIT_CONFIG
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    raw = _good()
+    raw["data"]["sources"] = [str(shards)]
+    raw["model"] = {"name": "CRATE-alpha-CLIPA-tiny"}          # 4 px patches
+    if fault != "folder without tar":
+        (shards / "00000000.tar").write_bytes(b"not a tar " * 100 if fault == "not a tar" else b"")
+    if fault == "image smaller than a patch":
+        import tarfile
+        with tarfile.open(shards / "00000000.tar", "w") as tar:
+            tar.add(__file__, arcname="0000.txt")
+        raw["stages"][0]["image_size"] = 3
+    expected = {"folder without tar": f"data.sources.0: {str(shards)!r} names no .tar shard",
+                "not a tar": f"data.sources.0: {str(shards / '00000000.tar')!r} is not a tar file; fix:",
+                "image smaller than a patch": "stages.0.image_size: 3 px is smaller than one 4 px patch of "
+                                              "CRATE-alpha-CLIPA-tiny; fix: at least 4"}[fault]
+    code, path = _validate(tmp_path, raw)
+    err = capsys.readouterr().err
+    assert code == EXIT_CONFIG and err.splitlines() == [f"crate-clip train: invalid run config ({path}):",
+                                                        "  " + err.splitlines()[1].strip()]
+    assert expected in err and "Traceback" not in err
+    monkeypatch.setenv("RANK", "1")   # under torchrun only rank 0 prints it; every rank exits with 2
+    assert _validate(tmp_path, raw)[0] == EXIT_CONFIG and capsys.readouterr().err == ""

@@ -6,6 +6,7 @@ errors of a file are reported at once, before any process group, model or data s
 from __future__ import annotations
 
 import copy
+import tarfile
 from pathlib import Path
 from typing import Any, Literal, Optional, get_args
 
@@ -13,7 +14,9 @@ import yaml
 from pydantic import Field, PrivateAttr, ValidationError
 
 from crate_clip.config_schema import Bool, Float, Int, Section, error_lines
+from crate_clip.models.open_clip_configs import image_patch_size
 from crate_clip.models.token_masks import TokenMask
+from data_pipelines.shard_reader import ShardListError, expand_source, is_remote
 from data_pipelines.text_reduction import TextMask
 from data_pipelines.train_stream import StreamConfig
 from eval.registry import EvalSpec
@@ -76,7 +79,7 @@ class StageConfig(Section):
     def checks(self) -> list[tuple[str, str]]:
         """Problems that involve more than one key, each with its fix."""
         problems = _crop_problem("crop_scale", self.crop_scale)
-        if self.image_size < 8:
+        if self.image_size < 1:
             problems.append(("image_size", f"{self.image_size}; fix: a positive size in pixels (e.g. 84)"))
         if self.samples < self.global_batch:
             problems.append(("samples", f"{self.samples} is less than one global batch ({self.global_batch}); "
@@ -129,7 +132,7 @@ class CheckpointSection(Section):
 class EvalSection(Section):
     """Evaluations run on all ranks after every stage; low-res stages are also evaluated at full size."""
     after_each_stage: Bool = True
-    full_image_size: Optional[Int] = Field(None, ge=8, description="a size in pixels; default: the last "
+    full_image_size: Optional[Int] = Field(None, ge=1, description="a size in pixels; default: the last "
                                                                    "stage's image size")
     evals: list[EvalSpec] = []             # each entry: one task of eval/tasks/ with its own settings
 
@@ -177,6 +180,14 @@ class RunConfig(Section):
         return self.data.model_copy(update={"seed": self.run.seed + 1009 * stage_index,  # a new order per stage
                                             "crop_scale": stage.crop_scale or self.data.crop_scale})
 
+    def _patch_problems(self) -> list[tuple[str, str]]:
+        """Every image size must hold at least one patch of the model's image tower."""
+        patch = image_patch_size(self.model.name)
+        sizes = [(f"stages.{i}.image_size", s.image_size) for i, s in enumerate(self.stages)]
+        sizes += [("eval.full_image_size", self.eval.full_image_size)] if self.eval.full_image_size else []
+        return [(key, f"{size} px is smaller than one {patch} px patch of {self.model.name}; fix: at least "
+                      f"{patch} (a multiple of {patch})") for key, size in sizes if patch and size < patch]
+
     def to_dict(self) -> dict:
         """Plain-dict form (for the copy saved in the run folder and in checkpoints)."""
         return self.model_dump(mode="json", exclude={"data": {"seed"}})  # set per stage from run.seed
@@ -190,6 +201,7 @@ class RunConfig(Section):
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names):
             problems.append(("stages", f"duplicate stage names {names}; fix: give each a unique name"))
+        problems += self._patch_problems()
         if "seed" in self.data.model_fields_set:
             problems.append(("data.seed", "set per stage from run.seed; fix: remove it and set run.seed"))
         return problems
@@ -229,11 +241,7 @@ def apply_override(raw: dict, assignment: str) -> None:
 # ---------------------------------------------------------------- paths
 def _check_paths(cfg: RunConfig, base_dir: Path) -> list[str]:
     """Local files the run reads must exist (checked before any process group starts)."""
-    errors = []
-    for i, src in enumerate(cfg.data.sources):
-        if _is_local(src) and not _local_exists(resolve_path(src, base_dir)):
-            errors.append(f"data.sources.{i}: {src!r} does not exist; fix: write the shards first "
-                          "(crate-clip shards ...) or correct the path")
+    errors = [line for i, src in enumerate(cfg.data.sources) for line in _source_problems(f"data.sources.{i}", src)]
     if cfg.model.pretrained and not resolve_path(cfg.model.pretrained, base_dir).exists():
         errors.append(f"model.pretrained: file {cfg.model.pretrained!r} does not exist")
     if cfg.deepspeed.config and not resolve_path(cfg.deepspeed.config, base_dir).exists():
@@ -246,21 +254,27 @@ def _check_paths(cfg: RunConfig, base_dir: Path) -> list[str]:
     return errors
 
 
-def _is_local(src: str) -> bool:
-    return not (src.startswith("pipe:") or "://" in src)
+SHARDS_CHECKED = 16   # per source, spread over its list: a header read each, not a scan of every shard
 
 
-def _local_exists(path: Path) -> bool:
-    """A folder, a file, or a brace/glob pattern with at least one existing match."""
-    text = str(path)
-    if path.exists():
-        return True
-    if "{" in text:
-        import braceexpand  # webdataset's dependency
-        return any(Path(p).exists() for p in braceexpand.braceexpand(text))
-    if any(c in text for c in "*?["):
-        return any(Path(text).parent.glob(Path(text).name))
-    return False
+def _source_problems(key: str, source: str) -> list[str]:
+    """A local source must name shards that exist and are tar files (a sample of them is opened)."""
+    if is_remote(source):
+        return []
+    fix = "fix: write the shards first (crate-clip shards ...) or correct the path"
+    try:
+        shards = expand_source(source)
+    except ShardListError:
+        return [f"{key}: {source!r} names no .tar shard (an empty folder or a pattern that matches nothing); {fix}"]
+    step = max(1, len(shards) // SHARDS_CHECKED)
+    present = [shard for shard in shards[::step][:SHARDS_CHECKED] if Path(shard).is_file()]
+    if not present:   # a few missing shards of a pattern are counted by the stream, not an error
+        return [f"{key}: {source!r} does not exist; {fix}"]
+    not_tar = [shard for shard in present if not tarfile.is_tarfile(shard)]
+    if not_tar:
+        return [f"{key}: {not_tar[0]!r} is not a tar file; fix: rewrite the shard (crate-clip shards ...) or "
+                "remove it"]
+    return []
 
 
 def resolve_path(path: str, base_dir: Path) -> Path:
@@ -274,7 +288,7 @@ def resolve_path(path: str, base_dir: Path) -> Path:
 
 def _resolve_paths(cfg: RunConfig, base_dir: Path) -> None:
     """Make relative local paths found beside the config absolute, so every rank reads the same files."""
-    cfg.data.sources = [str(resolve_path(s, base_dir)) if _is_local(s) else s for s in cfg.data.sources]
+    cfg.data.sources = [s if is_remote(s) else str(resolve_path(s, base_dir)) for s in cfg.data.sources]
     for e in cfg.eval.evals:
         e.data = str(resolve_path(e.data, base_dir)) if e.data else e.data
     if cfg.deepspeed.config:
