@@ -21,6 +21,7 @@ from typing import Iterator, Literal, Optional
 
 import numpy as np
 import torch
+import webdataset as wds
 from pydantic import Field, field_validator
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -28,7 +29,7 @@ from crate_clip.config_schema import Bool, Float, Int, Section
 
 from .image_decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_train, normalize_batch
 from .pos_tagging import PosSource
-from .shard_plan import ShardPlan, interleave, resolve_sizes, shuffle_buffer
+from .shard_plan import ShardPlan, interleave, resolve_sizes
 from .shard_reader import (SKIP_REASONS, ShardListError, expand_source, iter_shard_samples, sample_caption,
                            sample_image_bytes)
 from .text_reduction import TEXT_MASKS, TextReducer, load_tokenizer
@@ -134,8 +135,10 @@ def _group_raw(plan: ShardPlan, spec: _BatchSpec, worker: int, group: int, shard
     """Raw samples of one group: its shards interleaved at random, then shuffled; bad data counted."""
     tag = f"{plan.rng_seed}-{plan.rank}-{worker}-{plan.epoch}-{group}"
     iters = [iter_shard_samples(url, skips) for url in shards]
-    yield from shuffle_buffer(interleave(iters, random.Random(f"mix-{tag}")), spec.shuffle_buffer,
-                        random.Random(f"shuffle-{tag}"))
+    # webdataset's buffer shuffle (starts yielding at 100 samples) with a generator seeded by the position:
+    # a resume replays the same order from the raw samples alone
+    shuffle = wds.shuffle(spec.shuffle_buffer, initial=100, rng=random.Random(f"shuffle-{tag}"))
+    yield from shuffle(interleave(iters, random.Random(f"mix-{tag}")))
 
 
 class _GatedCounter:

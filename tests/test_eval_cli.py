@@ -9,12 +9,7 @@ from safetensors.torch import save_file
 
 from crate_clip.cli import main as crate_clip_main
 from eval.stage_hook import evaluate_stage
-from eval_fixtures import CRATE_TINY, PER_CLASS, shared_crate_tiny, shared_eval_sets, shared_trained_vit
-
-
-@pytest.fixture
-def sets(tmp_path_factory, fashion_mnist_dir):
-    return shared_eval_sets(tmp_path_factory, fashion_mnist_dir)
+from eval_fixtures import CRATE_TINY, PER_CLASS, shared_crate_tiny, shared_trained_vit
 
 
 @pytest.fixture
@@ -95,7 +90,7 @@ def test_retrieval_eval_in_a_run_config_is_evaluated_and_logged(sets, tmp_path, 
         "data": {"sources": [str(sets["captions"])]}, "precision": "fp32",
         "stages": [{"name": "only", "image_size": 28, "context_length": 16, "samples": 8, "global_batch": 4}],
         "eval": {"evals": [{"name": "captions", "type": "retrieval", "data": str(sets["captions"]),
-                            "batch_size": 40, "num_workers": 0}]}}))
+                            "batch_size": 40}]}}))
     cfg = load_run_config(path)
     cfg.run_dir.mkdir()
     log = MetricsLog(cfg.run_dir, enabled=True, progress=False, tensorboard=True)
