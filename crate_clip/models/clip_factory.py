@@ -1,8 +1,7 @@
 """Build CRATE-alpha CLIP models at a stage's image size / context length, and load weights of any size.
 
-open_clip alone cannot load a checkpoint whose timm-tower position embedding has another size (it only
-resizes its native ViT's): `load_clip_weights` resizes `visual.trunk.pos_embed` (2-D, cls apart) and the
-text `positional_embedding` (1-D) to the model before a strict load.
+`load_clip_weights` loads a checkpoint of another stage size: it resizes `visual.trunk.pos_embed` (2-D,
+cls apart) and the text `positional_embedding` (1-D) to the model, then loads strictly.
 """
 import json
 import logging
