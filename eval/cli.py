@@ -8,13 +8,14 @@ from typing import get_args
 
 import torch
 
-from crate_clip.models.clip_factory import CheckpointMismatchError
+from crate_clip.models.checkpoint_errors import CheckpointMismatchError
+from crate_clip.models.clip_tokenizers import TokenizerUnavailableError
 from eval.distributed_batches import rank_and_world
 from eval.eval_settings import EvalSettings
 from eval.model_loading import load_eval_model
 from eval.registry import TASKS, EvalContext, parse_eval, run_task
 
-USAGE_ERRORS = (ValueError, FileNotFoundError, CheckpointMismatchError)
+USAGE_ERRORS = (ValueError, FileNotFoundError, CheckpointMismatchError, TokenizerUnavailableError)
 # command-line option -> the shared eval setting it sets (defaults come from the settings schema)
 COMMON_OPTIONS = {"--data": "data", "--batch-size": "batch_size", "--workers": "num_workers",
                   "--max-images": "max_images"}
@@ -31,10 +32,14 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="open_clip model name, local-dir:FOLDER, or a DeepSpeed checkpoint folder "
                              "(<run>/checkpoints or one tag folder; any ZeRO stage)")
-    parser.add_argument("--pretrained", help="weights file (.safetensors/.pt) or DeepSpeed checkpoint for --model NAME")
+    parser.add_argument("--pretrained", help="weights file (.safetensors/.pt; ours or a released "
+                                             "crate_alpha_CLIPA_*.pth) or DeepSpeed checkpoint for --model NAME")
     for flag, key in COMMON_OPTIONS.items():
         _option(parser, flag, EvalSettings.model_fields[key], required=key == "data")
     parser.add_argument("--image-size", type=int, help="evaluate at this resolution (pos-embeds resized)")
+    parser.add_argument("--bert-vocab", help="folder holding vocab.txt: the BERT tokenizer of CLIPA-text models "
+                                             "without the HuggingFace hub (default: hub / HF cache, or what a "
+                                             "DeepSpeed checkpoint recorded)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output", type=Path, help="write the metrics as JSON here")
@@ -85,7 +90,8 @@ def main(argv=None) -> int:
     _init_distributed(args.device)
     try:
         settings = _settings(args)
-        model, preprocess, tokenizer, _ = load_eval_model(args.model, args.pretrained, args.image_size, device)
+        model, preprocess, tokenizer, _ = load_eval_model(args.model, args.pretrained, args.image_size, device,
+                                                          bert_vocab=args.bert_vocab)
         context = EvalContext(tokenizer=tokenizer, preprocess=preprocess, device=device, precision=args.precision,
                               cache_dir=args.cache_dir or None, progress=not args.no_progress)
         metrics = run_task(model, settings, context)

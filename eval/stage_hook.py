@@ -11,11 +11,11 @@ from eval.registry import EvalContext, parse_eval, run_task
 
 def evaluate_stage(model, *, model_name: str, evals: list[dict | EvalSettings], image_size: int, device="cpu",
                    precision: str = "fp32", cache_dir: str | Path | None = None,
-                   progress: bool = True) -> dict[str, dict]:
+                   progress: bool = True, bert_vocab: str | None = None) -> dict[str, dict]:
     """Run every declared evaluation on `model` (plain or a DeepSpeed engine, any ZeRO stage) at `image_size`."""
     specs = [parse_eval(spec) for spec in evals]   # fail on a bad key before any forward
     inner = unwrap_model(model)
-    context = EvalContext(tokenizer=eval_tokenizer(model_name, inner),   # deterministic: no training mask
+    context = EvalContext(tokenizer=eval_tokenizer(model_name, inner, bert_vocab),  # no training reduction mask
                           preprocess=eval_transform(inner, image_size), device=device, precision=precision,
                           cache_dir=cache_dir, progress=progress)
     results = {}

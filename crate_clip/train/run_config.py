@@ -15,6 +15,7 @@ from pydantic import Field, PrivateAttr, ValidationError
 
 from crate_clip.config_schema import Bool, Float, Int, Section, error_lines
 from crate_clip.models.open_clip_configs import image_patch_size
+from crate_clip.models.pos_embed import POS_EMBED_RESIZE_MODES
 from crate_clip.models.token_masks import TokenMask
 from data_pipelines.shard_reader import ShardListError, expand_source, is_remote
 from data_pipelines.text_reduction import TextMask
@@ -47,6 +48,10 @@ class ModelSection(Section):
     tokenizer: Optional[str] = None        # open_clip tokenizer / model name; default: model.name
     grad_checkpointing: Bool = False
     attention: AttentionKernel = "auto"
+    # how carried weights' image position embeddings are resized at a stage change (and for the
+    # full-size eval of a low-res stage): 'official_1d' (the CRATE-alpha CLIPA code) or 'grid_2d'
+    pos_embed_resize: Literal[POS_EMBED_RESIZE_MODES] = "grid_2d"
+    bert_vocab: Optional[str] = None       # folder with vocab.txt: BERT tokenizer without the HuggingFace hub
 
 
 def _crop_problem(key: str, scale) -> list[tuple[str, str]]:
@@ -242,6 +247,9 @@ def apply_override(raw: dict, assignment: str) -> None:
 def _check_paths(cfg: RunConfig, base_dir: Path) -> list[str]:
     """Local files the run reads must exist (checked before any process group starts)."""
     errors = [line for i, src in enumerate(cfg.data.sources) for line in _source_problems(f"data.sources.{i}", src)]
+    if cfg.model.bert_vocab and not (resolve_path(cfg.model.bert_vocab, base_dir) / "vocab.txt").is_file():
+        errors.append(f"model.bert_vocab: {cfg.model.bert_vocab!r} holds no vocab.txt; fix: the folder of a "
+                      "BERT vocabulary (one token a line), or remove the key to use the HuggingFace hub")
     if cfg.model.pretrained and not resolve_path(cfg.model.pretrained, base_dir).exists():
         errors.append(f"model.pretrained: file {cfg.model.pretrained!r} does not exist")
     if cfg.deepspeed.config and not resolve_path(cfg.deepspeed.config, base_dir).exists():
@@ -295,6 +303,8 @@ def _resolve_paths(cfg: RunConfig, base_dir: Path) -> None:
         cfg.deepspeed.config = str(resolve_path(cfg.deepspeed.config, base_dir))
     if cfg.model.pretrained:
         cfg.model.pretrained = str(resolve_path(cfg.model.pretrained, base_dir))
+    if cfg.model.bert_vocab:
+        cfg.model.bert_vocab = str(resolve_path(cfg.model.bert_vocab, base_dir))
 
 
 def check_runtime(cfg: RunConfig, world_size: int, device: str = "cpu") -> None:
