@@ -47,6 +47,11 @@ class ModelSection:
     # scaled_dot_product_attention kernel: 'auto' = the math kernel on CPU (its backward is several times
     # faster than the CPU flash kernel's for short sequences), torch's choice on GPU
     attention: str = "auto"
+    # the paper's setup: the text tower (and logit scale) copied from a CLIPA checkpoint and frozen. A weights
+    # file, local-dir:DIR, hf-hub:ORG/REPO or open_clip's MODEL:TAG (e.g. ViT-H-14-CLIPA:datacomp1b)
+    text_pretrained: Optional[str] = None
+    lock_text: bool = False                # no gradients, no optimizer state, replicated (not ZeRO-partitioned)
+    lock_logit_scale: bool = False         # the temperature stays as created / copied from text_pretrained
 
 
 @dataclass
@@ -282,6 +287,7 @@ def _check(cfg: RunConfig, errors: list[str], base_dir: Path, check_paths: bool)
 
     need(cfg.model.attention in ATTENTION_KERNELS,
          f"model.attention: {cfg.model.attention!r} is not one of {ATTENTION_KERNELS}")
+    _check_text_lock(cfg, need)
     need(cfg.precision in PRECISIONS, f"precision: {cfg.precision!r} is not one of {PRECISIONS}")
     zs = cfg.deepspeed.zero_stage
     need(zs is None or zs in (0, 1, 2, 3), f"deepspeed.zero_stage: {zs!r}; fix: use 0, 1, 2 or 3")
@@ -354,6 +360,25 @@ def _check(cfg: RunConfig, errors: list[str], base_dir: Path, check_paths: bool)
                           "(crate-clip shards ...) or correct the path")
 
 
+def _check_text_lock(cfg: RunConfig, need) -> None:
+    """model.text_pretrained names a usable source; a locked tower is pretrained and keeps one text length."""
+    m = cfg.model
+    if m.text_pretrained:
+        from crate_clip.train.text_lock import check_text_source
+        error = check_text_source(m.text_pretrained)
+        need(error is None, error or "")
+    need(not m.lock_text or bool(m.text_pretrained or m.pretrained),
+         "model.lock_text: true would freeze a randomly initialised text tower; fix: set model.text_pretrained "
+         "(e.g. ViT-H-14-CLIPA:datacomp1b or a file) or model.pretrained, or lock_text: false")
+    if m.lock_text and cfg.stages:
+        first = cfg.stages[0].context_length
+        for i, s in enumerate(cfg.stages):
+            need(s.context_length == first,
+                 f"stages.{i}.context_length: {s.context_length}, but stages.0 has {first}; a locked text tower "
+                 "(model.lock_text) keeps its position embedding; fix: one context_length in every stage (the "
+                 "text checkpoint's, e.g. 32), or model.lock_text: false")
+
+
 def _is_local(src: str) -> bool:
     return not (src.startswith("pipe:") or "://" in src)
 
@@ -389,6 +414,11 @@ def _resolve_paths(cfg: RunConfig, base_dir: Path) -> None:
         cfg.deepspeed.config = str(resolve_path(cfg.deepspeed.config, base_dir))
     if cfg.model.pretrained:
         cfg.model.pretrained = str(resolve_path(cfg.model.pretrained, base_dir))
+    text = cfg.model.text_pretrained
+    if text and text.startswith("local-dir:"):
+        cfg.model.text_pretrained = "local-dir:" + str(resolve_path(text[len("local-dir:"):], base_dir))
+    elif text and resolve_path(text, base_dir).exists():
+        cfg.model.text_pretrained = str(resolve_path(text, base_dir))
 
 
 def check_runtime(cfg: RunConfig, world_size: int, device: str = "cpu") -> None:
