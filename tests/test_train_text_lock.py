@@ -70,3 +70,108 @@ def test_lock_keeps_text_out_of_optimizer_and_partitions(lock_probe, zs):
     if zs == 3:  # ZeRO-3 partitions parameters: the locked run's are the image tower's only
         assert locked[0]["param_numel_local"] == pytest.approx(image / 2, rel=0.02)
     assert free[0]["saved_text_equal"] is False  # control: a trainable tower does move
+
+
+# ---------------------------------------------------------------- loading and locking (one process)
+def _model(seed=0, **kw):
+    from crate_clip.models import create_clip
+    torch.manual_seed(seed)
+    return create_clip(MODEL, image_size=16, context_length=16, **kw)
+
+
+def _text_equal(model, source) -> bool:
+    from crate_clip.train.text_lock import text_tower_keys
+    own = model.state_dict()
+    return all(torch.equal(own[k].reshape(-1), source[k].reshape(-1)) for k in text_tower_keys(model))
+
+
+def test_load_from_file_and_lock(tmp_path):
+    from crate_clip.train.optim import param_groups
+    from crate_clip.train.text_lock import apply_text_config, frozen_names
+
+    source = _text_source(tmp_path / "text.pt")
+    model = _model()
+    visual_before = model.visual.trunk.patch_embed.proj.weight.detach().clone()
+    names = apply_text_config(model, text_pretrained=str(tmp_path / "text.pt"), lock_text=True,
+                              lock_logit_scale=True, compute_dtype=torch.bfloat16)
+    assert _text_equal(model, source) and float(model.logit_scale) == 2.5
+    assert torch.equal(model.visual.trunk.patch_embed.proj.weight, visual_before)  # image tower untouched
+    assert set(names) == set(frozen_names(model)) and "token_embedding.weight" in names and "logit_scale" in names
+    assert all(n.startswith("visual.") for n, _ in model.named_parameters())
+    assert all(n.startswith("visual.") for g in param_groups(model, 0.2) for n in g["names"])
+    image_f, text_f, scale = model(image=torch.randn(2, 3, 16, 16), text=torch.randint(1, 500, (2, 16)))
+    assert image_f.requires_grad and not text_f.requires_grad and not scale.requires_grad
+    # the state dict keeps every key under its name: checkpoints and exports load in a plain model
+    fresh = _model(seed=5)
+    fresh.load_state_dict({k: v.reshape(fresh.state_dict()[k].shape) for k, v in model.state_dict().items()})
+    assert _text_equal(fresh, source)
+
+
+def test_locked_text_forward_matches_the_plain_model_in_fp32(tmp_path):
+    from crate_clip.train.text_lock import lock_text_tower
+
+    plain, locked = _model(), _model()
+    lock_text_tower(locked, lock_text=True)
+    tokens = torch.randint(1, 500, (3, 16))
+    assert torch.equal(plain.encode_text(tokens), locked.encode_text(tokens))
+
+
+def test_custom_text_layout_and_shape_errors(tmp_path):
+    from crate_clip.train.text_lock import TextTowerError, load_text_tower
+
+    source = _text_source(tmp_path / "text.pt")
+    moved = {("text." + k if not k.startswith(("visual.", "logit_")) else k): v for k, v in source.items()}
+    model = _model()
+    load_text_tower(model, moved)  # CustomTextCLIP's `text.*` keys map onto CLIP's flat ones
+    assert _text_equal(model, source)
+    wrong = dict(source, positional_embedding=torch.zeros(32, 64))
+    with pytest.raises(TextTowerError, match=r"positional_embedding \(32, 64\) vs \(16, 64\).*context_length"):
+        load_text_tower(model, wrong, where="x.pt")
+    with pytest.raises(TextTowerError, match=r"model.text_pretrained: x.pt lacks the text-tower keys \[ln_final"):
+        load_text_tower(model, {k: v for k, v in source.items() if not k.startswith("ln_final")}, where="x.pt")
+
+
+def test_sources_local_dir_and_open_clip_tag(tmp_path):
+    from crate_clip.train.export import export_open_clip
+    from crate_clip.train.text_lock import TextTowerError, read_text_source, resolve_text_source
+
+    source = _text_source(tmp_path / "text.pt")
+    export_open_clip(source, MODEL, tmp_path / "export", image_size=16, context_length=16)
+    state, where = read_text_source(f"local-dir:{tmp_path / 'export'}")
+    assert where.endswith("open_clip_model.safetensors") and torch.equal(state["ln_final.weight"], source["ln_final.weight"])
+    # an open_clip tag goes through open_clip's registry and the Hugging Face cache (offline here): a cached
+    # copy of the file is found, a missing one is an error naming the key and the fix
+    snapshot = tmp_path / "hf" / "models--UCSC-VLAA--ViT-H-14-CLIPA-datacomp1B" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    (snapshot / "open_clip_pytorch_model.bin").write_bytes((tmp_path / "text.pt").read_bytes())
+    found = resolve_text_source("ViT-H-14-CLIPA:datacomp1b", cache_dir=str(tmp_path / "hf"))
+    assert found.resolve() == (snapshot / "open_clip_pytorch_model.bin").resolve()
+    with pytest.raises(TextTowerError, match="model.text_pretrained: 'ViT-L-14-CLIPA:datacomp1b' could not be fetched"):
+        resolve_text_source("ViT-L-14-CLIPA:datacomp1b", cache_dir=str(tmp_path / "hf"))
+    with pytest.raises(TextTowerError, match=r"no pretrained tag 'laion9b'.*ViT-H-14-CLIPA:datacomp1b"):
+        resolve_text_source("ViT-H-14-CLIPA:laion9b")
+    with pytest.raises(TextTowerError, match="is not a file, local-dir:DIR"):
+        resolve_text_source(str(tmp_path / "missing.pt"))
+
+
+def _raw(**model) -> dict:
+    return {"model": model, "data": {"sources": ["/data/{00000000..00000009}.tar"]},
+            "stages": [{"name": "pre", "image_size": 84, "context_length": 32, "samples": 1024, "global_batch": 64,
+                        "lr": 1e-3},
+                       {"name": "ft", "image_size": 224, "context_length": 16, "samples": 256, "global_batch": 64,
+                        "lr": 5e-5}]}
+
+
+def test_config_keys_and_errors():
+    from crate_clip.train.run_config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict(_raw(lock_text=True), check_paths=False)
+    assert "model.lock_text: true would freeze a randomly initialised text tower" in str(exc.value)
+    assert "stages.1.context_length: 16, but stages.0 has 32" in str(exc.value)
+    with pytest.raises(ConfigError, match="model.text_pretrained: 'ViT-H-14-CLIPA:nope'"):
+        config_from_dict(_raw(text_pretrained="ViT-H-14-CLIPA:nope"), check_paths=False)
+    cfg = config_from_dict(_raw(text_pretrained="ViT-H-14-CLIPA:datacomp1b"), check_paths=False)
+    assert not cfg.model.lock_text  # loading without locking: the text tower fine-tunes

@@ -222,7 +222,8 @@ def frozen_names(model: nn.Module) -> list[str]:
     """Buffers that a lock made out of parameters (text tower / logit scale), by state-dict name."""
     locked = getattr(model, "encode_text", None)
     text = isinstance(locked, types.MethodType) and locked.__func__ is _frozen_encode_text
-    return [k for k, _ in model.named_buffers() if (text and is_text_key(k)) or k in SCALE_KEYS]
+    params = {k for k, _ in model.named_parameters()}
+    return [k for k in model.state_dict() if k not in params and ((text and is_text_key(k)) or k in SCALE_KEYS)]
 
 
 def apply_text_config(model: nn.Module, *, text_pretrained: Optional[str], lock_text: bool, lock_logit_scale: bool,
