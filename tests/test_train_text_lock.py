@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from train_fixtures import run_job, torchrun_cmd
+from train_fixtures import run_job, tiny_config, tiny_fmnist, torchrun_cmd, write_config  # noqa: F401
 
 MODEL = "CRATE-alpha-CLIPA-tiny"
 
@@ -40,11 +40,11 @@ def _rows(records, zs, precision, lock):
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("zs, precision", [(2, "bf16"), (2, "fp32"), (3, "bf16")])
+@pytest.mark.parametrize("zs, precision", [(2, "bf16"), (3, "bf16")])
 def test_locked_text_tower_trains_only_the_image_tower(lock_probe, zs, precision):
     for r in _rows(lock_probe, zs, precision, True):
         assert r["losses"][-1] < r["losses"][0] - 0.1, r["losses"]  # the image tower learns the batch
-        assert r["frozen_live_equal"]  # text tower and logit scale untouched by 8 steps
+        assert r["frozen_live_equal"]  # text tower and logit scale untouched by 6 steps
         assert r["text_requires_grad"] == []
         assert r["trained_names"] and all(n.startswith("visual.") for n in r["trained_names"])
     saved = _rows(lock_probe, zs, precision, True)[0]
@@ -175,3 +175,66 @@ def test_config_keys_and_errors():
         config_from_dict(_raw(text_pretrained="ViT-H-14-CLIPA:nope"), check_paths=False)
     cfg = config_from_dict(_raw(text_pretrained="ViT-H-14-CLIPA:datacomp1b"), check_paths=False)
     assert not cfg.model.lock_text  # loading without locking: the text tower fine-tunes
+
+
+# ---------------------------------------------------------------- a whole run: stages, checkpoints, resume, export
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_run_with_locked_text_resumes_without_the_text_file_and_exports(tiny_fmnist, tmp_path):
+    from safetensors.torch import load_file
+
+    from crate_clip.train.export import load_export
+    from crate_clip.train.text_lock import is_text_key
+
+    source = _text_source(tmp_path / "text.pt")
+    text_keys = [k for k in source if is_text_key(k)] + ["logit_scale"]
+    model = {"name": MODEL, "text_pretrained": str(tmp_path / "text.pt"), "lock_text": True, "lock_logit_scale": True}
+
+    stages = [{"name": "low", "image_size": 16, "context_length": 16, "samples": 96, "global_batch": 16,
+               "lr": 2e-3, "warmup_steps": 1},
+              {"name": "full", "image_size": 28, "context_length": 16, "samples": 32, "global_batch": 16,
+               "lr": 2e-4, "warmup_steps": 1}]
+
+    def config(name):
+        cfg = tiny_config(tmp_path / name, tiny_fmnist, stages=stages, evals=False, model=model,
+                          checkpoint={"every_steps": 3, "keep_last": 10},
+                          logging={"every_steps": 1, "progress": False, "tensorboard": False})
+        cfg["data"]["num_workers"] = 0
+        return write_config(cfg, tmp_path / f"{name}.yaml")
+
+    def train(cfg, *extra):
+        proc = run_job(torchrun_cmd(2, "--config", str(cfg), *extra, module="crate_clip.train.cli"), timeout=400)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        return load_file(str(cfg.parent / cfg.stem / "export" / "open_clip_model.safetensors"))
+
+    full = train(config("full"))
+    (tmp_path / "text.pt").unlink()  # resuming must not need it: the checkpoint holds the frozen tower
+    resumed = train(config("resumed"), "--resume", str(tmp_path / "full" / "checkpoints" / "stage0-step00000003"))
+    for key in text_keys:  # through 2 stages, checkpoints, a resume and the export: the source, bit for bit
+        assert torch.equal(full[key].reshape(-1), source[key].reshape(-1)), key
+        assert torch.equal(resumed[key].reshape(-1), source[key].reshape(-1)), key
+    assert set(full) == set(resumed)
+    for key in full:
+        torch.testing.assert_close(resumed[key], full[key], rtol=1e-5, atol=1e-6, msg=key)
+    first = torch.load(tmp_path / "full" / "checkpoints" / "stage0-step00000003" / "mp_rank_00_model_states.pt",
+                       map_location="cpu", weights_only=False)["module"]
+    key = "visual.trunk.patch_embed.proj.weight"
+    assert not torch.equal(first[key].float(), full[key])  # while the image tower trained
+    opened, _, _ = load_export(tmp_path / "full" / "export")  # plain open_clip, trainable again
+    own = opened.state_dict()
+    assert all(torch.equal(own[k].reshape(-1), source[k].reshape(-1)) for k in text_keys)
+    assert opened.token_embedding.weight.requires_grad
+
+
+def test_datacomp_configs_lock_clipa_text_and_the_demo_trains_its_own():
+    from pathlib import Path
+
+    from crate_clip.train.run_config import load_run_config
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for size in ("b-16", "l-14", "h-14"):
+        m = load_run_config(configs / f"datacomp/crate_alpha_clipa_{size}.yaml", check_paths=False).model
+        assert (m.text_pretrained, m.lock_text, m.lock_logit_scale) == ("ViT-H-14-CLIPA:datacomp1b", True, True)
+    for path in ("datacomp/crate_alpha_clipa_h-14_clipa_v2.yaml", "demo/fashion_mnist.yaml"):
+        m = load_run_config(configs / path, check_paths=False).model
+        assert not m.lock_text and not m.lock_logit_scale
