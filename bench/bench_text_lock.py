@@ -122,7 +122,8 @@ def markdown(rows: list[dict]) -> str:
     for r in fp:
         total = sum(r[k] or 0 for k in ("param_bytes", "grad_bytes", "master_bytes", "optimizer_state_bytes",
                                         "buffer_bytes"))
-        ref = next(x for x in fp if (x["model"], x["zero_stage"], x["mode"]) == (r["model"], r["zero_stage"], "trainable"))
+        ref = next(x for x in fp if x["mode"] == "trainable" and (x["model"], x["zero_stage"]) ==
+                   (r["model"], r["zero_stage"]))
         share = r["param_numel_local"] / ref["param_numel_total"]
         lines.append(f"| {r['model']} | {r['zero_stage']} | {r['mode']} | {_mib(r['param_bytes'])} | "
                      f"{_mib(r['grad_bytes'])} | {_mib(r['master_bytes'])} | {_mib(r['optimizer_state_bytes'])} | "
@@ -137,7 +138,8 @@ def markdown(rows: list[dict]) -> str:
     lines += ["", "Frozen parameters left as `requires_grad=False` get no optimizer state, but DeepSpeed 0.19.8 still "
               "casts them to bf16 and, under ZeRO-3, partitions them and all-gathers them at every forward "
               "(runtime/zero/parameter_offload.py converts every module parameter). The lock keeps them as fp32 "
-              "buffers instead: replicated on every rank, exact, and saved with each checkpoint. That costs 4 bytes per "
+              "buffers instead: replicated on every rank, exact, and saved with each checkpoint. That costs 4 "
+              "bytes per "
               "frozen value on every rank, against 2 (bf16) or 2/N (ZeRO-3) for frozen parameters: for the paper's "
               "336 M-value CLIPA text tower, 1.25 GiB per GPU, in exchange for bit-exact text weights in every "
               "checkpoint and export and no all-gather of the text tower at each step."]

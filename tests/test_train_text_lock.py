@@ -138,7 +138,8 @@ def test_sources_local_dir_and_open_clip_tag(tmp_path):
     source = _text_source(tmp_path / "text.pt")
     export_open_clip(source, MODEL, tmp_path / "export", image_size=16, context_length=16)
     state, where = read_text_source(f"local-dir:{tmp_path / 'export'}")
-    assert where.endswith("open_clip_model.safetensors") and torch.equal(state["ln_final.weight"], source["ln_final.weight"])
+    assert where.endswith("open_clip_model.safetensors")
+    assert torch.equal(state["ln_final.weight"], source["ln_final.weight"])
     # an open_clip tag goes through open_clip's registry and the Hugging Face cache (offline here): a cached
     # copy of the file is found, a missing one is an error naming the key and the fix
     snapshot = tmp_path / "hf" / "models--UCSC-VLAA--ViT-H-14-CLIPA-datacomp1B" / "snapshots" / ("0" * 40)

@@ -62,8 +62,8 @@ def _pretrained_tag(spec: str) -> Optional[tuple[str, str]]:
     if ":" not in spec or spec.startswith((LOCAL_DIR, HF_HUB)):
         return None
     model, tag = spec.split(":", 1)
-    return (model, tag) if model in open_clip.list_models() or open_clip.list_pretrained_tags_by_model(model) \
-        else None
+    known = model in open_clip.list_models() or bool(open_clip.list_pretrained_tags_by_model(model))
+    return (model, tag) if known else None
 
 
 def check_text_source(spec: str, key: str = KEY) -> Optional[str]:
