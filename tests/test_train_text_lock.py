@@ -124,6 +124,13 @@ def test_custom_text_layout_and_shape_errors(tmp_path):
     model = _model()
     load_text_tower(model, moved)  # CustomTextCLIP's `text.*` keys map onto CLIP's flat ones
     assert _text_equal(model, source)
+    # the released CRATE-alpha-CLIPA layout (x @ text_projection.T): detected and transposed back
+    official = {k: v for k, v in source.items() if not k.startswith("visual.")}
+    official["text_projection"] = source["text_projection"].t().contiguous()
+    official["visual.transformer.resblocks.0.mlp.c_fc"] = torch.zeros(8, 32)
+    other = _model(seed=9)
+    load_text_tower(other, official)
+    assert _text_equal(other, source)
     wrong = dict(source, positional_embedding=torch.zeros(32, 64))
     with pytest.raises(TextTowerError, match=r"positional_embedding \(32, 64\) vs \(16, 64\).*context_length"):
         load_text_tower(model, wrong, where="x.pt")

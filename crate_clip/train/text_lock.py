@@ -11,7 +11,7 @@ model-states file of every checkpoint and come back from zero_to_fp32 under thei
 tower is replicated, exact, and travels into checkpoints, the next stage and the open_clip export.
 
 Sources (`model.text_pretrained`): a weights file (open_clip / DeepSpeed-consolidated state dict, plain or
-under `state_dict`, .pt/.pth/.bin/.safetensors), `local-dir:DIR` (an open_clip export, e.g. ours),
+under `state_dict`, .pt/.pth/.bin/.safetensors, or a released crate_alpha_CLIPA_*.pth in the official layout), `local-dir:DIR` (an open_clip export, e.g. ours),
 `hf-hub:ORG/REPO` or `MODEL:TAG` as open_clip.list_pretrained(as_str=True) names it (e.g.
 `ViT-H-14-CLIPA:datacomp1b`), both resolved by open_clip's own pretrained machinery (a download when a hub
 is reachable, else its cache).
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from crate_clip.models.clip_factory import read_state_dict, strip_module_prefix
+from crate_clip.models.official_clipa import is_official_clipa_layout, official_clipa_to_open_clip
 from crate_clip.train.run_config import ConfigError
 
 KEY = "model.text_pretrained"
@@ -141,6 +142,8 @@ def load_text_tower(model: nn.Module, source: dict, *, where: str = "the text ch
     into `model`, exactly (no resize); returns the keys copied. Missing keys or other shapes raise
     TextTowerError naming them."""
     source = strip_module_prefix(dict(source))
+    if is_official_clipa_layout(source):  # a released crate_alpha_CLIPA_*.pth: its text_projection is transposed
+        source = official_clipa_to_open_clip({k: v for k, v in source.items() if not k.startswith("visual.")})
     own = model.state_dict()
     names = text_tower_keys(model)
     found = {k: _source_key(k, source) for k in names}
