@@ -62,7 +62,7 @@ def _engine(text_cfg: dict, context: int, zero_stage: int, mode: str, dist):
 
 def worker(out: Path) -> None:
     """Footprint per (model, ZeRO stage, mode); step times of trainable vs locked under ZeRO-2."""
-    from crate_clip.train import zero_footprint
+    import zero_footprint  # bench/zero_footprint.py
     from crate_clip.train.engine import init_distributed, model_dtype
     from crate_clip.train.stage_loop import _make_loss, forward_loss, train_step
 
