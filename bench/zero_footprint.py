@@ -38,6 +38,11 @@ def param_bytes(engine) -> int:
     return _unique_bytes(p.data for p in params)
 
 
+def buffer_bytes(engine) -> int:
+    """Bytes of the module's buffers on this rank (a locked text tower lives there: never partitioned)."""
+    return _unique_bytes(b for b in engine.module.buffers())
+
+
 def param_numel(engine) -> tuple[int, int]:
     """(elements this rank stores, elements of the whole model)."""
     params = list(engine.module.parameters())

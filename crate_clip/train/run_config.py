@@ -52,6 +52,25 @@ class ModelSection(Section):
     # full-size eval of a low-res stage): 'official_1d' (the CRATE-alpha CLIPA code) or 'grid_2d'
     pos_embed_resize: Literal[POS_EMBED_RESIZE_MODES] = "grid_2d"
     bert_vocab: Optional[str] = None       # folder with vocab.txt: BERT tokenizer without the HuggingFace hub
+    # the paper's setup: the text tower (and logit scale) copied from a CLIPA checkpoint and frozen. A weights
+    # file, local-dir:DIR, hf-hub:ORG/REPO or open_clip's MODEL:TAG (e.g. ViT-H-14-CLIPA:datacomp1b)
+    text_pretrained: Optional[str] = None
+    lock_text: Bool = False                # no gradients, no optimizer state, replicated (not ZeRO-partitioned)
+    lock_logit_scale: Bool = False         # the temperature stays as created / copied from text_pretrained
+
+    def checks(self) -> list[tuple[str, str]]:
+        """text_pretrained names a usable source; a locked text tower starts from pretrained weights."""
+        problems = []
+        if self.text_pretrained:
+            from crate_clip.train.text_lock import check_text_source
+            error = check_text_source(self.text_pretrained)
+            if error:
+                problems.append(("text_pretrained", error.split(": ", 1)[1]))
+        if self.lock_text and not (self.text_pretrained or self.pretrained):
+            problems.append(("lock_text", "true would freeze a randomly initialised text tower; fix: set "
+                                          "model.text_pretrained (e.g. ViT-H-14-CLIPA:datacomp1b or a file) or "
+                                          "model.pretrained, or lock_text: false"))
+        return problems
 
 
 def _crop_problem(key: str, scale) -> list[tuple[str, str]]:
@@ -193,6 +212,16 @@ class RunConfig(Section):
         return [(key, f"{size} px is smaller than one {patch} px patch of {self.model.name}; fix: at least "
                       f"{patch} (a multiple of {patch})") for key, size in sizes if patch and size < patch]
 
+    def _text_lock_problems(self) -> list[tuple[str, str]]:
+        """A locked text tower keeps its position embedding: one context_length in every stage."""
+        if not (self.model.lock_text and self.stages):
+            return []
+        first = self.stages[0].context_length
+        return [(f"stages.{i}.context_length", f"{s.context_length}, but stages.0 has {first}; a locked text tower "
+                 "(model.lock_text) keeps its position embedding; fix: one context_length in every stage (the text "
+                 "checkpoint's, e.g. 32), or model.lock_text: false")
+                for i, s in enumerate(self.stages) if s.context_length != first]
+
     def to_dict(self) -> dict:
         """Plain-dict form (for the copy saved in the run folder and in checkpoints)."""
         return self.model_dump(mode="json", exclude={"data": {"seed"}})  # set per stage from run.seed
@@ -207,6 +236,7 @@ class RunConfig(Section):
         if len(set(names)) != len(names):
             problems.append(("stages", f"duplicate stage names {names}; fix: give each a unique name"))
         problems += self._patch_problems()
+        problems += self._text_lock_problems()
         if "seed" in self.data.model_fields_set:
             problems.append(("data.seed", "set per stage from run.seed; fix: remove it and set run.seed"))
         return problems
@@ -305,6 +335,11 @@ def _resolve_paths(cfg: RunConfig, base_dir: Path) -> None:
         cfg.model.pretrained = str(resolve_path(cfg.model.pretrained, base_dir))
     if cfg.model.bert_vocab:
         cfg.model.bert_vocab = str(resolve_path(cfg.model.bert_vocab, base_dir))
+    text = cfg.model.text_pretrained
+    if text and text.startswith("local-dir:"):
+        cfg.model.text_pretrained = "local-dir:" + str(resolve_path(text[len("local-dir:"):], base_dir))
+    elif text and resolve_path(text, base_dir).exists():
+        cfg.model.text_pretrained = str(resolve_path(text, base_dir))
 
 
 def check_runtime(cfg: RunConfig, world_size: int, device: str = "cpu") -> None:

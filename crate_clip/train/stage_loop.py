@@ -27,6 +27,7 @@ from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, con
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
 from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl, write_plot
 from crate_clip.train.run_config import RunConfig, StageConfig, check_runtime
+from crate_clip.train.text_lock import apply_text_config
 
 MAX_LOGIT_SCALE = 100.0  # CLIP's cap on exp(logit_scale)
 
@@ -94,9 +95,12 @@ def train_step(engine, loss_fn, images, tokens, dist: DistInfo, dtype,
 
 
 # ---------------------------------------------------------------- building blocks
-def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict]) -> torch.nn.Module:
+def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict],
+                      resuming: bool = False) -> torch.nn.Module:
     """The model at the stage's image size / context length: from carried weights (position embeddings
-    resized 2-D for the image grid, 1-D for the text), or fresh (plus model.pretrained) for the first."""
+    resized 2-D for the image grid, 1-D for the text), or fresh (plus model.pretrained and
+    model.text_pretrained) for the first; then the text tower / logit scale locked as configured (a
+    resumed model gets its text weights from the checkpoint, not from model.text_pretrained)."""
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     pretrained = cfg.model.pretrained if weights is None else weights
     model = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length,
@@ -104,6 +108,9 @@ def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict
     set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
+    apply_text_config(model, text_pretrained=cfg.model.text_pretrained, lock_text=cfg.model.lock_text,
+                      lock_logit_scale=cfg.model.lock_logit_scale, compute_dtype=model_dtype(cfg.precision),
+                      load=weights is None and not resuming)
     return model
 
 
@@ -313,7 +320,7 @@ def run_training(cfg: RunConfig, resume: Optional[str] = None,
                 start = None
                 continue
             resuming_here = start is not None and i == start["stage_index"]
-            model = build_stage_model(cfg, stage, weights)
+            model = build_stage_model(cfg, stage, weights, resuming=resuming_here)
             engine = build_engine(model, cfg, stage, dist)
             _seed_everything(cfg.run.seed * 7919 + 104729 * i + dist.rank)  # token masks differ per rank
             stream = stream_factory(cfg, stage, i, dist)
