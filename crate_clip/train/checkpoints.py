@@ -9,39 +9,20 @@ DeepSpeed's `latest` file is replaced atomically only after that, so a save inte
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from eval.model_loading import consolidate_deepspeed_checkpoint
-
-INFO_FILE = "crate_clip.json"
-LATEST_FILE = "latest"
+from crate_clip.checkpoint_io.atomic_files import atomic_torch_save, atomic_write_text
+from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
+                                                            consolidated_state_dict, read_info)
 
 
 class ResumeError(RuntimeError):
     """A checkpoint that cannot be resumed from (missing, incomplete, or from another job shape)."""
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder and rename: readers see the old or the new file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def checkpoint_tag(stage_index: int, step: int) -> str:
@@ -71,17 +52,6 @@ def rank_state_path(tag_dir: Path, rank: int) -> Path:
     return Path(tag_dir) / f"train_state_rank{rank:05d}.pt"
 
 
-def read_info(tag_dir: Path) -> dict | None:
-    """The checkpoint's crate_clip.json, or None when the checkpoint is incomplete."""
-    path = Path(tag_dir) / INFO_FILE
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-
-
 class CheckpointManager:
     """Saves, finds, prunes and loads the checkpoints of one run (`<run_dir>/checkpoints`)."""
 
@@ -102,11 +72,11 @@ class CheckpointManager:
             shutil.rmtree(tag_dir)
         dist.barrier()
         engine.save_checkpoint(str(self.root), tag=tag, client_state={"crate_clip": info}, save_latest=False)
-        _atomic_torch_save(rank_state, rank_state_path(tag_dir, self.rank))
+        atomic_torch_save(rank_state, rank_state_path(tag_dir, self.rank))
         dist.barrier()  # every rank's files are on disk before the checkpoint is declared complete
         if self.rank == 0:
-            _atomic_write_text(tag_dir / INFO_FILE, json.dumps({**info, "world_size": self.world_size}, indent=1))
-            _atomic_write_text(self.root / LATEST_FILE, tag)
+            atomic_write_text(tag_dir / INFO_FILE, json.dumps({**info, "world_size": self.world_size}, indent=1))
+            atomic_write_text(self.root / LATEST_FILE, tag)
             self.prune()
         dist.barrier()
         return tag_dir
@@ -187,8 +157,3 @@ class CheckpointManager:
             raise ResumeError(f"{path}: missing; the checkpoint holds no state for rank {self.rank}")
         return torch.load(path, weights_only=False)
 
-
-def consolidated_state_dict(tag_dir: Path) -> dict:
-    """Plain fp32 state dict of a complete checkpoint (any ZeRO stage), logit_scale as saved ([1])."""
-    state, _ = consolidate_deepspeed_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
