@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import json
-import os
 from copy import deepcopy
 from pathlib import Path
 
 import open_clip
 import torch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text
 
 WEIGHTS_FILE = "open_clip_model.safetensors"
 CONFIG_FILE = "open_clip_config.json"
@@ -36,14 +37,11 @@ def export_open_clip(state_dict: dict, model_name: str, out_dir: Path, *, image_
         weights[key] = value.contiguous().clone()
     preprocess_cfg = {"size": image_size, "mode": "RGB", "mean": list(mean), "std": list(std),
                       "interpolation": "bicubic", "resize_mode": "shortest", "fill_color": 0}
-    # write both files under temporary names, then rename: a reader never sees half an export
-    tmp_weights = out_dir / f".{WEIGHTS_FILE}.tmp"
-    save_file(weights, str(tmp_weights), metadata={"model_name": model_name, "format": "pt"})
-    tmp_cfg = out_dir / f".{CONFIG_FILE}.tmp"
-    tmp_cfg.write_text(json.dumps({"model_name": model_name, "model_cfg": model_cfg,
-                                   "preprocess_cfg": preprocess_cfg}, indent=2))
-    os.replace(tmp_weights, out_dir / WEIGHTS_FILE)
-    os.replace(tmp_cfg, out_dir / CONFIG_FILE)
+    # each file is written under a temporary name, fsynced, then renamed: a reader never sees half a file
+    atomic_write(out_dir / WEIGHTS_FILE,
+                 lambda tmp: save_file(weights, str(tmp), metadata={"model_name": model_name, "format": "pt"}))
+    atomic_write_text(out_dir / CONFIG_FILE, json.dumps({"model_name": model_name, "model_cfg": model_cfg,
+                                                         "preprocess_cfg": preprocess_cfg}, indent=2))
     return out_dir
 
 

@@ -1,9 +1,15 @@
-"""The evaluations after each stage: which are due, running them on all ranks, recording them in results.jsonl."""
+"""The evaluations after each stage: which are due, running them on all ranks, recording them in results.jsonl.
+
+A stage's evaluations are due at its own image size and, after a low-resolution stage, at the full size.
+results.jsonl is the record of which are done, so a run killed between two of them runs exactly the missing
+ones on resume, and the stage's final checkpoint is kept (CheckpointManager's `protect`) until all are done.
+"""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch.distributed as tdist
 
 from crate_clip.models import create_clip
 from crate_clip.train.engine import DistInfo
@@ -17,19 +23,18 @@ if TYPE_CHECKING:
 def evaluate_after_stage(cfg: RunConfig, stage_index: int, weights: dict, progress: Progress,
                          log: MetricsLog, dist: DistInfo) -> list[dict]:
     """Zero-shot evaluation of the stage's consolidated weights on all ranks (images split across them),
-    at the stage's resolution and, after a low-resolution stage, also at the full resolution. The fp32
-    weights run under autocast in the training precision (bf16 matmuls are several times faster)."""
-    if not (cfg.eval.after_each_stage and cfg.eval.evals):
-        return []
+    at the stage's resolution and, after a low-resolution stage, also at the full resolution; evaluations
+    already in results.jsonl are not repeated. The fp32 weights run under autocast in the training precision
+    (bf16 matmuls are several times faster)."""
     from eval.stage_hook import evaluate_stage
 
+    missing = agreed_missing_evals(cfg, stage_index, dist)
     stage = cfg.stages[stage_index]
-    sizes = [stage.image_size] + ([cfg.full_image_size] if cfg.full_image_size != stage.image_size else [])
     records = []
-    for size in sizes:
+    for size, evals in missing.items():
         model = create_clip(cfg.model.name, image_size=size, context_length=stage.context_length, pretrained=weights)
         model.to(dist.device).eval()
-        results = evaluate_stage(model, model_name=cfg.model.name, evals=[dataclasses.asdict(e) for e in cfg.eval.evals],
+        results = evaluate_stage(model, model_name=cfg.model.name, evals=[dataclasses.asdict(e) for e in evals],
                                  image_size=size, device=dist.device, precision=cfg.precision,
                                  cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main)
         for name, res in results.items():
@@ -43,6 +48,23 @@ def evaluate_after_stage(cfg: RunConfig, stage_index: int, weights: dict, progre
     return records
 
 
-def stage_evaluated(run_dir: Path, stage_index: int) -> bool:
-    """True when results.jsonl holds a row of the stage."""
-    return any(r.get("stage_index") == stage_index for r in read_jsonl(run_dir / RESULTS_FILE))
+def missing_evals(cfg: RunConfig, stage_index: int) -> dict[int, list]:
+    """image size -> the declared evaluations of the stage not yet in results.jsonl at that size."""
+    if not (cfg.eval.after_each_stage and cfg.eval.evals):
+        return {}
+    stage = cfg.stages[stage_index]
+    sizes = [stage.image_size] + ([cfg.full_image_size] if cfg.full_image_size != stage.image_size else [])
+    done = {(r.get("eval"), r.get("image_size")) for r in read_jsonl(cfg.run_dir / RESULTS_FILE)
+            if r.get("stage_index") == stage_index}
+    missing = {size: [e for e in cfg.eval.evals if (e.name, size) not in done] for size in sizes}
+    return {size: evals for size, evals in missing.items() if evals}
+
+
+def agreed_missing_evals(cfg: RunConfig, stage_index: int, dist: DistInfo) -> dict[int, list]:
+    """missing_evals as rank 0 (which writes results.jsonl) sees it, on every rank: all run the same ones."""
+    missing = missing_evals(cfg, stage_index)
+    if dist.world_size == 1:
+        return missing
+    box = [missing]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -21,13 +21,15 @@ import torch
 import torch.distributed as tdist
 import yaml
 
+from crate_clip.checkpoint_io.atomic_files import atomic_write_text
 from crate_clip.models import create_clip, set_image_token_mask
-from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, consolidated_state_dict, rng_state,
-                                          set_rng_state)
+from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, consolidated_state_dict, read_info,
+                                          rng_state, set_rng_state)
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
-from crate_clip.train.metrics_log import MetricsLog, write_plot
+from crate_clip.train.metrics_log import MetricsLog, set_aside_rows_after, write_plot
 from crate_clip.train.run_config import RunConfig, StageConfig, check_runtime
-from crate_clip.train.stage_evals import evaluate_after_stage, stage_evaluated
+from crate_clip.train.run_dir import check_run_dir, move_run_aside
+from crate_clip.train.stage_evals import agreed_missing_evals, evaluate_after_stage, missing_evals
 
 MAX_LOGIT_SCALE = 100.0  # CLIP's cap on exp(logit_scale)
 
@@ -48,24 +50,30 @@ class Progress:
 
 
 # ---------------------------------------------------------------- the run (entry point)
-def run_training(cfg: RunConfig, resume: Optional[str] = None,
-                 stream_factory: Optional[Callable] = None, dist: Optional[DistInfo] = None) -> dict:
-    """Train all stages of `cfg` (resuming from `resume`: 'latest' or a checkpoint path); returns a summary."""
+def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: Optional[Callable] = None,
+                 dist: Optional[DistInfo] = None, overwrite: bool = False) -> dict:
+    """Train all stages of `cfg` (resuming from `resume`: 'latest' or a checkpoint path; with `overwrite`, an
+    earlier run in the output folder is moved aside first); returns a summary."""
+    earlier_run = check_run_dir(cfg.run_dir, resume, overwrite)  # before anything is written, on every rank
     dist = dist or init_distributed()
     check_runtime(cfg, dist.world_size, "cuda" if dist.device.startswith("cuda") else "cpu")
     stream_factory = stream_factory or default_stream_factory
+    ckpts = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size,
+                              protect=lambda info: _evaluations_pending(cfg, info))
+    start = find_resume_point(cfg, ckpts, resume)  # validated before anything is written
+    tdist.barrier()  # every rank has read the folder before rank 0 changes it
     if dist.is_main:
-        _write_run_config(cfg)
+        _prepare_run_dir(cfg, start, moved_aside=earlier_run and overwrite)
     log = MetricsLog(cfg.run_dir, enabled=dist.is_main, progress=cfg.logging.progress,
                      tensorboard=cfg.logging.tensorboard)
-    ckpts = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
-    start = find_resume_point(cfg, ckpts, resume)
     progress, weights, evals, tag_dir = start.progress, None, [], start.tag_dir
     t_start = time.time()
     try:
         if start.tag_dir is not None:
             log.print(f"resuming from {start.tag_dir} (stage {progress.stage_index}, step {progress.step}, "
                       f"{progress.samples_seen} samples seen)")
+        for i in range(start.stage_index):  # stages finished before the checkpoint resumed from
+            evals += _evaluate_finished_stage(cfg, i, ckpts, log, dist)
         for i in range(start.stage_index, len(cfg.stages)):
             resume_here = start if i == start.stage_index and start.tag_dir is not None else None
             tag_dir, weights, records = run_stage(cfg, i, weights, resume_here, progress, stream_factory, ckpts,
@@ -112,14 +120,11 @@ def run_stage(cfg: RunConfig, i: int, weights: Optional[dict], start: Optional[R
     """Train stage `i` (from the previous stage's weights, or on from `start`) and evaluate it;
     returns (its final checkpoint, its consolidated weights, the evaluation records)."""
     if start is not None and start.stage_finished:
-        # the stage had finished before the interruption: evaluate it if that was cut short too
-        tag_dir = start.tag_dir
-        weights = consolidated_state_dict(tag_dir)
-        if stage_evaluated(cfg.run_dir, i):
-            return tag_dir, weights, []
-        return tag_dir, weights, evaluate_after_stage(cfg, i, weights, progress, log, dist)
+        # the stage had finished before the interruption: only evaluations may be missing
+        weights = consolidated_state_dict(start.tag_dir)
+        return start.tag_dir, weights, evaluate_after_stage(cfg, i, weights, progress, log, dist)
     stage = cfg.stages[i]
-    model = build_stage_model(cfg, stage, weights)
+    model = build_stage_model(cfg, stage, weights, resuming=start is not None)
     engine = build_engine(model, cfg, stage, dist)
     _seed_everything(cfg.run.seed * 7919 + 104729 * i + dist.rank)  # token masks differ per rank
     stream = stream_factory(cfg, stage, i, dist)
@@ -137,15 +142,44 @@ def run_stage(cfg: RunConfig, i: int, weights: Optional[dict], start: Optional[R
     return tag_dir, weights, evaluate_after_stage(cfg, i, weights, progress, log, dist)
 
 
+def _evaluate_finished_stage(cfg: RunConfig, i: int, ckpts: CheckpointManager, log: MetricsLog,
+                             dist: DistInfo) -> list[dict]:
+    """The evaluations of an earlier stage that are not in results.jsonl, from its final checkpoint (kept
+    for that reason by the checkpoint manager's `protect`)."""
+    if not agreed_missing_evals(cfg, i, dist):
+        return []
+    tag_dir = ckpts.root / checkpoint_tag(i, cfg.stages[i].steps)
+    info = read_info(tag_dir)
+    if info is None:
+        log.print(f"[warn] stage {i} ({cfg.stages[i].name}): evaluations missing from results.jsonl and its "
+                  f"final checkpoint {tag_dir} is gone; they cannot be run")
+        return []
+    progress = Progress(**{k: info[k] for k in dataclasses.asdict(Progress()) if k in info})
+    return evaluate_after_stage(cfg, i, consolidated_state_dict(tag_dir), progress, log, dist)
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     torch.manual_seed(seed)
 
 
-def _write_run_config(cfg: RunConfig) -> None:
+def _prepare_run_dir(cfg: RunConfig, start: ResumePoint, moved_aside: bool) -> None:
+    """Rank 0, once the command is validated: move an earlier run aside (--overwrite), set aside the rows a
+    cut-short segment logged after the checkpoint resumed from, write run_config.yaml."""
+    if moved_aside:
+        print(f"the earlier run in {cfg.run_dir} is moved to {move_run_aside(cfg.run_dir)}", flush=True)
+    if start.tag_dir is not None:
+        set_aside_rows_after(cfg.run_dir, start.progress.global_step)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.run_dir / "run_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    atomic_write_text(cfg.run_dir / "run_config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def _evaluations_pending(cfg: RunConfig, info: dict) -> bool:
+    """True for a stage's final checkpoint whose evaluations are not all in results.jsonl yet."""
+    index = info.get("stage_index", -1)
+    return 0 <= index < len(cfg.stages) and info.get("step", 0) >= cfg.stages[index].steps and bool(
+        missing_evals(cfg, index))
 
 
 def _export(cfg: RunConfig, weights: dict, log: MetricsLog, dist: DistInfo) -> Optional[Path]:
@@ -210,11 +244,13 @@ def train_step(engine, loss_fn, images, tokens, dist: DistInfo, dtype,
 
 
 # ---------------------------------------------------------------- building blocks
-def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict]) -> torch.nn.Module:
+def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict],
+                      resuming: bool = False) -> torch.nn.Module:
     """The model at the stage's image size / context length: from carried weights (position embeddings
-    resized 2-D for the image grid, 1-D for the text), or fresh (plus model.pretrained) for the first."""
+    resized 2-D for the image grid, 1-D for the text), or fresh (plus model.pretrained) for the first;
+    `resuming`: every weight comes from the checkpoint loaded next, so nothing else is read."""
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    pretrained = cfg.model.pretrained if weights is None else weights
+    pretrained = None if resuming else cfg.model.pretrained if weights is None else weights
     model = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length,
                         pretrained=pretrained)
     set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
