@@ -127,7 +127,7 @@ def test_overwrite_moves_the_earlier_run_aside(resumed_run, tiny_fmnist, tmp_pat
     for name in ("run_config.yaml", "metrics.jsonl", "results.jsonl"):
         shutil.copy(resumed_run["run_dir"] / name, earlier / name)
     kept = _snapshot(earlier)
-    one_step = [dict(STAGES[0], samples=8)]
+    one_step = [dict(STAGES[0], samples=8, warmup_steps=0)]
     config = write_config(_config(earlier, tiny_fmnist, resumed_run["pretrained"], stages=one_step, evals=False),
                           tmp_path / "one_step.yaml")
     proc = _train(config, "--overwrite")

@@ -30,10 +30,15 @@ def fsync_file(path: Path) -> None:
 
 
 def fsync_tree(root: Path) -> None:
-    """fsync every file and folder under `root`, and `root` itself."""
+    """fsync every file and folder under `root`, and `root` itself. Several processes may write there at once
+    (each rank fsyncs after its own writes, so each file is synced by its writer at least): a file that is
+    renamed away meanwhile (another rank's temporary file) is skipped."""
     for folder, _, files in os.walk(root):
         for name in files:
-            fsync_file(Path(folder) / name)
+            try:
+                fsync_file(Path(folder) / name)
+            except FileNotFoundError:
+                continue
         fsync_dir(Path(folder))
 
 
