@@ -11,6 +11,5 @@ checkpoints.py  atomic, durable, resumable DeepSpeed checkpoints with per-rank c
                 (the layout and consolidation live in crate_clip/checkpoint_io, shared with eval/)
 export.py       open_clip `local-dir:` export (safetensors + open_clip_config.json)
 metrics_log.py  progress bar, TensorBoard, metrics.jsonl / results.jsonl, the PNG curve
-zero_footprint.py  per-rank bytes of parameters / gradients / optimizer state read from an engine
 cli.py          `crate-clip train`;  demo.py: the README's first command
 """

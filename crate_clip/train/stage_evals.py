@@ -6,7 +6,6 @@ ones on resume, and the stage's final checkpoint is kept (CheckpointManager's `p
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import torch.distributed as tdist
@@ -26,24 +25,28 @@ def evaluate_after_stage(cfg: RunConfig, stage_index: int, weights: dict, progre
     at the stage's resolution and, after a low-resolution stage, also at the full resolution; evaluations
     already in results.jsonl are not repeated. The fp32 weights run under autocast in the training precision
     (bf16 matmuls are several times faster)."""
+    from eval.registry import summary_line
     from eval.stage_hook import evaluate_stage
 
+    spec_types = {e.name: e.type for e in cfg.eval.evals}
     missing = agreed_missing_evals(cfg, stage_index, dist)
     stage = cfg.stages[stage_index]
     records = []
     for size, evals in missing.items():
-        model = create_clip(cfg.model.name, image_size=size, context_length=stage.context_length, pretrained=weights)
+        model = create_clip(cfg.model.name, image_size=size, context_length=stage.context_length, pretrained=weights,
+                            pos_embed_resize=cfg.model.pos_embed_resize)
         model.to(dist.device).eval()
-        results = evaluate_stage(model, model_name=cfg.model.name, evals=[dataclasses.asdict(e) for e in evals],
+        results = evaluate_stage(model, model_name=cfg.model.name, evals=evals,
                                  image_size=size, device=dist.device, precision=cfg.precision,
-                                 cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main)
+                                 cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main,
+                                 bert_vocab=cfg.model.bert_vocab)
         for name, res in results.items():
             record = {"stage_index": stage_index, "stage_name": stage.name, "eval": name, "image_size": size,
                       "stage_image_size": stage.image_size, "context_length": stage.context_length,
                       "samples_seen": progress.samples_seen, "global_step": progress.global_step,
                       **{k: v for k, v in res.items() if isinstance(v, (int, float, str, list)) or v is None}}
             records.append(record)
-            log.log_eval(record)
+            log.log_eval(record, summary_line(res, eval_type=spec_types[name]))
         del model
     return records
 

@@ -22,7 +22,7 @@ import torch.distributed as tdist
 import yaml
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
-from crate_clip.models import create_clip, set_image_token_mask
+from crate_clip.models import create_clip, preprocess_cfg_for, set_image_token_mask, tokenizer_record
 from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, consolidated_state_dict, read_info,
                                           rng_state, set_rng_state)
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
@@ -190,7 +190,8 @@ def _export(cfg: RunConfig, weights: dict, log: MetricsLog, dist: DistInfo) -> O
         return None
     last = cfg.stages[-1]
     export_dir = export_open_clip(weights, cfg.model.name, cfg.run_dir / "export",
-                                  image_size=last.image_size, context_length=last.context_length)
+                                  image_size=last.image_size, context_length=last.context_length,
+                                  bert_vocab=cfg.model.bert_vocab)
     log.print(f"exported the final weights to {export_dir} "
               f"(open_clip.create_model_and_transforms('local-dir:{export_dir}') after `import crate_clip`)")
     return export_dir
@@ -252,7 +253,7 @@ def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     pretrained = None if resuming else cfg.model.pretrained if weights is None else weights
     model = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length,
-                        pretrained=pretrained)
+                        pretrained=pretrained, pos_embed_resize=cfg.model.pos_embed_resize)
     set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
@@ -261,17 +262,22 @@ def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict
 
 def default_stream_factory(cfg: RunConfig, stage: StageConfig, stage_index: int, dist: DistInfo):
     """The stage's webdataset stream (data_pipelines), each rank reading its own shards."""
-    from data_pipelines.train_stream import StreamConfig, build_train_stream
+    from data_pipelines.train_stream import build_train_stream
 
-    stream_cfg = StreamConfig(
-        sources=list(cfg.data.sources), weights=cfg.data.weights, mode=cfg.data.mode,
-        seed=cfg.run.seed + 1009 * stage_index,  # each stage sees the data in a new order
-        shuffle_buffer=cfg.data.shuffle_buffer, num_workers=cfg.data.num_workers,
-        num_samples=cfg.data.num_samples, crop_scale=tuple(stage.crop_scale or cfg.data.crop_scale))
+    # the model's own normalisation unless the run config sets data.mean / data.std
+    normalisation = {k: v for k, v in _normalisation(cfg.model.name).items() if k not in cfg.data.model_fields_set}
+    stream_cfg = cfg.stream_config(stage_index).model_copy(update=normalisation)
     return build_train_stream(stream_cfg, image_size=stage.image_size, context_length=stage.context_length,
                               text_mask=stage.text_mask, batch_size=stage.global_batch // dist.world_size,
                               rank=dist.rank, world_size=dist.world_size,
-                              tokenizer_name=cfg.model.tokenizer or cfg.model.name)
+                              tokenizer_name=cfg.model.tokenizer or cfg.model.name,
+                              bert_vocab=cfg.model.bert_vocab)
+
+
+def _normalisation(model_name: str) -> dict:
+    """The model config's image mean/std (ImageNet's for the CLIPA models), so training matches eval."""
+    cfg = preprocess_cfg_for(model_name)
+    return {"mean": tuple(cfg["mean"]), "std": tuple(cfg["std"])}
 
 
 def _make_loss(dist: DistInfo):
@@ -356,7 +362,8 @@ def _info(cfg: RunConfig, stage: StageConfig, progress: Progress) -> dict:
             "step": progress.step, "stage_steps": stage.steps, "global_step": progress.global_step,
             "samples_seen": progress.samples_seen, "nonfinite_skipped": progress.nonfinite_skipped,
             "nonfinite_in_a_row": progress.nonfinite_in_a_row, "logit_scale_shape": [1],
-            "precision": cfg.precision, "run_config": cfg.to_dict()}
+            "precision": cfg.precision, "run_config": cfg.to_dict(),
+            "tokenizer": tokenizer_record(cfg.model.tokenizer or cfg.model.name, cfg.model.bert_vocab)}
 
 
 def _save(ckpts: CheckpointManager, engine, cfg: RunConfig, stage: StageConfig, progress: Progress, stream) -> Path:
