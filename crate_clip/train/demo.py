@@ -70,18 +70,9 @@ def prepare_data(data_dir: Path, train_images: int | None = None, test_images: i
     return train_dir, test_dir
 
 
-def keep_previous_run(run_dir: Path) -> None:
-    """Move an earlier demo run aside to `<run_dir>.previous` (replacing an older one): each demo starts
-    fresh, --resume continues instead, and the last finished run is not thrown away."""
-    previous = run_dir.with_name(run_dir.name + ".previous")
-    if previous.exists():
-        shutil.rmtree(previous)
-    run_dir.rename(previous)
-    print(f"[demo] the earlier run is kept in {previous}", flush=True)
-
-
-def launch_command(config: str, nproc: int, overrides: list[str], resume: bool) -> list[str]:
-    """`torchrun --nproc_per_node N -m crate_clip.train.cli ...` (torch's launcher, shipped with torch)."""
+def launch_command(config: str, nproc: int, overrides: list[str], resume: bool, overwrite: bool = False) -> list[str]:
+    """`torchrun --nproc_per_node N -m crate_clip.train.cli ...` (torch's launcher, shipped with torch);
+    `overwrite`: an earlier run is moved aside by the trainer (crate_clip.train.run_dir) before it starts."""
     from crate_clip.train.engine import _free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -89,7 +80,7 @@ def launch_command(config: str, nproc: int, overrides: list[str], resume: bool) 
            "-m", "crate_clip.train.cli", "--config", config]
     for o in overrides:
         cmd += ["--set", o]
-    return cmd + (["--resume", "latest"] if resume else [])
+    return cmd + (["--resume", "latest"] if resume else []) + (["--overwrite"] if overwrite else [])
 
 
 def summarize(run_dir: Path) -> list[dict]:
@@ -114,12 +105,12 @@ def main(argv=None) -> int:
     except FileNotFoundError as exc:
         print(f"[demo] {exc}", file=sys.stderr)
         return 1
-    if run_dir.exists() and not args.resume:
-        keep_previous_run(run_dir)
     overrides = [f"run.output_dir={json.dumps(str(run_dir))}", f"data.sources={json.dumps([str(train_dir)])}",
                  f"eval.evals.0.data={json.dumps(str(test_dir))}",
                  *args.overrides]
-    cmd = launch_command(args.config, args.nproc, overrides, args.resume and run_dir.exists())
+    # a new demo starts over: the trainer moves an earlier run aside to <run-dir>.previous (nothing is deleted)
+    resume = args.resume and run_dir.exists()
+    cmd = launch_command(args.config, args.nproc, overrides, resume, overwrite=not resume)
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.nproc)))
     print(f"[demo] {' '.join(cmd)}", flush=True)
     rc = subprocess.run(cmd, env=env).returncode

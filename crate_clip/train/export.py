@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 from copy import deepcopy
 from pathlib import Path
 
 import open_clip
 import torch
 
+from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text
 from crate_clip.models import clip_tokenizer, preprocess_cfg_for, tokenizer_record
 
 WEIGHTS_FILE = "open_clip_model.safetensors"
@@ -45,14 +45,12 @@ def export_open_clip(state_dict: dict, model_name: str, out_dir: Path, *, image_
     preprocess_cfg["std"] = list(std if std is not None else preprocess_cfg["std"])
     if model_cfg["text_cfg"].get("hf_tokenizer_name"):
         clip_tokenizer(model_name, context_length, bert_vocab).save_pretrained(str(out_dir))
-    # write both files under temporary names, then rename: a reader never sees half an export
-    tmp_weights = out_dir / f".{WEIGHTS_FILE}.tmp"
-    save_file(weights, str(tmp_weights), metadata={"model_name": model_name, "format": "pt"})
-    tmp_cfg = out_dir / f".{CONFIG_FILE}.tmp"
-    tmp_cfg.write_text(json.dumps({"model_name": model_name, "model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg,
-                                   "tokenizer": tokenizer_record(model_name, bert_vocab)}, indent=2))
-    os.replace(tmp_weights, out_dir / WEIGHTS_FILE)
-    os.replace(tmp_cfg, out_dir / CONFIG_FILE)
+    # each file is written under a temporary name, fsynced, then renamed: a reader never sees half a file
+    atomic_write(out_dir / WEIGHTS_FILE,
+                 lambda tmp: save_file(weights, str(tmp), metadata={"model_name": model_name, "format": "pt"}))
+    atomic_write_text(out_dir / CONFIG_FILE, json.dumps({
+        "model_name": model_name, "model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg,
+        "tokenizer": tokenizer_record(model_name, bert_vocab)}, indent=2))
     return out_dir
 
 
