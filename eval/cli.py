@@ -1,4 +1,4 @@
-"""`crate-clip eval zeroshot|retrieval ...`: evaluate a model from the command line (torchrun for several ranks)."""
+"""`crate-clip eval zeroshot|retrieval|linear-probe ...`: evaluate a model from the command line (torchrun for several ranks)."""
 import argparse
 import json
 import os
@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from crate_clip.models.clip_factory import CheckpointMismatchError
+from eval import linear_probe
 from eval.class_sets import BUILTIN_TEMPLATES
 from eval.distributed_batches import rank_and_world
 from eval.model_loading import load_eval_model
@@ -19,7 +20,8 @@ USAGE_ERRORS = (ValueError, FileNotFoundError, CheckpointMismatchError)
 def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="open_clip model name, local-dir:FOLDER, or a DeepSpeed checkpoint folder "
-                             "(<run>/checkpoints or one tag folder; any ZeRO stage)")
+                             "(<run>/checkpoints or one tag folder; any ZeRO stage); linear-probe also "
+                             "takes timm:NAME (a timm classifier, tower features)")
     parser.add_argument("--pretrained", help="weights file (.safetensors/.pt) or DeepSpeed checkpoint for --model NAME")
     parser.add_argument("--data", required=True, help="val folder, flat folder (with --labels), or shards (.tar folder / {..} pattern)")
     parser.add_argument("--image-size", type=int, help="evaluate at this resolution (pos-embeds resized)")
@@ -51,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="text-classifier cache ('' disables)")
     rt = sub.add_parser("retrieval", help="image<->text recall@1/5/10 on captioned shards (.jpg + .txt)")
     _model_args(rt)
+    lp = sub.add_parser("linear-probe", help="linear probe / few-shot on cached image features (CLIP_benchmark "
+                                             "protocol): top-1, top-5, mean per-class recall; --data is the test split")
+    _model_args(lp)
+    linear_probe.add_arguments(lp)
     return parser
 
 
@@ -78,7 +84,9 @@ def _print_per_class(metrics: dict) -> None:
 
 
 def _print_summary(command: str, metrics: dict) -> None:
-    if command == "zeroshot":
+    if command == "linear-probe":
+        print(linear_probe.summary(metrics))
+    elif command == "zeroshot":
         print(f"zero-shot: top-1 {100 * metrics['top1']:.2f}%  top-5 {100 * metrics['top5']:.2f}%  "
               f"mean per class {100 * metrics['mean_per_class']:.2f}%  on {metrics['n_images']} images "
               f"({metrics['n_unreadable']} unreadable)")
@@ -87,17 +95,31 @@ def _print_summary(command: str, metrics: dict) -> None:
               + f"  on {metrics['n_pairs']} pairs ({metrics['n_unreadable']} unreadable)")
 
 
+def _linear_probe(args, device: str, cache_dir: str | None) -> dict:
+    if args.model.startswith(linear_probe.TIMM_PREFIX):
+        model, preprocess = linear_probe.load_timm_classifier(args.model[len(linear_probe.TIMM_PREFIX):],
+                                                              args.pretrained, args.image_size, device)
+    else:
+        model, preprocess, _, _ = load_eval_model(args.model, args.pretrained, args.image_size, device)
+    return linear_probe.run(model, preprocess=preprocess, settings=linear_probe.settings_from_args(args),
+                            device=device, precision=args.precision, cache_dir=cache_dir,
+                            progress=not args.no_progress)
+
+
 def main(argv=None) -> int:
     """Run `crate-clip eval ...`; returns the exit code."""
     args = build_parser().parse_args(argv)
     device = args.device if args.device != "cuda" else f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     _init_distributed(args.device)
     try:
-        model, preprocess, tokenizer, _ = load_eval_model(args.model, args.pretrained, args.image_size, device)
         cache_dir = getattr(args, "cache_dir", None) or None
-        metrics = run_eval(model, tokenizer, preprocess, _spec(args), device=device, precision=args.precision,
-                           cache_dir=cache_dir, progress=not args.no_progress)
-    except USAGE_ERRORS as err:
+        if args.command == "linear-probe":
+            metrics = _linear_probe(args, device, cache_dir)
+        else:
+            model, preprocess, tokenizer, _ = load_eval_model(args.model, args.pretrained, args.image_size, device)
+            metrics = run_eval(model, tokenizer, preprocess, _spec(args), device=device, precision=args.precision,
+                               cache_dir=cache_dir, progress=not args.no_progress)
+    except USAGE_ERRORS + (linear_probe.ValidationError,) as err:
         print(f"crate-clip eval: error: {err}", file=sys.stderr)
         return 2
     if rank_and_world()[0] == 0:
