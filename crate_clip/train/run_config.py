@@ -21,6 +21,7 @@ IMAGE_MASKS = ("none", "random", "grid", "block")
 PRECISIONS = ("bf16", "fp16", "fp32")
 DATA_MODES = ("resampled", "epoch")
 EVAL_TYPES = ("zeroshot", "retrieval")
+PATCH_RESIZES = ("pi_resize", "bilinear")
 ATTENTION_KERNELS = ("auto", "math", "flash", "efficient", "default")
 
 
@@ -77,6 +78,10 @@ class StageConfig:
     image_mask: str = "none"
     image_mask_ratio: float = 0.0
     crop_scale: Optional[list[float]] = None  # random-resized-crop area range; default: data.crop_scale
+    # the image tower's patch size from this stage on (default: the previous stage's, else the model config's);
+    # a change resizes the patch kernel at the stage change: pi_resize (FlexiViT) or bilinear (CRATE-alpha paper)
+    patch_size: Optional[int] = None
+    patch_resize: str = "pi_resize"
 
     @property
     def steps(self) -> int:
@@ -160,6 +165,10 @@ class RunConfig:
     def full_image_size(self) -> int:
         """The resolution a low-res stage is additionally evaluated at."""
         return self.eval.full_image_size or self.stages[-1].image_size
+
+    def patch_size_at(self, stage_index: int) -> Optional[int]:
+        """The image tower's patch size in a stage: the last one set up to it (None: the model config's)."""
+        return next((s.patch_size for s in reversed(self.stages[:stage_index + 1]) if s.patch_size), None)
 
     def to_dict(self) -> dict:
         """Plain-dict form (for the copy saved in the run folder and in checkpoints)."""
@@ -338,6 +347,9 @@ def _check(cfg: RunConfig, errors: list[str], base_dir: Path, check_paths: bool)
         need(0 <= s.image_mask_ratio < 1, f"{k}.image_mask_ratio: {s.image_mask_ratio}; fix: in [0, 1)")
         need(s.crop_scale is None or (len(s.crop_scale) == 2 and 0 < s.crop_scale[0] <= s.crop_scale[1] <= 1),
              f"{k}.crop_scale: {s.crop_scale}; fix: [min, max] with 0 < min <= max <= 1, or remove it")
+        need(s.patch_size is None or 1 <= s.patch_size <= s.image_size,
+             f"{k}.patch_size: {s.patch_size}; fix: a patch side in pixels up to image_size ({s.image_size}), or remove it")
+        need(s.patch_resize in PATCH_RESIZES, f"{k}.patch_resize: {s.patch_resize!r} is not one of {PATCH_RESIZES}")
         need(s.image_mask == "none" or s.image_mask_ratio > 0 or s.image_mask in ("grid",),
              f"{k}.image_mask_ratio: 0 with image_mask {s.image_mask!r}; fix: set a ratio such as 0.3, "
              "or image_mask: none")

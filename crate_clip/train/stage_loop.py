@@ -21,7 +21,8 @@ import torch
 import torch.distributed as tdist
 import yaml
 
-from crate_clip.models import create_clip, set_image_token_mask
+from crate_clip.models import set_image_token_mask
+from crate_clip.models.patch_change import checkpoint_patch_size, create_clip_at_patch
 from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, consolidated_state_dict, read_info,
                                           rng_state, set_rng_state)
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
@@ -99,8 +100,9 @@ def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict
     resized 2-D for the image grid, 1-D for the text), or fresh (plus model.pretrained) for the first."""
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     pretrained = cfg.model.pretrained if weights is None else weights
-    model = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length,
-                        pretrained=pretrained)
+    # (the tower's patch size changes here when the stage sets another one: crate_clip/models/patch_change.py)
+    model = create_clip_at_patch(cfg.model.name, pretrained, stage.patch_size, stage.patch_resize,
+                                 image_size=stage.image_size, context_length=stage.context_length)
     set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
@@ -156,7 +158,7 @@ def evaluate_after_stage(cfg: RunConfig, stage_index: int, weights: dict, progre
     sizes = [stage.image_size] + ([cfg.full_image_size] if cfg.full_image_size != stage.image_size else [])
     records = []
     for size in sizes:
-        model = create_clip(cfg.model.name, image_size=size, context_length=stage.context_length, pretrained=weights)
+        model = create_clip_at_patch(cfg.model.name, weights, image_size=size, context_length=stage.context_length)
         model.to(dist.device).eval()
         results = evaluate_stage(model, model_name=cfg.model.name, evals=[dataclasses.asdict(e) for e in cfg.eval.evals],
                                  image_size=size, device=dist.device, precision=cfg.precision,
@@ -179,6 +181,7 @@ def _stage_evaluated(run_dir: Path, stage_index: int) -> bool:
 # ---------------------------------------------------------------- checkpoints
 def _info(cfg: RunConfig, stage: StageConfig, progress: Progress) -> dict:
     return {"model_name": cfg.model.name, "image_size": stage.image_size, "context_length": stage.context_length,
+            "patch_size": cfg.patch_size_at(progress.stage_index),
             "zero_stage": zero_stage_of(cfg), "stage_index": progress.stage_index, "stage_name": stage.name,
             "step": progress.step, "stage_steps": stage.steps, "global_step": progress.global_step,
             "samples_seen": progress.samples_seen, "nonfinite_skipped": progress.nonfinite_skipped,
@@ -324,7 +327,8 @@ def run_training(cfg: RunConfig, resume: Optional[str] = None,
         if dist.is_main:
             last = cfg.stages[-1]
             export_dir = export_open_clip(weights, cfg.model.name, cfg.run_dir / "export",
-                                          image_size=last.image_size, context_length=last.context_length)
+                                          image_size=last.image_size, context_length=last.context_length,
+                                          patch_size=checkpoint_patch_size(weights))
             log.print(f"exported the final weights to {export_dir} "
                       f"(open_clip.create_model_and_transforms('local-dir:{export_dir}') after `import crate_clip`)")
         tdist.barrier()
