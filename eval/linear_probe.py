@@ -394,6 +394,13 @@ def settings_from_args(args) -> Settings:
                     num_workers=args.workers)
 
 
+def settings_from_spec(spec: dict) -> Settings:
+    """Settings from a declared eval (a run config's `eval.evals` entry of type linear_probe)."""
+    keys = ("train_data", "data", "dataset", "classnames", "labels", "max_images", "max_train_images", "fewshot_k",
+            "batch_size", "num_workers")
+    return Settings(**{k: spec[k] for k in keys if spec.get(k) is not None})
+
+
 def load_timm_classifier(name: str, pretrained: str | None, image_size: int | None, device="cpu"):
     """(model, eval preprocessing) of a timm classifier `name` with an optional weights file."""
     import timm

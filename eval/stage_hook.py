@@ -3,6 +3,7 @@ from pathlib import Path
 
 import torch
 
+from eval import linear_probe
 from eval.class_sets import resolve_classnames, resolve_templates
 from eval.eval_datasets import ShardSamples, classification_dataset, shard_urls
 from eval.model_calls import unwrap_model
@@ -10,10 +11,11 @@ from eval.model_loading import eval_tokenizer, eval_transform
 from eval.retrieval import retrieval_evaluate
 from eval.zeroshot import zero_shot_evaluate
 
-EVAL_TYPES = ("zeroshot", "retrieval")
+EVAL_TYPES = ("zeroshot", "retrieval", "linear_probe")
 REQUIRED_KEYS = ("name", "type", "data")
 OPTIONAL_KEYS = {"dataset": "custom", "templates": None, "batch_size": 256, "max_images": None,
-                 "labels": None, "classnames": None, "num_workers": 0}
+                 "labels": None, "classnames": None, "num_workers": 0,
+                 "train_data": None, "max_train_images": None, "fewshot_k": None}   # the last three: linear_probe
 
 
 def check_eval_spec(spec: dict) -> dict:
@@ -36,6 +38,9 @@ def run_eval(model, tokenizer, preprocess, spec: dict, *, device="cpu", precisio
     spec = check_eval_spec(spec)
     common = dict(batch_size=spec["batch_size"], device=device, precision=precision,
                   num_workers=spec["num_workers"], progress=progress, max_images=spec["max_images"])
+    if spec["type"] == "linear_probe":
+        return linear_probe.run(model, preprocess=preprocess, settings=linear_probe.settings_from_spec(spec),
+                                device=device, precision=precision, cache_dir=cache_dir, progress=progress)
     if spec["type"] == "retrieval":
         dataset = ShardSamples(shard_urls(spec["data"]), preprocess, target="txt")
         return retrieval_evaluate(model, tokenizer, dataset, **common)

@@ -92,3 +92,25 @@ def test_cli_linear_probe_on_a_timm_classifier_and_a_flat_folder(sets, tmp_path)
     # pooled tower features (width 192) of a random tower still separate some classes; chance is 10%
     assert result["features"] == "tower" and result["feature_dim"] == 192 and result["n_test"] == 10 * PER_CLASS
     assert result["top1"] > 0.3
+
+
+def test_declared_after_a_stage_through_the_stage_hook(sets, tmp_path):
+    from eval.stage_hook import evaluate_stage
+    from eval_fixtures import shared_crate_tiny
+
+    spec = {"name": "probe", "type": "linear_probe", "data": str(sets["folder"]), "train_data": str(sets["shards"]),
+            "dataset": "fashion_mnist", "fewshot_k": 2, "batch_size": 80}
+    result = evaluate_stage(shared_crate_tiny(), model_name="CRATE-alpha-CLIPA-tiny", evals=[spec], image_size=28,
+                            cache_dir=str(tmp_path), progress=False)["probe"]
+    assert result["fewshot_k"] == 2 and result["n_train"] == 20 and result["n_test"] == 10 * PER_CLASS
+    assert 0 <= result["top1"] <= result["top5"] <= 1
+
+
+def test_run_config_needs_the_training_split_of_a_probe():
+    from crate_clip.train.run_config import ConfigError, config_from_dict
+    raw = {"data": {"sources": ["x"]}, "stages": [dict(name="s", image_size=28, samples=512, global_batch=256)],
+           "eval": {"evals": [{"name": "p", "type": "linear_probe", "data": "test"}]}}
+    with pytest.raises(ConfigError, match="eval.evals.0.train_data: empty"):
+        config_from_dict(raw, check_paths=False)
+    raw["eval"]["evals"][0]["train_data"] = "train"
+    assert config_from_dict(raw, check_paths=False).eval.evals[0].train_data.endswith("train")

@@ -20,7 +20,7 @@ TEXT_MASKS = ("truncate", "random", "block", "syntax")
 IMAGE_MASKS = ("none", "random", "grid", "block")
 PRECISIONS = ("bf16", "fp16", "fp32")
 DATA_MODES = ("resampled", "epoch")
-EVAL_TYPES = ("zeroshot", "retrieval")
+EVAL_TYPES = ("zeroshot", "retrieval", "linear_probe")
 PATCH_RESIZES = ("pi_resize", "bilinear")
 ATTENTION_KERNELS = ("auto", "math", "flash", "efficient", "default")
 
@@ -122,6 +122,10 @@ class EvalEntry:
     templates: str = "openai"
     batch_size: int = 256
     max_images: Optional[int] = None
+    # linear_probe only (eval/linear_probe.py): the labelled training split, its size, k-shot
+    train_data: Optional[str] = None
+    max_train_images: Optional[int] = None
+    fewshot_k: Optional[int] = None
 
 
 @dataclass
@@ -361,6 +365,8 @@ def _check(cfg: RunConfig, errors: list[str], base_dir: Path, check_paths: bool)
         need(e.type in EVAL_TYPES, f"{k}.type: {e.type!r} is not one of {EVAL_TYPES}")
         need(bool(e.data), f"{k}.data: empty; fix: the path of the evaluation set")
         need(e.batch_size >= 1, f"{k}.batch_size: must be >= 1")
+        need(e.type != "linear_probe" or bool(e.train_data),
+             f"{k}.train_data: empty; fix: the labelled training split of the linear probe")
         if check_paths and e.data and not resolve_path(e.data, base_dir).exists():
             errors.append(f"{k}.data: {e.data!r} does not exist; fix: build the evaluation set first "
                           "(crate-clip shards ...) or correct the path")
@@ -397,6 +403,7 @@ def _resolve_paths(cfg: RunConfig, base_dir: Path) -> None:
     cfg.data.sources = [str(resolve_path(s, base_dir)) if _is_local(s) else s for s in cfg.data.sources]
     for e in cfg.eval.evals:
         e.data = str(resolve_path(e.data, base_dir)) if e.data else e.data
+        e.train_data = str(resolve_path(e.train_data, base_dir)) if e.train_data else e.train_data
     if cfg.deepspeed.config:
         cfg.deepspeed.config = str(resolve_path(cfg.deepspeed.config, base_dir))
     if cfg.model.pretrained:
