@@ -191,6 +191,17 @@ def cached_features(model, dataset, data: str, preprocess, *, cache_dir, kind: s
 def train_linear(features: torch.Tensor, labels: torch.Tensor, num_classes: int, weight_decay: float, *,
                  lr: float = 0.1, epochs: int = 10, batch_size: int = 64, seed: int = 0) -> nn.Linear:
     """One nn.Linear on fixed features: AdamW, cross-entropy, per-step cosine LR from `lr` to 0, no warm-up."""
+    threads = torch.get_num_threads()
+    # one thread: a 64-row step is all overhead, and on a busy machine extra threads made it ~13x slower
+    torch.set_num_threads(1)
+    try:
+        with torch.enable_grad():   # callers such as the stage hook run evaluations under no_grad
+            return _train_linear(features, labels, num_classes, weight_decay, lr, epochs, batch_size, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_linear(features, labels, num_classes, weight_decay, lr, epochs, batch_size, seed) -> nn.Linear:
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     clf = nn.Linear(features.shape[1], num_classes)
