@@ -34,7 +34,8 @@ def tower_patch_size(model: nn.Module) -> Optional[int]:
 
 
 def load_clip_weights_at_patch(model: nn.Module, source: Union[str, Path, Dict[str, torch.Tensor]],
-                               patch_size: Optional[int] = None, resize: str = "pi_resize") -> None:
+                               patch_size: Optional[int] = None, resize: str = "pi_resize",
+                               pos_embed_resize: Optional[str] = "grid_2d") -> None:
     """Load a CLIP checkpoint of any patch size into `model`, then move the tower to `patch_size` (if given).
 
     The tower first takes the checkpoint's patch size (the kernel is then loaded as it is), so without
@@ -45,7 +46,7 @@ def load_clip_weights_at_patch(model: nn.Module, source: Union[str, Path, Dict[s
     saved = checkpoint_patch_size(sd)
     if trunk is not None and saved is not None:
         trunk.set_patch_size(saved)   # shapes only: the load below replaces the values
-    load_clip_weights(model, sd)
+    load_clip_weights(model, sd, pos_embed_resize=pos_embed_resize)
     if patch_size is not None:
         if trunk is None:
             raise ValueError(f"patch_size {patch_size}: only a CRATE-alpha image tower can change its patch size")
@@ -79,7 +80,7 @@ def create_clip_at_patch(model_name: str, source=None, patch_size: Optional[int]
     if sd is None:
         set_fresh_patch_size(model, patch_size)
     else:
-        load_clip_weights_at_patch(model, sd, patch_size, resize)
+        load_clip_weights_at_patch(model, sd, patch_size, resize, create_kwargs.get("pos_embed_resize", "grid_2d"))
     return model
 
 
