@@ -114,3 +114,18 @@ def test_run_config_needs_the_training_split_of_a_probe():
         config_from_dict(raw, check_paths=False)
     raw["eval"]["evals"][0]["train_data"] = "train"
     assert config_from_dict(raw, check_paths=False).eval.evals[0].train_data.endswith("train")
+
+
+def test_demo_prints_the_probe_of_its_export(sets, tmp_path, capsys):
+    from crate_clip.train.demo import linear_probe_final
+    from crate_clip.train.export import export_open_clip
+    from eval_fixtures import shared_crate_tiny
+
+    run_dir = tmp_path / "run"
+    export_open_clip(shared_crate_tiny().state_dict(), "CRATE-alpha-CLIPA-tiny", run_dir / "export", image_size=28,
+                     context_length=32)
+    metrics = linear_probe_final(run_dir, tmp_path / "data", sets["folder"], 60)
+    assert metrics["n_test"] == 10 * PER_CLASS and metrics["n_train"] == 60 and (tmp_path / "data" / "probe_train_60").is_dir()
+    assert "[demo] linear probe: top-1" in capsys.readouterr().out
+    assert json.loads((run_dir / "linear_probe.json").read_text())["top1"] == metrics["top1"]
+    assert linear_probe_final(run_dir, tmp_path / "data", sets["folder"], 0) is None
