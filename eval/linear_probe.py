@@ -9,7 +9,7 @@ best), then the classifier is retrained on train+val and scored on the test spli
 per-class recall. Few-shot (`fewshot_k`): k training images per class drawn with each of several seeds
 (the validation split is held out first and used only to choose the weight decay); mean and spread.
 
-Evaluator contract: `Settings` (schema), `run(model, ...) -> dict of numbers`, `summary(metrics) -> str`.
+Registered as the task eval/tasks/linear_probe.py (`crate-clip eval linear_probe`, `type: linear_probe`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: F401 (the CLI catches it)
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from tqdm import tqdm
 
@@ -372,44 +372,6 @@ def summary(metrics: dict) -> str:
 
 # ---------------------------------------------------------------- command line
 TIMM_PREFIX = "timm:"
-
-
-def add_arguments(parser) -> None:
-    """The probe's own options of `crate-clip eval linear-probe` (model and test-data options are shared)."""
-    parser.add_argument("--train-data", required=True, help="training split: ImageFolder, flat folder "
-                        "(with --train-labels) or .cls shards")
-    parser.add_argument("--train-labels", help="label file of a flat training folder")
-    parser.add_argument("--labels", help="label file of a flat test folder")
-    parser.add_argument("--dataset", default="custom", help="fashion_mnist / imagenet1k (built-in class lists) or any name")
-    parser.add_argument("--classnames", help="class-name file (one per line); default classnames.txt beside the data")
-    parser.add_argument("--features", choices=("auto", "image", "tower"), default="auto",
-                        help="image: the CLIP image embedding; tower: pooled pre-projection tower features "
-                             "(auto: image for CLIP, tower for timm:NAME classifiers)")
-    parser.add_argument("--no-normalize", action="store_true", help="do not L2-normalise the features")
-    parser.add_argument("--max-train-images", type=int, help="use this many training images (spread evenly)")
-    parser.add_argument("--fewshot-k", type=int, help="k training images per class (few-shot probe)")
-    parser.add_argument("--fewshot-seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the k-shot draws")
-    parser.add_argument("--weight-decay", type=float, help="fixed weight decay (skips the validation search)")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "crate_clip" / "linear_probe"),
-                        help="feature cache ('' disables)")
-
-
-def settings_from_args(args) -> Settings:
-    """Settings from parsed `crate-clip eval linear-probe` arguments."""
-    return Settings(train_data=args.train_data, data=args.data, dataset=args.dataset, classnames=args.classnames,
-                    train_labels=args.train_labels, labels=args.labels, features=args.features,
-                    normalize=not args.no_normalize, max_train_images=args.max_train_images,
-                    max_images=args.max_images, fewshot_k=args.fewshot_k, fewshot_seeds=args.fewshot_seeds,
-                    weight_decay=args.weight_decay, epochs=args.epochs, batch_size=args.batch_size,
-                    num_workers=args.workers)
-
-
-def settings_from_spec(spec: dict) -> Settings:
-    """Settings from a declared eval (a run config's `eval.evals` entry of type linear_probe)."""
-    keys = ("train_data", "data", "dataset", "classnames", "labels", "max_images", "max_train_images", "fewshot_k",
-            "batch_size", "num_workers")
-    return Settings(**{k: spec[k] for k in keys if spec.get(k) is not None})
 
 
 def load_timm_classifier(name: str, pretrained: str | None, image_size: int | None, device="cpu"):

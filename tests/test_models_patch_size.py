@@ -62,7 +62,7 @@ def _two_stage_config(patch0, patch1, resize="pi_resize"):
 
 @pytest.mark.parametrize("resize", ["pi_resize", "bilinear"])
 def test_stage_change_resizes_the_kernel_and_eval_export_know_the_patch(resize, tmp_path):
-    from crate_clip.train.export import export_open_clip, export_state_equal, load_export
+    from crate_clip.train.export import export_open_clip, load_export
     from crate_clip.train.stage_loop import build_stage_model
 
     cfg = _two_stage_config(7, 4, resize)
@@ -82,7 +82,9 @@ def test_stage_change_resizes_the_kernel_and_eval_export_know_the_patch(resize, 
     # the export at patch 7 loads in open_clip at patch 7 with exactly these weights
     export_open_clip(weights, TINY, tmp_path / "export", image_size=28, context_length=8, patch_size=7)
     loaded, _, _ = load_export(tmp_path / "export")
-    assert loaded.visual.trunk.patch_size == 7 and export_state_equal(loaded, weights)
+    assert loaded.visual.trunk.patch_size == 7
+    got = loaded.state_dict()
+    assert set(got) == set(weights) and all(torch.equal(got[k].reshape(-1), weights[k].float().reshape(-1)) for k in got)
 
 
 def test_patch_size_keys_are_checked():

@@ -158,4 +158,7 @@ def test_export_loads_with_open_clip_local_dir(reference_run):
     with torch.no_grad():
         feats = model.encode_text(tokenizer(["a photo of a sneaker."]))
     assert feats.shape == (1, model.text_projection.shape[1]) and torch.isfinite(feats).all()
-    assert isinstance(preprocess, open_clip.transform.Compose) or callable(preprocess)
+    from PIL import Image
+    pixels = preprocess(Image.new("RGB", (40, 30), (128, 128, 128)))   # resized, center-cropped, normalized
+    mean, std = torch.tensor(open_clip.OPENAI_DATASET_MEAN), torch.tensor(open_clip.OPENAI_DATASET_STD)
+    torch.testing.assert_close(pixels, ((128 / 255 - mean) / std)[:, None, None].expand(3, 28, 28))

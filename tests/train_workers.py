@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import crate_clip  # noqa: E402,F401
-from crate_clip.train import zero_footprint  # noqa: E402
+from bench import zero_footprint  # noqa: E402  (test and bench helper, not library code)
 from crate_clip.train.engine import build_engine, init_distributed, model_dtype  # noqa: E402
 from crate_clip.train.run_config import config_from_dict, load_run_config  # noqa: E402
 from crate_clip.train.stage_loop import (_make_loss, build_stage_model, default_stream_factory,  # noqa: E402

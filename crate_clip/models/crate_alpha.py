@@ -4,6 +4,7 @@ Order (timm's habit): patch embeddings, block, model class, init, checkpoint_fil
 The three CRATE-alpha switches rebuild the paper's ablation ladder from CRATE:
   overcomplete_ratio (C: 1 -> 4), decoupled_dictionary (separate output dictionary D1), ista_residual.
 """
+import contextlib
 import logging
 import math
 from typing import Dict, List, Optional, Tuple, Union
@@ -409,7 +410,10 @@ class CrateAlpha(nn.Module):
         blocks = self.blocks if not stop_early else self.blocks[:max_index + 1]
         intermediates, attns, codes = [], [], []
         for i, blk in enumerate(blocks):
-            x, attn, code = blk.forward_with_extras(x, return_attn)
+            if self.grad_checkpointing and torch.is_grad_enabled():   # as forward_features does
+                x, attn, code = checkpoint(blk.forward_with_extras, x, return_attn, use_reentrant=False)
+            else:
+                x, attn, code = blk.forward_with_extras(x, return_attn)
             if i in take_indices:
                 y = self.norm(x) if norm else x
                 prefix, spatial = y[:, :1], y[:, 1:]
@@ -517,22 +521,27 @@ def _adapt_head(state_dict: Dict[str, torch.Tensor], model: CrateAlpha) -> None:
 
 
 # ----- build and register -----
-def _create_crate_alpha(variant: str, pretrained: bool = False, **kwargs) -> CrateAlpha:
-    return build_model_with_cfg(
-        CrateAlpha, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=3, feature_cls="getter"),
-        **kwargs,
-    )
+def _create_crate_alpha(variant: str, pretrained: bool = False, device=None, dtype=None, **kwargs) -> CrateAlpha:
+    # timm.create_model(name, device=..., dtype=...): parameters are created on `device` (e.g. 'meta',
+    # nothing allocated) through torch's default-device context, then cast to `dtype`
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = build_model_with_cfg(
+            CrateAlpha, variant, pretrained,
+            pretrained_filter_fn=checkpoint_filter_fn,
+            feature_cfg=dict(out_indices=3, feature_cls="getter"),
+            **kwargs,
+        )
+    return model.to(dtype=dtype) if dtype is not None else model
 
 
 def _cfg(input_px: int = 224, num_classes: int = 1000, **kwargs) -> Dict:
-    # no 'classifier' entry on purpose: head mismatches are handled by checkpoint_filter_fn, so giving
-    # num_classes=19167 loads an IN-21K head instead of timm silently discarding it.
+    # 'classifier' names the head (timm's convention; its loader drops a head of another class count after
+    # checkpoint_filter_fn, which already keeps the model's fresh head then). Towers without a head: None.
     # mean/std: ImageNet defaults (the released models' own normalisation is not recorded in the spec).
     return dict(url="", num_classes=num_classes, input_size=(3, input_px, input_px), pool_size=None,
                 crop_pct=0.875, interpolation="bicubic", fixed_input_size=True,
-                mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, first_conv="patch_embed.proj", **kwargs)
+                mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, first_conv="patch_embed.proj",
+                classifier="head" if num_classes else None, **kwargs)
 
 
 _SIZES = {  # name: (width, depth, heads)  (CRATE-alpha decode_variant; note S is 576 wide)

@@ -7,6 +7,5 @@ stage_loop.py   the run: stages, steps (ClipLoss, non-finite guard), checkpoints
 checkpoints.py  atomic, resumable DeepSpeed checkpoints with per-rank client state; retention
 export.py       open_clip `local-dir:` export (safetensors + open_clip_config.json)
 metrics_log.py  progress bar, TensorBoard, metrics.jsonl / results.jsonl, the PNG curve
-zero_footprint.py  per-rank bytes of parameters / gradients / optimizer state read from an engine
 cli.py          `crate-clip train`;  demo.py: the README's first command
 """

@@ -6,6 +6,7 @@ WORLD_SIZE, MASTER_ADDR; the DeepSpeed launcher also passes --local_rank, accept
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_run_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"crate-clip train: {exc}", file=sys.stderr)
+        _report(exc)
         return EXIT_CONFIG
     if args.validate:
         print(f"{args.config}: valid ({len(cfg.stages)} stages, "
@@ -60,6 +61,12 @@ def main(argv=None) -> int:
     if summary.get("export_dir"):
         print(f"done in {summary['seconds']:.0f} s; export: {summary['export_dir']}")
     return 0
+
+
+def _report(exc: Exception) -> None:
+    """The error on stderr, once per job: every rank finds the same config error, rank 0 says it."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"crate-clip train: {exc}", file=sys.stderr)
 
 
 def _close_process_group() -> None:

@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="run-config override passed to `crate-clip train` (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the previous demo run instead of starting over")
+    p.add_argument("--train-images", type=int, help="write only the first N training images (a smoke run)")
+    p.add_argument("--test-images", type=int, help="write only the first N test images (a smoke run)")
     p.add_argument("--probe-train-images", type=int, default=10_000,
                    help="training images of the final linear probe (the first N of the train split; 0 skips it)")
     return p
@@ -54,16 +56,18 @@ def ensure_fashion_mnist() -> Path:
         "or put the four *-ubyte.gz files from the Fashion-MNIST release into ~/.cache/fashion-mnist/")
 
 
-def prepare_data(data_dir: Path) -> tuple[Path, Path]:
-    """Training shards (train split, 60,000 captioned images) and the zero-shot set (test split, 10,000)."""
+def prepare_data(data_dir: Path, train_images: int | None = None, test_images: int | None = None) -> tuple[Path, Path]:
+    """Training shards (train split, 60,000 captioned images) and the zero-shot set (test split, 10,000),
+    or the first `train_images` / `test_images` of them."""
     from data_pipelines.sources.fashion_mnist import write_fashion_mnist_eval_folder, write_fashion_mnist_shards
 
     source = ensure_fashion_mnist()
     train_dir, test_dir = data_dir / "train", data_dir / "test"
     t0 = time.perf_counter()
-    write_fashion_mnist_shards(train_dir, split="train", samples_per_shard=5_000, source_dir=source)
+    write_fashion_mnist_shards(train_dir, split="train", samples_per_shard=5_000, source_dir=source,
+                               limit=train_images)
     if not (test_dir / "classnames.txt").is_file():
-        write_fashion_mnist_eval_folder(test_dir, split="test", source_dir=source)
+        write_fashion_mnist_eval_folder(test_dir, split="test", source_dir=source, limit=test_images)
     print(f"[demo] data ready in {time.perf_counter() - t0:.0f} s: shards {train_dir}, eval set {test_dir}", flush=True)
     return train_dir, test_dir
 
@@ -95,7 +99,7 @@ def summarize(run_dir: Path) -> list[dict]:
     from crate_clip.train.metrics_log import RESULTS_FILE, read_jsonl
 
     results = read_jsonl(run_dir / RESULTS_FILE)
-    print("\n[demo] zero-shot top-1 on the 10,000 Fashion-MNIST test images:")
+    print(f"\n[demo] zero-shot top-1 on the {results[0]['n_images'] if results else 0:,} Fashion-MNIST test images:")
     for r in results:
         print(f"  stage {r['stage_index']} {r['stage_name']:<8} trained at {r['stage_image_size']:>3} px, "
               f"evaluated at {r['image_size']:>3} px: {100 * r['top1']:6.2f}%")
@@ -135,7 +139,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     data_dir, run_dir = Path(args.data_dir).resolve(), Path(args.run_dir).resolve()
     try:
-        train_dir, test_dir = prepare_data(data_dir)
+        train_dir, test_dir = prepare_data(data_dir, args.train_images, args.test_images)
     except FileNotFoundError as exc:
         print(f"[demo] {exc}", file=sys.stderr)
         return 1

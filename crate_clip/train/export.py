@@ -7,7 +7,6 @@ from copy import deepcopy
 from pathlib import Path
 
 import open_clip
-import torch
 
 from crate_clip.models import clip_tokenizer, preprocess_cfg_for, tokenizer_record
 from crate_clip.models.patch_change import config_patch_size, register_tower_of, tower_name_at_patch
@@ -71,10 +70,3 @@ def load_export(out_dir: Path, device: str = "cpu"):
     spec = f"local-dir:{Path(out_dir).resolve()}"
     model, _, preprocess = open_clip.create_model_and_transforms(spec, device=device)
     return model.eval(), preprocess, open_clip.get_tokenizer(spec)
-
-
-def export_state_equal(model: torch.nn.Module, state_dict: dict) -> bool:
-    """True when `model` holds exactly `state_dict` (logit_scale compared by value, any shape)."""
-    own = model.state_dict()
-    return set(own) == set(state_dict) and all(
-        torch.equal(own[k].float().reshape(-1), state_dict[k].float().reshape(-1)) for k in own)

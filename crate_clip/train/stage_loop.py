@@ -112,14 +112,11 @@ def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict
 
 def default_stream_factory(cfg: RunConfig, stage: StageConfig, stage_index: int, dist: DistInfo):
     """The stage's webdataset stream (data_pipelines), each rank reading its own shards."""
-    from data_pipelines.train_stream import StreamConfig, build_train_stream
+    from data_pipelines.train_stream import build_train_stream
 
-    stream_cfg = StreamConfig(
-        sources=list(cfg.data.sources), weights=cfg.data.weights, mode=cfg.data.mode,
-        seed=cfg.run.seed + 1009 * stage_index,  # each stage sees the data in a new order
-        shuffle_buffer=cfg.data.shuffle_buffer, num_workers=cfg.data.num_workers,
-        num_samples=cfg.data.num_samples, crop_scale=tuple(stage.crop_scale or cfg.data.crop_scale),
-        **_normalisation(cfg.model.name))
+    # the model's own normalisation unless the run config sets data.mean / data.std
+    normalisation = {k: v for k, v in _normalisation(cfg.model.name).items() if k not in cfg.data.model_fields_set}
+    stream_cfg = cfg.stream_config(stage_index).model_copy(update=normalisation)
     return build_train_stream(stream_cfg, image_size=stage.image_size, context_length=stage.context_length,
                               text_mask=stage.text_mask, batch_size=stage.global_batch // dist.world_size,
                               rank=dist.rank, world_size=dist.world_size,
@@ -161,16 +158,18 @@ def evaluate_after_stage(cfg: RunConfig, stage_index: int, weights: dict, progre
     weights run under autocast in the training precision (bf16 matmuls are several times faster)."""
     if not (cfg.eval.after_each_stage and cfg.eval.evals):
         return []
+    from eval.registry import summary_line
     from eval.stage_hook import evaluate_stage
 
     stage = cfg.stages[stage_index]
+    spec_types = {e.name: e.type for e in cfg.eval.evals}
     sizes = [stage.image_size] + ([cfg.full_image_size] if cfg.full_image_size != stage.image_size else [])
     records = []
     for size in sizes:
         model = create_clip_at_patch(cfg.model.name, weights, image_size=size, context_length=stage.context_length,
                                      pos_embed_resize=cfg.model.pos_embed_resize)
         model.to(dist.device).eval()
-        results = evaluate_stage(model, model_name=cfg.model.name, evals=[dataclasses.asdict(e) for e in cfg.eval.evals],
+        results = evaluate_stage(model, model_name=cfg.model.name, evals=cfg.eval.evals,
                                  image_size=size, device=dist.device, precision=cfg.precision,
                                  cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main,
                                  bert_vocab=cfg.model.bert_vocab)
@@ -180,7 +179,7 @@ def evaluate_after_stage(cfg: RunConfig, stage_index: int, weights: dict, progre
                       "samples_seen": progress.samples_seen, "global_step": progress.global_step,
                       **{k: v for k, v in res.items() if isinstance(v, (int, float, str, list)) or v is None}}
             records.append(record)
-            log.log_eval(record)
+            log.log_eval(record, summary_line(res, eval_type=spec_types[name]))
         del model
     return records
 

@@ -1,5 +1,6 @@
 """What one rank really holds under DeepSpeed ZeRO: bytes of parameters, gradients and optimizer state,
-read from the engine's own tensors (not computed from a formula), for the partition tests and the bench."""
+read from the engine's own tensors (not computed from a formula), for the partition tests and the bench
+(a measuring tool, not library code: moved here from crate_clip/train)."""
 from __future__ import annotations
 
 import torch
