@@ -13,6 +13,7 @@ from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, consolida
                                                           is_deepspeed_checkpoint, resolve_checkpoint_tag)
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
+from crate_clip.models.patch_change import create_clip_at_patch, register_tower_of
 
 LOCAL_DIR = "local-dir:"
 
@@ -70,6 +71,9 @@ def _from_local_dir(model: str, image_size: int | None):
     weights = open_clip.factory._find_checkpoint_in_dir(folder)
     if weights is None:
         raise FileNotFoundError(f"{folder}: no open_clip_model.safetensors / open_clip_pytorch_model.bin weights")
+    config = folder / "open_clip_config.json"
+    if config.is_file():   # an export at a changed patch size names a parametric tower: register it with timm
+        register_tower_of(json.loads(config.read_text()).get("model_cfg"))
     clip = open_clip.create_model(model, load_weights=False, force_image_size=image_size)
     load_clip_weights(clip, read_state_dict(weights), pos_embed_resize="grid_2d")
     return clip
@@ -81,7 +85,7 @@ def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
     model_name = info.get("model_name") if checkpoint == model else model
     if not model_name:
         raise ValueError(f"{checkpoint}: no {INFO_FILE} naming the model; pass --model NAME --pretrained {checkpoint}")
-    clip = create_clip(model_name, image_size=image_size or info.get("image_size"),
-                       context_length=info.get("context_length"))
-    load_clip_weights(clip, state, pos_embed_resize="grid_2d")
+    # at the patch size the checkpoint was trained with (a stage may have changed it)
+    clip = create_clip_at_patch(model_name, state, image_size=image_size or info.get("image_size"),
+                                context_length=info.get("context_length"))
     return clip, model_name, info

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as tdist
 
-from crate_clip.models import create_clip
+from crate_clip.models.patch_change import create_clip_at_patch
 from crate_clip.train.engine import DistInfo
 from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl
 from crate_clip.train.run_config import RunConfig
@@ -33,8 +33,9 @@ def evaluate_after_stage(cfg: RunConfig, stage_index: int, weights: dict, progre
     stage = cfg.stages[stage_index]
     records = []
     for size, evals in missing.items():
-        model = create_clip(cfg.model.name, image_size=size, context_length=stage.context_length, pretrained=weights,
-                            pos_embed_resize=cfg.model.pos_embed_resize)
+        # at the patch size the weights carry (a stage may have changed it)
+        model = create_clip_at_patch(cfg.model.name, weights, image_size=size, context_length=stage.context_length,
+                                     pos_embed_resize=cfg.model.pos_embed_resize)
         model.to(dist.device).eval()
         results = evaluate_stage(model, model_name=cfg.model.name, evals=evals,
                                  image_size=size, device=dist.device, precision=cfg.precision,

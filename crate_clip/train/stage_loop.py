@@ -22,7 +22,8 @@ import torch.distributed as tdist
 import yaml
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
-from crate_clip.models import create_clip, preprocess_cfg_for, set_image_token_mask, tokenizer_record
+from crate_clip.models import preprocess_cfg_for, set_image_token_mask, tokenizer_record
+from crate_clip.models.patch_change import checkpoint_patch_size, create_clip_at_patch
 from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, consolidated_state_dict, read_info,
                                           rng_state, set_rng_state)
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
@@ -192,7 +193,7 @@ def _export(cfg: RunConfig, weights: dict, log: MetricsLog, dist: DistInfo) -> O
     last = cfg.stages[-1]
     export_dir = export_open_clip(weights, cfg.model.name, cfg.run_dir / "export",
                                   image_size=last.image_size, context_length=last.context_length,
-                                  bert_vocab=cfg.model.bert_vocab)
+                                  bert_vocab=cfg.model.bert_vocab, patch_size=checkpoint_patch_size(weights))
     log.print(f"exported the final weights to {export_dir} "
               f"(open_clip.create_model_and_transforms('local-dir:{export_dir}') after `import crate_clip`)")
     return export_dir
@@ -254,8 +255,10 @@ def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict
     `resuming`: every weight comes from the checkpoint loaded next, so nothing else is read."""
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     pretrained = None if resuming else cfg.model.pretrained if weights is None else weights
-    model = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length,
-                        pretrained=pretrained, pos_embed_resize=cfg.model.pos_embed_resize)
+    # (the tower's patch size changes here when the stage sets another one: crate_clip/models/patch_change.py)
+    model = create_clip_at_patch(cfg.model.name, pretrained, stage.patch_size, stage.patch_resize,
+                                 image_size=stage.image_size, context_length=stage.context_length,
+                                 pos_embed_resize=cfg.model.pos_embed_resize)
     set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
@@ -363,6 +366,7 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
 # ---------------------------------------------------------------- checkpoints
 def _info(cfg: RunConfig, stage: StageConfig, progress: Progress) -> dict:
     return {"model_name": cfg.model.name, "image_size": stage.image_size, "context_length": stage.context_length,
+            "patch_size": cfg.patch_size_at(progress.stage_index),
             "zero_stage": zero_stage_of(cfg), "stage_index": progress.stage_index, "stage_name": stage.name,
             "step": progress.step, "stage_steps": stage.steps, "global_step": progress.global_step,
             "samples_seen": progress.samples_seen, "nonfinite_skipped": progress.nonfinite_skipped,
