@@ -5,11 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from crate_clip.models import (CheckpointMismatchError, TokenizerUnavailableError, clip_tokenizer,
                                load_official_clipa)
-from crate_clip.train.export import export_open_clip, load_export
+from crate_clip.train.export import export_open_clip, export_state_equal, load_export
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,12 +22,6 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--bert-vocab", help="folder holding vocab.txt, when the HuggingFace hub is not reachable")
     off.add_argument("--no-verify", action="store_true", help="skip reloading the export through open_clip")
     return parser
-
-
-def _same_weights(got: dict, want: dict) -> bool:
-    # logit_scale compared by value: an export holds it as a scalar whatever shape it was trained in
-    return set(got) == set(want) and all(torch.equal(got[k].float().reshape(-1), want[k].float().reshape(-1))
-                                         for k in got)
 
 
 def main(argv=None) -> int:
@@ -49,7 +41,7 @@ def main(argv=None) -> int:
           f"'local-dir:{args.out}') after `import crate_clip`")
     if not args.no_verify:
         reloaded, _, _ = load_export(args.out)
-        if not _same_weights(reloaded.state_dict(), state):
+        if not export_state_equal(reloaded, state):
             print("crate-clip convert: error: the export reloaded through open_clip differs", file=sys.stderr)
             return 1
         print("verified: open_clip reloads the export with identical weights")
