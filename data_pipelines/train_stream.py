@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .image_decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_train, normalize_batch
 from .shard_plan import ShardPlan, interleave, resolve_sizes, shuffle_buffer
-from .shard_reader import (SKIP_REASONS, ShardListError, expand_source, iter_shard_samples, sample_caption,
+from .shard_reader import (SKIP_REASONS, ShardListError, check_some_shard_exists, expand_source, iter_shard_samples, sample_caption,
                            sample_image_bytes)
 from .text_reduction import TEXT_MASKS, TextReducer, load_tokenizer
 
@@ -372,6 +372,7 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
         except ShardListError as exn:
             raise ShardListError(f"StreamConfig.sources: {exn}") from None
     all_shards = [s for shards in shards_by_source for s in shards]
+    check_some_shard_exists(cfg.sources, all_shards)
     num_workers = max(1, cfg.num_workers)
     if cfg.mode == "epoch" and len(all_shards) < world_size:
         raise ValueError(f"epoch mode needs at least one shard per rank: {len(all_shards)} shards for "

@@ -31,3 +31,11 @@ def test_max_image_pixels_above_pils_default_is_honoured():
     with pytest.raises(BadImage) as err:
         open_image(huge, max_pixels=150_000_000)
     assert err.value.reason == "decompression_bomb" and "max_image_pixels=150000000" in str(err.value)
+
+
+def test_shards_inspect_says_a_missing_path_is_missing(capsys):
+    from data_pipelines.cli import main
+
+    assert main(["inspect", "/missing/path", "--batches", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "/missing/path" in err and "does not exist" in err and "Traceback" not in err
