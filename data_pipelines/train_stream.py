@@ -224,7 +224,7 @@ class TrainStream:
     def __init__(self, cfg: StreamConfig, plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer,
                  num_samples: int, context_length: int, text_mask: str):
         self.cfg, self.plan, self.spec, self.reducer = cfg, plan, spec, reducer
-        self.num_samples = num_samples
+        self._num_samples = num_samples
         self.context_length, self.text_mask = context_length, text_mask
         self.batch_size = spec.batch_size
         self.num_workers = plan.num_workers
@@ -232,6 +232,13 @@ class TrainStream:
         self._batches = 0  # batches consumed in the current epoch (resampled: since the start)
         self._done_skips: Counter = Counter()  # skip counts of finished epochs
         self._pos_probe: str | None = None
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the data set: the configured num_samples, else the shards' sizes (read on first use)."""
+        if self._num_samples is None:
+            self._num_samples = sum((self.plan.sizes or _data_set_sizes(self.plan.all_shards)).values())
+        return self._num_samples
 
     @property
     def pos_source(self) -> str:
@@ -377,10 +384,12 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
     if cfg.mode == "epoch" and len(all_shards) < world_size:
         raise ValueError(f"epoch mode needs at least one shard per rank: {len(all_shards)} shards for "
                          f"world_size={world_size}; use mode='resampled' or write more, smaller shards")
-    sizes, estimated = resolve_sizes(all_shards) if (cfg.num_samples is None or cfg.mode == "epoch") else ({}, False)
-    num_samples = cfg.num_samples if cfg.num_samples is not None else sum(sizes.values())
-    if estimated:
-        log.warning("data set size estimated from a subset of the shards: %d samples", num_samples)
+    # Resampled mode draws shards without needing their sizes: the ~140k _stats.json of DataComp are read
+    # only when someone asks for num_samples (shards inspect), never at a trainer's stage start.
+    sizes, num_samples = {}, cfg.num_samples
+    if cfg.mode == "epoch":
+        sizes = _data_set_sizes(all_shards)
+        num_samples = num_samples if num_samples is not None else sum(sizes.values())
     if cfg.mode == "epoch":
         per_rank = len(all_shards[rank::world_size])
         if per_rank < num_workers:
@@ -393,6 +402,14 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
     spec = _BatchSpec(batch_size, image_size, tuple(cfg.crop_scale), tuple(cfg.crop_ratio), tuple(cfg.mean),
                       tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, cfg.shuffle_buffer, cfg.drop_last)
     return TrainStream(cfg, plan, spec, reducer, num_samples, context_length, text_mask)
+
+
+def _data_set_sizes(shards: list[str]) -> dict[str, int]:
+    """Sample count of every shard (from _stats.json / sizes.json / tar headers); logs when estimated."""
+    sizes, estimated = resolve_sizes(shards)
+    if estimated:
+        log.warning("data set size estimated from a subset of the shards: %d samples", sum(sizes.values()))
+    return sizes
 
 
 def _tokenizer(name: str):

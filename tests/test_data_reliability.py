@@ -39,3 +39,28 @@ def test_shards_inspect_says_a_missing_path_is_missing(capsys):
     assert main(["inspect", "/missing/path", "--batches", "1"]) == 2
     err = capsys.readouterr().err
     assert "/missing/path" in err and "does not exist" in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def four_shards(tmp_path_factory):
+    """4 shards x 3 good samples, each with an img2dataset-style _stats.json."""
+    d = tmp_path_factory.mktemp("four")
+    for s in range(4):
+        write_tar(d / f"{s:08d}.tar", [m for i in range(3) for m in
+                                       ((f"{s}{i:05d}.jpg", jpeg_bytes()), (f"{s}{i:05d}.txt", b"a caption"))])
+        (d / f"{s:08d}_stats.json").write_text(json.dumps({"successes": 3}))
+    return d
+
+
+def test_resampled_stream_reads_no_stats_file_until_its_size_is_asked(four_shards, monkeypatch):
+    import data_pipelines.train_stream as train_stream
+    from data_pipelines.train_stream import StreamConfig, build_train_stream
+
+    calls = []
+    real = train_stream.resolve_sizes
+    monkeypatch.setattr(train_stream, "resolve_sizes", lambda shards: calls.append(len(shards)) or real(shards))
+    stream = build_train_stream(StreamConfig([str(four_shards)], num_workers=0, shuffle_buffer=4), image_size=16,
+                                context_length=8, text_mask="truncate", batch_size=2)
+    next(iter(stream))
+    assert calls == []          # a stage start of the trainer reads no _stats.json
+    assert stream.num_samples == 12 and calls == [4]
