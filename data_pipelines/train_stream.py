@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .image_decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_train, normalize_batch
+from .epoch_sizes import adopt_real_sizes
 from .shard_plan import ShardPlan, interleave, resolve_sizes, shuffle_buffer
 from .shard_reader import (SKIP_REASONS, ShardListError, check_some_shard_exists, expand_source, iter_shard_samples, sample_caption,
                            sample_image_bytes)
@@ -120,7 +121,7 @@ class _StreamDataset(IterableDataset):
         worker = (dl_id + self.rotate) % self.plan.num_workers
         pos = self.positions[worker]
         yield from worker_batches(self.plan, self.spec, self.reducer, worker, pos["group"], pos["offset"],
-                                  pos.get("skips", {}))
+                                  pos.get("skips", {}), pos.get("read", {}))
 
 
 def _group_raw(plan: ShardPlan, spec: _BatchSpec, worker: int, group: int, shards: list[str],
@@ -172,9 +173,12 @@ def _collate(images: list, tokens: list, spec: _BatchSpec):
 
 
 def worker_batches(plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer, worker: int, group: int,
-                   offset: int, skips: dict) -> Iterator[tuple]:
-    """(images, tokens, meta) batches of one worker from position (group, offset); meta = new position."""
-    skips = Counter(skips)
+                   offset: int, skips: dict, read: dict | None = None) -> Iterator[tuple]:
+    """(images, tokens, meta) batches of one worker from position (group, offset); meta = new position.
+
+    meta["read"] holds the usable samples of every shard this worker has read in full (from its start),
+    the real size that the next epoch's length is computed from."""
+    skips, read = Counter(skips), dict(read or {})
     images, tokens = [], []
     empty_groups = 0
     while True:
@@ -185,6 +189,7 @@ def worker_batches(plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer, work
         # While fast-forwarding, reading-time events (duplicate keys, broken tars) were already counted
         # in the saved skips: the gate opens as the last already-consumed sample comes out.
         gate = _GatedCounter(skips, active=offset == 0)
+        usable: Counter | None = Counter() if offset == 0 else None  # fast-forwarded groups are not measured
         for idx, raw in enumerate(_group_raw(plan, spec, worker, group, shards, gate)):
             if idx < offset:
                 gate.active = idx == offset - 1
@@ -195,24 +200,28 @@ def worker_batches(plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer, work
             if item is None:
                 continue
             produced = True
+            if usable is not None:
+                usable[raw["__url__"]] += 1
             images.append(item[0])
             tokens.append(item[1])
             if len(images) == spec.batch_size:
-                meta = {"worker": worker, "group": group, "offset": offset, "skips": dict(skips)}
+                meta = {"worker": worker, "group": group, "offset": offset, "skips": dict(skips), "read": read}
                 yield (*_collate(images, tokens, spec), meta)
                 images, tokens = [], []
+        if usable is not None:
+            read = {**read, **{url: usable[url] for url in shards}}
         empty_groups = 0 if produced else empty_groups + 1
         if empty_groups >= MAX_EMPTY_GROUPS:
             raise RuntimeError(f"worker {worker} of rank {plan.rank} read {MAX_EMPTY_GROUPS} shard groups in a "
                                f"row without one usable sample (last shards: {shards}); skipped so far: "
                                f"{dict(skips)}")
         group, offset = group + 1, 0
+    meta = {"worker": worker, "group": group, "offset": 0, "skips": dict(skips), "read": read}
     if images and not spec.drop_last:
-        meta = {"worker": worker, "group": group, "offset": 0, "skips": dict(skips)}
         yield (*_collate(images, tokens, spec), meta)
-    elif images or skips:
-        # Report the final skip counts even when the partial batch is dropped.
-        yield (None, None, {"worker": worker, "group": group, "offset": 0, "skips": dict(skips)})
+    else:
+        # Report the final skip counts and shard sizes even when the partial batch is dropped.
+        yield (None, None, meta)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -231,6 +240,7 @@ class TrainStream:
         self._positions = self._fresh_positions()
         self._batches = 0  # batches consumed in the current epoch (resampled: since the start)
         self._done_skips: Counter = Counter()  # skip counts of finished epochs
+        self._measured: dict[str, int] = {}    # shard -> usable samples, where that differs from its stats
         self._pos_probe: str | None = None
 
     @property
@@ -287,7 +297,7 @@ class TrainStream:
             self._next_epoch()
             cap = self.batches_per_epoch
         for images, tokens, meta in self._loader():
-            self._positions[meta["worker"]] = {k: meta[k] for k in ("group", "offset", "skips")}
+            self._positions[meta["worker"]] = {k: meta[k] for k in ("group", "offset", "skips", "read")}
             if images is None:
                 continue  # a worker's final skip report
             self._batches += 1
@@ -298,8 +308,9 @@ class TrainStream:
             self._next_epoch()
 
     def _next_epoch(self) -> None:
-        """Move an epoch-mode stream to the start of the next epoch."""
+        """Move an epoch-mode stream to the start of the next epoch, whose length uses the real shard sizes."""
         self._done_skips.update(self._current_skips())
+        self._measured.update(adopt_real_sizes(self.plan, [p.get("read", {}) for p in self._positions]))
         self.plan.epoch += 1
         self._positions = self._fresh_positions()
         self._batches = 0
@@ -322,9 +333,9 @@ class TrainStream:
                 "rank": self.plan.rank, "world_size": self.plan.world_size, "num_workers": self.plan.num_workers,
                 "batch_size": self.batch_size, "batches": self._batches, "generation": self.plan.generation,
                 "samples": self._batches * self.batch_size,
-                "workers": [{"group": p["group"], "offset": p["offset"], "skips": dict(p.get("skips", {}))}
-                            for p in self._positions],
-                "done_skips": dict(self._done_skips)}
+                "workers": [{"group": p["group"], "offset": p["offset"], "skips": dict(p.get("skips", {})),
+                             "read": dict(p.get("read", {}))} for p in self._positions],
+                "done_skips": dict(self._done_skips), "measured_sizes": dict(self._measured)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position; exact when mode, seed, world size and worker count match."""
@@ -335,6 +346,8 @@ class TrainStream:
         self.plan.epoch = int(state.get("epoch", self.plan.epoch))
         self.plan.generation = int(state.get("generation", 0))
         self._done_skips = Counter(state.get("done_skips", {}))
+        self._measured = {k: int(v) for k, v in state.get("measured_sizes", {}).items()}
+        self.plan.sizes.update(self._measured)
         workers = state.get("workers", [])
         if len(workers) != self.plan.num_workers or state.get("batch_size", self.batch_size) != self.batch_size:
             # Positions belong to other worker streams: they cannot be mapped. Keep the skip counts and
@@ -350,8 +363,8 @@ class TrainStream:
             if self.plan.mode == "resampled":
                 self.plan.generation += 1
             return
-        self._positions = [{"group": int(w["group"]), "offset": int(w["offset"]), "skips": dict(w.get("skips", {}))}
-                           for w in workers]
+        self._positions = [{"group": int(w["group"]), "offset": int(w["offset"]), "skips": dict(w.get("skips", {})),
+                            "read": dict(w.get("read", {}))} for w in workers]
         self._batches = int(state.get("batches", 0))
 
 

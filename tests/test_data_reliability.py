@@ -64,3 +64,50 @@ def test_resampled_stream_reads_no_stats_file_until_its_size_is_asked(four_shard
     next(iter(stream))
     assert calls == []          # a stage start of the trainer reads no _stats.json
     assert stream.num_samples == 12 and calls == [4]
+
+
+def torchrun_2(*args: str, timeout: int = 180):
+    """Run tests/reliability_workers.py on 2 gloo ranks; the completed process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from train_fixtures import REPO_ROOT, run_env
+    from crate_clip.train.engine import _free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(Path(__file__).with_name("reliability_workers.py")), *args]
+    return subprocess.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_epoch_length_follows_the_real_sample_count(tmp_path):
+    """_stats.json claims 5 samples per shard, 3 are usable: the second epoch yields each sample once."""
+    d = tmp_path / "overclaimed"
+    d.mkdir()
+    for s in range(4):
+        members = [m for i in range(3) for m in ((f"{s}{i:05d}.jpg", jpeg_bytes()), (f"{s}{i:05d}.txt",
+                                                                                   f"shard {s} sample {i}".encode()))]
+        members += [(f"{s}{i:05d}.jpg", b"not an image") for i in range(3, 5)]   # counted as successes anyway
+        write_tar(d / f"{s:08d}.tar", members)
+        (d / f"{s:08d}_stats.json").write_text(json.dumps({"successes": 5}))
+    proc = torchrun_2("epoch-sizes", str(d), str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
+    assert [r["batches_per_epoch"] for r in ranks] == [3, 3]    # 6 usable samples per rank, batch 2
+    second = [tuple(row) for r in ranks for row in r["second"]]
+    assert len(second) == 12 and len(set(second)) == 12        # every usable sample once, none wrapped
+    assert "claimed 20 samples, 12 were usable" in proc.stderr
+
+
+def test_shards_inspect_prints_samples_read_next_to_the_claimed_size(tmp_path, capsys):
+    from data_pipelines.cli import main
+
+    d = tmp_path / "shards"
+    d.mkdir()
+    write_tar(d / "00000000.tar", [m for i in range(5) for m in ((f"{i:05d}.jpg", jpeg_bytes() if i < 3 else b"bad"),
+                                                                 (f"{i:05d}.txt", b"a caption"))])
+    (d / "00000000_stats.json").write_text(json.dumps({"successes": 5}))
+    assert main(["inspect", str(d), "--mode", "epoch", "--batches", "100", "--batch-size", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["num_samples"], report["samples_read"]) == (5, 3)
