@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from crate_clip.cli_errors import report_error
+
 
 def _add_writer_args(p: argparse.ArgumentParser, default_max_side: int | None = 512) -> None:
     """Options shared by every shard-writing command."""
@@ -137,8 +139,7 @@ def main(argv=None) -> int:
         else:
             result = _inspect(args)
     except (FileNotFoundError, KeyError, ValueError) as exn:
-        print(f"crate-clip shards {args.command}: error: {exn}", file=sys.stderr)
-        return 2
+        return report_error(f"crate-clip shards {args.command}", exn)
     summary = {k: v for k, v in result.items() if k != "shards"}
     if "shards" in result:
         summary["num_shards"] = len(result["shards"])

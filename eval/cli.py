@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from crate_clip.models.clip_factory import CheckpointMismatchError
+from crate_clip.cli_errors import USER_ERRORS, report_error
 from eval.class_sets import BUILTIN_TEMPLATES
 from eval.distributed_batches import rank_and_world
 from eval.model_loading import load_eval_model
 from eval.stage_hook import run_eval
 
-USAGE_ERRORS = (ValueError, FileNotFoundError, CheckpointMismatchError)
+USAGE_ERRORS = USER_ERRORS
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -98,8 +98,7 @@ def main(argv=None) -> int:
         metrics = run_eval(model, tokenizer, preprocess, _spec(args), device=device, precision=args.precision,
                            cache_dir=cache_dir, progress=not args.no_progress)
     except USAGE_ERRORS as err:
-        print(f"crate-clip eval: error: {err}", file=sys.stderr)
-        return 2
+        return report_error("crate-clip eval", err)
     if rank_and_world()[0] == 0:
         if getattr(args, "per_class", False):
             _print_per_class(metrics)

@@ -5,6 +5,7 @@ are consolidated to fp32: stage 0 keeps the whole model in `mp_rank_00_model_sta
 stages 1-3 are merged from their partitions by DeepSpeed's zero_to_fp32.
 """
 import json
+import pickle
 from pathlib import Path
 
 import open_clip
@@ -12,6 +13,7 @@ import torch
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, read_state_dict
+from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message, read_weights_file
 
 RUN_INFO_FILE = "crate_clip.json"
 STAGE0_MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -51,12 +53,15 @@ def consolidate_deepspeed_checkpoint(path: str | Path, tag: str | None = None) -
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
     if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        try:
+            state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exn:
+            raise CorruptWeightsError(corrupt_file_message(tag_dir, exn)) from exn
         info.setdefault("zero_stage", "1-3")
     else:
         # ZeRO stage 0 (zero_to_fp32 refuses it): the whole module is in the model-states file.
         # DeepSpeed's own files are pickles with its config objects: trusted, as DeepSpeed itself loads them.
-        states = torch.load(tag_dir / STAGE0_MODEL_FILE, map_location="cpu", weights_only=False)
+        states = read_weights_file(tag_dir / STAGE0_MODEL_FILE, trusted_pickle=True)
         state = states["module"]
         info.setdefault("zero_stage", 0)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
@@ -96,9 +101,17 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
         raise ValueError(f"--model {model} is a weights file: pass the model name as --model and the file as "
                          f"--pretrained (or use local-dir:FOLDER for an exported model with open_clip_config.json)")
     else:
+        _check_not_a_missing_path(model)
         clip, model_name = create_clip(model, image_size=image_size, pretrained=pretrained), model
     clip = clip.to(device).eval()
     return clip, eval_transform(clip, image_size), eval_tokenizer(model_name, clip), model_name
+
+
+def _check_not_a_missing_path(model: str) -> None:
+    """A --model that looks like a path (model names have no '/') but does not exist: say so."""
+    if ("/" in model or model.startswith((".", "~"))) and not model.startswith("hf-hub:") and not Path(model).exists():
+        raise FileNotFoundError(f"--model {model}: does not exist (a checkpoint folder or file was meant; an open_clip "
+                                f"model name has no '/'): check the path")
 
 
 def _from_local_dir(model: str, image_size: int | None):

@@ -17,14 +17,11 @@ import torch.nn.functional as F
 from timm.layers import resample_abs_pos_embed
 from torch import nn
 
+from crate_clip.models.weights_files import CheckpointMismatchError, read_weights_file  # noqa: F401 (re-exported)
 from crate_clip.models.crate_alpha import CrateAlpha
 
 IMAGE_POS_KEY = "visual.trunk.pos_embed"
 TEXT_POS_KEY = "positional_embedding"
-
-
-class CheckpointMismatchError(RuntimeError):
-    """A checkpoint whose keys or shapes do not match the model; the message names them."""
 
 
 def create_clip(model_name: str, image_size: Optional[int] = None, context_length: Optional[int] = None,
@@ -112,14 +109,7 @@ def read_state_dict(source: Union[str, Path]) -> Dict[str, torch.Tensor]:
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file not found: {path}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        sd = load_file(str(path), device="cpu")
-    else:
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # pickle with code, corrupt zip, ...: say which file
-            raise CheckpointMismatchError(f"cannot load {path} with torch.load(weights_only=True): {e}") from e
+    sd = read_weights_file(path)   # a corrupt or truncated file: one line naming it
     for key in ("state_dict", "module"):  # open_clip's trainer / DeepSpeed's mp_rank_00_model_states.pt
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
             sd = sd[key]

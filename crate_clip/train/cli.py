@@ -30,14 +30,14 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     # DeepSpeed 0.19 still calls this torch collective under its old name; the notice says nothing to a user
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    from crate_clip.cli_errors import report_error
     from crate_clip.train.checkpoints import ResumeError
     from crate_clip.train.run_config import ConfigError, load_run_config
 
     try:
         cfg = load_run_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"crate-clip train: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return report_error("crate-clip train", exc, EXIT_CONFIG)
     if args.validate:
         print(f"{args.config}: valid ({len(cfg.stages)} stages, "
               f"{sum(s.samples for s in cfg.stages):,} samples)")
@@ -47,8 +47,7 @@ def main(argv=None) -> int:
     try:
         summary = run_training(cfg, resume=args.resume)
     except ConfigError as exc:
-        print(f"crate-clip train: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return report_error("crate-clip train", exc, EXIT_CONFIG)
     except NonFiniteLossError as exc:
         print(f"crate-clip train: {exc}", file=sys.stderr)
         return EXIT_NONFINITE
