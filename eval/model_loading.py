@@ -131,7 +131,7 @@ def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
     model_name = info.get("model_name") if checkpoint == model else model
     if not model_name:
         raise ValueError(f"{checkpoint}: no {RUN_INFO_FILE} naming the model; pass --model NAME --pretrained {checkpoint}")
+    # weights passed to create_clip: no misleading "initialized randomly" warning before they are loaded
     clip = create_clip(model_name, image_size=image_size or info.get("image_size"),
-                       context_length=info.get("context_length"))
-    load_clip_weights(clip, state)
+                       context_length=info.get("context_length"), pretrained=state)
     return clip, model_name

@@ -44,3 +44,21 @@ def test_cache_key_tells_tokenizers_of_one_class_apart(tiny):
         model, SimpleTokenizer(context_length=16), NAMES, TEMPLATES, "fp32")
     assert classifier_key(model, lower, NAMES, TEMPLATES, "fp32") != classifier_key(model, lower, NAMES, TEMPLATES,
                                                                                     "bf16")
+
+
+def test_evaluating_a_checkpoint_does_not_warn_of_random_weights(tmp_path, caplog):
+    import json
+
+    from eval.model_loading import load_eval_model
+    from eval_fixtures import CRATE_TINY, shared_crate_tiny
+
+    tag = tmp_path / "checkpoints" / "stage0_step1"
+    tag.mkdir(parents=True)
+    (tag / "crate_clip.json").write_text(json.dumps({"model_name": CRATE_TINY}))
+    torch.save({"module": shared_crate_tiny().state_dict()}, tag / "mp_rank_00_model_states.pt")
+    caplog.clear()   # building the reference model above warns, rightly
+    with caplog.at_level("WARNING"):
+        model = load_eval_model(str(tag))[0]
+    assert torch.equal(model.state_dict()["visual.trunk.pos_embed"],
+                       shared_crate_tiny().state_dict()["visual.trunk.pos_embed"])
+    assert "initialized randomly" not in caplog.text
