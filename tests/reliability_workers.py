@@ -1,6 +1,7 @@
 """Two-rank (gloo) bodies of the reliability tests, launched with torchrun (not collected by pytest).
 
     reliability_workers.py epoch-sizes DATA OUT   epoch mode over shards whose _stats.json over-claim
+    reliability_workers.py agreement OUT          rank 1's data raises mid-loop (eval lockstep, training fetch)
 """
 from __future__ import annotations
 
@@ -33,10 +34,40 @@ def epoch_sizes(data: str, out: str) -> None:
                                                       "batches_per_epoch": claimed_next}))
 
 
-if __name__ == "__main__":
-    dist.init_process_group("gloo")
+def _failing_on_rank_1(n: int = 5):
+    """Batches 0..n-1; on rank 1 the third raises as a bad .cls member would."""
+    for i in range(n):
+        if i == 2 and dist.get_rank() == 1:
+            raise ValueError("shard sample /data/00000003.tar:000000000042 has no .cls member")
+        yield i
+
+
+def _steps(batches) -> str:
+    """Run lock-step steps (one collective each, as a forward would); the error that stopped them."""
+    import torch
     try:
-        {"epoch-sizes": epoch_sizes}[sys.argv[1]](*sys.argv[2:])
+        for _ in batches:
+            dist.all_reduce(torch.ones(1))
+    except Exception as exn:
+        return f"{type(exn).__name__}: {exn}"
+    return "finished"
+
+
+def agreement(out: str) -> None:
+    """Rank r writes OUT.r.json: how the eval loop and the training fetch stopped."""
+    from crate_clip.train.batch_agreement import agreed_batches
+    from eval.distributed_batches import lockstep
+
+    result = {"eval": _steps(lockstep(_failing_on_rank_1())), "train": _steps(agreed_batches(_failing_on_rank_1()))}
+    Path(f"{out}.{dist.get_rank()}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))   # a hang fails the test in a minute
+    try:
+        {"epoch-sizes": epoch_sizes, "agreement": agreement}[sys.argv[1]](*sys.argv[2:])
     finally:
         dist.destroy_process_group()
     os._exit(0)

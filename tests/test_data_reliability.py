@@ -72,8 +72,8 @@ def torchrun_2(*args: str, timeout: int = 180):
     import sys
     from pathlib import Path
 
+    from eval_fixtures import free_port as _free_port
     from train_fixtures import REPO_ROOT, run_env
-    from crate_clip.train.engine import _free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), str(Path(__file__).with_name("reliability_workers.py")), *args]
@@ -111,3 +111,14 @@ def test_shards_inspect_prints_samples_read_next_to_the_claimed_size(tmp_path, c
     assert main(["inspect", str(d), "--mode", "epoch", "--batches", "100", "--batch-size", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["num_samples"], report["samples_read"]) == (5, 3)
+
+
+@pytest.mark.slow
+def test_a_data_error_on_one_rank_stops_every_rank_with_its_message(tmp_path):
+    proc = torchrun_2("agreement", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
+    for r in ranks:   # eval lock-step loop and training batch fetch: both ranks stop, with rank 1's message
+        assert "00000003.tar:000000000042 has no .cls member" in r["eval"]
+        assert "00000003.tar:000000000042 has no .cls member" in r["train"]
+    assert "rank 1" in ranks[0]["eval"] and "rank 1" in ranks[0]["train"]
