@@ -9,6 +9,7 @@ SUBCOMMANDS = {
     "eval": ("eval.cli", "zero-shot classification and retrieval evaluation"),
     "shards": ("data_pipelines.cli", "write DataComp-layout webdataset shards from local data"),
     "demo": ("crate_clip.train.demo", "the embedded Fashion-MNIST demo (the README's first command)"),
+    "convert": ("crate_clip.convert_cli", "released CRATE-alpha-CLIPA weights -> an open_clip local-dir: export"),
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from crate_clip.models.weights_files import CheckpointMismatchError
+from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 
 EXIT_USAGE = 2
 DEBUG_ENV = "CRATE_CLIP_DEBUG"   # set by `crate-clip --debug ...`; inherited by the ranks a launcher starts

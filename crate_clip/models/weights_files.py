@@ -10,9 +10,7 @@ import pickle
 import zipfile
 from pathlib import Path
 
-
-class CheckpointMismatchError(RuntimeError):
-    """A checkpoint whose keys, shapes or contents do not fit the model; the message names them."""
+from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 
 
 class CorruptWeightsError(ValueError):
