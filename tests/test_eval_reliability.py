@@ -62,3 +62,33 @@ def test_evaluating_a_checkpoint_does_not_warn_of_random_weights(tmp_path, caplo
     assert torch.equal(model.state_dict()["visual.trunk.pos_embed"],
                        shared_crate_tiny().state_dict()["visual.trunk.pos_embed"])
     assert "initialized randomly" not in caplog.text
+
+
+def _cls_tar(path, keys, label=3):
+    import io
+    import tarfile
+
+    from data_fixtures import jpeg_bytes
+    with tarfile.open(path, "w") as tar:
+        for key in keys:
+            for ext, data in (("jpg", jpeg_bytes()), ("cls", str(label).encode())):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_eval_shards_go_whole_to_ranks_and_a_corrupt_tar_is_counted(tmp_path):
+    from eval.eval_datasets import ShardSamples
+
+    urls = [str(_cls_tar(tmp_path / f"{s:08d}.tar", [f"{s}{i:04d}" for i in range(3)])) for s in range(2)]
+    broken = tmp_path / "00000002.tar"
+    broken.write_bytes(b"not a tar at all\n" * 100)
+    urls += [str(broken), str(_cls_tar(tmp_path / "00000003.tar", ["30000"]))]
+    transform = lambda img: torch.zeros(1)   # noqa: E731
+    per_rank = [list(ShardSamples(urls, transform, "cls", 10, rank=r, world=2)) for r in range(2)]
+    assert {s[3].split(":")[0] for s in per_rank[0]} == {urls[0], urls[2]}   # whole shards 0 and 2
+    assert {s[3].split(":")[0] for s in per_rank[1]} == {urls[1], urls[3]}
+    unreadable = [s[3] for r in per_rank for s in r if s[0] is None]
+    assert len(unreadable) == 1 and str(broken) in unreadable[0] and "unreadable tar" in unreadable[0]
+    assert sum(s[0] is not None for r in per_rank for s in r) == 3 + 3 + 1
