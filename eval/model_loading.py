@@ -3,6 +3,8 @@
 DeepSpeed checkpoints (`<run>/checkpoints/` with a `latest` file, or one `<tag>/` folder) of any ZeRO stage
 are consolidated to fp32 by crate_clip.checkpoint_io, the one owner of the checkpoint layout.
 """
+import pickle
+import zipfile
 from pathlib import Path
 
 import open_clip
@@ -14,6 +16,7 @@ from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, consolida
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
 from crate_clip.models.patch_change import create_clip_at_patch, register_tower_of
+from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
 
 LOCAL_DIR = "local-dir:"
 
@@ -89,7 +92,10 @@ def _from_local_dir(model: str, image_size: int | None):
 
 def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
     checkpoint = model if is_deepspeed_checkpoint(model) else pretrained
-    state, info = consolidate_deepspeed_checkpoint(checkpoint)
+    try:
+        state, info = consolidate_deepspeed_checkpoint(checkpoint)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile) as exn:   # truncated / corrupt
+        raise CorruptWeightsError(corrupt_file_message(checkpoint, exn)) from exn
     model_name = info.get("model_name") if checkpoint == model else model
     if not model_name:
         raise ValueError(f"{checkpoint}: no {INFO_FILE} naming the model; pass --model NAME --pretrained {checkpoint}")

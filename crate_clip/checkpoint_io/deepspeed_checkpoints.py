@@ -10,12 +10,9 @@ Checkpoints of any ZeRO stage consolidate to fp32: stage 0 keeps the whole model
 from __future__ import annotations
 
 import json
-import pickle
 from pathlib import Path
 
 import torch
-
-from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message, read_weights_file
 
 INFO_FILE = "crate_clip.json"
 LATEST_FILE = "latest"
@@ -66,15 +63,12 @@ def consolidate_deepspeed_checkpoint(path: str | Path, tag: str | None = None) -
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
     if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        try:
-            state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-        except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exn:
-            raise CorruptWeightsError(corrupt_file_message(tag_dir, exn)) from exn
+        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
         info.setdefault("zero_stage", "1-3")
     else:
         # ZeRO stage 0 (zero_to_fp32 refuses it): the whole module is in the model-states file.
         # DeepSpeed's own files are pickles with its config objects: trusted, as DeepSpeed itself loads them.
-        states = read_weights_file(tag_dir / STAGE0_MODEL_FILE, trusted_pickle=True)   # corrupt: one clear line
+        states = torch.load(tag_dir / STAGE0_MODEL_FILE, map_location="cpu", weights_only=False)
         state = states["module"]
         info.setdefault("zero_stage", 0)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
