@@ -24,7 +24,7 @@ def epoch_sizes(data: str, out: str) -> None:
     from data_pipelines.train_stream import StreamConfig, build_train_stream
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = StreamConfig([data], mode="epoch", num_workers=0, shuffle_buffer=1, shards_per_group=1)
+    cfg = StreamConfig(sources=[data], mode="epoch", num_workers=0, shuffle_buffer=1, shards_per_group=1)
     stream = build_train_stream(cfg, image_size=16, context_length=8, text_mask="truncate", batch_size=2,
                                 rank=rank, world_size=world)
     first = _captions(list(stream))

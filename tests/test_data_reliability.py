@@ -59,7 +59,7 @@ def test_resampled_stream_reads_no_stats_file_until_its_size_is_asked(four_shard
     calls = []
     real = train_stream.resolve_sizes
     monkeypatch.setattr(train_stream, "resolve_sizes", lambda shards: calls.append(len(shards)) or real(shards))
-    stream = build_train_stream(StreamConfig([str(four_shards)], num_workers=0, shuffle_buffer=4), image_size=16,
+    stream = build_train_stream(StreamConfig(sources=[str(four_shards)], num_workers=0, shuffle_buffer=4), image_size=16,
                                 context_length=8, text_mask="truncate", batch_size=2)
     next(iter(stream))
     assert calls == []          # a stage start of the trainer reads no _stats.json
