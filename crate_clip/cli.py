@@ -15,14 +15,16 @@ SUBCOMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: crate-clip <command> [options]", "", "commands:"]
+    lines = ["usage: crate-clip [--debug] <command> [options]", "", "commands:"]
     lines += [f"  {name:<8}{help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     """Run `crate-clip <command> ...`."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from crate_clip.cli_errors import pop_debug_flag
+
+    argv = pop_debug_flag(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
@@ -30,8 +32,13 @@ def main(argv=None) -> int:
     if name not in SUBCOMMANDS:
         print(f"crate-clip: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    from crate_clip.cli_errors import USER_ERRORS, report_error
+
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        return int(module.main(rest) or 0)
+    except USER_ERRORS as exc:   # one line naming the file/key and the fix; --debug shows the traceback
+        return report_error(f"crate-clip {name}", exc)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from crate_clip.cli_errors import report_error
+
 
 def _add_writer_args(p: argparse.ArgumentParser, default_max_side: int | None = 512) -> None:
     """Options shared by every shard-writing command."""
@@ -59,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="stream a few batches from shards and print sizes, skips, POS source")
     p.add_argument("sources", nargs="+", help="brace patterns, folders, globs, pipe: commands")
-    p.add_argument("--batches", type=int, default=2)
+    p.add_argument("--batches", type=int, default=2, help="batches to read (epoch mode stops at the end of the pass)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--image-size", type=int, default=84)
     p.add_argument("--context-length", type=int, default=8)
@@ -85,18 +87,21 @@ def _inspect(args) -> dict:
     from .train_stream import StreamConfig, build_train_stream
 
     cfg = StreamConfig(sources=args.sources, mode=args.mode, num_workers=args.num_workers,
-                       num_samples=args.num_samples)
+                       num_samples=args.num_samples, drop_last=False)   # count every sample read
     stream = build_train_stream(cfg, image_size=args.image_size, context_length=args.context_length,
                                 text_mask=args.text_mask, batch_size=args.batch_size)
     tok = load_tokenizer()
-    shapes, captions = [], []
+    shapes, captions, samples_read = [], [], 0
     for i, (images, tokens) in enumerate(stream):
         shapes.append([list(images.shape), list(tokens.shape)])
+        samples_read += len(images)
         captions += [tok.decode([t for t in row.tolist() if t not in (0, tok.sot_token_id, tok.eot_token_id)]).strip()
                      for row in tokens[:3]]
         if i + 1 >= args.batches:
             break
-    return {"num_samples": stream.num_samples, "pos_source": stream.pos_source, "batches": shapes,
+    # num_samples is what the shards' stats claim; samples_read what this pass decoded (--mode epoch with
+    # enough --batches reads the whole data set: the two differ by the bad samples the stats count).
+    return {"num_samples": stream.num_samples, "samples_read": samples_read, "pos_source": stream.pos_source, "batches": shapes,
             "example_texts": captions, "skip_counts": stream.skip_counts()}
 
 
@@ -134,8 +139,7 @@ def main(argv=None) -> int:
         else:
             result = _inspect(args)
     except (FileNotFoundError, KeyError, ValueError) as exn:
-        print(f"crate-clip shards {args.command}: error: {exn}", file=sys.stderr)
-        return 2
+        return report_error(f"crate-clip shards {args.command}", exn)
     summary = {k: v for k, v in result.items() if k != "shards"}
     if "shards" in result:
         summary["num_shards"] = len(result["shards"])

@@ -30,12 +30,20 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image
     """Open (header only) an encoded image; raises BadImage for empty, unreadable or oversized images."""
     if not data:
         raise BadImage("zero_size_image", "image member is empty")
+    pil_limit = Image.MAX_IMAGE_PIXELS
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PIL's own DecompressionBombWarning: we apply our own limit
+        # PIL refuses images above 2x its own limit at open: lift it so that ours (max_pixels) decides,
+        # also when a user sets it above PIL's default.
+        Image.MAX_IMAGE_PIXELS = None
         try:
             img = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as exn:
+            raise BadImage("decompression_bomb", f"image too large: {exn}") from None
         except Exception as exn:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
             raise BadImage("undecodable_image", f"cannot identify image: {exn}") from None
+        finally:
+            Image.MAX_IMAGE_PIXELS = pil_limit
     w, h = img.size
     if w <= 0 or h <= 0:
         raise BadImage("zero_size_image", f"image has size {w}x{h}")

@@ -23,6 +23,15 @@ SKIP_REASONS = ("truncated_tar", "unreadable_shard", "undecodable_image", "zero_
                 "decompression_bomb", "missing_image", "missing_caption", "empty_caption",
                 "non_utf8_caption", "duplicate_key")
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+def check_some_shard_exists(sources: list[str], shards: list[str]) -> None:
+    """Raise ShardListError when every shard is a local path and none exists (a mistyped source).
+
+    A few missing shards among existing ones are counted skips (DataComp downloads have gaps)."""
+    if shards and not any(is_remote(s) or Path(s).exists() for s in shards):
+        raise ShardListError(f"data source {', '.join(map(str, sources))} does not exist: give a folder of .tar "
+                             f"shards, a brace pattern or a glob of existing files, or a pipe: command")
+
+
 def _stats_path(shard: str) -> str:
     """img2dataset's per-shard stats file beside a tar: 00000012.tar -> 00000012_stats.json."""
     return shard[: -len(".tar")] + "_stats.json" if shard.endswith(".tar") else shard + "_stats.json"

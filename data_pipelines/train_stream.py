@@ -28,9 +28,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from crate_clip.config_schema import Bool, Float, Int, Section
 
 from .image_decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_train, normalize_batch
+from .epoch_sizes import adopt_real_sizes
 from .pos_tagging import PosSource
 from .shard_plan import ShardPlan, interleave, resolve_sizes
-from .shard_reader import (SKIP_REASONS, ShardListError, expand_source, iter_shard_samples, sample_caption,
+from .shard_reader import (SKIP_REASONS, ShardListError, check_some_shard_exists, expand_source, iter_shard_samples, sample_caption,
                            sample_image_bytes)
 from .text_reduction import TEXT_MASKS, TextReducer, load_tokenizer
 
@@ -127,7 +128,7 @@ class _StreamDataset(IterableDataset):
         worker = (dl_id + self.rotate) % self.plan.num_workers
         pos = self.positions[worker]
         yield from worker_batches(self.plan, self.spec, self.reducer, worker, pos["group"], pos["offset"],
-                                  pos.get("skips", {}))
+                                  pos.get("skips", {}), pos.get("read", {}))
 
 
 def _group_raw(plan: ShardPlan, spec: _BatchSpec, worker: int, group: int, shards: list[str],
@@ -181,9 +182,12 @@ def _collate(images: list, tokens: list, spec: _BatchSpec):
 
 
 def worker_batches(plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer, worker: int, group: int,
-                   offset: int, skips: dict) -> Iterator[tuple]:
-    """(images, tokens, meta) batches of one worker from position (group, offset); meta = new position."""
-    skips = Counter(skips)
+                   offset: int, skips: dict, read: dict | None = None) -> Iterator[tuple]:
+    """(images, tokens, meta) batches of one worker from position (group, offset); meta = new position.
+
+    meta["read"] holds the usable samples of every shard this worker has read in full (from its start),
+    the real size that the next epoch's length is computed from."""
+    skips, read = Counter(skips), dict(read or {})
     images, tokens = [], []
     empty_groups = 0
     while True:
@@ -194,6 +198,7 @@ def worker_batches(plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer, work
         # While fast-forwarding, reading-time events (duplicate keys, broken tars) were already counted
         # in the saved skips: the gate opens as the last already-consumed sample comes out.
         gate = _GatedCounter(skips, active=offset == 0)
+        usable: Counter | None = Counter() if offset == 0 else None  # fast-forwarded groups are not measured
         for idx, raw in enumerate(_group_raw(plan, spec, worker, group, shards, gate)):
             if idx < offset:
                 gate.active = idx == offset - 1
@@ -204,24 +209,28 @@ def worker_batches(plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer, work
             if item is None:
                 continue
             produced = True
+            if usable is not None:
+                usable[raw["__url__"]] += 1
             images.append(item[0])
             tokens.append(item[1])
             if len(images) == spec.batch_size:
-                meta = {"worker": worker, "group": group, "offset": offset, "skips": dict(skips)}
+                meta = {"worker": worker, "group": group, "offset": offset, "skips": dict(skips), "read": read}
                 yield (*_collate(images, tokens, spec), meta)
                 images, tokens = [], []
+        if usable is not None:
+            read = {**read, **{url: usable[url] for url in shards}}
         empty_groups = 0 if produced else empty_groups + 1
         if empty_groups >= MAX_EMPTY_GROUPS:
             raise RuntimeError(f"worker {worker} of rank {plan.rank} read {MAX_EMPTY_GROUPS} shard groups in a "
                                f"row without one usable sample (last shards: {shards}); skipped so far: "
                                f"{dict(skips)}")
         group, offset = group + 1, 0
+    meta = {"worker": worker, "group": group, "offset": 0, "skips": dict(skips), "read": read}
     if images and not spec.drop_last:
-        meta = {"worker": worker, "group": group, "offset": 0, "skips": dict(skips)}
         yield (*_collate(images, tokens, spec), meta)
-    elif images or skips:
-        # Report the final skip counts even when the partial batch is dropped.
-        yield (None, None, {"worker": worker, "group": group, "offset": 0, "skips": dict(skips)})
+    else:
+        # Report the final skip counts and shard sizes even when the partial batch is dropped.
+        yield (None, None, meta)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -233,14 +242,22 @@ class TrainStream:
     def __init__(self, cfg: StreamConfig, plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer,
                  num_samples: int, context_length: int, text_mask: str):
         self.cfg, self.plan, self.spec, self.reducer = cfg, plan, spec, reducer
-        self.num_samples = num_samples
+        self._num_samples = num_samples
         self.context_length, self.text_mask = context_length, text_mask
         self.batch_size = spec.batch_size
         self.num_workers = plan.num_workers
         self._positions = self._fresh_positions()
         self._batches = 0  # batches consumed in the current epoch (resampled: since the start)
         self._done_skips: Counter = Counter()  # skip counts of finished epochs
+        self._measured: dict[str, int] = {}    # shard -> usable samples, where that differs from its stats
         self._pos_probe: str | None = None
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the data set: the configured num_samples, else the shards' sizes (read on first use)."""
+        if self._num_samples is None:
+            self._num_samples = sum((self.plan.sizes or _data_set_sizes(self.plan.all_shards)).values())
+        return self._num_samples
 
     @property
     def pos_source(self) -> str:
@@ -291,7 +308,7 @@ class TrainStream:
             self._next_epoch()
             cap = self.batches_per_epoch
         for images, tokens, meta in self._loader():
-            self._positions[meta["worker"]] = {k: meta[k] for k in ("group", "offset", "skips")}
+            self._positions[meta["worker"]] = {k: meta[k] for k in ("group", "offset", "skips", "read")}
             if images is None:
                 continue  # a worker's final skip report
             self._batches += 1
@@ -302,8 +319,9 @@ class TrainStream:
             self._next_epoch()
 
     def _next_epoch(self) -> None:
-        """Move an epoch-mode stream to the start of the next epoch."""
+        """Move an epoch-mode stream to the start of the next epoch, whose length uses the real shard sizes."""
         self._done_skips.update(self._current_skips())
+        self._measured.update(adopt_real_sizes(self.plan, [p.get("read", {}) for p in self._positions]))
         self.plan.epoch += 1
         self._positions = self._fresh_positions()
         self._batches = 0
@@ -326,9 +344,9 @@ class TrainStream:
                 "rank": self.plan.rank, "world_size": self.plan.world_size, "num_workers": self.plan.num_workers,
                 "batch_size": self.batch_size, "batches": self._batches, "generation": self.plan.generation,
                 "samples": self._batches * self.batch_size,
-                "workers": [{"group": p["group"], "offset": p["offset"], "skips": dict(p.get("skips", {}))}
-                            for p in self._positions],
-                "done_skips": dict(self._done_skips)}
+                "workers": [{"group": p["group"], "offset": p["offset"], "skips": dict(p.get("skips", {})),
+                             "read": dict(p.get("read", {}))} for p in self._positions],
+                "done_skips": dict(self._done_skips), "measured_sizes": dict(self._measured)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position; exact when mode, seed, world size and worker count match."""
@@ -339,6 +357,8 @@ class TrainStream:
         self.plan.epoch = int(state.get("epoch", self.plan.epoch))
         self.plan.generation = int(state.get("generation", 0))
         self._done_skips = Counter(state.get("done_skips", {}))
+        self._measured = {k: int(v) for k, v in state.get("measured_sizes", {}).items()}
+        self.plan.sizes.update(self._measured)
         workers = state.get("workers", [])
         if len(workers) != self.plan.num_workers or state.get("batch_size", self.batch_size) != self.batch_size:
             # Positions belong to other worker streams: they cannot be mapped. Keep the skip counts and
@@ -354,8 +374,8 @@ class TrainStream:
             if self.plan.mode == "resampled":
                 self.plan.generation += 1
             return
-        self._positions = [{"group": int(w["group"]), "offset": int(w["offset"]), "skips": dict(w.get("skips", {}))}
-                           for w in workers]
+        self._positions = [{"group": int(w["group"]), "offset": int(w["offset"]), "skips": dict(w.get("skips", {})),
+                            "read": dict(w.get("read", {}))} for w in workers]
         self._batches = int(state.get("batches", 0))
 
 
@@ -384,14 +404,17 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
         except ShardListError as exn:
             raise ShardListError(f"StreamConfig.sources: {exn}") from None
     all_shards = [s for shards in shards_by_source for s in shards]
+    check_some_shard_exists(cfg.sources, all_shards)
     num_workers = max(1, cfg.num_workers)
     if cfg.mode == "epoch" and len(all_shards) < world_size:
         raise ValueError(f"epoch mode needs at least one shard per rank: {len(all_shards)} shards for "
                          f"world_size={world_size}; use mode='resampled' or write more, smaller shards")
-    sizes, estimated = resolve_sizes(all_shards) if (cfg.num_samples is None or cfg.mode == "epoch") else ({}, False)
-    num_samples = cfg.num_samples if cfg.num_samples is not None else sum(sizes.values())
-    if estimated:
-        log.warning("data set size estimated from a subset of the shards: %d samples", num_samples)
+    # Resampled mode draws shards without needing their sizes: the ~140k _stats.json of DataComp are read
+    # only when someone asks for num_samples (shards inspect), never at a trainer's stage start.
+    sizes, num_samples = {}, cfg.num_samples
+    if cfg.mode == "epoch":
+        sizes = _data_set_sizes(all_shards)
+        num_samples = num_samples if num_samples is not None else sum(sizes.values())
     if cfg.mode == "epoch":
         per_rank = len(all_shards[rank::world_size])
         if per_rank < num_workers:
@@ -404,6 +427,14 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
     spec = _BatchSpec(batch_size, image_size, tuple(cfg.crop_scale), tuple(cfg.crop_ratio), tuple(cfg.mean),
                       tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, cfg.shuffle_buffer, cfg.drop_last)
     return TrainStream(cfg, plan, spec, reducer, num_samples, context_length, text_mask)
+
+
+def _data_set_sizes(shards: list[str]) -> dict[str, int]:
+    """Sample count of every shard (from _stats.json / sizes.json / tar headers); logs when estimated."""
+    sizes, estimated = resolve_sizes(shards)
+    if estimated:
+        log.warning("data set size estimated from a subset of the shards: %d samples", sum(sizes.values()))
+    return sizes
 
 
 def _tokenizer(name: str, bert_vocab: str | None = None):

@@ -8,6 +8,7 @@ from typing import get_args
 
 import torch
 
+from crate_clip.cli_errors import report_error
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_tokenizers import TokenizerUnavailableError
 from eval.distributed_batches import rank_and_world
@@ -103,8 +104,7 @@ def main(argv=None) -> int:
                               cache_dir=args.cache_dir or None, progress=not args.no_progress)
         metrics = run_task(model, settings, context)
     except USAGE_ERRORS as err:
-        print(f"crate-clip eval: error: {err}", file=sys.stderr)
-        return 2
+        return report_error("crate-clip eval", err)
     if rank_and_world()[0] == 0:
         if getattr(args, "details", False):
             print(TASKS[args.command].details(metrics))

@@ -51,14 +51,45 @@ def gather_objects(obj) -> list:
     return out
 
 
+class OtherRankError(ValueError):
+    """Another rank stopped with an error (bad .cls, missing member, ...); the message is that rank's."""
+
+
 def lockstep(batches: Iterable) -> Iterator:
-    """Yield this rank's batches, then None while any other rank still has batches."""
+    """Yield this rank's batches, then None while any other rank still has batches.
+
+    An error while reading a batch on any rank stops every rank (in the same step) with its message,
+    instead of leaving the others waiting at the next collective until the process-group timeout."""
     it = iter(batches)
     while True:
-        batch = next(it, None)
-        if all_ranks_agree(batch is None):
+        try:
+            batch, error = next(it, None), None
+        except Exception as exn:   # re-raised below, on this rank and (by message) on every other one
+            batch, error = None, exn
+        done, failed = _agree_on_step(batch is None, error is not None)
+        if failed:
+            raise_agreed_error(error)
+        if done:
             return
         yield batch
+
+
+def _agree_on_step(done: bool, failed: bool) -> tuple[bool, bool]:
+    """(every rank done, some rank failed), in one reduction."""
+    if rank_and_world()[1] == 1:
+        return done, failed
+    work = torch.tensor([0 if done else 1, 1 if failed else 0], dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(work, op=dist.ReduceOp.MAX)
+    return work[0].item() == 0, work[1].item() == 1
+
+
+def raise_agreed_error(error: BaseException | None) -> None:
+    """Called on every rank once some rank failed: re-raise this rank's error, else the first failed rank's."""
+    messages = gather_objects(None if error is None else f"{error}")
+    if error is not None:
+        raise error
+    rank = next(r for r, m in enumerate(messages) if m is not None)
+    raise OtherRankError(f"rank {rank} stopped: {messages[rank]}")
 
 
 def rank_slice(n: int, rank: int, world: int) -> range:

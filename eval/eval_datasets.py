@@ -163,6 +163,22 @@ def is_shard_source(data: str | Path) -> bool:
     return str(data).endswith(".tar") or "{" in str(data) or (path.is_dir() and any(path.glob("*.tar")))
 
 
+SHARD_INDEX_BITS = 32   # sample index = shard number << 32 | position in the shard (whole-shard reading)
+
+
+def tar_samples(url: str):
+    """Samples of one tar; a corrupt or truncated tar ends with one {'__unreadable_tar__': reason} entry."""
+    errors = []
+
+    def record(exn):
+        errors.append(f"unreadable tar ({type(exn).__name__}: {str(exn.args[0]) if exn.args else exn})")
+        return False   # stop reading this tar
+
+    yield from wds.DataPipeline(wds.SimpleShardList([url]), wds.tarfile_to_samples(handler=record))
+    if errors:
+        yield {"__url__": url, "__unreadable_tar__": errors[0]}
+
+
 @dataclass
 class ShardSamples(IterableDataset):
     """Samples of webdataset shards: `.jpg` + `.cls` (classification) or `.jpg` + `.txt` (retrieval)."""
@@ -177,16 +193,27 @@ class ShardSamples(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info else (1, 0)
-        # Sample-level interleave over (rank, worker): balanced even when shards < ranks x workers.
         stride, offset = self.world * workers, self.rank * workers + worker
-        pipeline = wds.DataPipeline(wds.SimpleShardList(self.urls), wds.tarfile_to_samples())
-        for index, sample in enumerate(pipeline):
-            if self.limit is not None and index >= self.limit:
-                return
-            if index % stride == offset:
-                yield self._decode(index, sample)
+        if self.limit is None and len(self.urls) >= stride:
+            # Enough shards: every (rank, worker) reads whole shards of its own instead of every tar in full.
+            # Indices (shard, position) sort in the order of the single-reader path below.
+            for shard in range(offset, len(self.urls), stride):
+                for local, sample in enumerate(tar_samples(self.urls[shard])):
+                    yield self._decode(shard << SHARD_INDEX_BITS | local, sample)
+            return
+        # Sample-level interleave over (rank, worker): balanced even when shards < ranks x workers.
+        index = 0
+        for url in self.urls:
+            for sample in tar_samples(url):
+                if self.limit is not None and index >= self.limit:
+                    return
+                if index % stride == offset:
+                    yield self._decode(index, sample)
+                index += 1
 
     def _decode(self, index: int, sample: dict):
+        if "__unreadable_tar__" in sample:   # counted and named like an unreadable image
+            return None, None, index, f"{sample['__url__']}: {sample['__unreadable_tar__']}"
         name = f"{sample.get('__url__', '?')}:{sample['__key__']}"
         if self.target not in sample:
             raise ValueError(f"shard sample {name} has no .{self.target} member")

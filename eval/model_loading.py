@@ -3,6 +3,8 @@
 DeepSpeed checkpoints (`<run>/checkpoints/` with a `latest` file, or one `<tag>/` folder) of any ZeRO stage
 are consolidated to fp32 by crate_clip.checkpoint_io, the one owner of the checkpoint layout.
 """
+import pickle
+import zipfile
 from pathlib import Path
 
 import open_clip
@@ -14,6 +16,7 @@ from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, consolida
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
 from crate_clip.models.patch_change import create_clip_at_patch, register_tower_of
+from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
 
 LOCAL_DIR = "local-dir:"
 
@@ -53,6 +56,7 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
         raise ValueError(f"--model {model} is a weights file: pass the model name as --model and the file as "
                          f"--pretrained (or use local-dir:FOLDER for an exported model with open_clip_config.json)")
     else:
+        _check_not_a_missing_path(model)
         clip, model_name, info = create_clip(model, image_size=image_size, pretrained=pretrained), model, {}
     clip = clip.to(device).eval()
     bert_vocab = bert_vocab or _recorded_vocab(info)
@@ -63,6 +67,13 @@ def _recorded_vocab(info: dict) -> str | None:
     # the vocabulary a run was trained with, when it is still where the run found it
     vocab = (info.get("tokenizer") or {}).get("bert_vocab")
     return vocab if vocab and Path(vocab).is_dir() else None
+
+
+def _check_not_a_missing_path(model: str) -> None:
+    """A --model that looks like a path (model names have no '/') but does not exist: say so."""
+    if ("/" in model or model.startswith((".", "~"))) and not model.startswith("hf-hub:") and not Path(model).exists():
+        raise FileNotFoundError(f"--model {model}: does not exist (a checkpoint folder or file was meant; an open_clip "
+                                f"model name has no '/'): check the path")
 
 
 def _from_local_dir(model: str, image_size: int | None):
@@ -81,7 +92,10 @@ def _from_local_dir(model: str, image_size: int | None):
 
 def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
     checkpoint = model if is_deepspeed_checkpoint(model) else pretrained
-    state, info = consolidate_deepspeed_checkpoint(checkpoint)
+    try:
+        state, info = consolidate_deepspeed_checkpoint(checkpoint)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile) as exn:   # truncated / corrupt
+        raise CorruptWeightsError(corrupt_file_message(checkpoint, exn)) from exn
     model_name = info.get("model_name") if checkpoint == model else model
     if not model_name:
         raise ValueError(f"{checkpoint}: no {INFO_FILE} naming the model; pass --model NAME --pretrained {checkpoint}")

@@ -17,6 +17,7 @@ from torch import nn
 
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError, key_list
 from crate_clip.models.clip_tokenizers import bert_text_cfg, bert_tokenizer  # noqa: F401  (re-exported)
+from crate_clip.models.weights_files import read_weights_file
 from crate_clip.models.crate_alpha import CrateAlpha
 from crate_clip.models.official_clipa import is_official_clipa_layout, official_clipa_to_open_clip, official_key
 from crate_clip.models.open_clip_configs import preprocess_cfg_for
@@ -111,14 +112,7 @@ def read_state_dict(source: Union[str, Path]) -> Dict[str, torch.Tensor]:
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file not found: {path}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        sd = load_file(str(path), device="cpu")
-    else:
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # pickle with code, corrupt zip, ...: say which file
-            raise CheckpointMismatchError(f"cannot load {path} with torch.load(weights_only=True): {e}") from e
+    sd = read_weights_file(path)   # a corrupt or truncated file: one line naming it
     for key in ("state_dict", "module"):  # open_clip's trainer / DeepSpeed's mp_rank_00_model_states.pt
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
             sd = sd[key]

@@ -23,6 +23,7 @@ import yaml
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
 from crate_clip.models import preprocess_cfg_for, set_image_token_mask, tokenizer_record
 from crate_clip.models.patch_change import checkpoint_patch_size, create_clip_at_patch
+from crate_clip.train.batch_agreement import agreed_batches
 from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, consolidated_state_dict, read_info,
                                           rng_state, set_rng_state)
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
@@ -277,7 +278,7 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
     loss_fn = _make_loss(dist)
     dtype = model_dtype(cfg.precision)
     engine.train()
-    batches = iter(stream)
+    batches = agreed_batches(stream, dist.device)   # a data error on one rank stops every rank
     log.start_stage(f"stage {progress.stage_index} {stage.name} @{stage.image_size}px", stage.steps,
                     progress.step, stage.global_batch)
     every_log, every_ckpt = cfg.logging.every_steps, cfg.checkpoint.every_steps
@@ -287,7 +288,7 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
         try:
             images, tokens = next(batches)
         except StopIteration:  # epoch mode: the next pass over the shards
-            batches = iter(stream)
+            batches = agreed_batches(stream, dist.device)
             images, tokens = _first_batch_of_epoch(batches, cfg)
         lr = engine.get_lr()[0]
         meter.data_ready()
