@@ -12,6 +12,7 @@ from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_tokenizers import TokenizerUnavailableError
 from eval.distributed_batches import rank_and_world
 from eval.eval_settings import EvalSettings
+from eval.linear_probe import TIMM_PREFIX, load_timm_classifier
 from eval.model_loading import load_eval_model
 from eval.registry import TASKS, EvalContext, parse_eval, run_task
 
@@ -31,7 +32,8 @@ def _option(parser: argparse.ArgumentParser, flag: str, field, required: bool = 
 def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="open_clip model name, local-dir:FOLDER, or a DeepSpeed checkpoint folder "
-                             "(<run>/checkpoints or one tag folder; any ZeRO stage)")
+                             "(<run>/checkpoints or one tag folder; any ZeRO stage); timm:NAME for a timm "
+                             "classifier (linear_probe, tower features)")
     parser.add_argument("--pretrained", help="weights file (.safetensors/.pt; ours or a released "
                                              "crate_alpha_CLIPA_*.pth) or DeepSpeed checkpoint for --model NAME")
     for flag, key in COMMON_OPTIONS.items():
@@ -90,8 +92,13 @@ def main(argv=None) -> int:
     _init_distributed(args.device)
     try:
         settings = _settings(args)
-        model, preprocess, tokenizer, _ = load_eval_model(args.model, args.pretrained, args.image_size, device,
-                                                          bert_vocab=args.bert_vocab)
+        if args.model.startswith(TIMM_PREFIX):   # a timm classifier: tower features (linear_probe)
+            model, preprocess = load_timm_classifier(args.model[len(TIMM_PREFIX):], args.pretrained,
+                                                     args.image_size, device)
+            tokenizer = None
+        else:
+            model, preprocess, tokenizer, _ = load_eval_model(args.model, args.pretrained, args.image_size, device,
+                                                              bert_vocab=args.bert_vocab)
         context = EvalContext(tokenizer=tokenizer, preprocess=preprocess, device=device, precision=args.precision,
                               cache_dir=args.cache_dir or None, progress=not args.no_progress)
         metrics = run_task(model, settings, context)

@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config value, e.g. --set stages.0.lr=1e-3 (repeatable)")
     p.add_argument("--resume", default=None, metavar="latest|PATH",
                    help="continue from the newest complete checkpoint of the run, or from a checkpoint folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="run.output_dir holds an earlier run: move it to <output_dir>.previous and start over")
     p.add_argument("--validate", action="store_true", help="check the config and exit")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -43,11 +45,12 @@ def main(argv=None) -> int:
         print(f"{args.config}: valid ({len(cfg.stages)} stages, "
               f"{sum(s.samples for s in cfg.stages):,} samples)")
         return 0
+    from crate_clip.train.run_dir import ExistingRunError
     from crate_clip.train.stage_loop import NonFiniteLossError, run_training
 
     try:
-        summary = run_training(cfg, resume=args.resume)
-    except ConfigError as exc:
+        summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite)
+    except (ConfigError, ExistingRunError) as exc:
         print(f"crate-clip train: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except NonFiniteLossError as exc:

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
+
+from crate_clip.checkpoint_io.atomic_files import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.jsonl"
@@ -120,6 +123,27 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def set_aside_rows_after(run_dir: Path, global_step: int) -> int:
+    """Move the metrics.jsonl / results.jsonl rows written after `global_step` (by a segment that was cut short
+    and is now redone from its checkpoint) to metrics.superseded.jsonl / results.superseded.jsonl, so every
+    reader sees one row per step and nothing is lost; returns how many rows moved."""
+    moved = 0
+    for name in (METRICS_FILE, RESULTS_FILE):
+        path = Path(run_dir) / name
+        rows = read_jsonl(path)
+        later = [r for r in rows if r.get("global_step", 0) > global_step]
+        if not later:
+            continue
+        with open(path.with_name(path.stem + ".superseded.jsonl"), "a") as f:  # first: a kill loses nothing
+            f.write("".join(json.dumps(r) + "\n" for r in later))
+            f.flush()
+            os.fsync(f.fileno())
+        kept = [r for r in rows if r.get("global_step", 0) <= global_step]
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+        moved += len(later)
+    return moved
 
 
 def latest_per_step(records: list[dict]) -> list[dict]:

@@ -94,6 +94,10 @@ class StageConfig(Section):
     image_mask: TokenMask = "none"
     image_mask_ratio: Float = Field(0.0, ge=0, lt=1, description="the share of patch tokens dropped, in [0, 1)")
     crop_scale: Optional[tuple[Float, Float]] = None  # random-resized-crop area range; default: data.crop_scale
+    # the image tower's patch size from this stage on (default: the previous stage's, else the model config's);
+    # a change resizes the patch kernel at the stage change: pi_resize (FlexiViT) or bilinear (CRATE-alpha paper)
+    patch_size: Optional[Int] = Field(None, ge=1, description="patch side in pixels, up to image_size")
+    patch_resize: Literal["pi_resize", "bilinear"] = "pi_resize"
 
     @property
     def steps(self) -> int:
@@ -115,6 +119,9 @@ class StageConfig(Section):
         if not 0 <= self.warmup_steps < max(self.steps, 1):
             problems.append(("warmup_steps", f"{self.warmup_steps} but the stage has {self.steps} steps "
                                              "(samples / global_batch); fix: fewer warm-up steps or more samples"))
+        if self.patch_size is not None and self.patch_size > self.image_size:
+            problems.append(("patch_size", f"{self.patch_size}; fix: a patch side in pixels up to image_size "
+                                           f"({self.image_size}), or remove it"))
         if self.image_mask not in ("none", "grid") and self.image_mask_ratio == 0:
             problems.append(("image_mask_ratio", f"0 with image_mask {self.image_mask!r}; fix: set a ratio such "
                                                  "as 0.3, or image_mask: none"))
@@ -192,6 +199,10 @@ class RunConfig(Section):
     def run_dir(self) -> Path:
         """The run's output folder."""
         return Path(self.run.output_dir)
+
+    def patch_size_at(self, stage_index: int) -> Optional[int]:
+        """The image tower's patch size in a stage: the last one set up to it (None: the model config's)."""
+        return next((s.patch_size for s in reversed(self.stages[:stage_index + 1]) if s.patch_size), None)
 
     @property
     def full_image_size(self) -> int:
