@@ -37,3 +37,13 @@ def vit(tmp_path_factory, fashion_mnist_dir):
     """(model, open_clip name) of the tiny ViT CLIP trained once per session on Fashion-MNIST."""
     from eval_fixtures import shared_trained_vit
     return shared_trained_vit(tmp_path_factory, fashion_mnist_dir)
+
+
+@pytest.fixture
+def vit_file(vit, tmp_path):
+    """(open_clip name, weights file) of the shared tiny ViT CLIP, saved as safetensors for the CLIs."""
+    from safetensors.torch import save_file
+    model, name = vit
+    path = tmp_path / "vit.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    return name, path

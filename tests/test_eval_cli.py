@@ -5,19 +5,10 @@ import re
 import open_clip
 import pytest
 import yaml
-from safetensors.torch import save_file
 
 from crate_clip.cli import main as crate_clip_main
 from eval.stage_hook import evaluate_stage
-from eval_fixtures import CRATE_TINY, PER_CLASS, shared_crate_tiny, shared_trained_vit
-
-
-@pytest.fixture
-def vit_file(tmp_path_factory, fashion_mnist_dir, tmp_path):
-    model, name = shared_trained_vit(tmp_path_factory, fashion_mnist_dir)
-    path = tmp_path / "vit.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
-    return name, path
+from eval_fixtures import CRATE_TINY, PER_CLASS, shared_crate_tiny
 
 
 def test_cli_zeroshot_writes_json_and_uses_the_cache(sets, vit_file, tmp_path, capsys):

@@ -4,16 +4,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from crate_clip.cli import main as crate_clip_main
 from eval import linear_probe
-from eval_fixtures import PER_CLASS, read_idx, shared_eval_sets, shared_trained_vit
-
-
-@pytest.fixture
-def sets(tmp_path_factory, fashion_mnist_dir):
-    return shared_eval_sets(tmp_path_factory, fashion_mnist_dir)
+from eval_fixtures import PER_CLASS, read_idx
 
 
 def pixel_features(fashion_mnist_dir, split: str, n: int):
@@ -45,14 +39,6 @@ def test_fixed_weight_decay_and_metrics_by_hand():
     assert m["top1"] == 0.5 and m["top5"] == 1.0 and m["mean_per_class_recall"] == pytest.approx(0.5)
     k = linear_probe.fewshot_indices(torch.tensor([0, 1, 0, 1, 0, 2]), 2, seed=0)
     assert sorted(torch.tensor([0, 1, 0, 1, 0, 2])[k].tolist()) == [0, 0, 1, 1, 2]
-
-
-@pytest.fixture
-def vit_file(tmp_path_factory, fashion_mnist_dir, tmp_path):
-    model, name = shared_trained_vit(tmp_path_factory, fashion_mnist_dir)
-    path = tmp_path / "vit.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
-    return name, path
 
 
 def test_cli_linear_probe_and_fewshot_on_a_clip_with_the_feature_cache(sets, vit_file, tmp_path, capsys):
