@@ -167,6 +167,8 @@ def load_clip_weights(model: nn.Module, source: Union[str, Path, Dict[str, torch
 def set_image_token_mask(clip_model: nn.Module, kind: str, drop_ratio: float = 0.0) -> None:
     """Set the training-time image token mask of a CRATE-alpha CLIP ('none', 'random', 'grid', 'block')."""
     trunk = _image_tower(clip_model)
+    if trunk is None and kind == "none":
+        return  # another tower (e.g. a ViT baseline trained by the same trainer): nothing to switch off
     if trunk is None:
         raise TypeError(f"{type(clip_model).__name__} has no CRATE-alpha image tower at .visual.trunk")
     trunk.set_token_mask(kind, drop_ratio)
