@@ -1,4 +1,4 @@
-"""The `crate-clip` command: dispatches to the train, eval and shards sub-commands."""
+"""The `crate-clip` command: dispatches to the train, eval, shards, demo, inspect and segment sub-commands."""
 import importlib
 import sys
 
@@ -9,6 +9,8 @@ SUBCOMMANDS = {
     "eval": ("eval.cli", "zero-shot classification and retrieval evaluation"),
     "shards": ("data_pipelines.cli", "write DataComp-layout webdataset shards from local data"),
     "demo": ("crate_clip.train.demo", "the embedded Fashion-MNIST demo (the README's first command)"),
+    "inspect": ("eval.inspect_cli", "white-box maps: class-token attention per head and PCA of patch features"),
+    "segment": ("eval.segment_cli", "zero-shot segmentation (MaskCut) as PNG overlays + COCO RLE JSON"),
 }
 
 

@@ -80,6 +80,8 @@ def resize_clip_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module
     pos = sd.get(IMAGE_POS_KEY)
     if pos is not None and IMAGE_POS_KEY in target and pos.shape != target[IMAGE_POS_KEY].shape:
         sd[IMAGE_POS_KEY] = _resize_image_pos(pos, target[IMAGE_POS_KEY], model)
+    if "visual.positional_embedding" in sd:  # an open_clip ViT tower (the white-box benchmark's baseline)
+        open_clip.model.resize_pos_embed(sd, getattr(model, "module", model))
     tpos = sd.get(TEXT_POS_KEY)
     if tpos is not None and TEXT_POS_KEY in target and tpos.shape != target[TEXT_POS_KEY].shape:
         sd[TEXT_POS_KEY] = _resize_text_pos(tpos, target[TEXT_POS_KEY].shape[0])

@@ -134,6 +134,8 @@ class LoggingSection:
     progress: bool = True
     tensorboard: bool = True
     plot: bool = True
+    diagnostics_every: int = 0     # white-box coding rate / sparsity per layer every N steps (0 = off)
+    diagnostics_images: int = 64   # probe batch: this many images of the first eval set
 
 
 @dataclass
@@ -290,6 +292,10 @@ def _check(cfg: RunConfig, errors: list[str], base_dir: Path, check_paths: bool)
                                         "needed to resume and to export)")
     need(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps: must be >= 0 (0 = only at stage ends)")
     need(cfg.logging.every_steps >= 1, "logging.every_steps: must be >= 1")
+    need(cfg.logging.diagnostics_every >= 0, "logging.diagnostics_every: must be >= 0 (0 = off)")
+    need(cfg.logging.diagnostics_images >= 1, "logging.diagnostics_images: must be >= 1")
+    need(not cfg.logging.diagnostics_every or bool(cfg.eval.evals),
+         "logging.diagnostics_every: the probe batch comes from eval.evals[0]: declare an eval set or set it to 0")
     need(len(cfg.optimizer.betas) == 2 and all(0 <= b < 1 for b in cfg.optimizer.betas),
          f"optimizer.betas: {cfg.optimizer.betas}; fix: two numbers in [0, 1), e.g. [0.9, 0.95]")
     need(cfg.optimizer.eps > 0, "optimizer.eps: must be > 0")

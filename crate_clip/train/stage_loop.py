@@ -27,6 +27,7 @@ from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, con
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
 from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl, write_plot
 from crate_clip.train.run_config import RunConfig, StageConfig, check_runtime
+from crate_clip.train.whitebox_log import WhiteboxProbe
 
 MAX_LOGIT_SCALE = 100.0  # CLIP's cap on exp(logit_scale)
 
@@ -214,6 +215,7 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
     log.start_stage(f"stage {progress.stage_index} {stage.name} @{stage.image_size}px", stage.steps,
                     progress.step, stage.global_batch)
     every_log, every_ckpt = cfg.logging.every_steps, cfg.checkpoint.every_steps
+    probe = WhiteboxProbe.for_stage(cfg, stage, engine, dist, log)  # None unless logging.diagnostics_every
     while progress.step < stage.steps:
         try:
             images, tokens = next(batches)
@@ -234,13 +236,14 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
             progress.nonfinite_in_a_row = 0
         log.advance(loss, lr, progress.step)
         last = progress.step == stage.steps
-        if progress.step % every_log == 0 or last or loss is None:
+        measured = probe.measure() if probe and probe.due(progress.step, last) else None
+        if progress.step % every_log == 0 or last or loss is None or measured is not None:
             log.log_step({"stage_index": progress.stage_index, "stage_name": stage.name, "step": progress.step,
                           "global_step": progress.global_step, "samples_seen": progress.samples_seen,
                           "image_size": stage.image_size, "loss": loss, "lr": lr, "logit_scale": scale,
                           "samples_per_s": log.samples_per_second(progress.step),
                           "nonfinite_skipped": progress.nonfinite_skipped,
-                          "data_skips": _summed_skips(stream, dist), "time": time.time()})
+                          "data_skips": _summed_skips(stream, dist), "time": time.time(), **(measured or {})})
         if progress.nonfinite_in_a_row >= cfg.run.max_nonfinite_in_a_row:
             # the skipped steps left the weights untouched: this checkpoint holds the last good state
             tag_dir = _save(ckpts, engine, cfg, stage, progress, stream)
