@@ -28,6 +28,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _load(args):
     from eval.model_loading import load_eval_model
 
+    torch.manual_seed(0)  # a random-init tower (no --pretrained) is the same on every call
     clip = load_eval_model(args.model, args.pretrained, args.image_size)[0]
     return clip.float().eval()
 
