@@ -18,11 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 
-def _segment(model: str, scenes: str, out: Path, facet: str = "projection", size: int = 56) -> dict:
+def _segment(model: str, scenes: str, out: Path, facet: str = "projection", size: int = 56,
+             limit: int | None = None) -> dict:
     from eval.whitebox_cli import segment_entry
 
     args = ["--model", model, "--data", scenes, "--out", str(out), "--image-size", str(size), "--facet", facet,
-            "--overlays", "8"]
+            "--overlays", "8"] + (["--limit", str(limit)] if limit else [])
     with contextlib.redirect_stdout(io.StringIO()):
         rc = segment_entry(args)
     if rc:
@@ -53,6 +54,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scenes", default=str(ROOT / "data" / "fmnist_scenes"))
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "segmentation"))
+    p.add_argument("--limit", type=int, help="the first N scenes only")
+    p.add_argument("--only", type=int, nargs="*", help="run these configuration indices (default all)")
     p.add_argument("--write", action="store_true", help="write the section into BENCHMARKS.md")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -67,10 +70,18 @@ def main(argv=None) -> int:
     ]
     rows = []
     for i, (name, model, facet) in enumerate(configs):
-        m = _segment(model, args.scenes, out / f"run{i}", facet)
+        if args.only is not None and i not in args.only:
+            done = out / f"run{i}" / "metrics.json"  # from an earlier (parallel) run
+            if not done.is_file():
+                continue
+            m = json.loads(done.read_text())
+        else:
+            m = _segment(model, args.scenes, out / f"run{i}", facet, limit=args.limit)
         rows.append((name, facet, m))
         print(f"{name:<40} {facet:<10} AP50 {100 * m['ap50']:5.1f}  AP {100 * m['ap']:5.1f}  "
               f"mean best IoU {m['mean_best_iou']:.3f}  masks {m['masks']}", flush=True)
+    if args.only is not None and len(rows) < len(configs):
+        return 0  # a partial (parallel) run: the table is made by a run that finds every result
     share = diagnostics_share(crate)
     md = markdown(rows, share, rows[0][2])
     print(md)
