@@ -136,5 +136,6 @@ def draw_whitebox_curves(records: list[dict], axes, points: int = 5) -> bool:
     axes[1].set_title("ISTA code: normalised L0 = 1 - zero fraction", fontsize=9)
     for ax in axes:
         ax.set_xlabel("layer")
+        ax.set_xticks(list(layers))
         ax.legend(fontsize=7)
     return True
