@@ -27,7 +27,7 @@ from eval.eval_datasets import classification_dataset  # noqa: E402
 from eval.model_loading import eval_transform  # noqa: E402
 from eval.zeroshot import build_text_classifier, cached_text_classifier, zero_shot_evaluate  # noqa: E402
 
-IMAGE_MODEL = "CRATE-alpha-CLIPA-B-16"     # the real-size tower, at 224 px
+IMAGE_MODEL = "CRATE-alpha-CLIP-B-16"      # the real-size B/16 tower, at 224 px (CLIP-BPE text: no hub)
 TEXT_MODEL = "CRATE-alpha-CLIPA-tiny"      # a CPU cannot push 80,000 prompts through a B/16 text tower quickly
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 

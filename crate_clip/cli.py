@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "demo": ("crate_clip.train.demo", "the embedded Fashion-MNIST demo (the README's first command)"),
     "inspect": ("eval.inspect_cli", "white-box maps: class-token attention per head and PCA of patch features"),
     "segment": ("eval.segment_cli", "zero-shot segmentation (MaskCut) as PNG overlays + COCO RLE JSON"),
+    "convert": ("crate_clip.convert_cli", "released CRATE-alpha-CLIPA weights -> an open_clip local-dir: export"),
 }
 
 

@@ -357,8 +357,9 @@ def _probe_pos_source(cfg: StreamConfig) -> str:
 
 def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: int, text_mask: str,
                        batch_size: int, rank: int = 0, world_size: int = 1, tokenizer_name: str = "clip-bpe",
-                       epoch: int = 0) -> TrainStream:
-    """The training stream of one rank for one stage (image size, text length and mask)."""
+                       epoch: int = 0, bert_vocab: str | None = None) -> TrainStream:
+    """The training stream of one rank for one stage (image size, text length and mask); `bert_vocab`: a
+    folder with vocab.txt for a BERT-tokenized model when the HuggingFace hub is not reachable."""
     if text_mask not in TEXT_MASKS:
         raise ValueError(f"text_mask={text_mask!r} is not one of {TEXT_MASKS}")
     if batch_size < 1 or image_size < 1:
@@ -384,7 +385,7 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
         per_rank = len(all_shards[rank::world_size])
         if per_rank < num_workers:
             log.info("rank %d has %d shards per epoch; %d workers would idle", rank, per_rank, num_workers - per_rank)
-    tokenizer = _tokenizer(tokenizer_name)
+    tokenizer = _tokenizer(tokenizer_name, bert_vocab)
     reducer = TextReducer(context_length, text_mask, tokenizer, pos_source=cfg.pos_source)
     plan = ShardPlan(shards_by_source, list(cfg.weights or [1.0] * len(cfg.sources)), sizes, cfg.mode, cfg.seed,
                      epoch, rank, world_size, num_workers, cfg.shards_per_group,
@@ -394,8 +395,11 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
     return TrainStream(cfg, plan, spec, reducer, num_samples, context_length, text_mask)
 
 
-def _tokenizer(name: str):
+def _tokenizer(name: str, bert_vocab: str | None = None):
     """CLIP BPE tokenizer, or the tokenizer of an open_clip model (after registering crate_clip's configs)."""
+    if bert_vocab is not None:
+        from crate_clip.models.clip_tokenizers import clip_tokenizer
+        return clip_tokenizer(name, bert_vocab=bert_vocab)
     if name not in ("clip-bpe", "clip", "openai"):
         try:
             import crate_clip.models  # noqa: F401  (registers the CRATE-alpha open_clip model configs)

@@ -7,22 +7,27 @@ from pathlib import Path
 
 import torch
 
-from crate_clip.models.clip_factory import CheckpointMismatchError
+from crate_clip.models.checkpoint_errors import CheckpointMismatchError
+from crate_clip.models.clip_tokenizers import TokenizerUnavailableError
 from eval.class_sets import BUILTIN_TEMPLATES
 from eval.distributed_batches import rank_and_world
 from eval.model_loading import load_eval_model
 from eval.stage_hook import run_eval
 
-USAGE_ERRORS = (ValueError, FileNotFoundError, CheckpointMismatchError)
+USAGE_ERRORS = (ValueError, FileNotFoundError, CheckpointMismatchError, TokenizerUnavailableError)
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="open_clip model name, local-dir:FOLDER, or a DeepSpeed checkpoint folder "
                              "(<run>/checkpoints or one tag folder; any ZeRO stage)")
-    parser.add_argument("--pretrained", help="weights file (.safetensors/.pt) or DeepSpeed checkpoint for --model NAME")
+    parser.add_argument("--pretrained", help="weights file (.safetensors/.pt; ours or a released "
+                                             "crate_alpha_CLIPA_*.pth) or DeepSpeed checkpoint for --model NAME")
     parser.add_argument("--data", required=True, help="val folder, flat folder (with --labels), or shards (.tar folder / {..} pattern)")
     parser.add_argument("--image-size", type=int, help="evaluate at this resolution (pos-embeds resized)")
+    parser.add_argument("--bert-vocab", help="folder holding vocab.txt: the BERT tokenizer of CLIPA-text models "
+                                             "without the HuggingFace hub (default: hub / HF cache, or what a "
+                                             "DeepSpeed checkpoint recorded)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--workers", type=int, default=4, help="data-loader worker processes per rank")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
@@ -93,7 +98,8 @@ def main(argv=None) -> int:
     device = args.device if args.device != "cuda" else f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     _init_distributed(args.device)
     try:
-        model, preprocess, tokenizer, _ = load_eval_model(args.model, args.pretrained, args.image_size, device)
+        model, preprocess, tokenizer, _ = load_eval_model(args.model, args.pretrained, args.image_size, device,
+                                                  bert_vocab=args.bert_vocab)
         cache_dir = getattr(args, "cache_dir", None) or None
         metrics = run_eval(model, tokenizer, preprocess, _spec(args), device=device, precision=args.precision,
                            cache_dir=cache_dir, progress=not args.no_progress)

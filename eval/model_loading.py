@@ -12,6 +12,7 @@ import torch
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, read_state_dict
+from crate_clip.models.clip_tokenizers import clip_tokenizer
 
 RUN_INFO_FILE = "crate_clip.json"
 STAGE0_MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -72,9 +73,10 @@ def eval_transform(model: torch.nn.Module, image_size: int | None = None):
     return image_transform_v2(PreprocessCfg(**cfg), is_train=False)
 
 
-def eval_tokenizer(model_name: str, model: torch.nn.Module):
-    """open_clip's deterministic tokenizer for `model_name` at the model's context length (never a reduction mask)."""
-    tokenizer = open_clip.get_tokenizer(model_name, context_length=getattr(model, "context_length", None))
+def eval_tokenizer(model_name: str, model: torch.nn.Module, bert_vocab: str | None = None):
+    """The model's deterministic tokenizer at its context length (never a reduction mask); `bert_vocab`
+    (a folder with vocab.txt) stands in for the hub for BERT-tokenized (CLIPA text) models."""
+    tokenizer = clip_tokenizer(model_name, context_length=getattr(model, "context_length", None), bert_vocab=bert_vocab)
     # A config's tokenizer_kwargs may carry a training reduction mask (random/syntax/...): evaluation truncates.
     if getattr(tokenizer, "reduction_fn", None) is not None:
         tokenizer.reduction_fn = None
@@ -82,23 +84,32 @@ def eval_tokenizer(model_name: str, model: torch.nn.Module):
 
 
 def load_eval_model(model: str, pretrained: str | None = None, image_size: int | None = None, device="cpu",
-                    precision: str = "fp32"):
-    """(model, preprocess, tokenizer, model_name) from a name + weights file, `local-dir:`, or a DeepSpeed checkpoint.
+                    precision: str = "fp32", bert_vocab: str | None = None):
+    """(model, preprocess, tokenizer, model_name) from a name + weights file (ours or the official
+    CRATE-alpha-CLIPA layout), `local-dir:`, or a DeepSpeed checkpoint.
 
     Weights stay fp32 (`precision='bf16'` evaluates under autocast); a checkpoint that does not fit the
-    model config raises CheckpointMismatchError naming the missing and unexpected keys.
+    model config raises CheckpointMismatchError naming the missing and unexpected keys. The tokenizer is
+    the one recorded in a DeepSpeed checkpoint unless `bert_vocab` is given.
     """
     if model.startswith(LOCAL_DIR):
-        clip, model_name = _from_local_dir(model, image_size), model
+        clip, model_name, info = _from_local_dir(model, image_size), model, {}
     elif is_deepspeed_checkpoint(model) or is_deepspeed_checkpoint(pretrained):
-        clip, model_name = _from_deepspeed(model, pretrained, image_size)
+        clip, model_name, info = _from_deepspeed(model, pretrained, image_size)
     elif Path(model).is_file():
         raise ValueError(f"--model {model} is a weights file: pass the model name as --model and the file as "
                          f"--pretrained (or use local-dir:FOLDER for an exported model with open_clip_config.json)")
     else:
-        clip, model_name = create_clip(model, image_size=image_size, pretrained=pretrained), model
+        clip, model_name, info = create_clip(model, image_size=image_size, pretrained=pretrained), model, {}
     clip = clip.to(device).eval()
-    return clip, eval_transform(clip, image_size), eval_tokenizer(model_name, clip), model_name
+    bert_vocab = bert_vocab or _recorded_vocab(info)
+    return clip, eval_transform(clip, image_size), eval_tokenizer(model_name, clip, bert_vocab), model_name
+
+
+def _recorded_vocab(info: dict) -> str | None:
+    # the vocabulary a run was trained with, when it is still where the run found it
+    vocab = (info.get("tokenizer") or {}).get("bert_vocab")
+    return vocab if vocab and Path(vocab).is_dir() else None
 
 
 def _from_local_dir(model: str, image_size: int | None):
@@ -108,7 +119,7 @@ def _from_local_dir(model: str, image_size: int | None):
     if weights is None:
         raise FileNotFoundError(f"{folder}: no open_clip_model.safetensors / open_clip_pytorch_model.bin weights")
     clip = open_clip.create_model(model, load_weights=False, force_image_size=image_size)
-    load_clip_weights(clip, read_state_dict(weights))
+    load_clip_weights(clip, read_state_dict(weights), pos_embed_resize="grid_2d")
     return clip
 
 
@@ -120,5 +131,5 @@ def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
         raise ValueError(f"{checkpoint}: no {RUN_INFO_FILE} naming the model; pass --model NAME --pretrained {checkpoint}")
     clip = create_clip(model_name, image_size=image_size or info.get("image_size"),
                        context_length=info.get("context_length"))
-    load_clip_weights(clip, state)
-    return clip, model_name
+    load_clip_weights(clip, state, pos_embed_resize="grid_2d")
+    return clip, model_name, info

@@ -48,11 +48,11 @@ def run_eval(model, tokenizer, preprocess, spec: dict, *, device="cpu", precisio
 
 def evaluate_stage(model, *, model_name: str, evals: list[dict], image_size: int, device="cpu",
                    precision: str = "fp32", cache_dir: str | Path | None = None,
-                   progress: bool = True) -> dict[str, dict]:
+                   progress: bool = True, bert_vocab: str | None = None) -> dict[str, dict]:
     """Run every declared evaluation on `model` (plain or a DeepSpeed engine, any ZeRO stage) at `image_size`."""
     specs = [check_eval_spec(spec) for spec in evals]   # fail on a bad key before any forward
     inner = unwrap_model(model)
-    tokenizer = eval_tokenizer(model_name, inner)      # deterministic: no training reduction mask
+    tokenizer = eval_tokenizer(model_name, inner, bert_vocab)  # deterministic: no training reduction mask
     preprocess = eval_transform(inner, image_size)
     results = {}
     for spec in specs:

@@ -43,6 +43,7 @@ def test_datacomp_recipes_match_the_paper():
         assert (ft.image_size, ft.samples, ft.lr, ft.warmup_steps) == (224, 512_500_000, 5.12e-5, 800)
         assert cfg.optimizer.betas == [0.9, 0.95] and cfg.optimizer.grad_clip == 1.0
         assert pre.weight_decay == ft.weight_decay == 0.2 and cfg.model.name == f"CRATE-alpha-CLIPA-{size}"
+        assert cfg.model.pos_embed_resize == "official_1d"   # the official 84 -> 224 px stage change
 
 
 def test_unknown_key_is_named_with_a_suggestion():

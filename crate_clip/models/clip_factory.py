@@ -1,37 +1,39 @@
-"""Build CRATE-alpha CLIP models at a stage's image size / context length, and load weights of any size.
+"""Build CRATE-alpha CLIP models at a stage's image size / context length, and load weights into them.
 
-open_clip alone cannot load a checkpoint whose timm-tower position embedding has another size (it only
-resizes its native ViT's): `load_clip_weights` resizes `visual.trunk.pos_embed` (2-D, cls apart) and the
-text `positional_embedding` (1-D) to the model before a strict load.
+open_clip's own loader resizes only its native ViT's position embedding. `load_clip_weights` resizes
+`visual.trunk.pos_embed` and the text `positional_embedding` to the model when asked to
+(`pos_embed_resize='grid_2d'` or `'official_1d'`, see pos_embed.py), converts the official
+CRATE-alpha-CLIPA layout (official_clipa.py), and otherwise refuses a shape mismatch, naming it.
 """
-import json
 import logging
-import math
 from copy import deepcopy
 from pathlib import Path
 from typing import Dict, Optional, Union
 
 import open_clip
 import torch
-import torch.nn.functional as F
-from timm.layers import resample_abs_pos_embed
+from open_clip.model import set_model_preprocess_cfg
 from torch import nn
 
+from crate_clip.models.checkpoint_errors import CheckpointMismatchError, key_list
+from crate_clip.models.clip_tokenizers import bert_text_cfg, bert_tokenizer  # noqa: F401  (re-exported)
 from crate_clip.models.crate_alpha import CrateAlpha
+from crate_clip.models.official_clipa import is_official_clipa_layout, official_clipa_to_open_clip, official_key
+from crate_clip.models.open_clip_configs import preprocess_cfg_for
+from crate_clip.models.pos_embed import (check_resize_mode, resize_image_pos_embed, resize_text_pos_embed,
+                                         square_grid)
 
 IMAGE_POS_KEY = "visual.trunk.pos_embed"
 TEXT_POS_KEY = "positional_embedding"
 
 
-class CheckpointMismatchError(RuntimeError):
-    """A checkpoint whose keys or shapes do not match the model; the message names them."""
-
-
 def create_clip(model_name: str, image_size: Optional[int] = None, context_length: Optional[int] = None,
-                pretrained: Union[str, Path, Dict, None] = None, device: Union[str, torch.device] = "cpu", precision: str = "fp32",
-                text_cfg: Optional[Dict] = None, **open_clip_kwargs) -> nn.Module:
-    """Build an open_clip CLIP at `image_size` / `context_length`; `pretrained` (a file or a state dict)
-    of any size is loaded.
+                pretrained: Union[str, Path, Dict, None] = None, device: Union[str, torch.device] = "cpu",
+                precision: str = "fp32", text_cfg: Optional[Dict] = None, pos_embed_resize: str = "grid_2d",
+                **open_clip_kwargs) -> nn.Module:
+    """Build an open_clip CLIP at `image_size` / `context_length` with the config's preprocessing; `pretrained`
+    (a file, ours or the official CRATE-alpha-CLIPA layout, or a state dict) of any size is loaded,
+    its position embeddings resized by `pos_embed_resize`.
 
     `text_cfg` entries override the config's text tower (e.g. from `bert_text_cfg`). Unknown model names
     raise open_clip's usual error.
@@ -51,8 +53,9 @@ def create_clip(model_name: str, image_size: Optional[int] = None, context_lengt
             force_image_size=image_size, force_context_length=context_length, **open_clip_kwargs)
     finally:
         root.removeFilter(_drop_random_init_warning)
+    set_model_preprocess_cfg(model, {**preprocess_cfg_for(model_name), "size": model.visual.image_size})
     if pretrained is not None:
-        load_clip_weights(model, pretrained, strict=True)
+        load_clip_weights(model, pretrained, strict=True, pos_embed_resize=pos_embed_resize)
     return model
 
 
@@ -73,40 +76,37 @@ def _image_tower(model: nn.Module) -> Optional[CrateAlpha]:
     return trunk if isinstance(trunk, CrateAlpha) else None
 
 
-def resize_clip_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Resize image pos-embed (2-D bicubic, cls kept apart), text pos-embed (1-D linear) and logit_scale to `model`."""
+def resize_clip_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
+                           mode: str = "grid_2d") -> Dict[str, torch.Tensor]:
+    """Resize the image pos-embed (`mode`: 'grid_2d' or 'official_1d') and the text pos-embed (1-D linear)
+    to `model`."""
+    check_resize_mode(mode)
     sd = dict(state_dict)
     target = getattr(model, "module", model).state_dict()
     pos = sd.get(IMAGE_POS_KEY)
     if pos is not None and IMAGE_POS_KEY in target and pos.shape != target[IMAGE_POS_KEY].shape:
-        sd[IMAGE_POS_KEY] = _resize_image_pos(pos, target[IMAGE_POS_KEY], model)
-    if "visual.positional_embedding" in sd:  # an open_clip ViT tower (the white-box benchmark's baseline)
+        sd[IMAGE_POS_KEY] = _resize_image_pos(pos, target[IMAGE_POS_KEY], model, mode)
+    if "visual.positional_embedding" in sd and "visual.positional_embedding" in target:
+        # an open_clip ViT tower (the white-box benchmark's baseline): open_clip's own 2-D resize
         open_clip.model.resize_pos_embed(sd, getattr(model, "module", model))
     tpos = sd.get(TEXT_POS_KEY)
-    if tpos is not None and TEXT_POS_KEY in target and tpos.shape != target[TEXT_POS_KEY].shape:
-        sd[TEXT_POS_KEY] = _resize_text_pos(tpos, target[TEXT_POS_KEY].shape[0])
-    for key in ("logit_scale", "logit_bias"):
-        if key in sd and key in target and sd[key].shape != target[key].shape:
-            sd[key] = sd[key].reshape(target[key].shape)
+    # (another width cannot be resized: the loader's key and shape checks report it)
+    if tpos is not None and TEXT_POS_KEY in target and tpos.shape[1:] == target[TEXT_POS_KEY].shape[1:]:
+        sd[TEXT_POS_KEY] = resize_text_pos_embed(tpos, target[TEXT_POS_KEY].shape[0])
     return sd
 
 
-def _resize_image_pos(pos: torch.Tensor, target: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    old = math.isqrt(pos.shape[1] - 1)
-    if old * old != pos.shape[1] - 1 or pos.shape[-1] != target.shape[-1]:
+def _resize_image_pos(pos: torch.Tensor, target: torch.Tensor, model: nn.Module, mode: str) -> torch.Tensor:
+    try:
+        old = square_grid(pos.shape[1], IMAGE_POS_KEY)
+    except ValueError:
+        old = None
+    if old is None or pos.shape[-1] != target.shape[-1] or pos.ndim != 3:
         raise CheckpointMismatchError(
             f"{IMAGE_POS_KEY}: checkpoint shape {tuple(pos.shape)} cannot be resized to {tuple(target.shape)}")
     trunk = _image_tower(model)
-    new = trunk.grid_size if trunk is not None else (math.isqrt(target.shape[1] - 1),) * 2
-    return resample_abs_pos_embed(pos.float(), new_size=list(new), old_size=[old, old],
-                                  num_prefix_tokens=1).to(pos.dtype)
-
-
-def _resize_text_pos(pos: torch.Tensor, length: int) -> torch.Tensor:
-    # same rule as open_clip's own resize_text_pos_embed: linear interpolation along the positions
-    x = pos.float().t().unsqueeze(0)  # (1, width, ctx)
-    x = F.interpolate(x, size=length, mode="linear", align_corners=False)
-    return x.squeeze(0).t().to(pos.dtype)
+    new = trunk.grid_size if trunk is not None else square_grid(target.shape[1], IMAGE_POS_KEY)
+    return resize_image_pos_embed(pos, new, old, mode)
 
 
 def read_state_dict(source: Union[str, Path]) -> Dict[str, torch.Tensor]:
@@ -138,31 +138,38 @@ def strip_module_prefix(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return sd
 
 
-def _names(keys) -> str:
-    keys = sorted(keys)
-    more = f" ... and {len(keys) - 20} more" if len(keys) > 20 else ""
-    return ", ".join(keys[:20]) + more
+def load_clip_weights(model: nn.Module, source: Union[str, Path, Dict[str, torch.Tensor]], strict: bool = True,
+                      pos_embed_resize: Optional[str] = None) -> None:
+    """Load a CLIP checkpoint (file or state dict; ours or the official CRATE-alpha-CLIPA layout) into `model`.
 
-
-def load_clip_weights(model: nn.Module, source: Union[str, Path, Dict[str, torch.Tensor]], strict: bool = True) -> None:
-    """Load a CLIP checkpoint (file or state dict) into `model`, resizing position embeddings first.
-
-    Raises CheckpointMismatchError naming the missing / unexpected keys (strict) or mismatched shapes.
+    Position embeddings of another size are resized only when `pos_embed_resize` names a mode ('grid_2d',
+    'official_1d'); otherwise, as every other mismatch, they raise CheckpointMismatchError naming the
+    missing / unexpected keys (strict) or the mismatched shapes.
     """
     sd = read_state_dict(source) if isinstance(source, (str, Path)) else strip_module_prefix(dict(source))
     target_model = getattr(model, "module", model)
-    sd = resize_clip_state_dict(sd, target_model)
     target = target_model.state_dict()
-    missing, unexpected = set(target) - set(sd), set(sd) - set(target)
     where = f" in {source}" if isinstance(source, (str, Path)) else ""
+    name = str  # how keys are named in errors: the checkpoint's own names
+    if is_official_clipa_layout(sd):
+        sd, name = official_clipa_to_open_clip(sd), official_key
+        where = f" (official CRATE-alpha-CLIPA layout){where}"
+    for key in ("logit_scale", "logit_bias"):  # DeepSpeed trains them as [1], open_clip holds scalars
+        if key in sd and key in target and sd[key].shape != target[key].shape and sd[key].numel() == 1:
+            sd[key] = sd[key].reshape(target[key].shape)
+    if pos_embed_resize is not None:
+        sd = resize_clip_state_dict(sd, target_model, pos_embed_resize)
+    missing, unexpected = set(target) - set(sd), set(sd) - set(target)
     if strict and (missing or unexpected):
         raise CheckpointMismatchError(
-            f"checkpoint{where} does not match the model: missing keys [{_names(missing)}]; "
-            f"unexpected keys [{_names(unexpected)}]")
-    bad = {k: (tuple(v.shape), tuple(target[k].shape)) for k, v in sd.items()
+            f"checkpoint{where} does not match the model: missing keys [{key_list(map(name, missing))}]; "
+            f"unexpected keys [{key_list(map(name, unexpected))}]")
+    bad = {name(k): (tuple(v.shape), tuple(target[k].shape)) for k, v in sd.items()
            if k in target and v.shape != target[k].shape}
     if bad:
-        raise CheckpointMismatchError(f"checkpoint{where} has shape mismatches (checkpoint, model): {bad}")
+        hint = (" (position embeddings of another size load with pos_embed_resize='grid_2d' or 'official_1d')"
+                if {name(IMAGE_POS_KEY), TEXT_POS_KEY} & set(bad) else "")
+        raise CheckpointMismatchError(f"checkpoint{where} has shape mismatches (checkpoint, model): {bad}{hint}")
     target_model.load_state_dict({k: v for k, v in sd.items() if k in target}, strict=strict)
 
 
@@ -184,28 +191,3 @@ def image_tower_param_count(model_name: str, image_size: Optional[int] = None) -
         if image_size is not None:
             visual.set_input_size(image_size)
     return sum(p.numel() for p in visual.parameters())
-
-
-def bert_text_cfg(vocab_dir: Union[str, Path]) -> Dict:
-    """text_cfg overrides for a BERT-style WordPiece tokenizer from a local vocabulary (CLIPA's text setup).
-
-    `vocab_dir` holds `vocab.txt` (one token a line); a `tokenizer_config.json` naming BertTokenizer
-    (lower-cased) is written beside it when absent, so transformers loads it offline. The text tower then
-    has the vocabulary's size, no causal mask and pools at the last position.
-    """
-    vocab_dir = Path(vocab_dir)
-    vocab = vocab_dir / "vocab.txt"
-    if not vocab.is_file():
-        raise FileNotFoundError(f"BERT vocabulary not found: {vocab}")
-    cfg_path = vocab_dir / "tokenizer_config.json"
-    if not cfg_path.exists():
-        cfg_path.write_text(json.dumps({"tokenizer_class": "BertTokenizer", "do_lower_case": True,
-                                        "model_max_length": 512}))
-    vocab_size = sum(1 for line in vocab.read_text(encoding="utf-8").splitlines() if line)
-    return {"hf_tokenizer_name": str(vocab_dir), "vocab_size": vocab_size, "no_causal_mask": True,
-            "pool_type": "last"}
-
-
-def bert_tokenizer(vocab_dir: Union[str, Path], context_length: int = 32):
-    """open_clip HFTokenizer over a local BERT vocabulary (see `bert_text_cfg`); lower-cases, pads to length."""
-    return open_clip.tokenizer.HFTokenizer(bert_text_cfg(vocab_dir)["hf_tokenizer_name"], context_length=context_length)

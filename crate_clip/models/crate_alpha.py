@@ -14,12 +14,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, resample_abs_pos_embed, to_2tuple
+from timm.layers import DropPath, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from crate_clip.models.ista import ISTA
 from crate_clip.models.mssa import MSSA
+from crate_clip.models.pos_embed import resize_image_pos_embed, square_grid
 from crate_clip.models.token_masks import apply_token_mask, check_token_mask
 
 _logger = logging.getLogger(__name__)
@@ -245,50 +246,40 @@ class CrateAlpha(nn.Module):
         return grid
 
     def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None,
-                       patch_size: Optional[int] = None) -> None:
-        """Rebuild for a new input size; the position embedding is resampled 2-D (bicubic), cls slot apart."""
+                       patch_size: Optional[int] = None, pos_embed_resize: str = "grid_2d") -> None:
+        """Rebuild for a new input size; the current position embedding is resampled once
+        (`pos_embed_resize`: 'grid_2d' bicubic with the cls slot apart, or 'official_1d', see pos_embed.py)."""
         if patch_size is not None and to_2tuple(patch_size) != to_2tuple(self.patch_size):
             raise ValueError("changing the patch size of a CRATE tower is not supported")
         if img_size is None:
             return
         new_grid = self._grid_for(to_2tuple(img_size))
         if new_grid != self.grid_size:
-            base, base_grid = self._pos_embed_base()
             with torch.no_grad():
-                pos = resample_abs_pos_embed(base, new_size=new_grid, old_size=base_grid, num_prefix_tokens=1)
+                pos = resize_image_pos_embed(self.pos_embed.detach(), new_grid, self.grid_size, pos_embed_resize)
             self.pos_embed = nn.Parameter(pos, requires_grad=self.pos_embed.requires_grad)
         self.img_size, self.grid_size = to_2tuple(img_size), new_grid
 
-    def _pos_embed_base(self) -> Tuple[torch.Tensor, Tuple[int, int]]:
-        """The position embedding to resample from: the last loaded one if ours is still just its resampling.
-
-        This keeps load-at-224-then-set_input_size(84) exact for an 84 px checkpoint (open_clip's
-        create_model(pretrained=..., force_image_size=84) does exactly that), and falls back to the current
-        weights once they were trained or changed.
-        """
-        current = self.pos_embed.detach()
-        source = getattr(self, "_loaded_pos_embed", None)
-        if source is not None and source[0].device == current.device:
-            pos, grid = source
-            with torch.no_grad():
-                if torch.equal(resample_abs_pos_embed(pos, list(self.grid_size), list(grid), 1), current):
-                    return pos, grid
-        return current, self.grid_size
-
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A checkpoint of another input size loads into this size: its square patch grid of position
-        # embeddings is resampled (2-D, cls apart), so plain load_state_dict and open_clip's loader both work.
+        # load_state_dict never resamples (our loaders do that, on request: clip_factory.load_clip_weights,
+        # checkpoint_filter_fn). A checkpoint saved at another square grid is loaded exactly as saved and
+        # the tower takes its input size: open_clip's `create_model(pretrained=<84 px file>,
+        # force_image_size=84)` builds the tower at 224 and loads before calling set_input_size(84), and
+        # must give back the saved model bit for bit. A forward at the old size then fails, naming
+        # set_input_size. Any other shape mismatch is torch's usual error.
+        # (a ZeRO-3-partitioned parameter has no elements: DeepSpeed loads those itself, gathered)
         key = prefix + "pos_embed"
         pos = state_dict.get(key)
-        # (a ZeRO-3-partitioned parameter has no elements: DeepSpeed loads those itself, gathered)
         if (isinstance(pos, torch.Tensor) and pos.ndim == 3 and self.pos_embed.numel() > 0
-                and pos.shape != self.pos_embed.shape
-                and pos.shape[-1] == self.embed_dim and math.isqrt(pos.shape[1] - 1) ** 2 == pos.shape[1] - 1):
-            old = (math.isqrt(pos.shape[1] - 1),) * 2
-            with torch.no_grad():
-                state_dict[key] = resample_abs_pos_embed(pos.float(), list(self.grid_size), list(old), 1).to(pos.dtype)
-            self._loaded_pos_embed = (pos.detach().clone(), old)
-            _logger.info("resampled %s from a %s to a %s patch grid", key, old, self.grid_size)
+                and pos.shape != self.pos_embed.shape and pos.shape[-1] == self.embed_dim
+                and math.isqrt(pos.shape[1] - 1) ** 2 == pos.shape[1] - 1):
+            grid = square_grid(pos.shape[1], key)
+            self.pos_embed = nn.Parameter(self.pos_embed.data.new_empty(pos.shape),
+                                          requires_grad=self.pos_embed.requires_grad)
+            self.img_size = (grid[0] * self.patch_size, grid[1] * self.patch_size)
+            self.grid_size = grid
+            _logger.warning("%s: the checkpoint is for a %s patch grid: the tower now takes %s px input "
+                            "(call set_input_size to resample it to another size)", key, grid, self.img_size)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ----- forward -----
@@ -302,7 +293,7 @@ class CrateAlpha(nn.Module):
                 raise ValueError(
                     f"the input gives a {grid} patch grid but the position embedding is for {self.grid_size} "
                     f"(img_size={self.img_size}): call set_input_size(new_size) or build with dynamic_img_size=True")
-            pos = resample_abs_pos_embed(pos, new_size=grid, old_size=self.grid_size, num_prefix_tokens=1)
+            pos = resize_image_pos_embed(pos, grid, self.grid_size)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         return x + pos.to(x.dtype), grid
 
@@ -453,12 +444,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: CrateAlpha)
     if _is_official_layout(state_dict):
         state_dict = official_to_timm(state_dict)
     pos = state_dict.get("pos_embed")
-    if pos is not None and pos.shape != model.pos_embed.shape:
-        old = int(math.isqrt(pos.shape[1] - 1))
-        if old * old != pos.shape[1] - 1:
-            raise ValueError(f"checkpoint pos_embed {tuple(pos.shape)} is not a square patch grid plus cls")
-        state_dict["pos_embed"] = resample_abs_pos_embed(pos, new_size=model.grid_size, old_size=(old, old),
-                                                         num_prefix_tokens=1)
+    if pos is not None and pos.shape != model.pos_embed.shape:  # timm's pretrained loader: resizing is asked for
+        state_dict["pos_embed"] = resize_image_pos_embed(pos, model.grid_size, square_grid(pos.shape[1]))
     conv_bias = state_dict.get("patch_embed.proj.bias")
     if conv_bias is not None and getattr(model.patch_embed.proj, "bias", None) is None:
         pos = state_dict["pos_embed"].clone()

@@ -1,8 +1,13 @@
-"""Registers the CRATE-alpha CLIP model configs (model_configs/*.json) with open_clip.
+"""Registers the CRATE-alpha CLIP model configs (model_configs/*.json) with open_clip, and their preprocessing.
 
 A JSON may name its image tower parametrically, `crate_alpha_clipa_w{width}_d{depth}_h{heads}_p{patch}_{px}`
 (e.g. the demo's `crate_alpha_clipa_w128_d4_h4_p4_28`): such towers are registered with timm here, so a
 config's tower can be retuned by editing its JSON alone (open_clip passes no tower kwargs to timm).
+
+open_clip takes a built-in config's preprocessing only from a pretrained tag, so `preprocess_cfg_for`
+holds it for our names (create_clip sets it on the model; exports write it): the CLIPA models use
+ImageNet's mean/std in training and evaluation, and the official evaluation's Resize(224) (shorter
+side; torchvision's default bilinear) + CenterCrop(224). Others keep open_clip's (OpenAI, bicubic).
 """
 import json
 import re
@@ -10,11 +15,18 @@ from pathlib import Path
 from typing import Dict, List
 
 import open_clip
+from open_clip.constants import IMAGENET_MEAN, IMAGENET_STD, OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from timm.models import is_model, register_model
 
 from crate_clip.models import crate_alpha
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
+DEFAULT_PREPROCESS = {"mode": "RGB", "mean": OPENAI_DATASET_MEAN, "std": OPENAI_DATASET_STD,
+                      "interpolation": "bicubic", "resize_mode": "shortest", "fill_color": 0}
+# the official CRATE-alpha-CLIPA protocol (torch_inference/eval_in1k.py; main_clip.py normalises the same way)
+CLIPA_PREPROCESS = {**DEFAULT_PREPROCESS, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, "interpolation": "bilinear"}
+PREPROCESS_CFGS = {name: CLIPA_PREPROCESS for name in
+                   ("CRATE-alpha-CLIPA-B-16", "CRATE-alpha-CLIPA-L-14", "CRATE-alpha-CLIPA-H-14")}
 _PARAMETRIC = re.compile(r"^crate_alpha_clipa_w(\d+)_d(\d+)_h(\d+)_p(\d+)_(\d+)$")
 
 
@@ -49,3 +61,8 @@ def register_open_clip_configs(config_dir: Path = MODEL_CONFIG_DIR) -> List[str]
         names.append(path.stem)
     open_clip.add_model_config(config_dir)
     return names
+
+
+def preprocess_cfg_for(model_name: str) -> Dict:
+    """Image preprocessing of a config (mean, std, interpolation, resize mode), without the size."""
+    return dict(PREPROCESS_CFGS.get(model_name, DEFAULT_PREPROCESS))

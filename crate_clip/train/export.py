@@ -8,16 +8,22 @@ from pathlib import Path
 
 import open_clip
 import torch
-from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+from crate_clip.models import clip_tokenizer, preprocess_cfg_for, tokenizer_record
 
 WEIGHTS_FILE = "open_clip_model.safetensors"
 CONFIG_FILE = "open_clip_config.json"
 
 
 def export_open_clip(state_dict: dict, model_name: str, out_dir: Path, *, image_size: int, context_length: int,
-                     mean=OPENAI_DATASET_MEAN, std=OPENAI_DATASET_STD) -> Path:
+                     mean=None, std=None, bert_vocab: str | None = None) -> Path:
     """Write fp32 weights and the config so `open_clip.create_model_and_transforms('local-dir:OUT')` rebuilds
-    the model (after `import crate_clip`, which registers the CRATE-alpha tower); returns OUT."""
+    the model (after `import crate_clip`, which registers the CRATE-alpha tower); returns OUT.
+
+    Preprocessing is the model config's (ImageNet mean/std for the CLIPA models) unless mean/std are given.
+    A model with a HuggingFace tokenizer (CLIPA's BERT) gets its tokenizer files in OUT, where open_clip's
+    `get_tokenizer('local-dir:OUT')` reads them, so the export evaluates offline with its own vocabulary.
+    """
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -34,14 +40,17 @@ def export_open_clip(state_dict: dict, model_name: str, out_dir: Path, *, image_
         if key in ("logit_scale", "logit_bias"):
             value = value.reshape(())  # DeepSpeed trained it as [1]; open_clip's CLIP holds a scalar
         weights[key] = value.contiguous().clone()
-    preprocess_cfg = {"size": image_size, "mode": "RGB", "mean": list(mean), "std": list(std),
-                      "interpolation": "bicubic", "resize_mode": "shortest", "fill_color": 0}
+    preprocess_cfg = {**preprocess_cfg_for(model_name), "size": image_size}
+    preprocess_cfg["mean"] = list(mean if mean is not None else preprocess_cfg["mean"])
+    preprocess_cfg["std"] = list(std if std is not None else preprocess_cfg["std"])
+    if model_cfg["text_cfg"].get("hf_tokenizer_name"):
+        clip_tokenizer(model_name, context_length, bert_vocab).save_pretrained(str(out_dir))
     # write both files under temporary names, then rename: a reader never sees half an export
     tmp_weights = out_dir / f".{WEIGHTS_FILE}.tmp"
     save_file(weights, str(tmp_weights), metadata={"model_name": model_name, "format": "pt"})
     tmp_cfg = out_dir / f".{CONFIG_FILE}.tmp"
-    tmp_cfg.write_text(json.dumps({"model_name": model_name, "model_cfg": model_cfg,
-                                   "preprocess_cfg": preprocess_cfg}, indent=2))
+    tmp_cfg.write_text(json.dumps({"model_name": model_name, "model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg,
+                                   "tokenizer": tokenizer_record(model_name, bert_vocab)}, indent=2))
     os.replace(tmp_weights, out_dir / WEIGHTS_FILE)
     os.replace(tmp_cfg, out_dir / CONFIG_FILE)
     return out_dir

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import yaml
 
+from crate_clip.models.pos_embed import POS_EMBED_RESIZE_MODES
+
 TEXT_MASKS = ("truncate", "random", "block", "syntax")
 IMAGE_MASKS = ("none", "random", "grid", "block")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -47,6 +49,10 @@ class ModelSection:
     # scaled_dot_product_attention kernel: 'auto' = the math kernel on CPU (its backward is several times
     # faster than the CPU flash kernel's for short sequences), torch's choice on GPU
     attention: str = "auto"
+    # how carried weights' image position embeddings are resized at a stage change (and for the
+    # full-size eval of a low-res stage): 'official_1d' (the CRATE-alpha CLIPA code) or 'grid_2d'
+    pos_embed_resize: str = "grid_2d"
+    bert_vocab: Optional[str] = None       # folder with vocab.txt: BERT tokenizer without the HuggingFace hub
 
 
 @dataclass
@@ -284,6 +290,8 @@ def _check(cfg: RunConfig, errors: list[str], base_dir: Path, check_paths: bool)
 
     need(cfg.model.attention in ATTENTION_KERNELS,
          f"model.attention: {cfg.model.attention!r} is not one of {ATTENTION_KERNELS}")
+    need(cfg.model.pos_embed_resize in POS_EMBED_RESIZE_MODES,
+         f"model.pos_embed_resize: {cfg.model.pos_embed_resize!r} is not one of {POS_EMBED_RESIZE_MODES}")
     need(cfg.precision in PRECISIONS, f"precision: {cfg.precision!r} is not one of {PRECISIONS}")
     zs = cfg.deepspeed.zero_stage
     need(zs is None or zs in (0, 1, 2, 3), f"deepspeed.zero_stage: {zs!r}; fix: use 0, 1, 2 or 3")
@@ -316,6 +324,9 @@ def _check(cfg: RunConfig, errors: list[str], base_dir: Path, check_paths: bool)
             if _is_local(src) and not _local_exists(resolve_path(src, base_dir)):
                 errors.append(f"data.sources.{i}: {src!r} does not exist; fix: write the shards first "
                               "(crate-clip shards ...) or correct the path")
+        if cfg.model.bert_vocab and not (resolve_path(cfg.model.bert_vocab, base_dir) / "vocab.txt").is_file():
+            errors.append(f"model.bert_vocab: {cfg.model.bert_vocab!r} holds no vocab.txt; fix: the folder of a "
+                          "BERT vocabulary (one token a line), or remove the key to use the HuggingFace hub")
         if cfg.model.pretrained and not resolve_path(cfg.model.pretrained, base_dir).exists():
             errors.append(f"model.pretrained: file {cfg.model.pretrained!r} does not exist")
         if cfg.deepspeed.config and not resolve_path(cfg.deepspeed.config, base_dir).exists():
@@ -395,6 +406,8 @@ def _resolve_paths(cfg: RunConfig, base_dir: Path) -> None:
         cfg.deepspeed.config = str(resolve_path(cfg.deepspeed.config, base_dir))
     if cfg.model.pretrained:
         cfg.model.pretrained = str(resolve_path(cfg.model.pretrained, base_dir))
+    if cfg.model.bert_vocab:
+        cfg.model.bert_vocab = str(resolve_path(cfg.model.bert_vocab, base_dir))
 
 
 def check_runtime(cfg: RunConfig, world_size: int, device: str = "cpu") -> None:

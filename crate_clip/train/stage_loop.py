@@ -21,7 +21,7 @@ import torch
 import torch.distributed as tdist
 import yaml
 
-from crate_clip.models import create_clip, set_image_token_mask
+from crate_clip.models import create_clip, preprocess_cfg_for, set_image_token_mask, tokenizer_record
 from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, consolidated_state_dict, read_info,
                                           rng_state, set_rng_state)
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
@@ -101,7 +101,7 @@ def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     pretrained = cfg.model.pretrained if weights is None else weights
     model = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length,
-                        pretrained=pretrained)
+                        pretrained=pretrained, pos_embed_resize=cfg.model.pos_embed_resize)
     set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
@@ -116,11 +116,19 @@ def default_stream_factory(cfg: RunConfig, stage: StageConfig, stage_index: int,
         sources=list(cfg.data.sources), weights=cfg.data.weights, mode=cfg.data.mode,
         seed=cfg.run.seed + 1009 * stage_index,  # each stage sees the data in a new order
         shuffle_buffer=cfg.data.shuffle_buffer, num_workers=cfg.data.num_workers,
-        num_samples=cfg.data.num_samples, crop_scale=tuple(stage.crop_scale or cfg.data.crop_scale))
+        num_samples=cfg.data.num_samples, crop_scale=tuple(stage.crop_scale or cfg.data.crop_scale),
+        **_normalisation(cfg.model.name))
     return build_train_stream(stream_cfg, image_size=stage.image_size, context_length=stage.context_length,
                               text_mask=stage.text_mask, batch_size=stage.global_batch // dist.world_size,
                               rank=dist.rank, world_size=dist.world_size,
-                              tokenizer_name=cfg.model.tokenizer or cfg.model.name)
+                              tokenizer_name=cfg.model.tokenizer or cfg.model.name,
+                              bert_vocab=cfg.model.bert_vocab)
+
+
+def _normalisation(model_name: str) -> dict:
+    """The model config's image mean/std (ImageNet's for the CLIPA models), so training matches eval."""
+    cfg = preprocess_cfg_for(model_name)
+    return {"mean": tuple(cfg["mean"]), "std": tuple(cfg["std"])}
 
 
 def _make_loss(dist: DistInfo):
@@ -157,11 +165,13 @@ def evaluate_after_stage(cfg: RunConfig, stage_index: int, weights: dict, progre
     sizes = [stage.image_size] + ([cfg.full_image_size] if cfg.full_image_size != stage.image_size else [])
     records = []
     for size in sizes:
-        model = create_clip(cfg.model.name, image_size=size, context_length=stage.context_length, pretrained=weights)
+        model = create_clip(cfg.model.name, image_size=size, context_length=stage.context_length, pretrained=weights,
+                            pos_embed_resize=cfg.model.pos_embed_resize)
         model.to(dist.device).eval()
         results = evaluate_stage(model, model_name=cfg.model.name, evals=[dataclasses.asdict(e) for e in cfg.eval.evals],
                                  image_size=size, device=dist.device, precision=cfg.precision,
-                                 cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main)
+                                 cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main,
+                                 bert_vocab=cfg.model.bert_vocab)
         for name, res in results.items():
             record = {"stage_index": stage_index, "stage_name": stage.name, "eval": name, "image_size": size,
                       "stage_image_size": stage.image_size, "context_length": stage.context_length,
@@ -184,7 +194,8 @@ def _info(cfg: RunConfig, stage: StageConfig, progress: Progress) -> dict:
             "step": progress.step, "stage_steps": stage.steps, "global_step": progress.global_step,
             "samples_seen": progress.samples_seen, "nonfinite_skipped": progress.nonfinite_skipped,
             "nonfinite_in_a_row": progress.nonfinite_in_a_row, "logit_scale_shape": [1],
-            "precision": cfg.precision, "run_config": cfg.to_dict()}
+            "precision": cfg.precision, "run_config": cfg.to_dict(),
+            "tokenizer": tokenizer_record(cfg.model.tokenizer or cfg.model.name, cfg.model.bert_vocab)}
 
 
 def _save(ckpts: CheckpointManager, engine, cfg: RunConfig, stage: StageConfig, progress: Progress, stream) -> Path:
@@ -327,7 +338,8 @@ def run_training(cfg: RunConfig, resume: Optional[str] = None,
         if dist.is_main:
             last = cfg.stages[-1]
             export_dir = export_open_clip(weights, cfg.model.name, cfg.run_dir / "export",
-                                          image_size=last.image_size, context_length=last.context_length)
+                                          image_size=last.image_size, context_length=last.context_length,
+                                          bert_vocab=cfg.model.bert_vocab)
             log.print(f"exported the final weights to {export_dir} "
                       f"(open_clip.create_model_and_transforms('local-dir:{export_dir}') after `import crate_clip`)")
         tdist.barrier()
