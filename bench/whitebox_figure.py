@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     vit = rows_for(f"local-dir:{ROOT / 'runs' / 'vit_demo' / 'export'}", scenes)
     tile = crate[0][0].size[0]
     header = 16
-    cols = ["scene", "CRATE-α attention", "CRATE-α PCA", "CRATE-α MaskCut", "ViT attention", "ViT PCA", "ViT MaskCut"]
+    cols = ["scene", "CRATE-a attention", "CRATE-a PCA", "CRATE-a MaskCut", "ViT attention", "ViT PCA", "ViT MaskCut"]
     out = Image.new("RGB", (len(cols) * (tile + 3), header + len(scenes) * (tile + 3)), "white")
     draw = ImageDraw.Draw(out)
     for c, name in enumerate(cols):
