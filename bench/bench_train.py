@@ -53,7 +53,7 @@ def _flops_per_sample(image_size: int) -> float:
 
 def worker(out: Path) -> None:
     """Per-rank footprint of ZeRO 0-3 and timed steps at the demo's two stage sizes."""
-    from crate_clip.train import zero_footprint
+    import zero_footprint  # bench/zero_footprint.py
     from crate_clip.train.engine import build_engine, init_distributed, model_dtype
     from crate_clip.train.stage_loop import _make_loss, build_stage_model, forward_loss, train_step
 

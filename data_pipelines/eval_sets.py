@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterable
 
 from PIL import Image
-from webdataset import TarWriter
+from webdataset import ShardWriter
 
 from .shard_writer import _atomic_write_text, encode_jpeg, sample_key
 
@@ -59,31 +59,24 @@ def write_classification_shards(labelled: Iterable[tuple], out_dir: str | Path, 
     """(image, label) pairs as tars of `<key>.jpg` + `<key>.cls` (ascii int) with classnames.txt beside them."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards, count, shard, index = [], 0, 0, 0
-    sink = f = tmp = None
+    shards, count, writer = [], 0, None
 
-    def close():
-        sink.close()
-        f.close()
-        final = out / f"{shard:08d}.tar"
-        os.replace(tmp, final)
+    def publish(tmp_name: str) -> None:   # each shard is written aside and renamed once complete
+        final = out / Path(tmp_name).name[1:].split(".tmp")[0]
+        os.replace(tmp_name, final)
         shards.append(str(final))
 
     for img, label in labelled:
-        if sink is None:
-            tmp = out / f".{shard:08d}.tar.tmp{os.getpid()}"
-            f = open(tmp, "wb")
-            sink = TarWriter(f, mtime=int(time.time()))
+        if writer is None:   # opened at the first sample: no samples, no shard
+            writer = ShardWriter(str(out / f".%08d.tar.tmp{os.getpid()}"), maxcount=samples_per_shard,
+                                 maxsize=float("inf"), post=publish, verbose=0, mtime=int(time.time()))
         img = img if isinstance(img, Image.Image) else Image.open(io.BytesIO(img))
         jpg, _, _ = encode_jpeg(img, max_side=max_side)
-        sink.write({"__key__": sample_key(shard, index, samples_per_shard), "jpg": jpg, "cls": int(label)})
+        shard, index = divmod(count, samples_per_shard)
+        writer.write({"__key__": sample_key(shard, index, samples_per_shard), "jpg": jpg, "cls": int(label)})
         count += 1
-        index += 1
-        if index == samples_per_shard:
-            close()
-            sink, shard, index = None, shard + 1, 0
-    if sink is not None:
-        close()
+    if writer is not None:
+        writer.close()
     write_classnames(out, classnames)
     pattern = (str(out / f"{{00000000..{len(shards) - 1:08d}}}.tar") if len(shards) > 1
                else (shards[0] if shards else ""))

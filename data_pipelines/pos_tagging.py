@@ -10,11 +10,13 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal, get_args
 
 WORD_RE = re.compile(r"\w+|[^\w\s]+")  # the same split as nltk.wordpunct_tokenize, usable without nltk
 WORDNET_DIRS = (os.environ.get("WNHOME", ""), "/usr/share/wordnet", "/usr/local/share/wordnet",
                 "/usr/share/wordnet/dict", "/opt/homebrew/share/wordnet")
 POS_CLASSES = ("noun", "adj", "verb", "other")
+PosSource = Literal["auto", "nltk", "wordnet", "builtin"]  # auto: the first of the others available
 
 # Closed-class English words (determiners, pronouns, prepositions, conjunctions, auxiliaries, particles,
 # frequent adverbs). WordNet lists many of them as nouns ("a" = vitamin A, "in" = indium), so every
@@ -224,8 +226,7 @@ def _load_wordnet(wordnet_dir: str) -> tuple[dict, dict]:
 
 def select_pos_tagger(prefer: str = "auto"):
     """Return a tagger: 'auto' tries NLTK's data, then WordNet's database, then the built-in word list."""
-    order = {"auto": ("nltk", "wordnet", "builtin"), "nltk": ("nltk",), "wordnet": ("wordnet",),
-             "builtin": ("builtin",)}
+    order = {"auto": ("nltk", "wordnet", "builtin"), **{name: (name,) for name in get_args(PosSource)[1:]}}
     if prefer not in order:
         raise ValueError(f"pos source {prefer!r} is not one of {sorted(order)}")
     errors = []

@@ -15,6 +15,7 @@ from webdataset.tariterators import base_plus_ext
 
 from .shard_reader import is_remote, shard_sizes
 
+
 @dataclass
 class ShardPlan:
     """Deterministic assignment of shard groups to (rank, worker) for one stream."""
@@ -81,30 +82,6 @@ class ShardPlan:
             n = sum(self.sizes.get(s, 0) for s in self.worker_shards(self.epoch, w, rank))
             total += n // batch_size if drop_last else math.ceil(n / batch_size)
         return total
-
-
-def shuffle_buffer(samples: Iterator, bufsize: int, rng: random.Random) -> Iterator:
-    """Shuffle buffer: yields in random order from up to `bufsize` samples; drains at the end."""
-    if bufsize <= 1:
-        yield from samples
-        return
-    initial = min(bufsize, 100)  # start yielding early; the buffer keeps growing to bufsize
-    buf: list = []
-    for sample in samples:
-        buf.append(sample)
-        if len(buf) < initial:
-            continue
-        if len(buf) < bufsize:
-            extra = next(samples, None)
-            if extra is not None:
-                buf.append(extra)
-        j = rng.randrange(len(buf))
-        buf[j], buf[-1] = buf[-1], buf[j]
-        yield buf.pop()
-    while buf:
-        j = rng.randrange(len(buf))
-        buf[j], buf[-1] = buf[-1], buf[j]
-        yield buf.pop()
 
 
 def interleave(iterators: list[Iterator], rng: random.Random) -> Iterator:

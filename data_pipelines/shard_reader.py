@@ -1,61 +1,28 @@
 """Shard lists and tar reading: expand sources, find data set sizes, iterate raw samples, count bad data.
 
-A source is a brace pattern (`/data/{00000000..00139827}.tar`), a directory of .tar files, a glob, a
-single tar, a URL, or a `pipe:` command (`pipe:aws s3 cp s3://bucket/{00000000..00139827}.tar -`).
+Sources are parsed by crate_clip.shard_sources (brace pattern, folder, glob, tar, URL, `pipe:` command).
 Opening uses webdataset's gopen (files, pipes, curl for http) and its tar member iterator; grouping
 members into samples is done here so that truncated tars, unreadable shards and duplicate keys become
 counted skips instead of exceptions.
 """
 from __future__ import annotations
 
-import glob
 import json
-import os
 import subprocess
 import tarfile
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
-import braceexpand
 from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext, tar_file_iterator
+
+from crate_clip.shard_sources import REMOTE_PREFIXES, ShardListError, expand_source, is_remote  # noqa: F401
 
 SKIP_REASONS = ("truncated_tar", "unreadable_shard", "undecodable_image", "zero_size_image",
                 "decompression_bomb", "missing_image", "missing_caption", "empty_caption",
                 "non_utf8_caption", "duplicate_key")
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-REMOTE_PREFIXES = ("pipe:", "http://", "https://", "gs://", "ais://", "sftp://", "hf://")
-
-
-class ShardListError(ValueError):
-    """A source pattern that names no shard."""
-
-
-def is_remote(url: str) -> bool:
-    """Whether a shard is read through a command or a network URL rather than a local path."""
-    return url.startswith(REMOTE_PREFIXES)
-
-
-def expand_source(source: str) -> list[str]:
-    """Shard URLs named by one source: brace pattern, directory, glob, file, URL or pipe: command."""
-    source = os.path.expandvars(os.path.expanduser(str(source)))
-    if is_remote(source):
-        return list(braceexpand.braceexpand(source))
-    path = Path(source)
-    if path.is_dir():
-        shards = sorted(str(p) for p in path.glob("*.tar"))
-    elif "{" in source:
-        shards = list(braceexpand.braceexpand(source))
-    elif any(c in source for c in "*?["):
-        shards = sorted(glob.glob(source))
-    else:
-        shards = [source]
-    if not shards:
-        raise ShardListError(f"source {source!r} names no .tar shard")
-    return shards
-
-
 def _stats_path(shard: str) -> str:
     """img2dataset's per-shard stats file beside a tar: 00000012.tar -> 00000012_stats.json."""
     return shard[: -len(".tar")] + "_stats.json" if shard.endswith(".tar") else shard + "_stats.json"

@@ -10,12 +10,14 @@ tokens) and ties keep the earlier word, so the result is deterministic for a giv
 from __future__ import annotations
 
 import random
+from typing import Literal, get_args
 
 import numpy as np
 
 from .pos_tagging import select_pos_tagger, split_words
 
-TEXT_MASKS = ("truncate", "random", "block", "syntax")
+TextMask = Literal["truncate", "random", "block", "syntax"]
+TEXT_MASKS = get_args(TextMask)
 _PRIORITY = {"noun": 0, "adj": 1, "verb": 2, "other": 3}
 
 

@@ -15,15 +15,21 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Iterator
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Iterator, Literal, Optional
 
 import numpy as np
 import torch
+import webdataset as wds
+from pydantic import Field, field_validator
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from crate_clip.config_schema import Bool, Float, Int, Section
+
 from .image_decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_train, normalize_batch
-from .shard_plan import ShardPlan, interleave, resolve_sizes, shuffle_buffer
+from .pos_tagging import PosSource
+from .shard_plan import ShardPlan, interleave, resolve_sizes
 from .shard_reader import (SKIP_REASONS, ShardListError, expand_source, iter_shard_samples, sample_caption,
                            sample_image_bytes)
 from .text_reduction import TEXT_MASKS, TextReducer, load_tokenizer
@@ -32,58 +38,59 @@ log = logging.getLogger(__name__)
 
 OPENAI_DATASET_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_DATASET_STD = (0.26862954, 0.26130258, 0.27577711)
-MODES = ("resampled", "epoch")
+Mode = Literal["resampled", "epoch"]
 STATE_VERSION = 1
 # A worker that reads this many groups in a row without one usable sample stops with an error
 # (every shard unreadable) instead of spinning forever.
 MAX_EMPTY_GROUPS = 50
 
 
-@dataclass
-class StreamConfig:
-    """Where the shards are and how they are read (everything but the stage's image size / text length)."""
+class StreamConfig(Section):
+    """Where the shards are and how they are read (everything but the stage's image size / text length);
+    the run config's `data` section is this schema."""
 
-    sources: list[str]
-    weights: list[float] | None = None
-    mode: str = "resampled"
-    seed: int = 0
-    shuffle_buffer: int = 1000
-    num_workers: int = 2
-    num_samples: int | None = None
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-    crop_scale: tuple[float, float] = (0.4, 1.0)
-    mean: tuple = OPENAI_DATASET_MEAN
-    std: tuple = OPENAI_DATASET_STD
-    shards_per_group: int = 2          # shards interleaved per worker; bounds resume fast-forward reading
-    drop_last: bool = True             # epoch mode: drop each worker's final partial batch
-    pos_source: str = "auto"           # syntax mask POS source: auto | nltk | wordnet | builtin
-    reduced_decode: bool = True        # JPEG draft decode when the target is small
-    prefetch_factor: int = 2           # batches each worker prepares ahead (x batch memory)
-    crop_ratio: tuple[float, float] = field(default=(3 / 4, 4 / 3))
+    sources: list[str] = Field(default_factory=list, validate_default=True)
+    weights: Optional[list[Float]] = None
+    mode: Mode = "resampled"
+    seed: Int = 0
+    shuffle_buffer: Int = Field(1000, ge=0, description="samples held for shuffling (0 = none)")
+    num_workers: Int = Field(2, ge=0, description="DataLoader worker processes per rank (0 = in the trainer)")
+    num_samples: Optional[Int] = Field(None, ge=1, description="samples per epoch; default: from _stats.json")
+    max_image_pixels: Int = Field(DEFAULT_MAX_IMAGE_PIXELS, ge=1, description="larger images are counted "
+                                  "as decompression bombs and skipped")
+    crop_scale: tuple[Float, Float] = (0.4, 1.0)
+    mean: tuple[Float, Float, Float] = OPENAI_DATASET_MEAN
+    std: tuple[Float, Float, Float] = OPENAI_DATASET_STD
+    shards_per_group: Int = Field(2, ge=1, description="shards interleaved per worker; bounds resume "
+                                  "fast-forward reading")
+    drop_last: Bool = True             # epoch mode: drop each worker's final partial batch
+    pos_source: PosSource = "auto"     # syntax mask POS source
+    reduced_decode: Bool = True        # JPEG draft decode when the target is small
+    prefetch_factor: Int = Field(2, ge=1, description="batches each worker prepares ahead (x batch memory)")
+    crop_ratio: tuple[Float, Float] = (3 / 4, 4 / 3)
 
-    def __post_init__(self):
-        if isinstance(self.sources, str):
-            self.sources = [self.sources]
-        self.sources = [str(s) for s in self.sources]
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _as_list(cls, value):
+        if isinstance(value, (str, PurePath)):
+            return [str(value)]
+        return [str(s) if isinstance(s, PurePath) else s for s in value] if isinstance(value, (list, tuple)) else value
+
+    def checks(self) -> list[tuple[str, str]]:
+        """Problems that involve more than one value, each with its fix."""
+        problems = []
         if not self.sources:
-            raise ValueError("StreamConfig.sources is empty: give at least one shard pattern, folder or pipe: command")
-        if self.mode not in MODES:
-            raise ValueError(f"StreamConfig.mode={self.mode!r} is not one of {MODES}")
-        if self.weights is not None:
-            if len(self.weights) != len(self.sources):
-                raise ValueError(f"StreamConfig.weights has {len(self.weights)} entries for {len(self.sources)} sources")
-            if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
-                raise ValueError(f"StreamConfig.weights={self.weights} must be >= 0 with a positive sum")
+            problems.append(("sources", "empty; fix: list shard folders, brace patterns "
+                                        "(/data/{00000000..00000099}.tar), globs, URLs or 'pipe:' commands"))
+        if self.weights is not None and len(self.weights) != len(self.sources):
+            problems.append(("weights", f"{len(self.weights)} weights for {len(self.sources)} sources; "
+                                        "fix: one weight per source, or remove the weights"))
+        elif self.weights is not None and (any(w < 0 for w in self.weights) or sum(self.weights) <= 0):
+            problems.append(("weights", f"{self.weights}; fix: weights >= 0 with a positive sum"))
         lo, hi = self.crop_scale
         if not 0 < lo <= hi <= 1:
-            raise ValueError(f"StreamConfig.crop_scale={self.crop_scale} must satisfy 0 < min <= max <= 1")
-        for name in ("shuffle_buffer", "num_workers"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"StreamConfig.{name} must be >= 0")
-        if self.shards_per_group < 1:
-            raise ValueError("StreamConfig.shards_per_group must be >= 1")
-        if self.max_image_pixels < 1:
-            raise ValueError("StreamConfig.max_image_pixels must be >= 1")
+            problems.append(("crop_scale", f"{[lo, hi]}; fix: [min, max] with 0 < min <= max <= 1"))
+        return problems
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -128,8 +135,10 @@ def _group_raw(plan: ShardPlan, spec: _BatchSpec, worker: int, group: int, shard
     """Raw samples of one group: its shards interleaved at random, then shuffled; bad data counted."""
     tag = f"{plan.rng_seed}-{plan.rank}-{worker}-{plan.epoch}-{group}"
     iters = [iter_shard_samples(url, skips) for url in shards]
-    yield from shuffle_buffer(interleave(iters, random.Random(f"mix-{tag}")), spec.shuffle_buffer,
-                        random.Random(f"shuffle-{tag}"))
+    # webdataset's buffer shuffle (starts yielding at 100 samples) with a generator seeded by the position:
+    # a resume replays the same order from the raw samples alone
+    shuffle = wds.shuffle(spec.shuffle_buffer, initial=100, rng=random.Random(f"shuffle-{tag}"))
+    yield from shuffle(interleave(iters, random.Random(f"mix-{tag}")))
 
 
 class _GatedCounter:

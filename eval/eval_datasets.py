@@ -18,6 +18,7 @@ from timm.data import ImageNetInfo
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
+from crate_clip.shard_sources import ShardListError, expand_source
 from eval.distributed_batches import rank_slice
 
 IMAGENET_NUM_CLASSES = 1000
@@ -145,14 +146,11 @@ def _parse_label(raw: str, index_of: dict[str, int], num_classes: int, where: st
 
 
 def shard_urls(data: str | Path) -> list[str]:
-    """Shard paths from a folder of .tar files, a glob-free brace pattern, or one .tar file."""
-    path = Path(str(data))
-    if path.is_dir():
-        urls = sorted(str(p) for p in path.glob("*.tar"))
-        if not urls:
-            raise FileNotFoundError(f"{path}: no .tar shards in this folder")
-        return urls
-    urls = list(wds.shardlists.expand_urls(str(data)))
+    """Shard paths of a local source (folder of .tar files, brace pattern, glob or one .tar), all present."""
+    try:
+        urls = expand_source(str(data))
+    except ShardListError as err:
+        raise FileNotFoundError(f"{data}: no .tar shards ({err})") from None
     missing = [u for u in urls if not Path(u).is_file()]
     if missing:
         raise FileNotFoundError(f"shard files not found: {missing[:3]}{' ...' if len(missing) > 3 else ''}")

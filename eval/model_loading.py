@@ -1,68 +1,21 @@
 """Load a CLIP for evaluation from an open_clip name + weights file, `local-dir:`, or a DeepSpeed checkpoint.
 
 DeepSpeed checkpoints (`<run>/checkpoints/` with a `latest` file, or one `<tag>/` folder) of any ZeRO stage
-are consolidated to fp32: stage 0 keeps the whole model in `mp_rank_00_model_states.pt["module"]`;
-stages 1-3 are merged from their partitions by DeepSpeed's zero_to_fp32.
+are consolidated to fp32 by crate_clip.checkpoint_io, the one owner of the checkpoint layout.
 """
-import json
 from pathlib import Path
 
 import open_clip
 import torch
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
+from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, consolidate_deepspeed_checkpoint,  # noqa: F401
+                                                          is_deepspeed_checkpoint, resolve_checkpoint_tag)
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
+from crate_clip.models.patch_change import create_clip_at_patch, register_tower_of
 
-RUN_INFO_FILE = "crate_clip.json"
-STAGE0_MODEL_FILE = "mp_rank_00_model_states.pt"
 LOCAL_DIR = "local-dir:"
-
-
-def _is_tag_dir(path: Path) -> bool:
-    return path.is_dir() and (any(path.glob("*mp_rank_*_model_states.pt")) or (path / RUN_INFO_FILE).is_file())
-
-
-def is_deepspeed_checkpoint(path: str | Path | None) -> bool:
-    """True for a DeepSpeed checkpoint folder (with a `latest` file) or one of its tag folders."""
-    if path is None or str(path).startswith(LOCAL_DIR):
-        return False
-    path = Path(path)
-    return (path / "latest").is_file() or _is_tag_dir(path)
-
-
-def resolve_checkpoint_tag(path: str | Path, tag: str | None = None) -> Path:
-    """The tag folder: `path/<tag>`, `path/<contents of latest>`, or `path` itself when it is a tag folder."""
-    path = Path(path)
-    if tag is not None:
-        tag_dir = path / tag
-    elif (path / "latest").is_file():
-        tag_dir = path / (path / "latest").read_text().strip()
-    else:
-        tag_dir = path
-    if not _is_tag_dir(tag_dir):
-        raise FileNotFoundError(f"{tag_dir} is not a DeepSpeed checkpoint folder (no *model_states.pt files)")
-    return tag_dir
-
-
-def consolidate_deepspeed_checkpoint(path: str | Path, tag: str | None = None) -> tuple[dict, dict]:
-    """fp32 state dict of a DeepSpeed checkpoint of any ZeRO stage, and the run info from crate_clip.json."""
-    tag_dir = resolve_checkpoint_tag(path, tag)
-    info_path = tag_dir / RUN_INFO_FILE
-    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
-    if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-        info.setdefault("zero_stage", "1-3")
-    else:
-        # ZeRO stage 0 (zero_to_fp32 refuses it): the whole module is in the model-states file.
-        # DeepSpeed's own files are pickles with its config objects: trusted, as DeepSpeed itself loads them.
-        states = torch.load(tag_dir / STAGE0_MODEL_FILE, map_location="cpu", weights_only=False)
-        state = states["module"]
-        info.setdefault("zero_stage", 0)
-    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-    info["checkpoint"] = str(tag_dir)
-    return state, info
 
 
 def eval_transform(model: torch.nn.Module, image_size: int | None = None):
@@ -118,6 +71,9 @@ def _from_local_dir(model: str, image_size: int | None):
     weights = open_clip.factory._find_checkpoint_in_dir(folder)
     if weights is None:
         raise FileNotFoundError(f"{folder}: no open_clip_model.safetensors / open_clip_pytorch_model.bin weights")
+    config = folder / "open_clip_config.json"
+    if config.is_file():   # an export at a changed patch size names a parametric tower: register it with timm
+        register_tower_of(json.loads(config.read_text()).get("model_cfg"))
     clip = open_clip.create_model(model, load_weights=False, force_image_size=image_size)
     load_clip_weights(clip, read_state_dict(weights), pos_embed_resize="grid_2d")
     return clip
@@ -128,8 +84,8 @@ def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
     state, info = consolidate_deepspeed_checkpoint(checkpoint)
     model_name = info.get("model_name") if checkpoint == model else model
     if not model_name:
-        raise ValueError(f"{checkpoint}: no {RUN_INFO_FILE} naming the model; pass --model NAME --pretrained {checkpoint}")
-    clip = create_clip(model_name, image_size=image_size or info.get("image_size"),
-                       context_length=info.get("context_length"))
-    load_clip_weights(clip, state, pos_embed_resize="grid_2d")
+        raise ValueError(f"{checkpoint}: no {INFO_FILE} naming the model; pass --model NAME --pretrained {checkpoint}")
+    # at the patch size the checkpoint was trained with (a stage may have changed it)
+    clip = create_clip_at_patch(model_name, state, image_size=image_size or info.get("image_size"),
+                                context_length=info.get("context_length"))
     return clip, model_name, info

@@ -23,3 +23,17 @@ def fashion_mnist_dir():
     if not (FASHION_MNIST_DIR / "t10k-images-idx3-ubyte.gz").exists():
         pytest.skip("Debian package dataset-fashion-mnist is not installed")
     return FASHION_MNIST_DIR
+
+
+@pytest.fixture
+def sets(tmp_path_factory, fashion_mnist_dir) -> dict:
+    """The Fashion-MNIST evaluation sets (folder, flat folder, shards, captioned shards), built once per session."""
+    from eval_fixtures import shared_eval_sets
+    return shared_eval_sets(tmp_path_factory, fashion_mnist_dir)
+
+
+@pytest.fixture
+def vit(tmp_path_factory, fashion_mnist_dir):
+    """(model, open_clip name) of the tiny ViT CLIP trained once per session on Fashion-MNIST."""
+    from eval_fixtures import shared_trained_vit
+    return shared_trained_vit(tmp_path_factory, fashion_mnist_dir)

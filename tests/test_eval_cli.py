@@ -4,16 +4,12 @@ import re
 
 import open_clip
 import pytest
+import yaml
 from safetensors.torch import save_file
 
 from crate_clip.cli import main as crate_clip_main
 from eval.stage_hook import evaluate_stage
-from eval_fixtures import CRATE_TINY, PER_CLASS, shared_crate_tiny, shared_eval_sets, shared_trained_vit
-
-
-@pytest.fixture
-def sets(tmp_path_factory, fashion_mnist_dir):
-    return shared_eval_sets(tmp_path_factory, fashion_mnist_dir)
+from eval_fixtures import CRATE_TINY, PER_CLASS, shared_crate_tiny, shared_trained_vit
 
 
 @pytest.fixture
@@ -78,3 +74,49 @@ def test_eval_tokenizer_drops_a_training_reduction_mask(tmp_path):
     assert not (open_clip.get_tokenizer("evaltest-masked-tiny")(text) == open_clip.get_tokenizer(CRATE_TINY)(text)).all()
     tokens = eval_tokenizer("evaltest-masked-tiny", shared_crate_tiny())(text)
     assert tokens.shape == (8, open_clip.get_model_config(CRATE_TINY)["text_cfg"]["context_length"]) and (tokens == open_clip.get_tokenizer(CRATE_TINY)(text)).all()
+
+
+def test_retrieval_eval_in_a_run_config_is_evaluated_and_logged(sets, tmp_path, capsys):
+    """A `type: retrieval` eval of a run config goes through the trainer's eval hook and the logger
+    (which once read 'top1' from every result); its numbers reach results.jsonl and TensorBoard."""
+    from crate_clip.train.engine import DistInfo
+    from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl, write_plot
+    from crate_clip.train.run_config import load_run_config
+    from crate_clip.train.stage_loop import Progress, evaluate_after_stage
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "run": {"output_dir": str(tmp_path / "run")}, "model": {"name": CRATE_TINY},
+        "data": {"sources": [str(sets["captions"])]}, "precision": "fp32",
+        "stages": [{"name": "only", "image_size": 28, "context_length": 16, "samples": 8, "global_batch": 4}],
+        "eval": {"evals": [{"name": "captions", "type": "retrieval", "data": str(sets["captions"]),
+                            "batch_size": 40}]}}))
+    cfg = load_run_config(path)
+    cfg.run_dir.mkdir()
+    log = MetricsLog(cfg.run_dir, enabled=True, progress=False, tensorboard=True)
+    weights = shared_crate_tiny().state_dict()
+    records = evaluate_after_stage(cfg, 0, weights, Progress(samples_seen=8), log, DistInfo(0, 1, 0, "cpu"))
+    log.close()
+    (row,) = read_jsonl(cfg.run_dir / RESULTS_FILE)
+    assert records == [row] and row["eval"] == "captions" and row["n_pairs"] == 10 * PER_CLASS
+    assert 0 <= row["image_to_text_R@1"] <= row["image_to_text_R@5"] <= row["image_to_text_R@10"] <= 1
+    assert "captions at 28 px: retrieval: image_to_text_R@1" in capsys.readouterr().out
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(cfg.run_dir / "tensorboard")).Reload()
+    assert "eval/captions@28px/text_to_image_R@10" in events.Tags()["scalars"]
+    write_plot(cfg.run_dir)   # no classification result to mark: the loss curve only
+
+
+def test_eval_settings_are_one_definition_for_run_config_and_cli(sets):
+    """Run-config evals can set num_workers, classnames and labels, and get the CLI's defaults."""
+    from crate_clip.train.run_config import config_from_dict
+    from eval.cli import _settings, build_parser
+
+    raw = {"data": {"sources": ["/x"]}, "stages": [{"samples": 8, "global_batch": 4}],
+           "eval": {"evals": [{"name": "zeroshot", "data": str(sets["folder"])}]}}
+    declared = config_from_dict(raw, check_paths=False).eval.evals[0]
+    cli = _settings(build_parser().parse_args(["zeroshot", "--model", "m", "--data", str(sets["folder"])]))
+    assert declared == cli and declared.templates is None and declared.dataset == "imagenet1k"
+    raw["eval"]["evals"][0].update(num_workers=2, classnames="names.txt", labels="labels.txt")
+    declared = config_from_dict(raw, check_paths=False).eval.evals[0]
+    assert (declared.num_workers, declared.classnames, declared.labels) == (2, "names.txt", "labels.txt")

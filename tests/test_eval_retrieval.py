@@ -10,12 +10,7 @@ import io
 from eval.eval_datasets import ShardSamples, shard_urls
 from eval.model_loading import eval_transform
 from eval.retrieval import recall_metrics, retrieval_evaluate
-from eval_fixtures import PER_CLASS, shared_eval_sets, shared_trained_vit
-
-
-@pytest.fixture
-def sets(tmp_path_factory, fashion_mnist_dir):
-    return shared_eval_sets(tmp_path_factory, fashion_mnist_dir)
+from eval_fixtures import PER_CLASS
 
 
 def reference_features(model, tokenizer, shards):
@@ -30,8 +25,8 @@ def reference_features(model, tokenizer, shards):
                 model.encode_text(tokenizer(texts), normalize=True))
 
 
-def test_retrieval_matches_open_clip_metrics(sets, tmp_path_factory, fashion_mnist_dir):
-    model, name = shared_trained_vit(tmp_path_factory, fashion_mnist_dir)
+def test_retrieval_matches_open_clip_metrics(sets, vit):
+    model, name = vit
     tokenizer = open_clip.get_tokenizer(name)
     dataset = ShardSamples(shard_urls(sets["captions"]), eval_transform(model), target="txt")
     result = retrieval_evaluate(model, tokenizer, dataset, batch_size=37, progress=False)
@@ -52,8 +47,8 @@ def test_recall_on_known_rankings():
     assert metrics["image_to_text_R@5"] == 1.0
 
 
-def test_retrieval_rejects_label_shards(sets, tmp_path_factory, fashion_mnist_dir):
-    model, name = shared_trained_vit(tmp_path_factory, fashion_mnist_dir)
+def test_retrieval_rejects_label_shards(sets, vit):
+    model, name = vit
     dataset = ShardSamples(shard_urls(sets["shards"]), eval_transform(model), target="cls")
     with pytest.raises(ValueError, match="captioned shards"):
         retrieval_evaluate(model, open_clip.get_tokenizer(name), dataset, progress=False)

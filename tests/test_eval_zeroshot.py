@@ -13,20 +13,10 @@ from eval.class_sets import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES, r
 from eval.eval_datasets import classification_dataset, imagenet_wnids, read_label_file
 from eval.model_loading import eval_transform
 from eval.zeroshot import build_text_classifier, zero_shot_evaluate
-from eval_fixtures import (CRATE_TINY, PER_CLASS, shared_crate_tiny, shared_eval_sets, shared_trained_vit)
+from eval_fixtures import CRATE_TINY, PER_CLASS, shared_crate_tiny
 
 NAMES = list(FASHION_MNIST_CLASSNAMES)
 TEMPLATES = list(FASHION_MNIST_TEMPLATES)
-
-
-@pytest.fixture
-def sets(tmp_path_factory, fashion_mnist_dir):
-    return shared_eval_sets(tmp_path_factory, fashion_mnist_dir)
-
-
-@pytest.fixture
-def vit(tmp_path_factory, fashion_mnist_dir):
-    return shared_trained_vit(tmp_path_factory, fashion_mnist_dir)
 
 
 def ours(model, name, data, **kwargs):

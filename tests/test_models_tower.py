@@ -219,11 +219,6 @@ def test_features_only_through_timm():
     assert [f.shape for f in feats] == [(1, 32, 2, 2)] * 2
 
 
-def test_unknown_name_is_timms_error():
-    with pytest.raises(RuntimeError, match="Unknown model"):
-        timm.create_model("crate_alpha_gigantic_patch16_224")
-
-
 @pytest.mark.parametrize("decoupled,residual", [(False, False), (True, False), (True, True)])
 def test_ablation_ladder_blocks_follow_their_equations(decoupled, residual):
     # +overcomplete (tied D, no residual) -> +decoupled (D1) -> +residual (= CRATE-alpha)
@@ -249,3 +244,54 @@ def test_drop_path_and_bf16():
     out = model.to(torch.bfloat16)(x.to(torch.bfloat16))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=0.1, atol=0.1)
+
+
+def test_timm_conventions_classifier_name_device_and_dtype():
+    for name in timm.list_models("crate*"):
+        cfg = timm.models.get_pretrained_cfg(name)
+        assert cfg.classifier == ("head" if cfg.num_classes else None), name
+    model = timm.create_model("crate_alpha_base_patch16_224", device="meta", dtype=torch.bfloat16, **TINY)
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
+    assert model.get_submodule(model.pretrained_cfg["classifier"]) is model.get_classifier()
+
+
+def test_forward_intermediates_honours_grad_checkpointing(monkeypatch):
+    import crate_clip.models.crate_alpha as crate_alpha_module
+
+    calls = []
+    real = crate_alpha_module.checkpoint
+    monkeypatch.setattr(crate_alpha_module, "checkpoint", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = tiny(img_size=32)
+    x = torch.randn(2, 3, 32, 32)
+    plain = model.forward_intermediates(x, intermediates_only=True)[-1].sum()
+    plain.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    checked = model.forward_intermediates(x, intermediates_only=True)[-1].sum()
+    checked.backward()
+    assert len(calls) == len(model.blocks) and torch.equal(plain, checked)
+    for n, g in grads.items():
+        torch.testing.assert_close(model.get_parameter(n).grad, g, msg=n)
+
+
+def test_mssa_scripts_with_torchscript():
+    from crate_clip.models.mssa import MSSA
+
+    torch.manual_seed(0)
+    attn, y = MSSA(16, 2).eval(), torch.randn(2, 5, 16)
+    scripted = torch.jit.script(attn)
+    for return_attn in (False, True):
+        (out, a), (ref, a_ref) = scripted(y, return_attn), attn(y, return_attn)
+        torch.testing.assert_close(out, ref)
+        assert (a is None) == (a_ref is None) == (not return_attn)
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_and_export_match_eager():
+    model = tiny(img_size=32).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        eager = model(x)
+        torch.testing.assert_close(torch.compile(model, fullgraph=True, backend="eager")(x), eager)
+        torch.testing.assert_close(torch.export.export(model, (x,)).module()(x), eager)

@@ -181,3 +181,98 @@ def test_stage_model_carries_weights_resizes_and_sets_the_token_mask():
     torch.testing.assert_close(got["visual.trunk.pos_embed"][:, 0], weights["visual.trunk.pos_embed"][:, 0])
     same = [k for k in weights if k not in ("visual.trunk.pos_embed", "positional_embedding")]
     assert all(torch.equal(got[k], weights[k]) for k in same)
+
+
+def test_schema_reports_every_error_at_once_with_the_key_and_the_fix():
+    raw = _good()
+    raw["data"].update(drop_last="yes", pos_source="spacy", shufle_buffer=3)
+    raw["stages"][0]["global_batch"] = True          # a boolean is not a number
+    raw["logging"] = {"plot": 1}                     # nor is a number a boolean
+    raw["eval"] = {"evals": [{"name": "in1k", "data": "x", "templats": "openai"}]}
+    lines = _error(raw).splitlines()[1:]
+    assert [line.split(":")[0].strip() for line in lines] == [
+        "data.drop_last", "data.pos_source", "data.shufle_buffer", "stages.0.global_batch", "eval.evals.0.templats",
+        "logging.plot"]
+    assert all("fix:" in line for line in lines), lines
+    assert "data.pos_source: 'spacy' is not one of ('auto', 'nltk', 'wordnet', 'builtin')" in lines[1]
+    assert "did you mean 'shuffle_buffer'" in lines[2] and "did you mean 'templates'" in lines[4]
+
+
+def test_every_stream_option_is_settable_and_reaches_the_stream():
+    from data_pipelines.train_stream import StreamConfig
+
+    raw = _good()
+    for assignment in ("data.pos_source=builtin", "data.shards_per_group=4", "data.max_image_pixels=1e6",
+                       "data.drop_last=false", "data.prefetch_factor=3", "stages.1.crop_scale=[0.9, 1.0]"):
+        apply_override(raw, assignment)
+    cfg = config_from_dict(raw, check_paths=False)
+    stream = cfg.stream_config(1)
+    assert isinstance(stream, StreamConfig) and set(StreamConfig.model_fields) - {"seed"} == set(cfg.to_dict()["data"])
+    assert (stream.pos_source, stream.shards_per_group, stream.max_image_pixels, stream.drop_last) == \
+        ("builtin", 4, 1_000_000, False)
+    assert (stream.seed, stream.crop_scale, cfg.stream_config(0).seed) == (1009, (0.9, 1.0), 0)
+    assert "data.seed: set per stage from run.seed" in _error({**raw, "data": {**raw["data"], "seed": 3}})
+
+
+def test_run_config_round_trips_through_its_saved_yaml():
+    raw = _good()
+    raw["eval"] = {"evals": [{"name": "captions", "type": "retrieval", "data": "/val", "num_workers": 2}]}
+    cfg = config_from_dict(raw, check_paths=False)
+    again = config_from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict())), check_paths=False)
+    assert again.to_dict() == cfg.to_dict() and again.eval.evals[0].num_workers == 2
+
+
+def test_validate_flag_checks_and_exits(tmp_path, capsys):
+    from crate_clip.train.cli import EXIT_CONFIG, main
+
+    import tarfile
+
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "00000000.tar", "w") as tar:
+        tar.add(__file__, arcname="0000.txt")
+    raw = _good()
+    raw["data"]["sources"] = [str(tmp_path / "shards")]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["--config", str(path), "--validate"]) == 0
+    assert "valid (2 stages, 1,280 samples)" in capsys.readouterr().out
+    assert main(["--config", str(path), "--validate", "--set", "stages.0.text_mask=nouns"]) == EXIT_CONFIG
+    assert "stages.0.text_mask: 'nouns' is not one of" in capsys.readouterr().err
+
+
+def _validate(tmp_path, raw) -> tuple[int, str]:
+    from crate_clip.train.cli import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    code = main(["--config", str(path), "--validate"])
+    return code, path
+
+
+@pytest.mark.parametrize("fault", ["folder without tar", "not a tar", "image smaller than a patch"])
+def test_validate_rejects_what_training_would_crash_on(tmp_path, capsys, monkeypatch, fault):
+    from crate_clip.train.cli import EXIT_CONFIG
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    raw = _good()
+    raw["data"]["sources"] = [str(shards)]
+    raw["model"] = {"name": "CRATE-alpha-CLIPA-tiny"}          # 4 px patches
+    if fault != "folder without tar":
+        (shards / "00000000.tar").write_bytes(b"not a tar " * 100 if fault == "not a tar" else b"")
+    if fault == "image smaller than a patch":
+        import tarfile
+        with tarfile.open(shards / "00000000.tar", "w") as tar:
+            tar.add(__file__, arcname="0000.txt")
+        raw["stages"][0]["image_size"] = 3
+    expected = {"folder without tar": f"data.sources.0: {str(shards)!r} names no .tar shard",
+                "not a tar": f"data.sources.0: {str(shards / '00000000.tar')!r} is not a tar file; fix:",
+                "image smaller than a patch": "stages.0.image_size: 3 px is smaller than one 4 px patch of "
+                                              "CRATE-alpha-CLIPA-tiny; fix: at least 4"}[fault]
+    code, path = _validate(tmp_path, raw)
+    err = capsys.readouterr().err
+    assert code == EXIT_CONFIG and err.splitlines() == [f"crate-clip train: invalid run config ({path}):",
+                                                        "  " + err.splitlines()[1].strip()]
+    assert expected in err and "Traceback" not in err
+    monkeypatch.setenv("RANK", "1")   # under torchrun only rank 0 prints it; every rank exits with 2
+    assert _validate(tmp_path, raw)[0] == EXIT_CONFIG and capsys.readouterr().err == ""

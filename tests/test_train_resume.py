@@ -103,6 +103,7 @@ def test_sigkill_mid_stage_then_resume_matches_uninterrupted(reference_run, tiny
     latest = (run_dir / "checkpoints" / "latest").read_text()
     assert latest.startswith("stage0-") and latest != "stage0-step00000010", latest  # killed mid-stage
     assert not (run_dir / "export").exists()
+    killed_steps = [r["step"] for r in read_jsonl(metrics)]
 
     resumed = run_job(_train_cmd(cfg, "--resume", "latest"), timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
@@ -110,6 +111,11 @@ def test_sigkill_mid_stage_then_resume_matches_uninterrupted(reference_run, tiny
 
     ref_losses, got_losses = _losses(reference_run), _losses(run_dir)
     assert len(ref_losses) == 10 + 4 and set(got_losses) == set(ref_losses)
+    # one row per step for every reader: the rows the killed segment logged after its checkpoint are set aside
+    keys = [(r["stage_index"], r["step"]) for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert sorted(keys) == sorted(ref_losses)
+    superseded = [(r["stage_index"], r["step"]) for r in read_jsonl(run_dir / "metrics.superseded.jsonl")]
+    assert superseded == [(0, s) for s in killed_steps if s > int(latest.split("step")[1])] and superseded
     for key, value in ref_losses.items():
         assert got_losses[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     ref, got = _export(reference_run), _export(run_dir)
@@ -158,4 +164,7 @@ def test_export_loads_with_open_clip_local_dir(reference_run):
     with torch.no_grad():
         feats = model.encode_text(tokenizer(["a photo of a sneaker."]))
     assert feats.shape == (1, model.text_projection.shape[1]) and torch.isfinite(feats).all()
-    assert isinstance(preprocess, open_clip.transform.Compose) or callable(preprocess)
+    from PIL import Image
+    pixels = preprocess(Image.new("RGB", (40, 30), (128, 128, 128)))   # resized, center-cropped, normalized
+    mean, std = torch.tensor(open_clip.OPENAI_DATASET_MEAN), torch.tensor(open_clip.OPENAI_DATASET_STD)
+    torch.testing.assert_close(pixels, ((128 / 255 - mean) / std)[:, None, None].expand(3, 28, 28))

@@ -4,6 +4,7 @@ Order (timm's habit): patch embeddings, block, model class, init, checkpoint_fil
 The three CRATE-alpha switches rebuild the paper's ablation ladder from CRATE:
   overcomplete_ratio (C: 1 -> 4), decoupled_dictionary (separate output dictionary D1), ista_residual.
 """
+import contextlib
 import logging
 import math
 from typing import Dict, List, Optional, Tuple, Union
@@ -14,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, to_2tuple
+from timm.layers import DropPath, resample_patch_embed, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
@@ -25,7 +26,28 @@ from crate_clip.models.token_masks import apply_token_mask, check_token_mask
 
 _logger = logging.getLogger(__name__)
 
-__all__ = ["CrateAlpha", "checkpoint_filter_fn", "official_to_timm"]
+__all__ = ["CrateAlpha", "checkpoint_filter_fn", "official_to_timm", "resize_patch_kernel"]
+
+PATCH_RESIZE_MODES = ("pi_resize", "bilinear")
+
+
+def resize_patch_kernel(weight: torch.Tensor, patch_size: int, mode: str = "pi_resize") -> torch.Tensor:
+    """A (d, C, p, p) patch kernel resized to (d, C, patch_size, patch_size).
+
+    'pi_resize': FlexiViT's pseudo-inverse resize (timm's resample_patch_embed): a patch upsampled
+    bilinearly to the new size gives the same token as the original patch under the old kernel, so token
+    norms are kept. 'bilinear': the kernel itself resampled (antialiased when shrinking, as
+    jax.image.resize), what the CRATE-alpha paper did; values keep their scale, so a kernel shrunk from
+    32 to 8 px sums 16x fewer pixels and gives about 16x smaller tokens.
+    """
+    if mode not in PATCH_RESIZE_MODES:
+        raise ValueError(f"patch resize mode must be one of {PATCH_RESIZE_MODES}, got {mode!r}")
+    if weight.shape[-2:] == (patch_size, patch_size):
+        return weight
+    if mode == "pi_resize":
+        return resample_patch_embed(weight.float(), [patch_size, patch_size]).to(weight.dtype)
+    return F.interpolate(weight.float(), size=(patch_size, patch_size), mode="bilinear", align_corners=False,
+                         antialias=patch_size < weight.shape[-1]).to(weight.dtype)
 
 
 class ConvPatchEmbed(nn.Module):
@@ -248,9 +270,13 @@ class CrateAlpha(nn.Module):
     def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None,
                        patch_size: Optional[int] = None, pos_embed_resize: str = "grid_2d") -> None:
         """Rebuild for a new input size; the current position embedding is resampled once
-        (`pos_embed_resize`: 'grid_2d' bicubic with the cls slot apart, or 'official_1d', see pos_embed.py)."""
-        if patch_size is not None and to_2tuple(patch_size) != to_2tuple(self.patch_size):
-            raise ValueError("changing the patch size of a CRATE tower is not supported")
+        (`pos_embed_resize`: 'grid_2d' bicubic with the cls slot apart, or 'official_1d', see pos_embed.py).
+        A new `patch_size` goes through `set_patch_size` (pi_resize of the kernel), as timm's ViT does."""
+        if patch_size is not None:
+            p = to_2tuple(patch_size)
+            if p[0] != p[1]:
+                raise ValueError(f"CRATE towers use square patches, got {patch_size}")
+            self.set_patch_size(p[0])
         if img_size is None:
             return
         new_grid = self._grid_for(to_2tuple(img_size))
@@ -259,6 +285,36 @@ class CrateAlpha(nn.Module):
                 pos = resize_image_pos_embed(self.pos_embed.detach(), new_grid, self.grid_size, pos_embed_resize)
             self.pos_embed = nn.Parameter(pos, requires_grad=self.pos_embed.requires_grad)
         self.img_size, self.grid_size = to_2tuple(img_size), new_grid
+
+    def set_patch_size(self, patch_size: int, resize: str = "pi_resize") -> None:
+        """Change the patch size in place: the conv kernel is resized (`resize`: 'pi_resize' keeps token norms,
+        'bilinear' as the CRATE-alpha paper, 'reinit' draws a fresh kernel) and the position embedding is
+        resampled 2-D to the new grid (cls slot apart). The same patch size is a no-op."""
+        if patch_size == self.patch_size:
+            return
+        if not isinstance(self.patch_embed, ConvPatchEmbed):
+            raise ValueError("set_patch_size: only the conv patch embedding (CRATE-alpha) can change its patch size")
+        new_grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
+        if min(new_grid) < 1:
+            raise ValueError(f"patch size {patch_size} is larger than the image size {self.img_size}")
+        old = self.patch_embed.proj
+        conv = nn.Conv2d(old.in_channels, old.out_channels, kernel_size=patch_size, stride=patch_size,
+                         bias=old.bias is not None, device=old.weight.device, dtype=old.weight.dtype)
+        with torch.no_grad():
+            if resize == "reinit":
+                bound = math.sqrt(6.0 / (old.in_channels * patch_size ** 2))   # the jax init of init_weights
+                nn.init.uniform_(conv.weight, -bound, bound)
+            else:
+                conv.weight.copy_(resize_patch_kernel(old.weight, patch_size, resize))
+            if old.bias is not None:
+                conv.bias.copy_(old.bias)
+            pos = resize_image_pos_embed(self.pos_embed.detach(), new_grid, self.grid_size)
+        conv.weight.requires_grad_(old.weight.requires_grad)
+        self.patch_embed.proj, self.patch_embed.patch_size = conv, patch_size
+        self.pos_embed = nn.Parameter(pos, requires_grad=self.pos_embed.requires_grad)
+        self.patch_size, self.grid_size = patch_size, new_grid
+        for info in self.feature_info:
+            info["reduction"] = patch_size
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # load_state_dict never resamples (our loaders do that, on request: clip_factory.load_clip_weights,
@@ -358,7 +414,10 @@ class CrateAlpha(nn.Module):
         for i, blk in enumerate(blocks):
             if return_projections and i in take_indices:  # one extra d x d matmul: analysis only
                 projs.append(blk.attn.project(blk.norm1(x)))
-            x, attn, code = blk.forward_with_extras(x, return_attn)
+            if self.grad_checkpointing and torch.is_grad_enabled():   # as forward_features does
+                x, attn, code = checkpoint(blk.forward_with_extras, x, return_attn, use_reentrant=False)
+            else:
+                x, attn, code = blk.forward_with_extras(x, return_attn)
             if i in take_indices:
                 y = self.norm(x) if norm else x
                 prefix, spatial = y[:, :1], y[:, 1:]
@@ -468,22 +527,27 @@ def _adapt_head(state_dict: Dict[str, torch.Tensor], model: CrateAlpha) -> None:
 
 
 # ----- build and register -----
-def _create_crate_alpha(variant: str, pretrained: bool = False, **kwargs) -> CrateAlpha:
-    return build_model_with_cfg(
-        CrateAlpha, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=3, feature_cls="getter"),
-        **kwargs,
-    )
+def _create_crate_alpha(variant: str, pretrained: bool = False, device=None, dtype=None, **kwargs) -> CrateAlpha:
+    # timm.create_model(name, device=..., dtype=...): parameters are created on `device` (e.g. 'meta',
+    # nothing allocated) through torch's default-device context, then cast to `dtype`
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = build_model_with_cfg(
+            CrateAlpha, variant, pretrained,
+            pretrained_filter_fn=checkpoint_filter_fn,
+            feature_cfg=dict(out_indices=3, feature_cls="getter"),
+            **kwargs,
+        )
+    return model.to(dtype=dtype) if dtype is not None else model
 
 
 def _cfg(input_px: int = 224, num_classes: int = 1000, **kwargs) -> Dict:
-    # no 'classifier' entry on purpose: head mismatches are handled by checkpoint_filter_fn, so giving
-    # num_classes=19167 loads an IN-21K head instead of timm silently discarding it.
+    # 'classifier' names the head (timm's convention; its loader drops a head of another class count after
+    # checkpoint_filter_fn, which already keeps the model's fresh head then). Towers without a head: None.
     # mean/std: ImageNet defaults (the released models' own normalisation is not recorded in the spec).
     return dict(url="", num_classes=num_classes, input_size=(3, input_px, input_px), pool_size=None,
                 crop_pct=0.875, interpolation="bicubic", fixed_input_size=True,
-                mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, first_conv="patch_embed.proj", **kwargs)
+                mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, first_conv="patch_embed.proj",
+                classifier="head" if num_classes else None, **kwargs)
 
 
 _SIZES = {  # name: (width, depth, heads)  (CRATE-alpha decode_variant; note S is 576 wide)

@@ -33,13 +33,13 @@ class MSSA(nn.Module):
         """Attend (B, L, d) -> (B, L, d); also the (B, h, L, L) attention map when `return_attn`."""
         B, L, d = y.shape
         w = self.project(y)  # (B, h, L, hd)
-        attn = None
         if return_attn or self.attn_impl == "math":
             # explicit path: needed to hand the map out (SDPA never materialises it); also the bench baseline
-            attn = (w * self.scale) @ w.transpose(-2, -1)
-            attn = attn.softmax(dim=-1)
-            out = attn @ w
-        else:
-            out = F.scaled_dot_product_attention(w, w, w)
-        out = out.transpose(1, 2).reshape(B, L, d)
-        return self.proj(out), (attn if return_attn else None)
+            attn = ((w * self.scale) @ w.transpose(-2, -1)).softmax(dim=-1)
+            return self._merge_heads(attn @ w), (attn if return_attn else None)
+        return self._merge_heads(F.scaled_dot_product_attention(w, w, w)), None
+
+    def _merge_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """(B, h, L, hd) -> W_out applied to the (B, L, d) concatenation of the heads."""
+        B, h, L, hd = out.shape
+        return self.proj(out.transpose(1, 2).reshape(B, L, h * hd))

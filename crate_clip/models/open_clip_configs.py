@@ -63,6 +63,16 @@ def register_open_clip_configs(config_dir: Path = MODEL_CONFIG_DIR) -> List[str]
     return names
 
 
+def image_patch_size(model_name: str) -> int | None:
+    """The image tower's patch size in pixels from the open_clip config (no model is built); None when
+    the config does not say or the name is not a registered config."""
+    config = open_clip.get_model_config(model_name) or {}
+    patch = config.get("vision_cfg", {}).get("patch_size")
+    if patch is None and _PARAMETRIC.match(config.get("vision_cfg", {}).get("timm_model_name", "")):
+        patch = parse_clip_tower_name(config["vision_cfg"]["timm_model_name"])["patch_size"]
+    return int(patch) if patch else None
+
+
 def preprocess_cfg_for(model_name: str) -> Dict:
     """Image preprocessing of a config (mean, std, interpolation, resize mode), without the size."""
     return dict(PREPROCESS_CFGS.get(model_name, DEFAULT_PREPROCESS))

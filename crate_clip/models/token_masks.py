@@ -1,10 +1,11 @@
 """Image token reduction (CLIPA): random / grid / block masks that keep a subset of patch tokens."""
 import math
-from typing import Tuple
+from typing import Literal, Tuple, get_args
 
 import torch
 
-TOKEN_MASKS = ("none", "random", "grid", "block")
+TokenMask = Literal["none", "random", "grid", "block"]
+TOKEN_MASKS = get_args(TokenMask)
 
 
 def check_token_mask(kind: str, drop_ratio: float) -> None:

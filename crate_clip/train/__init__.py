@@ -3,10 +3,13 @@
 run_config.py   typed run config (YAML), `--set` overrides, validation naming key + fix
 optim.py        AdamW parameter groups (no decay: norms, biases, embeddings, D/D1, logit scale), warm-up + cosine
 engine.py       process group, the DeepSpeed JSON derived from the run config, deepspeed.initialize
-stage_loop.py   the run: stages, steps (ClipLoss, non-finite guard), checkpoints, eval after each stage, export
-checkpoints.py  atomic, resumable DeepSpeed checkpoints with per-rank client state; retention
+stage_loop.py   the run, from the entry point down: where to resume, one stage, its steps (ClipLoss,
+                non-finite guard), checkpoints, export
+stage_evals.py  the evaluations due after each stage (exactly the missing ones on resume)
+run_dir.py      one run per output folder: refuse to mix, or move the earlier run aside (--overwrite)
+checkpoints.py  atomic, durable, resumable DeepSpeed checkpoints with per-rank client state; retention
+                (the layout and consolidation live in crate_clip/checkpoint_io, shared with eval/)
 export.py       open_clip `local-dir:` export (safetensors + open_clip_config.json)
 metrics_log.py  progress bar, TensorBoard, metrics.jsonl / results.jsonl, the PNG curve
-zero_footprint.py  per-rank bytes of parameters / gradients / optimizer state read from an engine
 cli.py          `crate-clip train`;  demo.py: the README's first command
 """

@@ -1,47 +1,31 @@
 """DeepSpeed checkpoints that are safe to resume from: atomic completion, retention, per-rank client state.
 
-Layout (contract with eval/): `<run_dir>/checkpoints/<tag>/` holds DeepSpeed's files (written by all
-ranks), one `train_state_rank<r>.pt` per rank (data-stream position, RNG states), and `crate_clip.json`,
-written by rank 0 only after every rank finished writing. `crate_clip.json` marks a checkpoint complete;
-DeepSpeed's `latest` file is replaced atomically only after that, so a save interrupted at any point
-(SIGKILL, full disk) never becomes the one resumed from: `latest` still names the previous complete one.
+Layout (crate_clip.checkpoint_io, shared with eval/): `<run_dir>/checkpoints/<tag>/` holds DeepSpeed's files
+(written by all ranks), one `train_state_rank<r>.pt` per rank (data-stream position, RNG states), and
+`crate_clip.json`. A save writes all of them into `.<tag>.saving/`, fsyncs them, and only after every rank
+finished, rank 0 writes `crate_clip.json` (which marks a checkpoint complete), renames the folder to `<tag>`
+(an older `<tag>` is deleted only after that) and then replaces DeepSpeed's `latest` file atomically; so a
+save interrupted at any point (SIGKILL, power loss, full disk) never becomes the one resumed from.
 """
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from eval.model_loading import consolidate_deepspeed_checkpoint
-
-INFO_FILE = "crate_clip.json"
-LATEST_FILE = "latest"
+from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_write_text, fsync_tree, replace_dir,
+                                                   restore_replaced)
+from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
+                                                            consolidated_state_dict, read_info)
 
 
 class ResumeError(RuntimeError):
     """A checkpoint that cannot be resumed from (missing, incomplete, or from another job shape)."""
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder and rename: readers see the old or the new file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def checkpoint_tag(stage_index: int, step: int) -> str:
@@ -71,55 +55,58 @@ def rank_state_path(tag_dir: Path, rank: int) -> Path:
     return Path(tag_dir) / f"train_state_rank{rank:05d}.pt"
 
 
-def read_info(tag_dir: Path) -> dict | None:
-    """The checkpoint's crate_clip.json, or None when the checkpoint is incomplete."""
-    path = Path(tag_dir) / INFO_FILE
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-
-
 class CheckpointManager:
     """Saves, finds, prunes and loads the checkpoints of one run (`<run_dir>/checkpoints`)."""
 
-    def __init__(self, root: Path, keep_last: int, rank: int, world_size: int):
+    def __init__(self, root: Path, keep_last: int, rank: int, world_size: int,
+                 protect: Optional[Callable[[dict], bool]] = None):
         self.root = Path(root)
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
+        self.protect = protect or (lambda info: False)  # info -> True: never pruned (yet)
 
     # ------------------------------------------------------------ save
     def save(self, engine, tag: str, info: dict, rank_state: dict) -> Path:
-        """Save on ALL ranks; returns the tag folder once it is complete and `latest` names it."""
+        """Save on ALL ranks; returns the tag folder once it is complete and `latest` names it. The files go
+        to a staging folder swapped in when complete: a checkpoint of the same tag saved before (a resume
+        from an earlier checkpoint redoes its steps) stays until the new one is whole."""
         import torch.distributed as dist
 
         self.root.mkdir(parents=True, exist_ok=True)
-        tag_dir = self.root / tag
-        if self.rank == 0 and tag_dir.exists():  # a leftover of an interrupted save with the same tag
-            shutil.rmtree(tag_dir)
+        staging = self.root / f".{tag}.saving"
+        if self.rank == 0 and staging.exists():  # a leftover of an interrupted save
+            shutil.rmtree(staging)
         dist.barrier()
-        engine.save_checkpoint(str(self.root), tag=tag, client_state={"crate_clip": info}, save_latest=False)
-        _atomic_torch_save(rank_state, rank_state_path(tag_dir, self.rank))
-        dist.barrier()  # every rank's files are on disk before the checkpoint is declared complete
+        engine.save_checkpoint(str(self.root), tag=staging.name, client_state={"crate_clip": info},
+                               save_latest=False)
+        atomic_torch_save(rank_state, rank_state_path(staging, self.rank))
+        fsync_tree(staging)  # on disk, not only in the page cache, before anything calls it complete
+        dist.barrier()  # every rank's files are durable before the checkpoint is declared complete
         if self.rank == 0:
-            _atomic_write_text(tag_dir / INFO_FILE, json.dumps({**info, "world_size": self.world_size}, indent=1))
-            _atomic_write_text(self.root / LATEST_FILE, tag)
-            self.prune()
+            self.commit(staging, tag, {**info, "world_size": self.world_size})
         dist.barrier()
-        return tag_dir
+        return self.root / tag
+
+    def commit(self, staging: Path, tag: str, info: dict) -> None:
+        """Rank 0, once every rank's files in `staging` are durable: mark it complete, swap it in as `tag`,
+        then move `latest` to it and prune."""
+        atomic_write_text(staging / INFO_FILE, json.dumps(info, indent=1))
+        replace_dir(staging, self.root / tag)
+        atomic_write_text(self.root / LATEST_FILE, tag)
+        self.prune()
 
     def prune(self) -> None:
-        """Keep the newest `keep_last` complete checkpoints; remove older ones and interrupted saves."""
+        """Keep the newest `keep_last` complete checkpoints and those `protect` asks for; put back a checkpoint
+        whose re-save was cut short between the two renames of its swap; remove the rest and interrupted saves."""
+        for old in self.root.glob(".*.replaced"):
+            restore_replaced(self.root / old.name[1:-len(".replaced")])
         latest = self.latest_tag()
-        complete = self.complete_tags()
-        for tag in complete[:-self.keep_last]:
-            if tag != latest:
+        for tag in self.complete_tags()[:-self.keep_last]:
+            if tag != latest and not self.protect(read_info(self.root / tag)):
                 shutil.rmtree(self.root / tag, ignore_errors=True)
         for path in self.root.iterdir():
-            if path.is_dir() and read_info(path) is None:
+            if path.is_dir() and (path.name.startswith(".") or read_info(path) is None):
                 shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------ find
@@ -128,7 +115,7 @@ class CheckpointManager:
         if not self.root.is_dir():
             return []
         found = [(info.get("global_step", 0), p.name) for p in self.root.iterdir()
-                 if p.is_dir() and (info := read_info(p)) is not None]
+                 if p.is_dir() and not p.name.startswith(".") and (info := read_info(p)) is not None]
         return [name for _, name in sorted(found)]
 
     def latest_tag(self) -> str | None:
@@ -146,8 +133,9 @@ class CheckpointManager:
         if resume == "latest":
             tag = self.latest_tag()
             if tag is None:
-                raise ResumeError(f"--resume latest: no complete checkpoint in {self.root}; "
-                                  "fix: start without --resume")
+                raise ResumeError(f"--resume latest: no complete checkpoint in {self.root}; fix: start without "
+                                  "--resume (with --overwrite if the folder holds the files of a run cut short "
+                                  "before its first checkpoint: they are moved aside)")
             return self.root / tag
         path = Path(resume)
         if (path / LATEST_FILE).is_file() or (path.is_dir() and read_info(path) is None and
@@ -187,8 +175,3 @@ class CheckpointManager:
             raise ResumeError(f"{path}: missing; the checkpoint holds no state for rank {self.rank}")
         return torch.load(path, weights_only=False)
 
-
-def consolidated_state_dict(tag_dir: Path) -> dict:
-    """Plain fp32 state dict of a complete checkpoint (any ZeRO stage), logit_scale as saved ([1])."""
-    state, _ = consolidate_deepspeed_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}

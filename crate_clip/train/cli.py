@@ -6,6 +6,7 @@ WORLD_SIZE, MASTER_ADDR; the DeepSpeed launcher also passes --local_rank, accept
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -20,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config value, e.g. --set stages.0.lr=1e-3 (repeatable)")
     p.add_argument("--resume", default=None, metavar="latest|PATH",
                    help="continue from the newest complete checkpoint of the run, or from a checkpoint folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="run.output_dir holds an earlier run: move it to <output_dir>.previous and start over")
     p.add_argument("--validate", action="store_true", help="check the config and exit")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -36,17 +39,18 @@ def main(argv=None) -> int:
     try:
         cfg = load_run_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"crate-clip train: {exc}", file=sys.stderr)
+        _report(exc)
         return EXIT_CONFIG
     if args.validate:
         print(f"{args.config}: valid ({len(cfg.stages)} stages, "
               f"{sum(s.samples for s in cfg.stages):,} samples)")
         return 0
+    from crate_clip.train.run_dir import ExistingRunError
     from crate_clip.train.stage_loop import NonFiniteLossError, run_training
 
     try:
-        summary = run_training(cfg, resume=args.resume)
-    except ConfigError as exc:
+        summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite)
+    except (ConfigError, ExistingRunError) as exc:
         print(f"crate-clip train: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except NonFiniteLossError as exc:
@@ -60,6 +64,12 @@ def main(argv=None) -> int:
     if summary.get("export_dir"):
         print(f"done in {summary['seconds']:.0f} s; export: {summary['export_dir']}")
     return 0
+
+
+def _report(exc: Exception) -> None:
+    """The error on stderr, once per job: every rank finds the same config error, rank 0 says it."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"crate-clip train: {exc}", file=sys.stderr)
 
 
 def _close_process_group() -> None:

@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="run-config override passed to `crate-clip train` (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the previous demo run instead of starting over")
+    p.add_argument("--train-images", type=int, help="write only the first N training images (a smoke run)")
+    p.add_argument("--test-images", type=int, help="write only the first N test images (a smoke run)")
+    p.add_argument("--probe-train-images", type=int, default=10_000,
+                   help="training images of the final linear probe (the first N of the train split; 0 skips it)")
     return p
 
 
@@ -52,32 +56,25 @@ def ensure_fashion_mnist() -> Path:
         "or put the four *-ubyte.gz files from the Fashion-MNIST release into ~/.cache/fashion-mnist/")
 
 
-def prepare_data(data_dir: Path) -> tuple[Path, Path]:
-    """Training shards (train split, 60,000 captioned images) and the zero-shot set (test split, 10,000)."""
+def prepare_data(data_dir: Path, train_images: int | None = None, test_images: int | None = None) -> tuple[Path, Path]:
+    """Training shards (train split, 60,000 captioned images) and the zero-shot set (test split, 10,000),
+    or the first `train_images` / `test_images` of them."""
     from data_pipelines.sources.fashion_mnist import write_fashion_mnist_eval_folder, write_fashion_mnist_shards
 
     source = ensure_fashion_mnist()
     train_dir, test_dir = data_dir / "train", data_dir / "test"
     t0 = time.perf_counter()
-    write_fashion_mnist_shards(train_dir, split="train", samples_per_shard=5_000, source_dir=source)
+    write_fashion_mnist_shards(train_dir, split="train", samples_per_shard=5_000, source_dir=source,
+                               limit=train_images)
     if not (test_dir / "classnames.txt").is_file():
-        write_fashion_mnist_eval_folder(test_dir, split="test", source_dir=source)
+        write_fashion_mnist_eval_folder(test_dir, split="test", source_dir=source, limit=test_images)
     print(f"[demo] data ready in {time.perf_counter() - t0:.0f} s: shards {train_dir}, eval set {test_dir}", flush=True)
     return train_dir, test_dir
 
 
-def keep_previous_run(run_dir: Path) -> None:
-    """Move an earlier demo run aside to `<run_dir>.previous` (replacing an older one): each demo starts
-    fresh, --resume continues instead, and the last finished run is not thrown away."""
-    previous = run_dir.with_name(run_dir.name + ".previous")
-    if previous.exists():
-        shutil.rmtree(previous)
-    run_dir.rename(previous)
-    print(f"[demo] the earlier run is kept in {previous}", flush=True)
-
-
-def launch_command(config: str, nproc: int, overrides: list[str], resume: bool) -> list[str]:
-    """`torchrun --nproc_per_node N -m crate_clip.train.cli ...` (torch's launcher, shipped with torch)."""
+def launch_command(config: str, nproc: int, overrides: list[str], resume: bool, overwrite: bool = False) -> list[str]:
+    """`torchrun --nproc_per_node N -m crate_clip.train.cli ...` (torch's launcher, shipped with torch);
+    `overwrite`: an earlier run is moved aside by the trainer (crate_clip.train.run_dir) before it starts."""
     from crate_clip.train.engine import _free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -85,7 +82,7 @@ def launch_command(config: str, nproc: int, overrides: list[str], resume: bool) 
            "-m", "crate_clip.train.cli", "--config", config]
     for o in overrides:
         cmd += ["--set", o]
-    return cmd + (["--resume", "latest"] if resume else [])
+    return cmd + (["--resume", "latest"] if resume else []) + (["--overwrite"] if overwrite else [])
 
 
 def summarize(run_dir: Path) -> list[dict]:
@@ -93,11 +90,38 @@ def summarize(run_dir: Path) -> list[dict]:
     from crate_clip.train.metrics_log import RESULTS_FILE, read_jsonl
 
     results = read_jsonl(run_dir / RESULTS_FILE)
-    print("\n[demo] zero-shot top-1 on the 10,000 Fashion-MNIST test images:")
+    print(f"\n[demo] zero-shot top-1 on the {results[0]['n_images'] if results else 0:,} Fashion-MNIST test images:")
     for r in results:
         print(f"  stage {r['stage_index']} {r['stage_name']:<8} trained at {r['stage_image_size']:>3} px, "
               f"evaluated at {r['image_size']:>3} px: {100 * r['top1']:6.2f}%")
     return results
+
+
+def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_images: int) -> dict | None:
+    """The CLIP_benchmark linear probe of the exported model: trained on the first `train_images` training
+    images (their labels, written as a folder), tested on the 10,000 test images; printed and returned."""
+    import torch
+
+    from data_pipelines.sources.fashion_mnist import write_fashion_mnist_eval_folder
+    from eval import linear_probe
+    from eval.model_loading import load_eval_model
+
+    export = run_dir / "export"
+    if train_images <= 0 or not (export / "open_clip_config.json").is_file():
+        return None
+    train_dir = data_dir / f"probe_train_{train_images}"
+    if not (train_dir / "classnames.txt").is_file():
+        write_fashion_mnist_eval_folder(train_dir, split="train", limit=train_images)
+    torch.set_num_threads(os.cpu_count() or 1)
+    size = json.loads((export / "open_clip_config.json").read_text())["model_cfg"]["vision_cfg"]["image_size"]
+    model, preprocess, _, _ = load_eval_model(f"local-dir:{export}", image_size=size)
+    settings = linear_probe.Settings(train_data=str(train_dir), data=str(test_dir), dataset="fashion_mnist",
+                                     batch_size=500)
+    metrics = linear_probe.run(model, preprocess=preprocess, settings=settings, progress=False,
+                               cache_dir=run_dir / "eval_cache")
+    print(f"[demo] {linear_probe.summary(metrics)} in {metrics['extract_seconds'] + metrics['probe_seconds']:.0f} s")
+    (run_dir / "linear_probe.json").write_text(json.dumps(metrics, indent=1))
+    return metrics
 
 
 def main(argv=None) -> int:
@@ -106,20 +130,25 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     data_dir, run_dir = Path(args.data_dir).resolve(), Path(args.run_dir).resolve()
     try:
-        train_dir, test_dir = prepare_data(data_dir)
+        train_dir, test_dir = prepare_data(data_dir, args.train_images, args.test_images)
     except FileNotFoundError as exc:
         print(f"[demo] {exc}", file=sys.stderr)
         return 1
-    if run_dir.exists() and not args.resume:
-        keep_previous_run(run_dir)
     overrides = [f"run.output_dir={json.dumps(str(run_dir))}", f"data.sources={json.dumps([str(train_dir)])}",
                  f"eval.evals.0.data={json.dumps(str(test_dir))}",
                  *args.overrides]
-    cmd = launch_command(args.config, args.nproc, overrides, args.resume and run_dir.exists())
+    # a new demo starts over: the trainer moves an earlier run aside to <run-dir>.previous (nothing is deleted)
+    resume = args.resume and run_dir.exists()
+    cmd = launch_command(args.config, args.nproc, overrides, resume, overwrite=not resume)
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.nproc)))
     print(f"[demo] {' '.join(cmd)}", flush=True)
     rc = subprocess.run(cmd, env=env).returncode
     results = summarize(run_dir)
+    if rc == 0 and results:
+        probe = linear_probe_final(run_dir, data_dir, test_dir, args.probe_train_images)
+        if probe:
+            print(f"[demo] final model on the 10,000 test images: zero-shot top-1 {100 * results[-1]['top1']:.2f}%, "
+                  f"linear probe top-1 {100 * probe['top1']:.2f}% ({probe['n_train']} labelled training images)")
     print(f"[demo] plot: {run_dir / 'training_curve.png'}\n[demo] export: {run_dir / 'export'} "
           f"(open_clip.create_model_and_transforms('local-dir:{run_dir / 'export'}') after `import crate_clip`)")
     print(f"[demo] finished in {time.perf_counter() - t0:.0f} s (exit code {rc})")

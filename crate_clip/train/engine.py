@@ -1,7 +1,8 @@
 """The one place that sets up training: process group, model, optimizer, schedule and deepspeed.initialize.
 
 The DeepSpeed JSON is derived from the run config (a ZeRO file from configs/deepspeed/ merged with the
-stage's batch, the precision and the gradient clip), so nothing about a run is configured twice.
+stage's batch, the precision and the gradient clip). One setting can be given twice: the ZeRO stage, as
+`deepspeed.zero_stage` and as the file's `zero_optimization.stage`; the run-config key wins (zero_stage_of).
 """
 from __future__ import annotations
 

@@ -2,27 +2,31 @@
 from __future__ import annotations
 
 import json
-import os
 from copy import deepcopy
 from pathlib import Path
 
 import open_clip
 import torch
 
+from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text
 from crate_clip.models import clip_tokenizer, preprocess_cfg_for, tokenizer_record
+from crate_clip.models.patch_change import config_patch_size, register_tower_of, tower_name_at_patch
 
 WEIGHTS_FILE = "open_clip_model.safetensors"
 CONFIG_FILE = "open_clip_config.json"
 
 
 def export_open_clip(state_dict: dict, model_name: str, out_dir: Path, *, image_size: int, context_length: int,
-                     mean=None, std=None, bert_vocab: str | None = None) -> Path:
+                     mean=None, std=None, bert_vocab: str | None = None, patch_size: int | None = None) -> Path:
     """Write fp32 weights and the config so `open_clip.create_model_and_transforms('local-dir:OUT')` rebuilds
     the model (after `import crate_clip`, which registers the CRATE-alpha tower); returns OUT.
 
     Preprocessing is the model config's (ImageNet mean/std for the CLIPA models) unless mean/std are given.
     A model with a HuggingFace tokenizer (CLIPA's BERT) gets its tokenizer files in OUT, where open_clip's
     `get_tokenizer('local-dir:OUT')` reads them, so the export evaluates offline with its own vocabulary.
+    A tower trained at another `patch_size` than its config's is named parametrically at that patch size
+    (register it before a plain open_clip load: `crate_clip.models.patch_change.register_tower_of(cfg)`;
+    `load_export` and `crate-clip eval` do).
     """
     from safetensors.torch import save_file
 
@@ -33,6 +37,9 @@ def export_open_clip(state_dict: dict, model_name: str, out_dir: Path, *, image_
         raise ValueError(f"export: unknown open_clip model {model_name!r}")
     model_cfg["vision_cfg"]["image_size"] = image_size
     model_cfg["text_cfg"]["context_length"] = context_length
+    if patch_size is not None and patch_size != config_patch_size(model_name):
+        tower = tower_name_at_patch(model_cfg["vision_cfg"]["timm_model_name"], patch_size, image_size)
+        model_cfg["vision_cfg"].update(timm_model_name=tower, patch_size=patch_size)
     weights = {}
     for key, value in state_dict.items():
         value = value.detach().to("cpu")
@@ -45,14 +52,12 @@ def export_open_clip(state_dict: dict, model_name: str, out_dir: Path, *, image_
     preprocess_cfg["std"] = list(std if std is not None else preprocess_cfg["std"])
     if model_cfg["text_cfg"].get("hf_tokenizer_name"):
         clip_tokenizer(model_name, context_length, bert_vocab).save_pretrained(str(out_dir))
-    # write both files under temporary names, then rename: a reader never sees half an export
-    tmp_weights = out_dir / f".{WEIGHTS_FILE}.tmp"
-    save_file(weights, str(tmp_weights), metadata={"model_name": model_name, "format": "pt"})
-    tmp_cfg = out_dir / f".{CONFIG_FILE}.tmp"
-    tmp_cfg.write_text(json.dumps({"model_name": model_name, "model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg,
-                                   "tokenizer": tokenizer_record(model_name, bert_vocab)}, indent=2))
-    os.replace(tmp_weights, out_dir / WEIGHTS_FILE)
-    os.replace(tmp_cfg, out_dir / CONFIG_FILE)
+    # each file is written under a temporary name, fsynced, then renamed: a reader never sees half a file
+    atomic_write(out_dir / WEIGHTS_FILE,
+                 lambda tmp: save_file(weights, str(tmp), metadata={"model_name": model_name, "format": "pt"}))
+    atomic_write_text(out_dir / CONFIG_FILE, json.dumps({
+        "model_name": model_name, "model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg,
+        "tokenizer": tokenizer_record(model_name, bert_vocab)}, indent=2))
     return out_dir
 
 
@@ -60,6 +65,7 @@ def load_export(out_dir: Path, device: str = "cpu"):
     """(model, preprocess, tokenizer) of an export, through open_clip's own `local-dir:` loader."""
     import crate_clip  # noqa: F401  (registers the CRATE-alpha tower with timm)
 
+    register_tower_of(json.loads((Path(out_dir) / CONFIG_FILE).read_text()).get("model_cfg"))
     spec = f"local-dir:{Path(out_dir).resolve()}"
     model, _, preprocess = open_clip.create_model_and_transforms(spec, device=device)
     return model.eval(), preprocess, open_clip.get_tokenizer(spec)

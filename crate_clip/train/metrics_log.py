@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
+
+from crate_clip.checkpoint_io.atomic_files import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.jsonl"
 PLOT_FILE = "training_curve.png"
+# keys of an evaluation record that say where it was taken, not what it measured
+EVAL_RECORD_KEYS = ("stage_index", "image_size", "stage_image_size", "context_length", "samples_seen",
+                    "global_step")
 
 
 class MetricsLog:
@@ -82,22 +88,23 @@ class MetricsLog:
             for tag, value in whitebox_scalars(record).items():
                 self._tb.add_scalar(tag, value, x)
 
-    def log_eval(self, record: dict) -> None:
-        """Append one evaluation result to results.jsonl, TensorBoard and the console."""
+    def log_eval(self, record: dict, summary: str | None = None) -> None:
+        """Append one evaluation result to results.jsonl; every number it holds goes to TensorBoard, and
+        `summary` (the task's one line; default: the numbers) to the console."""
         if not self.enabled:
             return
         with open(self.run_dir / RESULTS_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
-        tag = f"eval/{record['eval']}@{record['image_size']}px"
-        for key in ("top1", "top5", "mean_per_class"):
-            if record.get(key) is not None and self._tb is not None:
-                self._tb.add_scalar(f"{tag}/{key}", record[key], record["samples_seen"])
+        numbers = {k: v for k, v in record.items()
+                   if k not in EVAL_RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
+            tag = f"eval/{record['eval']}@{record['image_size']}px"
+            for key, value in numbers.items():
+                self._tb.add_scalar(f"{tag}/{key}", value, record["samples_seen"])
             self._tb.flush()
-        top5 = f", top-5 {100 * record['top5']:.2f}%" if record.get("top5") is not None else ""
+        summary = summary or "  ".join(f"{k} {v:.4g}" for k, v in numbers.items())
         self.print(f"[eval] stage {record['stage_index']} ({record['stage_name']}) {record['eval']} at "
-                   f"{record['image_size']} px: zero-shot top-1 {100 * record['top1']:.2f}%{top5} "
-                   f"on {record.get('n_images', '?')} images")
+                   f"{record['image_size']} px: {summary}")
 
     def close(self) -> None:
         """Flush TensorBoard."""
@@ -121,6 +128,27 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
+def set_aside_rows_after(run_dir: Path, global_step: int) -> int:
+    """Move the metrics.jsonl / results.jsonl rows written after `global_step` (by a segment that was cut short
+    and is now redone from its checkpoint) to metrics.superseded.jsonl / results.superseded.jsonl, so every
+    reader sees one row per step and nothing is lost; returns how many rows moved."""
+    moved = 0
+    for name in (METRICS_FILE, RESULTS_FILE):
+        path = Path(run_dir) / name
+        rows = read_jsonl(path)
+        later = [r for r in rows if r.get("global_step", 0) > global_step]
+        if not later:
+            continue
+        with open(path.with_name(path.stem + ".superseded.jsonl"), "a") as f:  # first: a kill loses nothing
+            f.write("".join(json.dumps(r) + "\n" for r in later))
+            f.flush()
+            os.fsync(f.fileno())
+        kept = [r for r in rows if r.get("global_step", 0) <= global_step]
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+        moved += len(later)
+    return moved
+
+
 def latest_per_step(records: list[dict]) -> list[dict]:
     """One record per (stage, step), the last written (a resumed run re-logs steps after its checkpoint)."""
     by_key = {}
@@ -137,7 +165,7 @@ def write_plot(run_dir: Path) -> Path | None:
 
     run_dir = Path(run_dir)
     steps = latest_per_step([r for r in read_jsonl(run_dir / METRICS_FILE) if r.get("loss") is not None])
-    results = read_jsonl(run_dir / RESULTS_FILE)
+    results = [r for r in read_jsonl(run_dir / RESULTS_FILE) if r.get("top1") is not None]  # classification
     if not steps:
         return None
     whitebox = [r for r in latest_per_step(read_jsonl(run_dir / METRICS_FILE)) if r.get("whitebox")]

@@ -6,248 +6,257 @@ errors of a file are reported at once, before any process group, model or data s
 from __future__ import annotations
 
 import copy
-import dataclasses
-import difflib
-import types
-import typing
-from dataclasses import dataclass, field
+import tarfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args
 
 import yaml
+from pydantic import Field, PrivateAttr, ValidationError
 
+from crate_clip.config_schema import Bool, Float, Int, Section, error_lines
+from crate_clip.models.open_clip_configs import image_patch_size
 from crate_clip.models.pos_embed import POS_EMBED_RESIZE_MODES
+from crate_clip.models.token_masks import TokenMask
+from data_pipelines.shard_reader import ShardListError, expand_source, is_remote
+from data_pipelines.text_reduction import TextMask
+from data_pipelines.train_stream import StreamConfig
+from eval.registry import EvalSpec
 
-TEXT_MASKS = ("truncate", "random", "block", "syntax")
-IMAGE_MASKS = ("none", "random", "grid", "block")
-PRECISIONS = ("bf16", "fp16", "fp32")
-DATA_MODES = ("resampled", "epoch")
-EVAL_TYPES = ("zeroshot", "retrieval")
-ATTENTION_KERNELS = ("auto", "math", "flash", "efficient", "default")
+Precision = Literal["bf16", "fp16", "fp32"]
+# scaled_dot_product_attention kernel: 'auto' = the math kernel on CPU (its backward is several times
+# faster than the CPU flash kernel's for short sequences), torch's choice on GPU
+AttentionKernel = Literal["auto", "math", "flash", "efficient", "default"]
+PRECISIONS = get_args(Precision)
 
 
 class ConfigError(ValueError):
     """A run config that cannot be used; the message lists every bad key with its fix."""
 
 
-@dataclass
-class RunSection:
+class RunSection(Section):
     """Where the run writes, its seed, and when it gives up on non-finite losses."""
     name: str = "run"
     output_dir: str = "runs/run"
-    seed: int = 0
-    max_nonfinite_in_a_row: int = 5
+    seed: Int = 0
+    max_nonfinite_in_a_row: Int = Field(5, ge=1, description="a few skipped steps in a row are normal in fp16")
 
 
-@dataclass
-class ModelSection:
+class ModelSection(Section):
     """Which open_clip model config to build (any registered name, e.g. CRATE-alpha-CLIPA-L-14)."""
     name: str = "CRATE-alpha-CLIPA-tiny"
     pretrained: Optional[str] = None       # weights file for the first stage (resized to its shapes)
     tokenizer: Optional[str] = None        # open_clip tokenizer / model name; default: model.name
-    grad_checkpointing: bool = False
-    # scaled_dot_product_attention kernel: 'auto' = the math kernel on CPU (its backward is several times
-    # faster than the CPU flash kernel's for short sequences), torch's choice on GPU
-    attention: str = "auto"
+    grad_checkpointing: Bool = False
+    attention: AttentionKernel = "auto"
     # how carried weights' image position embeddings are resized at a stage change (and for the
     # full-size eval of a low-res stage): 'official_1d' (the CRATE-alpha CLIPA code) or 'grid_2d'
-    pos_embed_resize: str = "grid_2d"
+    pos_embed_resize: Literal[POS_EMBED_RESIZE_MODES] = "grid_2d"
     bert_vocab: Optional[str] = None       # folder with vocab.txt: BERT tokenizer without the HuggingFace hub
+    # the paper's setup: the text tower (and logit scale) copied from a CLIPA checkpoint and frozen. A weights
+    # file, local-dir:DIR, hf-hub:ORG/REPO or open_clip's MODEL:TAG (e.g. ViT-H-14-CLIPA:datacomp1b)
+    text_pretrained: Optional[str] = None
+    lock_text: Bool = False                # no gradients, no optimizer state, replicated (not ZeRO-partitioned)
+    lock_logit_scale: Bool = False         # the temperature stays as created / copied from text_pretrained
+
+    def checks(self) -> list[tuple[str, str]]:
+        """text_pretrained names a usable source; a locked text tower starts from pretrained weights."""
+        problems = []
+        if self.text_pretrained:
+            from crate_clip.train.text_lock import check_text_source
+            error = check_text_source(self.text_pretrained)
+            if error:
+                problems.append(("text_pretrained", error.split(": ", 1)[1]))
+        if self.lock_text and not (self.text_pretrained or self.pretrained):
+            problems.append(("lock_text", "true would freeze a randomly initialised text tower; fix: set "
+                                          "model.text_pretrained (e.g. ViT-H-14-CLIPA:datacomp1b or a file) or "
+                                          "model.pretrained, or lock_text: false"))
+        return problems
 
 
-@dataclass
-class DataSection:
-    """The training shards and how the stream reads them (see data_pipelines.train_stream.StreamConfig)."""
-    sources: list[str] = field(default_factory=list)
-    weights: Optional[list[float]] = None
-    mode: str = "resampled"
-    shuffle_buffer: int = 1000
-    num_workers: int = 2
-    num_samples: Optional[int] = None
-    crop_scale: list[float] = field(default_factory=lambda: [0.4, 1.0])
+def _crop_problem(key: str, scale) -> list[tuple[str, str]]:
+    if scale is None or 0 < scale[0] <= scale[1] <= 1:
+        return []
+    return [(key, f"{list(scale)}; fix: [min, max] with 0 < min <= max <= 1, or remove it")]
 
 
-@dataclass
-class StageConfig:
+class StageConfig(Section):
     """One training stage: token budget (image size, text length, masks), batch, samples and LR schedule."""
     name: str = "stage"
-    image_size: int = 224
-    context_length: int = 32
-    samples: int = 0
-    global_batch: int = 256
-    lr: float = 1e-3
-    warmup_steps: int = 0
-    weight_decay: float = 0.2
-    min_lr: float = 0.0
-    text_mask: str = "truncate"
-    image_mask: str = "none"
-    image_mask_ratio: float = 0.0
-    crop_scale: Optional[list[float]] = None  # random-resized-crop area range; default: data.crop_scale
+    image_size: Int = 224
+    context_length: Int = Field(32, ge=2, description="text tokens, e.g. 32")
+    samples: Int = 0
+    global_batch: Int = Field(256, ge=2, description="a contrastive batch needs >= 2 samples")
+    lr: Float = 1e-3
+    warmup_steps: Int = 0
+    weight_decay: Float = Field(0.2, ge=0)
+    min_lr: Float = 0.0
+    text_mask: TextMask = "truncate"
+    image_mask: TokenMask = "none"
+    image_mask_ratio: Float = Field(0.0, ge=0, lt=1, description="the share of patch tokens dropped, in [0, 1)")
+    crop_scale: Optional[tuple[Float, Float]] = None  # random-resized-crop area range; default: data.crop_scale
+    # the image tower's patch size from this stage on (default: the previous stage's, else the model config's);
+    # a change resizes the patch kernel at the stage change: pi_resize (FlexiViT) or bilinear (CRATE-alpha paper)
+    patch_size: Optional[Int] = Field(None, ge=1, description="patch side in pixels, up to image_size")
+    patch_resize: Literal["pi_resize", "bilinear"] = "pi_resize"
 
     @property
     def steps(self) -> int:
         """Optimizer steps in this stage (samples rounded down to whole global batches)."""
         return self.samples // self.global_batch
 
+    def checks(self) -> list[tuple[str, str]]:
+        """Problems that involve more than one key, each with its fix."""
+        problems = _crop_problem("crop_scale", self.crop_scale)
+        if self.image_size < 1:
+            problems.append(("image_size", f"{self.image_size}; fix: a positive size in pixels (e.g. 84)"))
+        if self.samples < self.global_batch:
+            problems.append(("samples", f"{self.samples} is less than one global batch ({self.global_batch}); "
+                                        "fix: raise samples or lower global_batch"))
+        if self.lr <= 0:
+            problems.append(("lr", f"{self.lr}; fix: a positive peak learning rate, e.g. 1e-3"))
+        elif not 0 <= self.min_lr <= self.lr:
+            problems.append(("min_lr", f"{self.min_lr}; fix: between 0 and lr ({self.lr})"))
+        if not 0 <= self.warmup_steps < max(self.steps, 1):
+            problems.append(("warmup_steps", f"{self.warmup_steps} but the stage has {self.steps} steps "
+                                             "(samples / global_batch); fix: fewer warm-up steps or more samples"))
+        if self.patch_size is not None and self.patch_size > self.image_size:
+            problems.append(("patch_size", f"{self.patch_size}; fix: a patch side in pixels up to image_size "
+                                           f"({self.image_size}), or remove it"))
+        if self.image_mask not in ("none", "grid") and self.image_mask_ratio == 0:
+            problems.append(("image_mask_ratio", f"0 with image_mask {self.image_mask!r}; fix: set a ratio such "
+                                                 "as 0.3, or image_mask: none"))
+        return problems
 
-@dataclass
-class OptimizerSection:
+
+class OptimizerSection(Section):
     """AdamW with decoupled weight decay (per-stage decay and LR live in the stages)."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-6
-    grad_clip: float = 1.0
+    betas: list[Float] = [0.9, 0.95]
+    eps: Float = Field(1e-6, gt=0)
+    grad_clip: Float = Field(1.0, ge=0, description="0 = no clipping")
+
+    def checks(self) -> list[tuple[str, str]]:
+        """Two betas in [0, 1)."""
+        if len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas):
+            return []
+        return [("betas", f"{self.betas}; fix: two numbers in [0, 1), e.g. [0.9, 0.95]")]
 
 
-@dataclass
-class DeepSpeedSection:
+class DeepSpeedSection(Section):
     """ZeRO stage and settings: a JSON/YAML file from configs/deepspeed/ plus inline overrides."""
-    zero_stage: Optional[int] = None       # default: the file's zero_optimization.stage, else 1
+    zero_stage: Optional[Int] = None       # default: the file's zero_optimization.stage, else 1
     config: Optional[str] = None           # e.g. configs/deepspeed/zero2.json (relative: to the run config)
-    overrides: dict = field(default_factory=dict)
+    overrides: dict[str, Any] = {}
+
+    def checks(self) -> list[tuple[str, str]]:
+        """A ZeRO stage DeepSpeed has."""
+        if self.zero_stage in (None, 0, 1, 2, 3):
+            return []
+        return [("zero_stage", f"{self.zero_stage!r}; fix: use 0, 1, 2 or 3")]
 
 
-@dataclass
-class CheckpointSection:
+class CheckpointSection(Section):
     """Checkpoint cadence (every N steps, plus every stage end) and how many to keep."""
-    every_steps: int = 0
-    keep_last: int = 3
+    every_steps: Int = Field(0, ge=0, description="0 = only at stage ends")
+    keep_last: Int = Field(3, ge=1, description="the newest checkpoint is needed to resume and to export")
 
 
-@dataclass
-class EvalEntry:
-    """One evaluation after each stage (the dict eval.stage_hook.evaluate_stage takes)."""
-    name: str = "zeroshot"
-    type: str = "zeroshot"
-    dataset: str = "imagenet1k"
-    data: str = ""
-    templates: str = "openai"
-    batch_size: int = 256
-    max_images: Optional[int] = None
-
-
-@dataclass
-class EvalSection:
+class EvalSection(Section):
     """Evaluations run on all ranks after every stage; low-res stages are also evaluated at full size."""
-    after_each_stage: bool = True
-    full_image_size: Optional[int] = None  # default: the last stage's image size
-    evals: list[EvalEntry] = field(default_factory=list)
+    after_each_stage: Bool = True
+    full_image_size: Optional[Int] = Field(None, ge=1, description="a size in pixels; default: the last "
+                                                                   "stage's image size")
+    evals: list[EvalSpec] = []             # each entry: one task of eval/tasks/ with its own settings
 
 
-@dataclass
-class LoggingSection:
+class LoggingSection(Section):
     """Console progress bar, TensorBoard, metrics.jsonl cadence and the final PNG plot."""
-    every_steps: int = 10
-    progress: bool = True
-    tensorboard: bool = True
-    plot: bool = True
-    diagnostics_every: int = 0     # white-box coding rate / sparsity per layer every N steps (0 = off)
-    diagnostics_images: int = 64   # probe batch: this many images of the first eval set
+    every_steps: Int = Field(10, ge=1)
+    progress: Bool = True
+    tensorboard: Bool = True
+    plot: Bool = True
+    diagnostics_every: Int = Field(0, ge=0, description="white-box coding rate / sparsity per layer every N "
+                                   "steps (0 = off)")
+    diagnostics_images: Int = Field(64, ge=1, description="probe batch: this many images of eval.evals[0]")
 
 
-@dataclass
-class RunConfig:
+class RunConfig(Section):
     """A whole run: model, data, stages, optimizer, precision, DeepSpeed, checkpoints, eval, logging."""
-    run: RunSection = field(default_factory=RunSection)
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    stages: list[StageConfig] = field(default_factory=list)
-    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
-    precision: str = "bf16"
-    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    eval: EvalSection = field(default_factory=EvalSection)
-    logging: LoggingSection = field(default_factory=LoggingSection)
-    source_path: Optional[str] = None      # the YAML file it came from (set by the loader, not the user)
+    run: RunSection = RunSection()
+    model: ModelSection = ModelSection()
+    data: StreamConfig = Field(default_factory=dict, validate_default=True)  # the stream's own schema
+    stages: list[StageConfig] = []
+    optimizer: OptimizerSection = OptimizerSection()
+    precision: Precision = "bf16"
+    deepspeed: DeepSpeedSection = DeepSpeedSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    eval: EvalSection = EvalSection()
+    logging: LoggingSection = LoggingSection()
+    _source_path: Optional[str] = PrivateAttr(None)
+
+    @property
+    def source_path(self) -> Optional[str]:
+        """The YAML file it came from (None when built from a dict)."""
+        return self._source_path
 
     @property
     def run_dir(self) -> Path:
         """The run's output folder."""
         return Path(self.run.output_dir)
 
+    def patch_size_at(self, stage_index: int) -> Optional[int]:
+        """The image tower's patch size in a stage: the last one set up to it (None: the model config's)."""
+        return next((s.patch_size for s in reversed(self.stages[:stage_index + 1]) if s.patch_size), None)
+
     @property
     def full_image_size(self) -> int:
         """The resolution a low-res stage is additionally evaluated at."""
         return self.eval.full_image_size or self.stages[-1].image_size
 
+    def stream_config(self, stage_index: int) -> StreamConfig:
+        """The data stream's settings for one stage: its own seed, and its crop range if it has one."""
+        stage = self.stages[stage_index]
+        return self.data.model_copy(update={"seed": self.run.seed + 1009 * stage_index,  # a new order per stage
+                                            "crop_scale": stage.crop_scale or self.data.crop_scale})
+
+    def _patch_problems(self) -> list[tuple[str, str]]:
+        """Every image size must hold at least one patch of the model's image tower."""
+        patch = image_patch_size(self.model.name)
+        sizes = [(f"stages.{i}.image_size", s.image_size) for i, s in enumerate(self.stages)]
+        sizes += [("eval.full_image_size", self.eval.full_image_size)] if self.eval.full_image_size else []
+        return [(key, f"{size} px is smaller than one {patch} px patch of {self.model.name}; fix: at least "
+                      f"{patch} (a multiple of {patch})") for key, size in sizes if patch and size < patch]
+
+    def _text_lock_problems(self) -> list[tuple[str, str]]:
+        """A locked text tower keeps its position embedding: one context_length in every stage."""
+        if not (self.model.lock_text and self.stages):
+            return []
+        first = self.stages[0].context_length
+        return [(f"stages.{i}.context_length", f"{s.context_length}, but stages.0 has {first}; a locked text tower "
+                 "(model.lock_text) keeps its position embedding; fix: one context_length in every stage (the text "
+                 "checkpoint's, e.g. 32), or model.lock_text: false")
+                for i, s in enumerate(self.stages) if s.context_length != first]
+
     def to_dict(self) -> dict:
         """Plain-dict form (for the copy saved in the run folder and in checkpoints)."""
-        return dataclasses.asdict(self)
+        return self.model_dump(mode="json", exclude={"data": {"seed"}})  # set per stage from run.seed
 
-
-# ---------------------------------------------------------------- dict -> dataclass with key-named errors
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
-
-
-def _coerce(value: Any, tp, key: str, errors: list[str]):
-    """Convert a YAML value to the annotated type, appending a key-named error on failure."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, args[0], key, errors)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            errors.append(f"{key}: expected a mapping of {_field_list(tp)}, got {value!r}")
-            return tp()
-        return _build(tp, value, key, errors)
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            errors.append(f"{key}: expected a list, got {value!r}; fix: write it as [a, b, ...]")
-            return []
-        return [_coerce(v, item_tp, f"{key}.{i}", errors) for i, v in enumerate(value)]
-    if tp is dict or origin is dict:
-        if not isinstance(value, dict):
-            errors.append(f"{key}: expected a mapping, got {value!r}")
-            return {}
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        errors.append(f"{key}: expected true or false, got {value!r}")
-        return False
-    if tp in (int, float):
-        # YAML 1.1 reads `1e-3` (no dot) as a string: accept numeric strings for numeric keys.
-        try:
-            if isinstance(value, bool):
-                raise ValueError
-            number = float(value) if isinstance(value, str) else value
-            if tp is int:
-                if float(number) != int(number):
-                    raise ValueError
-                return int(number)
-            return float(number)
-        except (TypeError, ValueError):
-            errors.append(f"{key}: expected {'an integer' if tp is int else 'a number'}, got {value!r}")
-            return tp()
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        errors.append(f"{key}: expected a string, got {value!r}")
-        return ""
-    return value
-
-
-def _field_list(cls) -> str:
-    return ", ".join(f.name for f in dataclasses.fields(cls) if f.name != "source_path")
-
-
-def _build(cls, raw: dict, prefix: str, errors: list[str]):
-    """Build dataclass `cls` from `raw`, reporting unknown keys with the closest valid name."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name != "source_path"]
-    kwargs = {}
-    for key, value in raw.items():
-        dotted = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"valid keys here: {', '.join(names)}"
-            errors.append(f"{dotted}: unknown key; fix: remove it or rename it ({hint})")
-            continue
-        kwargs[key] = _coerce(value, hints[key], dotted, errors)
-    return cls(**kwargs)
+    def checks(self) -> list[tuple[str, str]]:
+        """At least one stage, unique stage names; the stream seed comes from run.seed."""
+        problems = []
+        if not self.stages:
+            problems.append(("stages", "empty; fix: give at least one stage (image_size, context_length, "
+                                       "samples, global_batch, lr)"))
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            problems.append(("stages", f"duplicate stage names {names}; fix: give each a unique name"))
+        problems += self._patch_problems()
+        problems += self._text_lock_problems()
+        if self.logging.diagnostics_every and not self.eval.evals:
+            problems.append(("logging.diagnostics_every", "the probe batch comes from eval.evals[0]; fix: declare "
+                                                          "an eval set or set it to 0"))
+        if "seed" in self.data.model_fields_set:
+            problems.append(("data.seed", "set per stage from run.seed; fix: remove it and set run.seed"))
+        return problems
 
 
 # ---------------------------------------------------------------- overrides
@@ -281,111 +290,46 @@ def apply_override(raw: dict, assignment: str) -> None:
             raise ConfigError(f"--set {path}: '{'.'.join(parts[:depth])}' is a value, not a section")
 
 
-# ---------------------------------------------------------------- semantic checks
-def _check(cfg: RunConfig, errors: list[str], base_dir: Path, check_paths: bool) -> None:
-    """Value checks that need more than a type: ranges, enumerations, paths, stage consistency."""
-    def need(ok: bool, msg: str):
-        if not ok:
-            errors.append(msg)
-
-    need(cfg.model.attention in ATTENTION_KERNELS,
-         f"model.attention: {cfg.model.attention!r} is not one of {ATTENTION_KERNELS}")
-    need(cfg.model.pos_embed_resize in POS_EMBED_RESIZE_MODES,
-         f"model.pos_embed_resize: {cfg.model.pos_embed_resize!r} is not one of {POS_EMBED_RESIZE_MODES}")
-    need(cfg.precision in PRECISIONS, f"precision: {cfg.precision!r} is not one of {PRECISIONS}")
-    zs = cfg.deepspeed.zero_stage
-    need(zs is None or zs in (0, 1, 2, 3), f"deepspeed.zero_stage: {zs!r}; fix: use 0, 1, 2 or 3")
-    need(cfg.run.max_nonfinite_in_a_row >= 1, "run.max_nonfinite_in_a_row: must be >= 1")
-    need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last: must be >= 1 (the newest checkpoint is "
-                                        "needed to resume and to export)")
-    need(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps: must be >= 0 (0 = only at stage ends)")
-    need(cfg.logging.every_steps >= 1, "logging.every_steps: must be >= 1")
-    need(cfg.logging.diagnostics_every >= 0, "logging.diagnostics_every: must be >= 0 (0 = off)")
-    need(cfg.logging.diagnostics_images >= 1, "logging.diagnostics_images: must be >= 1")
-    need(not cfg.logging.diagnostics_every or bool(cfg.eval.evals),
-         "logging.diagnostics_every: the probe batch comes from eval.evals[0]: declare an eval set or set it to 0")
-    need(len(cfg.optimizer.betas) == 2 and all(0 <= b < 1 for b in cfg.optimizer.betas),
-         f"optimizer.betas: {cfg.optimizer.betas}; fix: two numbers in [0, 1), e.g. [0.9, 0.95]")
-    need(cfg.optimizer.eps > 0, "optimizer.eps: must be > 0")
-    need(cfg.optimizer.grad_clip >= 0, "optimizer.grad_clip: must be >= 0 (0 = no clipping)")
-    # data
-    need(bool(cfg.data.sources), "data.sources: empty; fix: list shard folders, brace patterns "
-                                 "(/data/{00000000..00000099}.tar), globs, URLs or 'pipe:' commands")
-    need(cfg.data.mode in DATA_MODES, f"data.mode: {cfg.data.mode!r} is not one of {DATA_MODES}")
-    if cfg.data.weights is not None:
-        need(len(cfg.data.weights) == len(cfg.data.sources),
-             f"data.weights: {len(cfg.data.weights)} weights for {len(cfg.data.sources)} sources; "
-             "fix: one weight per source, or remove data.weights")
-    need(cfg.data.num_workers >= 0, "data.num_workers: must be >= 0")
-    need(len(cfg.data.crop_scale) == 2 and 0 < cfg.data.crop_scale[0] <= cfg.data.crop_scale[1] <= 1,
-         f"data.crop_scale: {cfg.data.crop_scale}; fix: [min, max] with 0 < min <= max <= 1")
-    if check_paths:
-        for i, src in enumerate(cfg.data.sources):
-            if _is_local(src) and not _local_exists(resolve_path(src, base_dir)):
-                errors.append(f"data.sources.{i}: {src!r} does not exist; fix: write the shards first "
-                              "(crate-clip shards ...) or correct the path")
-        if cfg.model.bert_vocab and not (resolve_path(cfg.model.bert_vocab, base_dir) / "vocab.txt").is_file():
-            errors.append(f"model.bert_vocab: {cfg.model.bert_vocab!r} holds no vocab.txt; fix: the folder of a "
-                          "BERT vocabulary (one token a line), or remove the key to use the HuggingFace hub")
-        if cfg.model.pretrained and not resolve_path(cfg.model.pretrained, base_dir).exists():
-            errors.append(f"model.pretrained: file {cfg.model.pretrained!r} does not exist")
-        if cfg.deepspeed.config and not resolve_path(cfg.deepspeed.config, base_dir).exists():
-            errors.append(f"deepspeed.config: file {cfg.deepspeed.config!r} does not exist; fix: use one of "
-                          "configs/deepspeed/zero{1,2,3}.json")
-    # stages
-    need(bool(cfg.stages), "stages: empty; fix: give at least one stage (image_size, context_length, "
-                           "samples, global_batch, lr)")
-    names = [s.name for s in cfg.stages]
-    need(len(set(names)) == len(names), f"stages: duplicate stage names {names}; fix: give each a unique name")
-    for i, s in enumerate(cfg.stages):
-        k = f"stages.{i}"
-        need(s.image_size >= 8, f"{k}.image_size: {s.image_size}; fix: a positive size in pixels (e.g. 84)")
-        need(s.context_length >= 2, f"{k}.context_length: {s.context_length}; fix: >= 2 (e.g. 32)")
-        need(s.global_batch >= 2, f"{k}.global_batch: {s.global_batch}; fix: >= 2 (a contrastive batch)")
-        need(s.samples >= s.global_batch, f"{k}.samples: {s.samples} is less than one global batch "
-                                          f"({s.global_batch}); fix: raise samples or lower global_batch")
-        need(s.lr > 0, f"{k}.lr: {s.lr}; fix: a positive peak learning rate, e.g. 1e-3")
-        need(0 <= s.min_lr <= s.lr, f"{k}.min_lr: {s.min_lr}; fix: between 0 and lr ({s.lr})")
-        need(s.weight_decay >= 0, f"{k}.weight_decay: must be >= 0")
-        need(0 <= s.warmup_steps < max(s.steps, 1),
-             f"{k}.warmup_steps: {s.warmup_steps} but the stage has {s.steps} steps "
-             f"(samples / global_batch); fix: fewer warm-up steps or more samples")
-        need(s.text_mask in TEXT_MASKS, f"{k}.text_mask: {s.text_mask!r} is not one of {TEXT_MASKS}")
-        need(s.image_mask in IMAGE_MASKS, f"{k}.image_mask: {s.image_mask!r} is not one of {IMAGE_MASKS}")
-        need(0 <= s.image_mask_ratio < 1, f"{k}.image_mask_ratio: {s.image_mask_ratio}; fix: in [0, 1)")
-        need(s.crop_scale is None or (len(s.crop_scale) == 2 and 0 < s.crop_scale[0] <= s.crop_scale[1] <= 1),
-             f"{k}.crop_scale: {s.crop_scale}; fix: [min, max] with 0 < min <= max <= 1, or remove it")
-        need(s.image_mask == "none" or s.image_mask_ratio > 0 or s.image_mask in ("grid",),
-             f"{k}.image_mask_ratio: 0 with image_mask {s.image_mask!r}; fix: set a ratio such as 0.3, "
-             "or image_mask: none")
-    # eval
-    need(cfg.eval.full_image_size is None or cfg.eval.full_image_size >= 8,
-         "eval.full_image_size: must be a size in pixels")
+# ---------------------------------------------------------------- paths
+def _check_paths(cfg: RunConfig, base_dir: Path) -> list[str]:
+    """Local files the run reads must exist (checked before any process group starts)."""
+    errors = [line for i, src in enumerate(cfg.data.sources) for line in _source_problems(f"data.sources.{i}", src)]
+    if cfg.model.bert_vocab and not (resolve_path(cfg.model.bert_vocab, base_dir) / "vocab.txt").is_file():
+        errors.append(f"model.bert_vocab: {cfg.model.bert_vocab!r} holds no vocab.txt; fix: the folder of a "
+                      "BERT vocabulary (one token a line), or remove the key to use the HuggingFace hub")
+    if cfg.model.pretrained and not resolve_path(cfg.model.pretrained, base_dir).exists():
+        errors.append(f"model.pretrained: file {cfg.model.pretrained!r} does not exist")
+    if cfg.deepspeed.config and not resolve_path(cfg.deepspeed.config, base_dir).exists():
+        errors.append(f"deepspeed.config: file {cfg.deepspeed.config!r} does not exist; fix: use one of "
+                      "configs/deepspeed/zero{1,2,3}.json")
     for i, e in enumerate(cfg.eval.evals):
-        k = f"eval.evals.{i}"
-        need(e.type in EVAL_TYPES, f"{k}.type: {e.type!r} is not one of {EVAL_TYPES}")
-        need(bool(e.data), f"{k}.data: empty; fix: the path of the evaluation set")
-        need(e.batch_size >= 1, f"{k}.batch_size: must be >= 1")
-        if check_paths and e.data and not resolve_path(e.data, base_dir).exists():
-            errors.append(f"{k}.data: {e.data!r} does not exist; fix: build the evaluation set first "
-                          "(crate-clip shards ...) or correct the path")
+        if e.data and not resolve_path(e.data, base_dir).exists():
+            errors.append(f"eval.evals.{i}.data: {e.data!r} does not exist; fix: build the evaluation set "
+                          "first (crate-clip shards ...) or correct the path")
+    return errors
 
 
-def _is_local(src: str) -> bool:
-    return not (src.startswith("pipe:") or "://" in src)
+SHARDS_CHECKED = 16   # per source, spread over its list: a header read each, not a scan of every shard
 
 
-def _local_exists(path: Path) -> bool:
-    """A folder, a file, or a brace/glob pattern with at least one existing match."""
-    text = str(path)
-    if path.exists():
-        return True
-    if "{" in text:
-        import braceexpand  # webdataset's dependency
-        return any(Path(p).exists() for p in braceexpand.braceexpand(text))
-    if any(c in text for c in "*?["):
-        return any(Path(text).parent.glob(Path(text).name))
-    return False
+def _source_problems(key: str, source: str) -> list[str]:
+    """A local source must name shards that exist and are tar files (a sample of them is opened)."""
+    if is_remote(source):
+        return []
+    fix = "fix: write the shards first (crate-clip shards ...) or correct the path"
+    try:
+        shards = expand_source(source)
+    except ShardListError:
+        return [f"{key}: {source!r} names no .tar shard (an empty folder or a pattern that matches nothing); {fix}"]
+    step = max(1, len(shards) // SHARDS_CHECKED)
+    present = [shard for shard in shards[::step][:SHARDS_CHECKED] if Path(shard).is_file()]
+    if not present:   # a few missing shards of a pattern are counted by the stream, not an error
+        return [f"{key}: {source!r} does not exist; {fix}"]
+    not_tar = [shard for shard in present if not tarfile.is_tarfile(shard)]
+    if not_tar:
+        return [f"{key}: {not_tar[0]!r} is not a tar file; fix: rewrite the shard (crate-clip shards ...) or "
+                "remove it"]
+    return []
 
 
 def resolve_path(path: str, base_dir: Path) -> Path:
@@ -399,7 +343,7 @@ def resolve_path(path: str, base_dir: Path) -> Path:
 
 def _resolve_paths(cfg: RunConfig, base_dir: Path) -> None:
     """Make relative local paths found beside the config absolute, so every rank reads the same files."""
-    cfg.data.sources = [str(resolve_path(s, base_dir)) if _is_local(s) else s for s in cfg.data.sources]
+    cfg.data.sources = [s if is_remote(s) else str(resolve_path(s, base_dir)) for s in cfg.data.sources]
     for e in cfg.eval.evals:
         e.data = str(resolve_path(e.data, base_dir)) if e.data else e.data
     if cfg.deepspeed.config:
@@ -408,6 +352,11 @@ def _resolve_paths(cfg: RunConfig, base_dir: Path) -> None:
         cfg.model.pretrained = str(resolve_path(cfg.model.pretrained, base_dir))
     if cfg.model.bert_vocab:
         cfg.model.bert_vocab = str(resolve_path(cfg.model.bert_vocab, base_dir))
+    text = cfg.model.text_pretrained
+    if text and text.startswith("local-dir:"):
+        cfg.model.text_pretrained = "local-dir:" + str(resolve_path(text[len("local-dir:"):], base_dir))
+    elif text and resolve_path(text, base_dir).exists():
+        cfg.model.text_pretrained = str(resolve_path(text, base_dir))
 
 
 def check_runtime(cfg: RunConfig, world_size: int, device: str = "cpu") -> None:
@@ -427,17 +376,17 @@ def check_runtime(cfg: RunConfig, world_size: int, device: str = "cpu") -> None:
 def config_from_dict(raw: dict, *, base_dir: Path | None = None, check_paths: bool = True,
                      source_path: str | None = None) -> RunConfig:
     """Build and validate a RunConfig from a plain dict; raises ConfigError listing every bad key."""
+    where = f" ({source_path})" if source_path else ""
     if not isinstance(raw, dict):
-        raise ConfigError(f"run config{' ' + source_path if source_path else ''}: expected a mapping at the "
-                          f"top level, got {type(raw).__name__}")
-    errors: list[str] = []
-    cfg = _build(RunConfig, raw, "", errors)
-    cfg.source_path = source_path
-    if not errors:
-        _resolve_paths(cfg, base_dir or Path("."))
-        _check(cfg, errors, base_dir or Path("."), check_paths)
+        raise ConfigError(f"run config{where}: expected a mapping at the top level, got {type(raw).__name__}")
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(f"invalid run config{where}:\n  " + "\n  ".join(error_lines(err, RunConfig))) from None
+    cfg._source_path = source_path
+    _resolve_paths(cfg, base_dir or Path("."))
+    errors = _check_paths(cfg, base_dir or Path(".")) if check_paths else []
     if errors:
-        where = f" ({source_path})" if source_path else ""
         raise ConfigError(f"invalid run config{where}:\n  " + "\n  ".join(errors))
     return cfg
 

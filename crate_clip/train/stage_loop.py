@@ -21,12 +21,17 @@ import torch
 import torch.distributed as tdist
 import yaml
 
-from crate_clip.models import create_clip, preprocess_cfg_for, set_image_token_mask, tokenizer_record
+from crate_clip.checkpoint_io.atomic_files import atomic_write_text
+from crate_clip.models import preprocess_cfg_for, set_image_token_mask, tokenizer_record
+from crate_clip.models.patch_change import checkpoint_patch_size, create_clip_at_patch
 from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, consolidated_state_dict, read_info,
                                           rng_state, set_rng_state)
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
-from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl, write_plot
+from crate_clip.train.metrics_log import MetricsLog, set_aside_rows_after, write_plot
 from crate_clip.train.run_config import RunConfig, StageConfig, check_runtime
+from crate_clip.train.text_lock import apply_text_config
+from crate_clip.train.run_dir import check_run_dir, move_run_aside
+from crate_clip.train.stage_evals import agreed_missing_evals, evaluate_after_stage, missing_evals
 from crate_clip.train.whitebox_log import WhiteboxProbe
 
 MAX_LOGIT_SCALE = 100.0  # CLIP's cap on exp(logit_scale)
@@ -45,6 +50,154 @@ class Progress:
     samples_seen: int = 0
     nonfinite_skipped: int = 0
     nonfinite_in_a_row: int = 0
+
+
+# ---------------------------------------------------------------- the run (entry point)
+def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: Optional[Callable] = None,
+                 dist: Optional[DistInfo] = None, overwrite: bool = False) -> dict:
+    """Train all stages of `cfg` (resuming from `resume`: 'latest' or a checkpoint path; with `overwrite`, an
+    earlier run in the output folder is moved aside first); returns a summary."""
+    earlier_run = check_run_dir(cfg.run_dir, resume, overwrite)  # before anything is written, on every rank
+    dist = dist or init_distributed()
+    check_runtime(cfg, dist.world_size, "cuda" if dist.device.startswith("cuda") else "cpu")
+    stream_factory = stream_factory or default_stream_factory
+    ckpts = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size,
+                              protect=lambda info: _evaluations_pending(cfg, info))
+    start = find_resume_point(cfg, ckpts, resume)  # validated before anything is written
+    tdist.barrier()  # every rank has read the folder before rank 0 changes it
+    if dist.is_main:
+        _prepare_run_dir(cfg, start, moved_aside=earlier_run and overwrite)
+    log = MetricsLog(cfg.run_dir, enabled=dist.is_main, progress=cfg.logging.progress,
+                     tensorboard=cfg.logging.tensorboard)
+    progress, weights, evals, tag_dir = start.progress, None, [], start.tag_dir
+    t_start = time.time()
+    try:
+        if start.tag_dir is not None:
+            log.print(f"resuming from {start.tag_dir} (stage {progress.stage_index}, step {progress.step}, "
+                      f"{progress.samples_seen} samples seen)")
+        for i in range(start.stage_index):  # stages finished before the checkpoint resumed from
+            evals += _evaluate_finished_stage(cfg, i, ckpts, log, dist)
+        for i in range(start.stage_index, len(cfg.stages)):
+            resume_here = start if i == start.stage_index and start.tag_dir is not None else None
+            tag_dir, weights, records = run_stage(cfg, i, weights, resume_here, progress, stream_factory, ckpts,
+                                                  log, dist)
+            evals += records
+        export_dir = _export(cfg, weights, log, dist)
+        tdist.barrier()
+        return {"run_dir": str(cfg.run_dir), "export_dir": str(export_dir) if export_dir else None,
+                "evals": evals, "progress": dataclasses.asdict(progress), "last_checkpoint": str(tag_dir),
+                "seconds": time.time() - t_start}
+    finally:
+        log.close()
+        if dist.is_main and cfg.logging.plot:
+            plot = write_plot(cfg.run_dir)
+            if plot:
+                log.print(f"wrote {plot}")
+
+
+# ---------------------------------------------------------------- where do we resume
+@dataclass
+class ResumePoint:
+    """Where the run starts: a stage, and the checkpoint inside it to continue from (None: from scratch)."""
+    stage_index: int = 0
+    tag_dir: Optional[Path] = None
+    progress: Progress = dataclasses.field(default_factory=Progress)
+    stage_finished: bool = False  # the checkpoint is its stage's last: only evaluations may be left to do
+
+
+def find_resume_point(cfg: RunConfig, ckpts: CheckpointManager, resume: Optional[str]) -> ResumePoint:
+    """The checkpoint `resume` names ('latest' or a path), checked against this job; raises ResumeError."""
+    if not resume:
+        return ResumePoint()
+    tag_dir = ckpts.resolve(resume)
+    info = ckpts.check_compatible(tag_dir)
+    progress = Progress(**{k: info[k] for k in dataclasses.asdict(Progress()) if k in info})
+    finished = info["step"] >= cfg.stages[info["stage_index"]].steps
+    return ResumePoint(info["stage_index"], tag_dir, progress, finished)
+
+
+# ---------------------------------------------------------------- one stage
+def run_stage(cfg: RunConfig, i: int, weights: Optional[dict], start: Optional[ResumePoint], progress: Progress,
+              stream_factory: Callable, ckpts: CheckpointManager, log: MetricsLog,
+              dist: DistInfo) -> tuple[Path, dict, list[dict]]:
+    """Train stage `i` (from the previous stage's weights, or on from `start`) and evaluate it;
+    returns (its final checkpoint, its consolidated weights, the evaluation records)."""
+    if start is not None and start.stage_finished:
+        # the stage had finished before the interruption: only evaluations may be missing
+        weights = consolidated_state_dict(start.tag_dir)
+        return start.tag_dir, weights, evaluate_after_stage(cfg, i, weights, progress, log, dist)
+    stage = cfg.stages[i]
+    model = build_stage_model(cfg, stage, weights, resuming=start is not None)
+    engine = build_engine(model, cfg, stage, dist)
+    _seed_everything(cfg.run.seed * 7919 + 104729 * i + dist.rank)  # token masks differ per rank
+    stream = stream_factory(cfg, stage, i, dist)
+    if start is not None:
+        _, rank_state = ckpts.load(engine, start.tag_dir)
+        if rank_state.get("stream") is not None:
+            stream.load_state_dict(rank_state["stream"])
+        set_rng_state(rank_state["rng"])
+    else:
+        progress.stage_index, progress.step, progress.nonfinite_in_a_row = i, 0, 0
+    tag_dir = train_stage(cfg, stage, engine, stream, progress, ckpts, log, dist)
+    engine.destroy()
+    del engine, model, stream
+    weights = consolidated_state_dict(tag_dir)
+    return tag_dir, weights, evaluate_after_stage(cfg, i, weights, progress, log, dist)
+
+
+def _evaluate_finished_stage(cfg: RunConfig, i: int, ckpts: CheckpointManager, log: MetricsLog,
+                             dist: DistInfo) -> list[dict]:
+    """The evaluations of an earlier stage that are not in results.jsonl, from its final checkpoint (kept
+    for that reason by the checkpoint manager's `protect`)."""
+    if not agreed_missing_evals(cfg, i, dist):
+        return []
+    tag_dir = ckpts.root / checkpoint_tag(i, cfg.stages[i].steps)
+    info = read_info(tag_dir)
+    if info is None:
+        log.print(f"[warn] stage {i} ({cfg.stages[i].name}): evaluations missing from results.jsonl and its "
+                  f"final checkpoint {tag_dir} is gone; they cannot be run")
+        return []
+    progress = Progress(**{k: info[k] for k in dataclasses.asdict(Progress()) if k in info})
+    return evaluate_after_stage(cfg, i, consolidated_state_dict(tag_dir), progress, log, dist)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+def _prepare_run_dir(cfg: RunConfig, start: ResumePoint, moved_aside: bool) -> None:
+    """Rank 0, once the command is validated: move an earlier run aside (--overwrite), set aside the rows a
+    cut-short segment logged after the checkpoint resumed from, write run_config.yaml."""
+    if moved_aside:
+        print(f"the earlier run in {cfg.run_dir} is moved to {move_run_aside(cfg.run_dir)}", flush=True)
+    if start.tag_dir is not None:
+        set_aside_rows_after(cfg.run_dir, start.progress.global_step)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(cfg.run_dir / "run_config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def _evaluations_pending(cfg: RunConfig, info: dict) -> bool:
+    """True for a stage's final checkpoint whose evaluations are not all in results.jsonl yet."""
+    index = info.get("stage_index", -1)
+    return 0 <= index < len(cfg.stages) and info.get("step", 0) >= cfg.stages[index].steps and bool(
+        missing_evals(cfg, index))
+
+
+def _export(cfg: RunConfig, weights: dict, log: MetricsLog, dist: DistInfo) -> Optional[Path]:
+    """The last stage's weights as an open_clip `local-dir:` model (rank 0)."""
+    from crate_clip.train.export import export_open_clip
+
+    if not dist.is_main:
+        return None
+    last = cfg.stages[-1]
+    export_dir = export_open_clip(weights, cfg.model.name, cfg.run_dir / "export",
+                                  image_size=last.image_size, context_length=last.context_length,
+                                  bert_vocab=cfg.model.bert_vocab, patch_size=checkpoint_patch_size(weights))
+    log.print(f"exported the final weights to {export_dir} "
+              f"(open_clip.create_model_and_transforms('local-dir:{export_dir}') after `import crate_clip`)")
+    return export_dir
 
 
 # ---------------------------------------------------------------- one step
@@ -95,29 +248,34 @@ def train_step(engine, loss_fn, images, tokens, dist: DistInfo, dtype,
 
 
 # ---------------------------------------------------------------- building blocks
-def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict]) -> torch.nn.Module:
+def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict],
+                      resuming: bool = False) -> torch.nn.Module:
     """The model at the stage's image size / context length: from carried weights (position embeddings
-    resized 2-D for the image grid, 1-D for the text), or fresh (plus model.pretrained) for the first."""
+    resized 2-D for the image grid, 1-D for the text), or fresh (plus model.pretrained and
+    model.text_pretrained) for the first; then the text tower / logit scale locked as configured.
+    `resuming`: every weight comes from the checkpoint loaded next, so nothing else is read."""
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    pretrained = cfg.model.pretrained if weights is None else weights
-    model = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length,
-                        pretrained=pretrained, pos_embed_resize=cfg.model.pos_embed_resize)
+    pretrained = None if resuming else cfg.model.pretrained if weights is None else weights
+    # (the tower's patch size changes here when the stage sets another one: crate_clip/models/patch_change.py)
+    model = create_clip_at_patch(cfg.model.name, pretrained, stage.patch_size, stage.patch_resize,
+                                 image_size=stage.image_size, context_length=stage.context_length,
+                                 pos_embed_resize=cfg.model.pos_embed_resize)
     set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
+    apply_text_config(model, text_pretrained=cfg.model.text_pretrained, lock_text=cfg.model.lock_text,
+                      lock_logit_scale=cfg.model.lock_logit_scale, compute_dtype=model_dtype(cfg.precision),
+                      load=weights is None and not resuming)
     return model
 
 
 def default_stream_factory(cfg: RunConfig, stage: StageConfig, stage_index: int, dist: DistInfo):
     """The stage's webdataset stream (data_pipelines), each rank reading its own shards."""
-    from data_pipelines.train_stream import StreamConfig, build_train_stream
+    from data_pipelines.train_stream import build_train_stream
 
-    stream_cfg = StreamConfig(
-        sources=list(cfg.data.sources), weights=cfg.data.weights, mode=cfg.data.mode,
-        seed=cfg.run.seed + 1009 * stage_index,  # each stage sees the data in a new order
-        shuffle_buffer=cfg.data.shuffle_buffer, num_workers=cfg.data.num_workers,
-        num_samples=cfg.data.num_samples, crop_scale=tuple(stage.crop_scale or cfg.data.crop_scale),
-        **_normalisation(cfg.model.name))
+    # the model's own normalisation unless the run config sets data.mean / data.std
+    normalisation = {k: v for k, v in _normalisation(cfg.model.name).items() if k not in cfg.data.model_fields_set}
+    stream_cfg = cfg.stream_config(stage_index).model_copy(update=normalisation)
     return build_train_stream(stream_cfg, image_size=stage.image_size, context_length=stage.context_length,
                               text_mask=stage.text_mask, batch_size=stage.global_batch // dist.world_size,
                               rank=dist.rank, world_size=dist.world_size,
@@ -151,71 +309,7 @@ def _summed_skips(stream, dist: DistInfo) -> dict:
     return total
 
 
-# ---------------------------------------------------------------- evaluation
-def evaluate_after_stage(cfg: RunConfig, stage_index: int, weights: dict, progress: Progress,
-                         log: MetricsLog, dist: DistInfo) -> list[dict]:
-    """Zero-shot evaluation of the stage's consolidated weights on all ranks (images split across them),
-    at the stage's resolution and, after a low-resolution stage, also at the full resolution. The fp32
-    weights run under autocast in the training precision (bf16 matmuls are several times faster)."""
-    if not (cfg.eval.after_each_stage and cfg.eval.evals):
-        return []
-    from eval.stage_hook import evaluate_stage
-
-    stage = cfg.stages[stage_index]
-    sizes = [stage.image_size] + ([cfg.full_image_size] if cfg.full_image_size != stage.image_size else [])
-    records = []
-    for size in sizes:
-        model = create_clip(cfg.model.name, image_size=size, context_length=stage.context_length, pretrained=weights,
-                            pos_embed_resize=cfg.model.pos_embed_resize)
-        model.to(dist.device).eval()
-        results = evaluate_stage(model, model_name=cfg.model.name, evals=[dataclasses.asdict(e) for e in cfg.eval.evals],
-                                 image_size=size, device=dist.device, precision=cfg.precision,
-                                 cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main,
-                                 bert_vocab=cfg.model.bert_vocab)
-        for name, res in results.items():
-            record = {"stage_index": stage_index, "stage_name": stage.name, "eval": name, "image_size": size,
-                      "stage_image_size": stage.image_size, "context_length": stage.context_length,
-                      "samples_seen": progress.samples_seen, "global_step": progress.global_step,
-                      **{k: v for k, v in res.items() if isinstance(v, (int, float, str, list)) or v is None}}
-            records.append(record)
-            log.log_eval(record)
-        del model
-    return records
-
-
-def _stage_evaluated(run_dir: Path, stage_index: int) -> bool:
-    return any(r.get("stage_index") == stage_index for r in read_jsonl(run_dir / RESULTS_FILE))
-
-
-# ---------------------------------------------------------------- checkpoints
-def _info(cfg: RunConfig, stage: StageConfig, progress: Progress) -> dict:
-    return {"model_name": cfg.model.name, "image_size": stage.image_size, "context_length": stage.context_length,
-            "zero_stage": zero_stage_of(cfg), "stage_index": progress.stage_index, "stage_name": stage.name,
-            "step": progress.step, "stage_steps": stage.steps, "global_step": progress.global_step,
-            "samples_seen": progress.samples_seen, "nonfinite_skipped": progress.nonfinite_skipped,
-            "nonfinite_in_a_row": progress.nonfinite_in_a_row, "logit_scale_shape": [1],
-            "precision": cfg.precision, "run_config": cfg.to_dict(),
-            "tokenizer": tokenizer_record(cfg.model.tokenizer or cfg.model.name, cfg.model.bert_vocab)}
-
-
-def _save(ckpts: CheckpointManager, engine, cfg: RunConfig, stage: StageConfig, progress: Progress, stream) -> Path:
-    rank_state = {"stream": stream.state_dict() if hasattr(stream, "state_dict") else None, "rng": rng_state(),
-                  "progress": dataclasses.asdict(progress)}
-    return ckpts.save(engine, checkpoint_tag(progress.stage_index, progress.step),
-                      _info(cfg, stage, progress), rank_state)
-
-
-def _first_batch_of_epoch(batches, cfg: RunConfig):
-    """The first batch of a new pass; a pass that yields nothing would otherwise end the run silently."""
-    try:
-        return next(batches)
-    except StopIteration:
-        raise RuntimeError(f"data.sources {list(cfg.data.sources)}: a whole epoch gave no batch on this rank "
-                           "(too few usable samples for the per-rank batch; see the stream's skip counters in "
-                           "metrics.jsonl)") from None
-
-
-# ---------------------------------------------------------------- one stage
+# ---------------------------------------------------------------- the steps of one stage
 def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Progress,
                 ckpts: CheckpointManager, log: MetricsLog, dist: DistInfo) -> Path:
     """Run the stage's remaining steps; returns the folder of its final checkpoint."""
@@ -272,83 +366,30 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
     return tag_dir
 
 
-# ---------------------------------------------------------------- the run
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed)
+# ---------------------------------------------------------------- checkpoints
+def _info(cfg: RunConfig, stage: StageConfig, progress: Progress) -> dict:
+    return {"model_name": cfg.model.name, "image_size": stage.image_size, "context_length": stage.context_length,
+            "patch_size": cfg.patch_size_at(progress.stage_index),
+            "zero_stage": zero_stage_of(cfg), "stage_index": progress.stage_index, "stage_name": stage.name,
+            "step": progress.step, "stage_steps": stage.steps, "global_step": progress.global_step,
+            "samples_seen": progress.samples_seen, "nonfinite_skipped": progress.nonfinite_skipped,
+            "nonfinite_in_a_row": progress.nonfinite_in_a_row, "logit_scale_shape": [1],
+            "precision": cfg.precision, "run_config": cfg.to_dict(),
+            "tokenizer": tokenizer_record(cfg.model.tokenizer or cfg.model.name, cfg.model.bert_vocab)}
 
 
-def _write_run_config(cfg: RunConfig) -> None:
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.run_dir / "run_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+def _save(ckpts: CheckpointManager, engine, cfg: RunConfig, stage: StageConfig, progress: Progress, stream) -> Path:
+    rank_state = {"stream": stream.state_dict() if hasattr(stream, "state_dict") else None, "rng": rng_state(),
+                  "progress": dataclasses.asdict(progress)}
+    return ckpts.save(engine, checkpoint_tag(progress.stage_index, progress.step),
+                      _info(cfg, stage, progress), rank_state)
 
 
-def run_training(cfg: RunConfig, resume: Optional[str] = None,
-                 stream_factory: Optional[Callable] = None, dist: Optional[DistInfo] = None) -> dict:
-    """Train all stages of `cfg` (resuming from `resume`: 'latest' or a checkpoint path); returns a summary."""
-    from crate_clip.train.export import export_open_clip
-
-    dist = dist or init_distributed()
-    check_runtime(cfg, dist.world_size, "cuda" if dist.device.startswith("cuda") else "cpu")
-    stream_factory = stream_factory or default_stream_factory
-    if dist.is_main:
-        _write_run_config(cfg)
-    log = MetricsLog(cfg.run_dir, enabled=dist.is_main, progress=cfg.logging.progress,
-                     tensorboard=cfg.logging.tensorboard)
-    ckpts = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
-    start_dir = ckpts.resolve(resume) if resume else None
-    start = ckpts.check_compatible(start_dir) if start_dir else None
-    progress, weights, evals, tag_dir = Progress(), None, [], start_dir
-    t_start = time.time()
+def _first_batch_of_epoch(batches, cfg: RunConfig):
+    """The first batch of a new pass; a pass that yields nothing would otherwise end the run silently."""
     try:
-        if start is not None:
-            progress = Progress(**{k: start[k] for k in dataclasses.asdict(Progress()) if k in start})
-            log.print(f"resuming from {start_dir} (stage {progress.stage_index}, step {progress.step}, "
-                      f"{progress.samples_seen} samples seen)")
-        for i, stage in enumerate(cfg.stages):
-            if start is not None and i < start["stage_index"]:
-                continue
-            if start is not None and i == start["stage_index"] and start["step"] >= stage.steps:
-                # the stage had finished before the interruption: evaluate it if that was cut short too
-                weights = consolidated_state_dict(start_dir)
-                if not _stage_evaluated(cfg.run_dir, i):
-                    evals += evaluate_after_stage(cfg, i, weights, progress, log, dist)
-                start = None
-                continue
-            resuming_here = start is not None and i == start["stage_index"]
-            model = build_stage_model(cfg, stage, weights)
-            engine = build_engine(model, cfg, stage, dist)
-            _seed_everything(cfg.run.seed * 7919 + 104729 * i + dist.rank)  # token masks differ per rank
-            stream = stream_factory(cfg, stage, i, dist)
-            if resuming_here:
-                _, rank_state = ckpts.load(engine, start_dir)
-                if rank_state.get("stream") is not None:
-                    stream.load_state_dict(rank_state["stream"])
-                set_rng_state(rank_state["rng"])
-                start = None
-            else:
-                progress.stage_index, progress.step, progress.nonfinite_in_a_row = i, 0, 0
-            tag_dir = train_stage(cfg, stage, engine, stream, progress, ckpts, log, dist)
-            engine.destroy()
-            del engine, model, stream
-            weights = consolidated_state_dict(tag_dir)
-            evals += evaluate_after_stage(cfg, i, weights, progress, log, dist)
-        export_dir = None
-        if dist.is_main:
-            last = cfg.stages[-1]
-            export_dir = export_open_clip(weights, cfg.model.name, cfg.run_dir / "export",
-                                          image_size=last.image_size, context_length=last.context_length,
-                                          bert_vocab=cfg.model.bert_vocab)
-            log.print(f"exported the final weights to {export_dir} "
-                      f"(open_clip.create_model_and_transforms('local-dir:{export_dir}') after `import crate_clip`)")
-        tdist.barrier()
-        return {"run_dir": str(cfg.run_dir), "export_dir": str(export_dir) if export_dir else None,
-                "evals": evals, "progress": dataclasses.asdict(progress), "last_checkpoint": str(tag_dir),
-                "seconds": time.time() - t_start}
-    finally:
-        log.close()
-        if dist.is_main and cfg.logging.plot:
-            plot = write_plot(cfg.run_dir)
-            if plot:
-                log.print(f"wrote {plot}")
+        return next(batches)
+    except StopIteration:
+        raise RuntimeError(f"data.sources {list(cfg.data.sources)}: a whole epoch gave no batch on this rank "
+                           "(too few usable samples for the per-rank batch; see the stream's skip counters in "
+                           "metrics.jsonl)") from None

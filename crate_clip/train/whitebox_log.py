@@ -25,9 +25,10 @@ def _probe_images(cfg, image_size: int, model, count: int) -> torch.Tensor:
     from eval.model_loading import eval_transform
 
     spec = cfg.eval.evals[0]
-    names = resolve_classnames(spec.dataset, spec.data, getattr(spec, "classnames", None))
+    dataset = getattr(spec, "dataset", "custom")
+    names = resolve_classnames(dataset, spec.data, getattr(spec, "classnames", None))
     data = classification_dataset(spec.data, eval_transform(getattr(model, "module", model), image_size),
-                                  dataset=spec.dataset, num_classes=len(names),
+                                  dataset=dataset, num_classes=len(names),
                                   labels_file=getattr(spec, "labels", None))
     if isinstance(data, ShardSamples):
         images = []

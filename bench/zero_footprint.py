@@ -1,5 +1,6 @@
 """What one rank really holds under DeepSpeed ZeRO: bytes of parameters, gradients and optimizer state,
-read from the engine's own tensors (not computed from a formula), for the partition tests and the bench."""
+read from the engine's own tensors (not computed from a formula), for the partition tests and the bench
+(a measuring tool, not library code: moved here from crate_clip/train)."""
 from __future__ import annotations
 
 import torch
@@ -35,6 +36,11 @@ def param_bytes(engine) -> int:
     if engine.zero_optimization_stage() == 3:
         return _unique_bytes(p.ds_tensor for p in params)
     return _unique_bytes(p.data for p in params)
+
+
+def buffer_bytes(engine) -> int:
+    """Bytes of the module's buffers on this rank (a locked text tower lives there: never partitioned)."""
+    return _unique_bytes(b for b in engine.module.buffers())
 
 
 def param_numel(engine) -> tuple[int, int]:

@@ -1,0 +1,82 @@
+"""The one description of a DeepSpeed checkpoint on disk, used by the trainer and the evaluator.
+
+    <run_dir>/checkpoints/latest        the tag of the newest complete checkpoint (DeepSpeed's convention)
+    <run_dir>/checkpoints/<tag>/        DeepSpeed's files, train_state_rank<r>.pt, and crate_clip.json:
+                                        written last, it marks the checkpoint complete and says what it holds
+
+Checkpoints of any ZeRO stage consolidate to fp32: stage 0 keeps the whole model in
+`mp_rank_00_model_states.pt["module"]`; stages 1-3 are merged from their partitions by DeepSpeed's zero_to_fp32.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+INFO_FILE = "crate_clip.json"
+LATEST_FILE = "latest"
+STAGE0_MODEL_FILE = "mp_rank_00_model_states.pt"
+
+
+def read_info(tag_dir: Path) -> dict | None:
+    """The checkpoint's crate_clip.json, or None when the checkpoint is incomplete."""
+    path = Path(tag_dir) / INFO_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def _is_tag_dir(path: Path) -> bool:
+    return path.is_dir() and (any(path.glob("*mp_rank_*_model_states.pt")) or (path / INFO_FILE).is_file())
+
+
+def is_deepspeed_checkpoint(path: str | Path | None) -> bool:
+    """True for a DeepSpeed checkpoint folder (with a `latest` file) or one of its tag folders."""
+    if path is None or str(path).startswith("local-dir:"):
+        return False
+    path = Path(path)
+    return (path / LATEST_FILE).is_file() or _is_tag_dir(path)
+
+
+def resolve_checkpoint_tag(path: str | Path, tag: str | None = None) -> Path:
+    """The tag folder: `path/<tag>`, `path/<contents of latest>`, or `path` itself when it is a tag folder."""
+    path = Path(path)
+    if tag is not None:
+        tag_dir = path / tag
+    elif (path / LATEST_FILE).is_file():
+        tag_dir = path / (path / LATEST_FILE).read_text().strip()
+    else:
+        tag_dir = path
+    if not _is_tag_dir(tag_dir):
+        raise FileNotFoundError(f"{tag_dir} is not a DeepSpeed checkpoint folder (no *model_states.pt files)")
+    return tag_dir
+
+
+def consolidate_deepspeed_checkpoint(path: str | Path, tag: str | None = None) -> tuple[dict, dict]:
+    """fp32 state dict of a DeepSpeed checkpoint of any ZeRO stage, and the run info from crate_clip.json."""
+    tag_dir = resolve_checkpoint_tag(path, tag)
+    info_path = tag_dir / INFO_FILE
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        info.setdefault("zero_stage", "1-3")
+    else:
+        # ZeRO stage 0 (zero_to_fp32 refuses it): the whole module is in the model-states file.
+        # DeepSpeed's own files are pickles with its config objects: trusted, as DeepSpeed itself loads them.
+        states = torch.load(tag_dir / STAGE0_MODEL_FILE, map_location="cpu", weights_only=False)
+        state = states["module"]
+        info.setdefault("zero_stage", 0)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    info["checkpoint"] = str(tag_dir)
+    return state, info
+
+
+def consolidated_state_dict(tag_dir: Path) -> dict:
+    """Plain fp32 state dict of one complete checkpoint folder (any ZeRO stage), logit_scale as saved ([1])."""
+    tag_dir = Path(tag_dir)
+    return consolidate_deepspeed_checkpoint(tag_dir.parent, tag=tag_dir.name)[0]

@@ -1,0 +1,71 @@
+"""The evaluation tasks (one module each in eval/tasks/) and what the trainer, the CLI and the logger need
+of them: the settings schema of every task (one union, told apart by `type`), parsing with errors that
+name the key, and running a declared evaluation."""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Union
+
+from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
+
+import eval.tasks
+from crate_clip.config_schema import error_lines
+from eval.eval_settings import EvalSettings
+
+DEFAULT_TYPE = "zeroshot"   # an evaluation declared without a type
+TASKS = {info.name: importlib.import_module(f"eval.tasks.{info.name}")
+         for info in pkgutil.iter_modules(eval.tasks.__path__) if not info.name.startswith("_")}
+EVAL_TYPES = tuple(TASKS)
+
+
+def _type_of(value: Any) -> Any:
+    return value.get("type", DEFAULT_TYPE) if isinstance(value, dict) else getattr(value, "type", None)
+
+
+EvalSpec = Annotated[Union[tuple(Annotated[task.Settings, Tag(name)] for name, task in TASKS.items())],
+                     Discriminator(_type_of)]
+_ADAPTER = TypeAdapter(EvalSpec)
+
+
+def parse_eval(raw: dict | EvalSettings) -> EvalSettings:
+    """The settings of one declared evaluation; a bad key raises ValueError naming it and the fix."""
+    if isinstance(raw, EvalSettings):
+        return raw
+    try:
+        return _ADAPTER.validate_python(raw)
+    except ValidationError as err:
+        unknown = sorted(str(e["loc"][-1]) for e in err.errors() if e["type"] == "extra_forbidden")
+        name = raw.get("name", "?") if isinstance(raw, dict) else "?"
+        head = f"eval {name!r}" + (f": unknown keys {unknown}" if unknown else "")
+        raise ValueError(head + ":\n  " + "\n  ".join(error_lines(err, EvalSpec))) from None
+
+
+@dataclass
+class EvalContext:
+    """What every task gets besides its settings: the model's tokenizer and transform, where to run."""
+
+    tokenizer: Any
+    preprocess: Any
+    device: str = "cpu"
+    precision: str = "fp32"
+    cache_dir: str | Path | None = None
+    progress: bool = True
+
+    def loop_args(self, settings: EvalSettings) -> dict:
+        """The keyword arguments every evaluation loop takes."""
+        return dict(batch_size=settings.batch_size, device=self.device, precision=self.precision,
+                    num_workers=settings.num_workers, progress=self.progress, max_images=settings.max_images)
+
+
+def run_task(model, settings: dict | EvalSettings, context: EvalContext) -> dict:
+    """Run one declared evaluation; returns its metrics (numbers, plus lists such as per-class rows)."""
+    settings = parse_eval(settings)
+    return TASKS[settings.type].run(model, settings, context)
+
+
+def summary_line(metrics: dict, *, eval_type: str) -> str:
+    """The task's one-line summary of its metrics."""
+    return TASKS[eval_type].summary(metrics)

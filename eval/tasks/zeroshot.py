@@ -1,0 +1,50 @@
+"""Zero-shot classification: top-1, top-5 and mean per-class accuracy against prompt-built class embeddings."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from eval.class_sets import BUILTIN_TEMPLATES, DEFAULT_TEMPLATES, resolve_classnames, resolve_templates
+from eval.eval_datasets import classification_dataset
+from eval.eval_settings import EvalSettings
+from eval.zeroshot import zero_shot_evaluate
+
+
+class Settings(EvalSettings):
+    """Zero-shot classification settings."""
+
+    type: Literal["zeroshot"] = "zeroshot"
+    dataset: str = Field("imagenet1k", description="imagenet1k | fashion_mnist (built-in class names) | any "
+                                                   "name with classnames or classnames.txt beside the data")
+    templates: Optional[str] = Field(None, description=f"{' | '.join(BUILTIN_TEMPLATES)} | a file of '{{}}' "
+                                                       f"lines (default: the dataset's, {DEFAULT_TEMPLATES})")
+    classnames: Optional[str] = Field(None, description="file with one class name per line, in label order")
+    labels: Optional[str] = Field(None, description="ground truth for a flat val folder (`file label` lines, "
+                                                    "one label per line, or Kaggle's LOC_val_solution.csv)")
+
+
+def run(model, settings: Settings, context) -> dict:
+    """Zero-shot metrics of `model` on the settings' data (all ranks call this)."""
+    classnames = resolve_classnames(settings.dataset, settings.data, settings.classnames)
+    templates = resolve_templates(settings.templates, settings.dataset)
+    dataset = classification_dataset(settings.data, context.preprocess, dataset=settings.dataset,
+                                     num_classes=len(classnames), labels_file=settings.labels)
+    return zero_shot_evaluate(model, context.tokenizer, dataset, classnames, templates,
+                              cache_dir=context.cache_dir, **context.loop_args(settings))
+
+
+def summary(metrics: dict) -> str:
+    """One line for the console."""
+    return (f"zero-shot: top-1 {100 * metrics['top1']:.2f}%  top-5 {100 * metrics['top5']:.2f}%  "
+            f"mean per class {100 * metrics['mean_per_class']:.2f}%  on {metrics['n_images']} images "
+            f"({metrics['n_unreadable']} unreadable)")
+
+
+def details(metrics: dict) -> str:
+    """The per-class accuracy table."""
+    rows = [f"{'class':<32} {'images':>7} {'top-1':>7} {'top-5':>7}"]
+    for row in metrics["per_class"]:
+        top1, top5 = (f"{100 * row[k]:.1f}" if row[k] is not None else "-" for k in ("top1", "top5"))
+        rows.append(f"{row['class'][:32]:<32} {row['n']:>7} {top1:>7} {top5:>7}")
+    return "\n".join(rows)

@@ -1,0 +1,62 @@
+"""One-process training runs cut short at a precise point by an injected SIGKILL (not collected by pytest).
+
+    run_dir_workers.py kill_between_evals CONFIG          killed as the full-size eval of stage 0 starts
+    run_dir_workers.py kill_in_save CONFIG TAG RESUME     resumed from RESUME, killed once DeepSpeed has
+                                                          written the files of checkpoint TAG (before the
+                                                          checkpoint is complete)
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import crate_clip  # noqa: E402,F401
+from crate_clip.train.run_config import load_run_config  # noqa: E402
+from crate_clip.train.stage_loop import run_training  # noqa: E402
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_between_evals(config: Path) -> None:
+    """Stage 0 trains at low resolution: its own-size eval is recorded, then the kill comes at full size."""
+    import eval.stage_hook as stage_hook
+
+    cfg = load_run_config(config)
+    real = stage_hook.evaluate_stage
+
+    def evaluate_stage(model, *, image_size, **kwargs):
+        if image_size == cfg.full_image_size and image_size != cfg.stages[0].image_size:
+            _die()
+        return real(model, image_size=image_size, **kwargs)
+
+    stage_hook.evaluate_stage = evaluate_stage
+    run_training(cfg)
+
+
+def kill_in_save(config: Path, tag: str, resume: str) -> None:
+    """DeepSpeed's files of `tag` are written; the kill comes before anything marks the checkpoint complete."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    real = DeepSpeedEngine.save_checkpoint
+
+    def save_checkpoint(self, save_dir, tag=None, **kwargs):
+        out = real(self, save_dir, tag=tag, **kwargs)
+        if tag is not None and target in str(tag):
+            _die()
+        return out
+
+    target = tag
+    DeepSpeedEngine.save_checkpoint = save_checkpoint
+    run_training(load_run_config(config), resume=resume)
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], sys.argv[2:]
+    {"kill_between_evals": kill_between_evals, "kill_in_save": kill_in_save}[mode](*args)
+    sys.exit(0)

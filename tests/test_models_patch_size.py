@@ -1,0 +1,95 @@
+"""Patch-size change between stages: the kernel resize, the position embedding, the stage change, eval and export."""
+import pytest
+import torch
+
+import crate_clip  # noqa: F401  (registers the towers and CLIP configs)
+from crate_clip.models.crate_alpha import CrateAlpha, resize_patch_kernel
+from crate_clip.models.patch_change import checkpoint_patch_size, create_clip_at_patch
+from crate_clip.train.run_config import config_from_dict
+
+TINY = "CRATE-alpha-CLIPA-tiny"
+
+
+def small_tower(patch: int = 4, img: int = 16) -> CrateAlpha:
+    torch.manual_seed(0)
+    return CrateAlpha(img_size=img, patch_size=patch, embed_dim=32, depth=2, num_heads=2, num_classes=0,
+                      patch_bias=False).eval()
+
+
+def test_kernel_of_ones_2_to_4_pi_resize_keeps_tokens_bilinear_keeps_values():
+    ones = torch.ones(1, 1, 2, 2)
+    # PI-resize: w' = B (B^T B)^-1 w with B the 2->4 bilinear upsampling; for w = 1, B^T 1 = 4 * 1, so w' = 1/4:
+    # the token of a constant image (4 pixels x 1 = 16 pixels x 1/4) is unchanged
+    torch.testing.assert_close(resize_patch_kernel(ones, 4, "pi_resize"), torch.full((1, 1, 4, 4), 0.25))
+    # plain bilinear (the paper's jax.image.resize) keeps the values: the constant image's token grows 4x
+    torch.testing.assert_close(resize_patch_kernel(ones, 4, "bilinear"), torch.ones(1, 1, 4, 4))
+    # shrinking 8 -> 2: bilinear keeps values, so tokens shrink ~16x; pi_resize keeps them (about)
+    image = torch.rand(1, 1, 1, 1).expand(1, 1, 8, 8)
+    kernel = torch.rand(3, 1, 8, 8) + 0.5
+    token = torch.nn.functional.conv2d(image, kernel, stride=8)
+    small_image = image[..., :2, :2]
+    for mode, ratio in (("pi_resize", 1.0), ("bilinear", 1 / 16)):
+        new = torch.nn.functional.conv2d(small_image, resize_patch_kernel(kernel, 2, mode), stride=2)
+        assert (new / token).mean().item() == pytest.approx(ratio, rel=0.2 if mode == "bilinear" else 0.1)  # PI: least squares when shrinking
+    with pytest.raises(ValueError, match="patch resize mode"):
+        resize_patch_kernel(ones, 4, "nearest")
+
+
+def test_same_patch_keeps_the_function_and_a_change_follows_the_grid():
+    tower = small_tower()
+    x = torch.randn(2, 3, 16, 16)
+    before = tower(x)
+    tower.set_patch_size(4)
+    torch.testing.assert_close(tower(x), before, rtol=0, atol=0)
+    tower.set_input_size(patch_size=4)                        # timm's spelling, same no-op
+    torch.testing.assert_close(tower(x), before, rtol=0, atol=0)
+    kernel, pos = tower.patch_embed.proj.weight.detach().clone(), tower.pos_embed.detach().clone()
+    tower.set_patch_size(8, "bilinear")
+    assert tower.grid_size == (2, 2) and tower.pos_embed.shape == (1, 5, 32) and tower(x).shape == (2, 32)
+    torch.testing.assert_close(tower.patch_embed.proj.weight, resize_patch_kernel(kernel, 8, "bilinear"))
+    torch.testing.assert_close(tower.pos_embed[:, 0], pos[:, 0])   # the class slot is kept apart
+    with pytest.raises(ValueError, match="larger than the image"):
+        tower.set_patch_size(32)
+
+
+def _two_stage_config(patch0, patch1, resize="pi_resize"):
+    stage = dict(image_size=28, context_length=8, samples=512, global_batch=256, lr=1e-3)
+    return config_from_dict({"model": {"name": TINY}, "data": {"sources": ["x"]},
+                             "stages": [dict(stage, name="coarse", patch_size=patch0),
+                                        dict(stage, name="fine", patch_size=patch1, patch_resize=resize)]},
+                            check_paths=False)
+
+
+@pytest.mark.parametrize("resize", ["pi_resize", "bilinear"])
+def test_stage_change_resizes_the_kernel_and_eval_export_know_the_patch(resize, tmp_path):
+    from crate_clip.train.export import export_open_clip, load_export
+    from crate_clip.train.stage_loop import build_stage_model
+
+    cfg = _two_stage_config(7, 4, resize)
+    coarse = build_stage_model(cfg, cfg.stages[0], None).eval()
+    assert coarse.visual.trunk.patch_size == 7 and coarse.visual.trunk.pos_embed.shape[1] == 17
+    weights = {k: v.clone() for k, v in coarse.state_dict().items()}
+    assert checkpoint_patch_size(weights) == 7 and cfg.patch_size_at(0) == 7 and cfg.patch_size_at(1) == 4
+    fine = build_stage_model(cfg, cfg.stages[1], weights)
+    kernel = fine.state_dict()["visual.trunk.patch_embed.proj.weight"]
+    torch.testing.assert_close(kernel, resize_patch_kernel(weights["visual.trunk.patch_embed.proj.weight"], 4, resize))
+    assert fine.visual.trunk.pos_embed.shape[1] == 50
+    # evaluation rebuilds a checkpoint at its own patch size: the same function as the trained model
+    images, text = torch.randn(2, 3, 28, 28), torch.randint(1, 100, (2, 8))
+    rebuilt = create_clip_at_patch(TINY, weights, image_size=28, context_length=8).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(images, text)[0], coarse(images, text)[0])
+    # the export at patch 7 loads in open_clip at patch 7 with exactly these weights
+    export_open_clip(weights, TINY, tmp_path / "export", image_size=28, context_length=8, patch_size=7)
+    loaded, _, _ = load_export(tmp_path / "export")
+    assert loaded.visual.trunk.patch_size == 7
+    got = loaded.state_dict()
+    assert set(got) == set(weights) and all(torch.equal(got[k].reshape(-1), weights[k].float().reshape(-1)) for k in got)
+
+
+def test_patch_size_keys_are_checked():
+    from crate_clip.train.run_config import ConfigError
+    with pytest.raises(ConfigError, match=r"stages.1.patch_resize: 'nearest'"):
+        _two_stage_config(7, 4, "nearest")
+    with pytest.raises(ConfigError, match=r"stages.0.patch_size: 64"):
+        _two_stage_config(64, 4)

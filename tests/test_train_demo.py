@@ -1,0 +1,30 @@
+"""`python -m crate_clip.train.demo`: its plumbing end to end (data, torchrun launch, evaluation after each
+stage, summary, export) on a few images, not its accuracy."""
+import json
+
+import pytest
+
+from crate_clip.train.metrics_log import RESULTS_FILE, read_jsonl
+
+TINY_RUN = ["stages.0.samples=128", "stages.0.global_batch=64", "stages.0.warmup_steps=0",
+            "stages.1.samples=64", "stages.1.global_batch=64", "stages.1.warmup_steps=0", "data.num_workers=0",
+            "data.shuffle_buffer=64", "checkpoint.every_steps=0", "eval.evals.0.batch_size=40",
+            "logging.progress=false", "logging.tensorboard=false"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capsys):
+    from crate_clip.train.demo import main
+
+    run = tmp_path / "run"
+    argv = ["--data-dir", str(tmp_path / "data"), "--run-dir", str(run), "--nproc", "1",
+            "--train-images", "192", "--test-images", "40"]
+    assert main(argv + [arg for o in TINY_RUN for arg in ("--set", o)]) == 0
+    results = read_jsonl(run / RESULTS_FILE)
+    assert [(r["stage_name"], r["image_size"], r["n_images"]) for r in results] == [
+        ("lowres", 20, 40), ("lowres", 28, 40), ("fullres", 28, 40)]
+    out = capsys.readouterr().out
+    assert "zero-shot top-1 on the 40 Fashion-MNIST test images" in out and "stage 1 fullres" in out
+    assert json.loads((run / "export" / "open_clip_config.json").read_text())["model_cfg"]["vision_cfg"]["image_size"] == 28
+    assert (run / "training_curve.png").is_file()

@@ -1,0 +1,184 @@
+"""Nothing in a run's output folder is lost: a second `crate-clip train` into it is refused (or moves the
+earlier run aside), a kill between the two evaluations of a low-resolution stage is finished on resume, a
+rejected resume leaves run_config.yaml alone, re-saving a checkpoint keeps the old one until the new one is
+complete, a resumed run has one metrics row per step, and resuming in stage 1 does not read model.pretrained.
+
+One process, the tiny model, 4 + 3 steps of batch 8; kills are injected at precise points (run_dir_workers.py).
+"""
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from train_fixtures import REPO_ROOT, read_jsonl, run_env, tiny_config, tiny_fmnist, write_config  # noqa: F401
+
+pytestmark = [pytest.mark.slow]
+
+WORKERS = Path(__file__).resolve().parent / "run_dir_workers.py"
+STAGES = [  # stage 0: 4 steps at 16 px (checkpoints at 2, 4); stage 1: 3 steps at 28 px (checkpoints at 2, 3)
+    {"name": "low", "image_size": 16, "context_length": 16, "samples": 32, "global_batch": 8, "lr": 2e-3,
+     "warmup_steps": 1},
+    {"name": "full", "image_size": 28, "context_length": 16, "samples": 24, "global_batch": 8, "lr": 2e-4,
+     "warmup_steps": 1},
+]
+
+
+def _config(run_dir: Path, data: Path, pretrained: Path, stages=STAGES, evals: bool = True) -> dict:
+    cfg = tiny_config(run_dir, data, stages=stages, every_steps=2, evals=evals,
+                      model={"pretrained": str(pretrained)}, logging={"tensorboard": False, "plot": False})
+    cfg["checkpoint"]["keep_last"] = 2
+    for e in cfg["eval"]["evals"]:
+        e["max_images"] = 50
+    return cfg
+
+
+def _run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _train(config: Path, *extra: str) -> subprocess.CompletedProcess:
+    return _run("-m", "crate_clip.train.cli", "--config", str(config), *extra)
+
+
+def _snapshot(folder: Path) -> dict:
+    """Every file under `folder` with its size and modification time."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _show(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory, tiny_fmnist):
+    """A run killed between stage 0's two evaluations (16 px recorded, 28 px not), then resumed to the end."""
+    import open_clip
+    from safetensors.torch import save_file
+
+    import crate_clip  # noqa: F401
+
+    root = tmp_path_factory.mktemp("run_dir")
+    pretrained = root / "pretrained.safetensors"
+    model = open_clip.create_model("CRATE-alpha-CLIPA-tiny")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(pretrained))
+    config = write_config(_config(root / "run", tiny_fmnist, pretrained), root / "run.yaml")
+    run_dir = root / "run"
+
+    killed = _run(str(WORKERS), "kill_between_evals", str(config))
+    assert killed.returncode == -signal.SIGKILL, _show(killed)
+    assert [(r["stage_index"], r["image_size"]) for r in read_jsonl(run_dir / "results.jsonl")] == [(0, 16)]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "stage0-step00000004"
+
+    resumed = _train(config, "--resume", "latest")
+    assert resumed.returncode == 0, _show(resumed)
+    return {"root": root, "run_dir": run_dir, "config": config, "pretrained": pretrained, "log": resumed.stdout}
+
+
+def test_kill_between_evaluations_is_finished_on_resume(resumed_run):
+    results = read_jsonl(resumed_run["run_dir"] / "results.jsonl")
+    # each evaluation exactly once: the missing 28 px one of stage 0 was run, the 16 px one not repeated
+    assert [(r["stage_index"], r["image_size"]) for r in results] == [(0, 16), (0, 28), (1, 28)]
+    assert [r["global_step"] for r in results] == [4, 4, 7]
+    ckpts = resumed_run["run_dir"] / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if (p / "crate_clip.json").is_file()) == [
+        "stage1-step00000002", "stage1-step00000003"]
+    assert (resumed_run["run_dir"] / "export" / "open_clip_model.safetensors").is_file()
+
+
+def test_train_into_a_finished_run_is_refused(resumed_run, capsys):
+    from crate_clip.train.cli import EXIT_CONFIG, main
+
+    run_dir = resumed_run["run_dir"]
+    before = _snapshot(run_dir)
+    assert main(["--config", str(resumed_run["config"])]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert f"run.output_dir {run_dir} already holds a run" in err
+    assert "--resume latest" in err and "--overwrite" in err
+    assert _snapshot(run_dir) == before  # nothing written, moved or deleted
+
+
+def test_rejected_resume_leaves_run_config_alone(resumed_run):
+    from crate_clip.train.checkpoints import ResumeError
+    from crate_clip.train.engine import DistInfo
+    from crate_clip.train.run_config import load_run_config
+    from crate_clip.train.stage_loop import run_training
+
+    run_dir = resumed_run["run_dir"]
+    before = (run_dir / "run_config.yaml").read_bytes()
+    cfg = load_run_config(resumed_run["config"], ["run.seed=5"])
+    with pytest.raises(ResumeError, match="written by 1 processes, this job has 2"):
+        # checked before any collective, so a world of two is safe to claim in this process
+        run_training(cfg, resume="latest", dist=DistInfo(rank=0, world_size=2, local_rank=0, device="cpu"))
+    assert (run_dir / "run_config.yaml").read_bytes() == before
+    assert yaml.safe_load(before)["run"]["seed"] == 3
+
+
+def test_overwrite_moves_the_earlier_run_aside(resumed_run, tiny_fmnist, tmp_path):
+    earlier = tmp_path / "run"
+    earlier.mkdir()
+    for name in ("run_config.yaml", "metrics.jsonl", "results.jsonl"):
+        shutil.copy(resumed_run["run_dir"] / name, earlier / name)
+    kept = _snapshot(earlier)
+    one_step = [dict(STAGES[0], samples=8, warmup_steps=0)]
+    config = write_config(_config(earlier, tiny_fmnist, resumed_run["pretrained"], stages=one_step, evals=False),
+                          tmp_path / "one_step.yaml")
+    proc = _train(config, "--overwrite")
+    assert proc.returncode == 0, _show(proc)
+    previous = tmp_path / "run.previous"
+    assert f"moved to {previous}" in proc.stdout
+    assert _snapshot(previous) == kept  # the earlier run, untouched, beside the new one
+    assert [r["step"] for r in read_jsonl(earlier / "metrics.jsonl")] == [1]
+    assert not (earlier / "results.jsonl").exists()
+
+
+def test_checkpoint_prune_keeps_a_stage_end_until_its_evaluations_are_recorded(tmp_path):
+    import json
+
+    from crate_clip.train.checkpoints import CheckpointManager
+
+    root = tmp_path / "checkpoints"
+    for tag, stage, step, global_step in (("stage0-step00000004", 0, 4, 4), ("stage1-step00000002", 1, 2, 6),
+                                          ("stage1-step00000003", 1, 3, 7)):
+        (root / tag).mkdir(parents=True)
+        (root / tag / "crate_clip.json").write_text(json.dumps(
+            {"stage_index": stage, "step": step, "stage_steps": 4 if stage == 0 else 3, "global_step": global_step}))
+    (root / "latest").write_text("stage1-step00000003")
+    pending = {0}
+    manager = CheckpointManager(root, keep_last=1, rank=0, world_size=1,
+                                protect=lambda info: info["stage_index"] in pending)
+    manager.prune()
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["stage0-step00000004", "stage1-step00000003"]
+    pending.clear()  # its evaluations are recorded now
+    manager.prune()
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["stage1-step00000003"]
+
+
+def test_resave_mid_stage_1_keeps_the_old_checkpoint_and_one_metrics_row_per_step(resumed_run):
+    """Resume in stage 1 from its step-2 checkpoint with model.pretrained now unreadable (a resumed stage takes
+    every weight from the checkpoint), then die while DeepSpeed writes the step-3 checkpoint a second time."""
+    from crate_clip.train.checkpoints import read_info
+
+    run_dir = resumed_run["run_dir"]
+    resumed_run["pretrained"].write_bytes(b"not a weights file")
+    old = run_dir / "checkpoints" / "stage1-step00000003"
+    before, info = _snapshot(old), read_info(old)
+    proc = _run(str(WORKERS), "kill_in_save", str(resumed_run["config"]), "stage1-step00000003",
+                str(run_dir / "checkpoints" / "stage1-step00000002"))
+    assert proc.returncode == -signal.SIGKILL, _show(proc)
+    assert _snapshot(old) == before and read_info(old) == info  # the complete old checkpoint is still there
+    assert (run_dir / "checkpoints" / "latest").read_text() == "stage1-step00000003"
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    keys = [(r["stage_index"], r["step"]) for r in rows]
+    assert keys == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2), (1, 3)]  # step (1, 3) once: the re-run's
+    superseded = read_jsonl(run_dir / "metrics.superseded.jsonl")
+    assert [(r["stage_index"], r["step"]) for r in superseded] == [(1, 3)]  # the cut-short segment's row, kept
+    assert [(r["stage_index"], r["image_size"]) for r in read_jsonl(run_dir / "results.jsonl")] == [(0, 16), (0, 28)]
