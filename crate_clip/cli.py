@@ -1,4 +1,4 @@
-"""The `crate-clip` command: dispatches to the train, eval and shards sub-commands."""
+"""The `crate-clip` command: dispatches to the train, eval, shards, demo, inspect and segment sub-commands."""
 import importlib
 import sys
 
@@ -10,6 +10,8 @@ SUBCOMMANDS = {
     "shards": ("data_pipelines.cli", "write DataComp-layout webdataset shards from local data"),
     "plan": ("crate_clip.train.plan_cli", "per-stage memory fit, micro-batch, FLOPs and GPU-hours of a run config"),
     "demo": ("crate_clip.train.demo", "the embedded Fashion-MNIST demo (the README's first command)"),
+    "inspect": ("eval.inspect_cli", "white-box maps: class-token attention per head and PCA of patch features"),
+    "segment": ("eval.segment_cli", "zero-shot segmentation (MaskCut) as PNG overlays + COCO RLE JSON"),
     "convert": ("crate_clip.convert_cli", "released CRATE-alpha-CLIPA weights -> an open_clip local-dir: export"),
 }
 

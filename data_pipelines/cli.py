@@ -59,6 +59,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--samples-per-shard", type=int, default=10_000)
 
+    p = sub.add_parser("scenes", help="segmentation eval set: 1-3 Fashion-MNIST test objects on textured "
+                                      "backgrounds, ground-truth silhouette masks as COCO RLE in each .json")
+    p.add_argument("--out", required=True)
+    p.add_argument("--count", type=int, default=500)
+    p.add_argument("--size", type=int, default=56, help="square scene side in px")
+    p.add_argument("--max-objects", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--source-dir", default=None)
+    p.add_argument("--samples-per-shard", type=int, default=10_000)
+
     p = sub.add_parser("inspect", help="stream a few batches from shards and print sizes, skips, POS source")
     p.add_argument("sources", nargs="+", help="brace patterns, folders, globs, pipe: commands")
     p.add_argument("--batches", type=int, default=2, help="batches to read (epoch mode stops at the end of the pass)")
@@ -136,6 +146,11 @@ def main(argv=None) -> int:
 
             result = write_fashion_mnist_classification_shards(args.out, args.split, args.samples_per_shard,
                                                                args.source_dir, args.limit)
+        elif args.command == "scenes":
+            from .sources.composite_scenes import write_composite_scene_shards
+
+            result = write_composite_scene_shards(args.out, args.count, args.size, args.max_objects, args.seed,
+                                                  args.samples_per_shard, args.source_dir)
         else:
             result = _inspect(args)
     except (FileNotFoundError, KeyError, ValueError) as exn:

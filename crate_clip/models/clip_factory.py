@@ -87,6 +87,9 @@ def resize_clip_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module
     pos = sd.get(IMAGE_POS_KEY)
     if pos is not None and IMAGE_POS_KEY in target and pos.shape != target[IMAGE_POS_KEY].shape:
         sd[IMAGE_POS_KEY] = _resize_image_pos(pos, target[IMAGE_POS_KEY], model, mode)
+    if "visual.positional_embedding" in sd and "visual.positional_embedding" in target:
+        # an open_clip ViT tower (the white-box benchmark's baseline): open_clip's own 2-D resize
+        open_clip.model.resize_pos_embed(sd, getattr(model, "module", model))
     tpos = sd.get(TEXT_POS_KEY)
     # (another width cannot be resized: the loader's key and shape checks report it)
     if tpos is not None and TEXT_POS_KEY in target and tpos.shape[1:] == target[TEXT_POS_KEY].shape[1:]:
@@ -167,6 +170,8 @@ def load_clip_weights(model: nn.Module, source: Union[str, Path, Dict[str, torch
 def set_image_token_mask(clip_model: nn.Module, kind: str, drop_ratio: float = 0.0) -> None:
     """Set the training-time image token mask of a CRATE-alpha CLIP ('none', 'random', 'grid', 'block')."""
     trunk = _image_tower(clip_model)
+    if trunk is None and kind == "none":
+        return  # another tower (e.g. a ViT baseline trained by the same trainer): nothing to switch off
     if trunk is None:
         raise TypeError(f"{type(clip_model).__name__} has no CRATE-alpha image tower at .visual.trunk")
     trunk.set_token_mask(kind, drop_ratio)

@@ -393,14 +393,16 @@ class CrateAlpha(nn.Module):
             intermediates_only: bool = False,
             return_attn: bool = False,
             return_sparse_codes: bool = False,
+            return_projections: bool = False,
     ):
         """Per-block outputs (timm convention), optionally with per-block attention maps and ISTA codes.
 
         `indices`: last n blocks if int, all if None, else the listed block indices. Without extras the
         return is timm's: intermediates list (`intermediates_only`) or (final tokens, intermediates).
         With `return_attn` / `return_sparse_codes` it is a dict with keys 'intermediates', 'attn'
-        ((B, h, L, L) per taken block), 'sparse_codes' ((B, L, C*d) per taken block) and, unless
-        `intermediates_only`, 'final'. No token mask is applied here (white-box analysis of full images).
+        ((B, h, L, L) per taken block), 'sparse_codes' ((B, L, C*d) per taken block), 'projections'
+        (`return_projections`: the MSSA subspace projections U_k^T LN(Z) of the block's input, (B, h, L, hd))
+        and, unless `intermediates_only`, 'final'. No token mask is applied here (white-box analysis of full images).
         """
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
@@ -408,8 +410,10 @@ class CrateAlpha(nn.Module):
         B = x.shape[0]
         x, (gh, gw) = self._embed(x)
         blocks = self.blocks if not stop_early else self.blocks[:max_index + 1]
-        intermediates, attns, codes = [], [], []
+        intermediates, attns, codes, projs = [], [], [], []
         for i, blk in enumerate(blocks):
+            if return_projections and i in take_indices:  # one extra d x d matmul: analysis only
+                projs.append(blk.attn.project(blk.norm1(x)))
             if self.grad_checkpointing and torch.is_grad_enabled():   # as forward_features does
                 x, attn, code = checkpoint(blk.forward_with_extras, x, return_attn, use_reentrant=False)
             else:
@@ -423,8 +427,10 @@ class CrateAlpha(nn.Module):
                 attns.append(attn)
                 codes.append(code)
         final = None if intermediates_only else self.norm(x)
-        if return_attn or return_sparse_codes:
+        if return_attn or return_sparse_codes or return_projections:
             out = {"intermediates": intermediates}
+            if return_projections:
+                out["projections"] = projs
             if return_attn:
                 out["attn"] = attns
             if return_sparse_codes:

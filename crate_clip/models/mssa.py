@@ -24,10 +24,15 @@ class MSSA(nn.Module):
         self.qkv = nn.Linear(dim, dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=out_bias)
 
+    def project(self, y: torch.Tensor) -> torch.Tensor:
+        """Per-head subspace projections U_k^T y of (B, L, d) tokens: (B, h, L, hd) (the shared Q = K = V)."""
+        B, L, _ = y.shape
+        return self.qkv(y).reshape(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+
     def forward(self, y: torch.Tensor, return_attn: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Attend (B, L, d) -> (B, L, d); also the (B, h, L, L) attention map when `return_attn`."""
         B, L, d = y.shape
-        w = self.qkv(y).reshape(B, L, self.num_heads, self.head_dim).transpose(1, 2)  # (B, h, L, hd)
+        w = self.project(y)  # (B, h, L, hd)
         if return_attn or self.attn_impl == "math":
             # explicit path: needed to hand the map out (SDPA never materialises it); also the bench baseline
             attn = ((w * self.scale) @ w.transpose(-2, -1)).softmax(dim=-1)

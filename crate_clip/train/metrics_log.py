@@ -98,6 +98,9 @@ class MetricsLog:
                     self._tb.add_scalar(f"throughput/{key}", record[key], x)
             for key, value in (record.get("data_skips") or {}).items():
                 self._tb.add_scalar(f"data_skips/{key}", value, x)
+            from crate_clip.train.whitebox_log import whitebox_scalars
+            for tag, value in whitebox_scalars(record).items():
+                self._tb.add_scalar(tag, value, x)
 
     def log_eval(self, record: dict, summary: str | None = None) -> None:
         """Append one evaluation result to results.jsonl; every number it holds goes to TensorBoard, and
@@ -179,7 +182,15 @@ def write_plot(run_dir: Path) -> Path | None:
     results = [r for r in read_jsonl(run_dir / RESULTS_FILE) if r.get("top1") is not None]  # classification
     if not steps:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    whitebox = [r for r in latest_per_step(read_jsonl(run_dir / METRICS_FILE)) if r.get("whitebox")]
+    if whitebox:  # per-layer white-box curves under the loss (logging.diagnostics_every)
+        from crate_clip.train.whitebox_log import draw_whitebox_curves
+        fig = plt.figure(figsize=(9, 8), dpi=110)
+        grid = fig.add_gridspec(2, 2)
+        ax = fig.add_subplot(grid[0, :])
+        draw_whitebox_curves(whitebox, [fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])])
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     ax.plot([r["samples_seen"] for r in steps], [r["loss"] for r in steps], lw=1, color="tab:blue")
     ax.set_xlabel("samples seen")
     ax.set_ylabel("contrastive loss", color="tab:blue")

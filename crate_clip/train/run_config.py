@@ -178,6 +178,9 @@ class LoggingSection(Section):
     progress: Bool = True
     tensorboard: Bool = True
     plot: Bool = True
+    diagnostics_every: Int = Field(0, ge=0, description="white-box coding rate / sparsity per layer every N "
+                                   "steps (0 = off)")
+    diagnostics_images: Int = Field(64, ge=1, description="probe batch: this many images of eval.evals[0]")
 
 
 class RunConfig(Section):
@@ -252,6 +255,9 @@ class RunConfig(Section):
             problems.append(("stages", f"duplicate stage names {names}; fix: give each a unique name"))
         problems += self._patch_problems()
         problems += self._text_lock_problems()
+        if self.logging.diagnostics_every and not self.eval.evals:
+            problems.append(("logging.diagnostics_every", "the probe batch comes from eval.evals[0]; fix: declare "
+                                                          "an eval set or set it to 0"))
         if "seed" in self.data.model_fields_set:
             problems.append(("data.seed", "set per stage from run.seed; fix: remove it and set run.seed"))
         return problems

@@ -35,6 +35,7 @@ from crate_clip.train.train_step import (MAX_LOGIT_SCALE, StepResult, attention_
 from crate_clip.train.text_lock import apply_text_config
 from crate_clip.train.run_dir import check_run_dir, move_run_aside
 from crate_clip.train.stage_evals import agreed_missing_evals, evaluate_after_stage, missing_evals
+from crate_clip.train.whitebox_log import WhiteboxProbe
 
 class NonFiniteLossError(RuntimeError):
     """Too many non-finite losses in a row; the message names the step and the checkpoint to go back to."""
@@ -283,6 +284,7 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
                     progress.step, stage.global_batch)
     every_log, every_ckpt = cfg.logging.every_steps, cfg.checkpoint.every_steps
     meter = StepMeter(cfg, stage, dist)
+    probe = WhiteboxProbe.for_stage(cfg, stage, engine, dist, log)  # None unless logging.diagnostics_every
     while progress.step < stage.steps:
         meter.begin()
         try:
@@ -310,7 +312,8 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
             progress.nonfinite_in_a_row = 0
         log.advance(loss, lr, progress.step)
         last = progress.step == stage.steps
-        if progress.step % every_log == 0 or last or loss is None:
+        measured = probe.measure() if probe and probe.due(progress.step, last) else None
+        if progress.step % every_log == 0 or last or loss is None or measured is not None:
             perf = meter.fields()
             warning = meter.data_wait_warning(perf)
             if warning:
@@ -322,7 +325,7 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
                           "grad_norm": result.grad_norm, "skipped": result.skipped,
                           "samples_per_s": log.samples_per_second(progress.step),
                           "nonfinite_skipped": progress.nonfinite_skipped,
-                          "data_skips": _summed_skips(stream, dist), "time": time.time()})
+                          "data_skips": _summed_skips(stream, dist), "time": time.time(), **(measured or {})})
         if progress.nonfinite_in_a_row >= cfg.run.max_nonfinite_in_a_row:
             # the skipped steps left the weights untouched: this checkpoint holds the last good state
             tag_dir = _save(ckpts, engine, cfg, stage, progress, stream)

@@ -1,0 +1,182 @@
+"""`crate-clip inspect maps ...` and `crate-clip segment ...`: attention / PCA maps and MaskCut segmentation."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU
+
+USAGE_ERRORS = (ValueError, FileNotFoundError, TypeError)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="open_clip model name, local-dir:FOLDER, or a DeepSpeed checkpoint")
+    p.add_argument("--pretrained", help="weights file or DeepSpeed checkpoint for --model NAME (none: random init)")
+    p.add_argument("--image-size", type=int, help="square input size (position embeddings resized)")
+    p.add_argument("--layer", type=int, default=-1, help="block index (negative: from the end; default the last)")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+
+
+def _load(args):
+    from eval.model_loading import load_eval_model
+
+    torch.manual_seed(0)  # a random-init tower (no --pretrained) is the same on every call
+    clip = load_eval_model(args.model, args.pretrained, args.image_size)[0]
+    return clip.float().eval()
+
+
+def _read_images(paths: list[str]) -> list[Image.Image]:
+    images = []
+    for p in paths:
+        if not Path(p).is_file():
+            raise FileNotFoundError(f"--images: {p} does not exist")
+        with Image.open(p) as im:
+            images.append(im.convert("RGB"))
+    return images
+
+
+# ---------------------------------------------------------------- inspect maps
+def maps_main(argv) -> int:
+    """`crate-clip inspect maps`: class-token attention per head + average, and joint PCA, per image."""
+    from eval.segmentation import to_tensor
+    from eval.whitebox_maps import attention_strip, block_maps, joint_pca, pca_strip
+
+    p = argparse.ArgumentParser(prog="crate-clip inspect maps", description=maps_main.__doc__)
+    _model_args(p)
+    p.add_argument("--images", nargs="+", required=True)
+    p.add_argument("--facet", default="projection", choices=("projection", "output"),
+                   help="PCA features: U^T LN(Z) (ViT: keys) or the block output (default projection)")
+    args = p.parse_args(argv)
+    clip = _load(args)
+    images = _read_images(args.images)
+    x = to_tensor(images, clip)
+    last = block_maps(clip, x, -1)
+    depth = _depth(clip)
+    layers = sorted({(args.layer if args.layer >= 0 else depth + args.layer), depth - 1})
+    args.out.mkdir(parents=True, exist_ok=True)
+    shown = [im.resize((x.shape[-1], x.shape[-2]), Image.BICUBIC) for im in images]
+    for layer in layers:
+        maps = last if layer == depth - 1 else block_maps(clip, x, layer)
+        attn = maps.cls_attention().cpu().numpy()
+        for path, im, a in zip(args.images, shown, attn):
+            attention_strip(im, a).save(args.out / f"{Path(path).stem}_attn_layer{layer}.png")
+    pca_layer = layers[0] if args.layer != -1 else depth - 1
+    maps = last if pca_layer == depth - 1 else block_maps(clip, x, pca_layer)
+    pca = joint_pca(maps.patch_features(args.facet).cpu().numpy(), 4)
+    for path, im, comp in zip(args.images, shown, pca):
+        pca_strip(im, comp, maps.grid).save(args.out / f"{Path(path).stem}_pca.png")
+    print(json.dumps({"out": str(args.out), "images": len(images), "attention_layers": layers, "pca_layer": pca_layer}))
+    return 0
+
+
+def _depth(clip) -> int:
+    from eval.whitebox import find_crate_tower
+
+    trunk = find_crate_tower(clip)
+    return len(trunk.blocks) if trunk is not None else len(clip.visual.transformer.resblocks)
+
+
+# ---------------------------------------------------------------- segment
+def scene_shards(data: str, limit: int | None = None):
+    """(key, PIL image, ground truth {height, width, objects}) from composite-scene shards (`crate-clip shards scenes`)."""
+    from eval.eval_datasets import shard_urls
+
+    count = 0
+    for url in shard_urls(data):
+        with tarfile.open(url) as tar:
+            members = {}
+            for m in tar.getmembers():
+                key, _, ext = m.name.partition(".")
+                members.setdefault(key, {})[ext] = tar.extractfile(m).read()
+            for key in sorted(members):
+                parts = members[key]
+                if "jpg" not in parts or "json" not in parts:
+                    continue
+                meta = json.loads(parts["json"])
+                if "objects" not in meta:
+                    raise ValueError(f"{url}: sample {key} has no 'objects' (not a segmentation set from "
+                                     f"`crate-clip shards scenes`)")
+                image = Image.open(io.BytesIO(parts["jpg"])).convert("RGB")
+                yield key, image, {"height": image.height, "width": image.width, "objects": meta["objects"]}
+                count += 1
+                if limit is not None and count >= limit:
+                    return
+
+
+def segment_main(argv) -> int:
+    """`crate-clip segment`: MaskCut masks as PNG overlays + COCO RLE JSON; with --data, AP50 and best IoU too."""
+    from eval.segmentation import coco_evaluate, mask_records, overlay_masks, segment_batch, write_results
+
+    p = argparse.ArgumentParser(prog="crate-clip segment", description=segment_main.__doc__)
+    _model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--images", nargs="+", help="image files")
+    src.add_argument("--data", help="composite-scene shards with ground truth (evaluates class-agnostic AP50)")
+    p.add_argument("--limit", type=int, help="with --data: this many scenes only")
+    p.add_argument("--facet", default="projection", choices=("projection", "output"),
+                   help="MaskCut features: U^T LN(Z) of the block (ViT: attention keys) or its output tokens")
+    p.add_argument("--tau", type=float, default=DEFAULT_TAU, help="affinity threshold (default 0.3)")
+    p.add_argument("--masks", type=int, default=DEFAULT_MASKS, help="at most this many masks per image (default 3)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--overlays", type=int, default=None, help="write at most this many overlay PNGs (default all)")
+    args = p.parse_args(argv)
+    clip = _load(args)
+    if args.images:
+        items = [(Path(path).stem, im, None, path) for path, im in zip(args.images, _read_images(args.images))]
+    else:
+        items = [(key, im, gt, key) for key, im, gt in scene_shards(args.data, args.limit)]
+        if not items:
+            raise ValueError(f"--data {args.data}: no samples found")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results, predictions = [], []
+    for start in range(0, len(items), args.batch_size):
+        chunk = items[start:start + args.batch_size]
+        masks = segment_batch(clip, [c[1] for c in chunk], layer=args.layer, facet=args.facet, tau=args.tau,
+                              n_masks=args.masks)
+        for (stem, im, _, name), ms in zip(chunk, masks):
+            records = mask_records(ms)
+            predictions.append(records)
+            results.append({"image": str(name), "stem": stem, "height": im.height, "width": im.width, "masks": records})
+            if args.overlays is None or len(results) <= args.overlays:
+                overlay_masks(im, ms).save(args.out / f"{stem}_segments.png")
+    summary = {"out": str(write_results(results, args.out)), "images": len(results),
+               "masks": sum(len(r["masks"]) for r in results)}
+    if args.data:
+        metrics = coco_evaluate([c[2] for c in items], predictions)
+        metrics.update(model=args.model, pretrained=args.pretrained, layer=args.layer, facet=args.facet,
+                       tau=args.tau, image_size=args.image_size)
+        (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        summary["metrics"] = metrics
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _run(fn, argv, prog) -> int:
+    try:
+        with torch.no_grad():
+            return fn(argv)
+    except USAGE_ERRORS as exn:
+        print(f"{prog}: error: {exn}", file=sys.stderr)
+        return 2
+
+
+def inspect_entry(argv=None) -> int:
+    """`crate-clip inspect <what>`: only `maps` for now."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "maps":
+        print("usage: crate-clip inspect maps --model ... --images ... --out DIR [--layer N]", file=sys.stderr)
+        return 2
+    return _run(maps_main, argv[1:], "crate-clip inspect maps")
+
+
+def segment_entry(argv=None) -> int:
+    """`crate-clip segment ...`."""
+    return _run(segment_main, list(sys.argv[1:] if argv is None else argv), "crate-clip segment")
