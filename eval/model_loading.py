@@ -3,6 +3,7 @@
 DeepSpeed checkpoints (`<run>/checkpoints/` with a `latest` file, or one `<tag>/` folder) of any ZeRO stage
 are consolidated to fp32 by crate_clip.checkpoint_io, the one owner of the checkpoint layout.
 """
+import json
 import pickle
 import zipfile
 from pathlib import Path
