@@ -26,14 +26,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from crate_clip.models.clip_factory import read_state_dict, strip_module_prefix
-from crate_clip.models.official_clipa import is_official_clipa_layout, official_clipa_to_open_clip
+from crate_clip.models.checkpoint_errors import CheckpointMismatchError
+from crate_clip.models.clip_factory import read_state_dict
+from crate_clip.models.clipa_import import LOGIT_KEYS as SCALE_KEYS
+from crate_clip.models.clipa_import import is_text_key  # noqa: F401  (re-exported: the lock's notion of "text")
+from crate_clip.models.clipa_import import load_text_tower as _load_text_tower
+from crate_clip.models.clipa_import import text_tower_keys as _text_tower_keys
 from crate_clip.train.run_config import ConfigError
 
 KEY = "model.text_pretrained"
-NOT_TEXT_PREFIXES = ("visual.",)
-SCALE_KEYS = ("logit_scale", "logit_bias")
-TEXT_SUBMODULE = "text."  # open_clip's CustomTextCLIP keeps its text tower under `text`
 LOCAL_DIR = "local-dir:"
 HF_HUB = "hf-hub:"
 EXPORT_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
@@ -44,15 +45,10 @@ class TextTowerError(ConfigError):
 
 
 # ---------------------------------------------------------------- which keys are the text tower
-def is_text_key(name: str) -> bool:
-    """True for a CLIP / CustomTextCLIP state-dict key of the text tower (not visual.*, not the scale)."""
-    return not name.startswith(NOT_TEXT_PREFIXES) and name not in SCALE_KEYS
-
-
 def text_tower_keys(model: nn.Module) -> list[str]:
     """The model's state-dict keys that form its text tower (CLIP: token_embedding, positional_embedding,
     transformer.*, ln_final, text_projection; CustomTextCLIP: text.*)."""
-    return [k for k in model.state_dict() if is_text_key(k)]
+    return _text_tower_keys(model, include_logit_scale=False)
 
 
 # ---------------------------------------------------------------- where the weights come from
@@ -128,47 +124,18 @@ def read_text_source(spec: str, key: str = KEY) -> tuple[dict, str]:
 
 
 # ---------------------------------------------------------------- loading
-def _source_key(key: str, source: dict) -> Optional[str]:
-    """The source's name for our key: the same, or moved in/out of CustomTextCLIP's `text.` submodule."""
-    if key in source:
-        return key
-    other = key[len(TEXT_SUBMODULE):] if key.startswith(TEXT_SUBMODULE) else TEXT_SUBMODULE + key
-    return other if other in source else None
-
-
 def load_text_tower(model: nn.Module, source: dict, *, where: str = "the text checkpoint", key: str = KEY,
                     logit_scale: bool = True) -> list[str]:
     """Copy the text tower (and, when `logit_scale` and present, the logit scale) of the state dict `source`
-    into `model`, exactly (no resize); returns the keys copied. Missing keys or other shapes raise
-    TextTowerError naming them."""
-    source = strip_module_prefix(dict(source))
-    if is_official_clipa_layout(source):  # a released crate_alpha_CLIPA_*.pth: its text_projection is transposed
-        source = official_clipa_to_open_clip({k: v for k, v in source.items() if not k.startswith("visual.")})
-    own = model.state_dict()
-    names = text_tower_keys(model)
-    found = {k: _source_key(k, source) for k in names}
-    missing = sorted(k for k, s in found.items() if s is None)
-    if missing:
-        more = f" ... and {len(missing) - 12} more" if len(missing) > 12 else ""
-        raise TextTowerError(f"{key}: {where} lacks the text-tower keys [{', '.join(missing[:12])}{more}] of "
-                             f"the model; fix: give a CLIP checkpoint whose text tower matches model.name's text_cfg")
-    bad = {k: (tuple(source[s].shape), tuple(own[k].shape)) for k, s in found.items()
-           if tuple(source[s].shape) != tuple(own[k].shape)}
-    if bad:
-        listed = ", ".join(f"{k} {a} vs {b}" for k, (a, b) in sorted(bad.items())[:12])
-        raise TextTowerError(f"{key}: {where} has another text-tower shape (checkpoint vs model): {listed}; fix: "
-                             "make model.name's text_cfg (width, layers, heads, vocab_size, context_length, "
-                             "embed_dim) and every stage's context_length match the checkpoint")
-    if logit_scale:
-        for name in SCALE_KEYS:
-            if name in source and name in own:
-                found[name] = name
-    with torch.no_grad():
-        params = dict(model.named_parameters())
-        params.update(dict(model.named_buffers()))
-        for k, s in found.items():
-            params[k].copy_(source[s].reshape(params[k].shape).to(params[k].dtype))
-    return list(found)
+    into `model`, exactly (no resize; crate_clip.models.load_text_tower does it); returns the keys copied.
+    Missing keys or other shapes raise TextTowerError naming them, the config key and the fix."""
+    try:
+        return _load_text_tower(model, source, include_logit_scale=logit_scale, where=where)
+    except CheckpointMismatchError as exc:
+        fix = ("make model.name's text_cfg (width, layers, heads, vocab_size, context_length, embed_dim) and every "
+               "stage's context_length match the checkpoint" if "shape" in str(exc) else
+               "give a CLIP checkpoint whose text tower matches model.name's text_cfg")
+        raise TextTowerError(f"{key}: {exc}; fix: {fix}") from None
 
 
 def text_context_length(source: dict) -> Optional[int]:
