@@ -14,7 +14,7 @@ from open_clip.transform import PreprocessCfg, image_transform_v2
 
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, consolidate_deepspeed_checkpoint,  # noqa: F401
                                                           is_deepspeed_checkpoint, resolve_checkpoint_tag)
-from crate_clip.models.clip_factory import create_clip, load_clip_weights, read_state_dict
+from crate_clip.models.clip_factory import create_clip, load_clip_weights, quiet_random_init, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
 from crate_clip.models.patch_change import create_clip_at_patch, register_tower_of
 from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
@@ -86,7 +86,8 @@ def _from_local_dir(model: str, image_size: int | None):
     config = folder / "open_clip_config.json"
     if config.is_file():   # an export at a changed patch size names a parametric tower: register it with timm
         register_tower_of(json.loads(config.read_text()).get("model_cfg"))
-    clip = open_clip.create_model(model, load_weights=False, force_image_size=image_size)
+    with quiet_random_init():   # the weights are loaded on the next line
+        clip = open_clip.create_model(model, load_weights=False, force_image_size=image_size)
     load_clip_weights(clip, read_state_dict(weights), pos_embed_resize="grid_2d")
     return clip
 

@@ -5,6 +5,7 @@ open_clip's own loader resizes only its native ViT's position embedding. `load_c
 (`pos_embed_resize='grid_2d'` or `'official_1d'`, see pos_embed.py), converts the official
 CRATE-alpha-CLIPA layout (official_clipa.py), and otherwise refuses a shape mismatch, naming it.
 """
+import contextlib
 import logging
 from copy import deepcopy
 from pathlib import Path
@@ -45,15 +46,10 @@ def create_clip(model_name: str, image_size: Optional[int] = None, context_lengt
         open_clip_kwargs["text_cfg"] = merged
         if context_length is not None:
             merged["context_length"] = context_length
-    root = logging.getLogger()
-    if pretrained is not None:  # we load the weights below: open_clip's "initialized randomly" would mislead
-        root.addFilter(_drop_random_init_warning)
-    try:
+    with quiet_random_init():
         model = open_clip.create_model(
             model_name, pretrained=None, precision=precision, device=device,
             force_image_size=image_size, force_context_length=context_length, **open_clip_kwargs)
-    finally:
-        root.removeFilter(_drop_random_init_warning)
     set_model_preprocess_cfg(model, {**preprocess_cfg_for(model_name), "size": model.visual.image_size})
     if pretrained is not None:
         load_clip_weights(model, pretrained, strict=True, pos_embed_resize=pos_embed_resize)
@@ -62,6 +58,19 @@ def create_clip(model_name: str, image_size: Optional[int] = None, context_lengt
 
 def _drop_random_init_warning(record: logging.LogRecord) -> bool:
     return "No pretrained weights loaded" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_random_init():
+    """Silence open_clip's "No pretrained weights loaded ... initialized randomly" while our code builds a
+    model: our loaders load the weights themselves right after (a checkpoint, an export, carried stage
+    weights), and a fresh stage-0 model is random by design, so the notice would only mislead."""
+    root = logging.getLogger()
+    root.addFilter(_drop_random_init_warning)
+    try:
+        yield
+    finally:
+        root.removeFilter(_drop_random_init_warning)
 
 
 def _model_cfg(model_name: str) -> Dict:

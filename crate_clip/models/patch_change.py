@@ -5,7 +5,6 @@ patch size first; a stage that sets another one then resizes the kernel (`CrateA
 the position embedding follows on its grid. An export at a patch size other than its config's names its
 tower parametrically (`crate_alpha_clipa_w.._d.._h.._p<patch>_<px>`), registered with timm by `register_tower_of`.
 """
-import logging
 from pathlib import Path
 from typing import Dict, Optional, Union
 
@@ -13,7 +12,7 @@ import open_clip
 import torch
 from torch import nn
 
-from crate_clip.models.clip_factory import (_drop_random_init_warning, _image_tower, create_clip, load_clip_weights,
+from crate_clip.models.clip_factory import (_image_tower, create_clip, load_clip_weights,
                                             read_state_dict, strip_module_prefix)
 from crate_clip.models.crate_alpha import VARIANTS
 from crate_clip.models.open_clip_configs import parse_clip_tower_name, register_clip_tower
@@ -71,12 +70,7 @@ def create_clip_at_patch(model_name: str, source=None, patch_size: Optional[int]
     native = config_patch_size(model_name)
     if (patch_size in (None, native)) and (sd is None or checkpoint_patch_size(sd) in (None, native)):
         return create_clip(model_name, pretrained=sd, **create_kwargs)   # no patch-size change anywhere
-    root = logging.getLogger()
-    root.addFilter(_drop_random_init_warning)   # the weights are loaded below
-    try:
-        model = create_clip(model_name, **create_kwargs)
-    finally:
-        root.removeFilter(_drop_random_init_warning)
+    model = create_clip(model_name, **create_kwargs)   # the weights are loaded below
     if sd is None:
         set_fresh_patch_size(model, patch_size)
     else:

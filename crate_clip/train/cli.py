@@ -31,8 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Run `crate-clip train`; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    # DeepSpeed 0.19 still calls this torch collective under its old name; the notice says nothing to a user
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    # DeepSpeed 0.19 and open_clip's ClipLoss (gather_with_grad) still call torch collectives under their old
+    # names: torch's deprecation notices (one per rank and collective) say nothing a user can act on
+    for old_name in ("all_gather_into_tensor", "torch.distributed.nn.functional.all_gather"):
+        warnings.filterwarnings("ignore", message=f".*{old_name}.* is deprecated", category=FutureWarning)
     from crate_clip.train.checkpoints import ResumeError
     from crate_clip.train.run_config import ConfigError, load_run_config
 

@@ -147,7 +147,8 @@ def main(argv=None) -> int:
     if rc == 0 and results:
         probe = linear_probe_final(run_dir, data_dir, test_dir, args.probe_train_images)
         if probe:
-            print(f"[demo] final model on the 10,000 test images: zero-shot top-1 {100 * results[-1]['top1']:.2f}%, "
+            print(f"[demo] final model on the {results[-1]['n_images']:,} test images: zero-shot top-1 "
+                  f"{100 * results[-1]['top1']:.2f}%, "
                   f"linear probe top-1 {100 * probe['top1']:.2f}% ({probe['n_train']} labelled training images)")
     print(f"[demo] plot: {run_dir / 'training_curve.png'}\n[demo] export: {run_dir / 'export'} "
           f"(open_clip.create_model_and_transforms('local-dir:{run_dir / 'export'}') after `import crate_clip`)")

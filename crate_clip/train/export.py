@@ -10,6 +10,7 @@ import torch
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text
 from crate_clip.models import clip_tokenizer, preprocess_cfg_for, tokenizer_record
+from crate_clip.models.clip_factory import quiet_random_init
 from crate_clip.models.patch_change import config_patch_size, register_tower_of, tower_name_at_patch
 
 WEIGHTS_FILE = "open_clip_model.safetensors"
@@ -67,7 +68,8 @@ def load_export(out_dir: Path, device: str = "cpu"):
 
     register_tower_of(json.loads((Path(out_dir) / CONFIG_FILE).read_text()).get("model_cfg"))
     spec = f"local-dir:{Path(out_dir).resolve()}"
-    model, _, preprocess = open_clip.create_model_and_transforms(spec, device=device)
+    with quiet_random_init():   # open_clip logs it for local-dir: models although it loads their weights
+        model, _, preprocess = open_clip.create_model_and_transforms(spec, device=device)
     return model.eval(), preprocess, open_clip.get_tokenizer(spec)
 
 
