@@ -175,8 +175,24 @@ def tar_samples(url: str):
         return False   # stop reading this tar
 
     yield from wds.DataPipeline(wds.SimpleShardList([url]), wds.tarfile_to_samples(handler=record))
+    if not errors and not _ends_like_a_tar(url):
+        errors.append("truncated tar: it ends without the end-of-archive marker (samples after the cut are lost)")
     if errors:
         yield {"__url__": url, "__unreadable_tar__": errors[0]}
+
+
+def _ends_like_a_tar(url: str) -> bool:
+    """A local tar cut at a member boundary reads as a shorter, valid-looking stream (tarfile sees no error):
+    a complete one is a whole number of 512-byte blocks ending in two zero blocks. Remote URLs: not checked."""
+    path = Path(url)
+    if not path.is_file():
+        return True
+    size = path.stat().st_size
+    if size < 1024 or size % 512:
+        return False
+    with path.open("rb") as f:
+        f.seek(size - 1024)
+        return not any(f.read(1024))
 
 
 @dataclass

@@ -92,3 +92,21 @@ def test_eval_shards_go_whole_to_ranks_and_a_corrupt_tar_is_counted(tmp_path):
     unreadable = [s[3] for r in per_rank for s in r if s[0] is None]
     assert len(unreadable) == 1 and str(broken) in unreadable[0] and "unreadable tar" in unreadable[0]
     assert sum(s[0] is not None for r in per_rank for s in r) == 3 + 3 + 1
+
+
+def test_a_truncated_eval_tar_is_counted_with_its_file_named(tmp_path):
+    import tarfile
+
+    from eval.eval_datasets import ShardSamples
+
+    whole = _cls_tar(tmp_path / "00000000.tar", [f"{i:05d}" for i in range(4)])
+    data = whole.read_bytes()
+    cut = tmp_path / "00000001.tar"
+    # cut at a member boundary (after two of the four samples' members): tarfile reads it without an error
+    members = tarfile.open(whole).getmembers()
+    cut.write_bytes(data[:members[4].offset])
+    transform = lambda img: torch.zeros(1)   # noqa: E731
+    samples = list(ShardSamples([str(whole), str(cut)], transform, "cls", 10))
+    unreadable = [s[3] for s in samples if s[0] is None]
+    assert len(unreadable) == 1 and str(cut) in unreadable[0] and "truncated tar" in unreadable[0]
+    assert sum(s[0] is not None for s in samples) == 4 + 2
