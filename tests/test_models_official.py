@@ -19,7 +19,10 @@ def write_official(tmp_path, num_classes, grid=2, name="official.pth"):
 
 
 def load(path, name="crate_alpha_base_patch16_224", **kw):
-    return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
+    # as with timm's own models, the overlay states the file's class count: a head of another size than
+    # pretrained_cfg['num_classes'] is dropped by timm's loader (pretrained_cfg['classifier'] names it)
+    overlay = dict(file=str(path), **({"num_classes": kw["num_classes"]} if "num_classes" in kw else {}))
+    return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay,
                              **{**TINY, "img_size": 32, **kw}).eval()
 
 
