@@ -348,14 +348,17 @@ def count_flops_per_sample(cfg, stage, batch: int = 2) -> tuple[float, float]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from crate_clip.models import create_clip, set_image_token_mask
-    model = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length,
-                        device="meta")
-    set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
-    model.train()
-    images = torch.empty(batch, 3, stage.image_size, stage.image_size, device="meta")
-    tokens = torch.ones(batch, stage.context_length, dtype=torch.long, device="meta")
-    with FlopCounterMode(display=False) as counter:
-        image_f, text_f, scale = model(image=images, text=tokens)[:3]
-        forward = counter.get_total_flops()
-        (scale * (image_f @ text_f.t())).sum().backward()
+    # the token masks draw from torch's global generator even on the meta device: the trainer counts at the
+    # start of every stage, also right after a resume restored the generator, so the count must not move it
+    with torch.random.fork_rng(devices=[]):
+        model = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length,
+                            device="meta")
+        set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
+        model.train()
+        images = torch.empty(batch, 3, stage.image_size, stage.image_size, device="meta")
+        tokens = torch.ones(batch, stage.context_length, dtype=torch.long, device="meta")
+        with FlopCounterMode(display=False) as counter:
+            image_f, text_f, scale = model(image=images, text=tokens)[:3]
+            forward = counter.get_total_flops()
+            (scale * (image_f @ text_f.t())).sum().backward()
     return counter.get_total_flops() / batch, forward / batch

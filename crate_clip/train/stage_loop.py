@@ -273,6 +273,12 @@ def _summed_skips(stream, dist: DistInfo) -> dict:
 
 
 # ---------------------------------------------------------------- the steps of one stage
+def _rng_untouched(dist: DistInfo):
+    """Measurements (FLOP count, white-box probe) run models whose token masks draw from the global generators:
+    they must not move them, or a resumed stage would draw other masks than the uninterrupted one."""
+    return torch.random.fork_rng(devices=[torch.device(dist.device)] if dist.device.startswith("cuda") else [])
+
+
 def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Progress,
                 ckpts: CheckpointManager, log: MetricsLog, dist: DistInfo) -> Path:
     """Run the stage's remaining steps; returns the folder of its final checkpoint."""
@@ -283,8 +289,9 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
     log.start_stage(f"stage {progress.stage_index} {stage.name} @{stage.image_size}px", stage.steps,
                     progress.step, stage.global_batch)
     every_log, every_ckpt = cfg.logging.every_steps, cfg.checkpoint.every_steps
-    meter = StepMeter(cfg, stage, dist)
-    probe = WhiteboxProbe.for_stage(cfg, stage, engine, dist, log)  # None unless logging.diagnostics_every
+    with _rng_untouched(dist):
+        meter = StepMeter(cfg, stage, dist)
+        probe = WhiteboxProbe.for_stage(cfg, stage, engine, dist, log)  # None unless logging.diagnostics_every
     while progress.step < stage.steps:
         meter.begin()
         try:
@@ -312,7 +319,10 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
             progress.nonfinite_in_a_row = 0
         log.advance(loss, lr, progress.step)
         last = progress.step == stage.steps
-        measured = probe.measure() if probe and probe.due(progress.step, last) else None
+        measured = None
+        if probe and probe.due(progress.step, last):
+            with _rng_untouched(dist):
+                measured = probe.measure()
         if progress.step % every_log == 0 or last or loss is None or measured is not None:
             perf = meter.fields()
             warning = meter.data_wait_warning(perf)
