@@ -23,6 +23,16 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 base = rss()
+# the peak of the training steps alone, sampled by a thread: the process's lifetime peak (ru_maxrss) also
+# holds whatever import and model building touched before `base`, which varies from machine to machine
+import threading, time
+peak, running = [base], [True]
+def sample():
+    while running[0]:
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.0005)
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
 for _ in range(2):
     image_f, text_f, scale = model(image=images, text=tokens)[:3]
     logits = scale * image_f @ text_f.t()
@@ -32,8 +42,9 @@ for _ in range(2):
     opt.step()
     opt.zero_grad(set_to_none=True)
     del image_f, text_f, scale, logits, loss
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print("PEAK", json.dumps({"delta": peak - base}))
+running[0] = False
+sampler.join()
+print("PEAK", json.dumps({"delta": peak[0] - base, "lifetime_delta": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base}))
 """
 
 
@@ -89,4 +100,4 @@ def test_memory_prediction_matches_the_real_cpu_peak():
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     real = json.loads(proc.stdout.split("PEAK", 1)[1])["delta"]
-    assert abs(predicted - real) / real < 0.20, (predicted, real)
+    assert abs(predicted - real) / real < 0.20, (predicted, real, proc.stdout)
