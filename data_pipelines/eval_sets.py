@@ -11,7 +11,9 @@ from typing import Iterable
 from PIL import Image
 from webdataset import ShardWriter
 
-from .shard_writer import _atomic_write_text, encode_jpeg, sample_key
+from crate_clip.checkpoint_io.atomic_files import atomic_write_text
+
+from .shard_writer import encode_jpeg, sample_key
 
 
 def _class_dir_names(classnames) -> list[str]:
@@ -23,7 +25,7 @@ def _class_dir_names(classnames) -> list[str]:
 def write_classnames(out_dir: str | Path, classnames) -> Path:
     """classnames.txt: one class name per line, in label order."""
     path = Path(out_dir) / "classnames.txt"
-    _atomic_write_text(path, "".join(f"{c}\n" for c in classnames))
+    atomic_write_text(path, "".join(f"{c}\n" for c in classnames))
     return path
 
 

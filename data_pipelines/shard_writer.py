@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from PIL import Image
+
+from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text
 from webdataset import TarWriter
 
 from .image_decode import to_rgb
@@ -109,7 +111,7 @@ def _write_one_shard(out_dir: Path, shard: int, chunk: list[dict], samples_per_s
     if write_parquet:
         _write_parquet(out_dir / f"{shard:08d}.parquet", rows)
     os.replace(tmp, out_dir / f"{shard:08d}.tar")
-    _atomic_write_text(out_dir / f"{shard:08d}_stats.json", json.dumps(stats, indent=1))
+    atomic_write_text(out_dir / f"{shard:08d}_stats.json", json.dumps(stats, indent=1))
     return stats
 
 
@@ -144,13 +146,6 @@ def _encode_into(tmp: Path, shard: int, chunk: list[dict], samples_per_shard: in
     return rows, failed
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write a small text file under a temporary name, then rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _write_parquet(path: Path, rows: list[dict]) -> None:
     """img2dataset's per-shard metadata table (needs pyarrow)."""
     import pyarrow as pa
@@ -159,9 +154,7 @@ def _write_parquet(path: Path, rows: list[dict]) -> None:
     cols = sorted({k for r in rows for k in r})
     table = pa.table({c: [None if r.get(c) is None else str(r.get(c)) if not isinstance(r.get(c), (int, float))
                           else r.get(c) for r in rows] for c in cols})
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def _chunks(samples: Iterable[dict], size: int) -> Iterator[list[dict]]:

@@ -2,11 +2,11 @@
 import contextlib
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 
+from crate_clip.checkpoint_io.atomic_files import atomic_torch_save
 from eval.class_sets import template_text
 from eval.model_calls import unwrap_model
 
@@ -104,6 +104,4 @@ def load_cached(path: Path, num_classes: int) -> torch.Tensor | None:
 def save_cached(path: Path, weights: torch.Tensor) -> None:
     """Write atomically (temp file + rename) so a concurrent reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save({"weights": weights.detach().cpu().float()}, tmp)
-    os.replace(tmp, path)
+    atomic_torch_save({"weights": weights.detach().cpu().float()}, path)
