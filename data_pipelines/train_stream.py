@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from crate_clip.config_schema import Bool, Float, Int, Section
 
+from .device_decode import DECODE_COUNTERS, Decode, DeviceJpegBatch, ship_sample
 from .image_decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_train, normalize_batch
 from .epoch_sizes import adopt_real_sizes
 from .pos_tagging import PosSource
@@ -111,6 +112,7 @@ class _BatchSpec:
     reduced_decode: bool
     shuffle_buffer: int
     drop_last: bool
+    decode: str = "cpu"    # "device": ship JPEG bytes + crop boxes, decoded on the trainer's device
 
 
 class _StreamDataset(IterableDataset):
@@ -168,8 +170,12 @@ def _decode_sample(raw: dict, spec: _BatchSpec, reducer: TextReducer, rng: rando
         skips["missing_image"] += 1
         return None
     try:
-        image = decode_train(data, spec.image_size, rng, spec.crop_scale, spec.crop_ratio,
-                             spec.max_image_pixels, spec.reduced_decode)
+        if spec.decode == "device":  # same draws, same order: only the pixels are left to the device
+            image = ship_sample(data, spec.image_size, rng, spec.crop_scale, spec.crop_ratio,
+                                spec.max_image_pixels, spec.reduced_decode, skips)
+        else:
+            image = decode_train(data, spec.image_size, rng, spec.crop_scale, spec.crop_ratio,
+                                 spec.max_image_pixels, spec.reduced_decode)
     except BadImage as exn:
         skips[exn.reason] += 1
         return None
@@ -177,7 +183,11 @@ def _decode_sample(raw: dict, spec: _BatchSpec, reducer: TextReducer, rng: rando
 
 
 def _collate(images: list, tokens: list, spec: _BatchSpec):
-    """Stack a worker's samples into normalised float images (B,3,S,S) and int64 tokens (B,L)."""
+    """Stack a worker's samples into normalised float images (B,3,S,S) (decode: device: a DeviceJpegBatch)
+    and int64 tokens (B,L)."""
+    if spec.decode == "device":
+        return (DeviceJpegBatch.collate(images, spec.image_size, spec.mean, spec.std, spec.reduced_decode),
+                torch.from_numpy(np.stack(tokens)))
     return normalize_batch(np.stack(images), spec.mean, spec.std), torch.from_numpy(np.stack(tokens))
 
 
@@ -240,8 +250,10 @@ class TrainStream:
     """Iterable of (images float32 (B,3,S,S), tokens int64 (B,L)); resumable; counts skipped samples."""
 
     def __init__(self, cfg: StreamConfig, plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer,
-                 num_samples: int, context_length: int, text_mask: str):
+                 num_samples: int, context_length: int, text_mask: str, device: str = "cpu"):
         self.cfg, self.plan, self.spec, self.reducer = cfg, plan, spec, reducer
+        self.device = device  # where decode: device batches are decoded
+        self._decode_main: Counter = Counter()  # device-decode fallbacks counted in this process
         self._num_samples = num_samples
         self.context_length, self.text_mask = context_length, text_mask
         self.batch_size = spec.batch_size
@@ -312,6 +324,8 @@ class TrainStream:
             if images is None:
                 continue  # a worker's final skip report
             self._batches += 1
+            if isinstance(images, DeviceJpegBatch):
+                images, tokens = images.to_images(self.device, tokens, self._decode_main)
             yield images, tokens
             if cap is not None and self._batches >= cap:
                 break  # every rank stops after the same number of batches: no rank waits on another
@@ -338,6 +352,11 @@ class TrainStream:
         total = self._current_skips() + self._done_skips
         return {reason: int(total.get(reason, 0)) for reason in SKIP_REASONS}
 
+    def decode_counts(self) -> dict[str, int]:
+        """decode: device: samples the CPU decoded instead (worker fallbacks, device failures) or replaced."""
+        total = self._current_skips() + self._done_skips + self._decode_main
+        return {key: int(total.get(key, 0)) for key in DECODE_COUNTERS}
+
     def state_dict(self) -> dict:
         """JSON-serialisable position of the stream (what the trainer has consumed so far)."""
         return {"version": STATE_VERSION, "mode": self.plan.mode, "seed": self.plan.seed, "epoch": self.plan.epoch,
@@ -346,7 +365,8 @@ class TrainStream:
                 "samples": self._batches * self.batch_size,
                 "workers": [{"group": p["group"], "offset": p["offset"], "skips": dict(p.get("skips", {})),
                              "read": dict(p.get("read", {}))} for p in self._positions],
-                "done_skips": dict(self._done_skips), "measured_sizes": dict(self._measured)}
+                "done_skips": dict(self._done_skips), "measured_sizes": dict(self._measured),
+                "decode_main": dict(self._decode_main)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position; exact when mode, seed, world size and worker count match."""
@@ -357,6 +377,7 @@ class TrainStream:
         self.plan.epoch = int(state.get("epoch", self.plan.epoch))
         self.plan.generation = int(state.get("generation", 0))
         self._done_skips = Counter(state.get("done_skips", {}))
+        self._decode_main = Counter(state.get("decode_main", {}))
         self._measured = {k: int(v) for k, v in state.get("measured_sizes", {}).items()}
         self.plan.sizes.update(self._measured)
         workers = state.get("workers", [])
@@ -388,9 +409,13 @@ def _probe_pos_source(cfg: StreamConfig) -> str:
 
 def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: int, text_mask: str,
                        batch_size: int, rank: int = 0, world_size: int = 1, tokenizer_name: str = "clip-bpe",
-                       epoch: int = 0, bert_vocab: str | None = None) -> TrainStream:
+                       epoch: int = 0, bert_vocab: str | None = None, decode: Decode = "cpu",
+                       device: str = "cpu") -> TrainStream:
     """The training stream of one rank for one stage (image size, text length and mask); `bert_vocab`: a
-    folder with vocab.txt for a BERT-tokenized model when the HuggingFace hub is not reachable."""
+    folder with vocab.txt for a BERT-tokenized model when the HuggingFace hub is not reachable; `decode`:
+    'device' decodes the JPEGs on `device` in the trainer's process (data_pipelines/device_decode.py)."""
+    if decode not in ("cpu", "device"):
+        raise ValueError(f"decode={decode!r}: use 'cpu' or 'device'")
     if text_mask not in TEXT_MASKS:
         raise ValueError(f"text_mask={text_mask!r} is not one of {TEXT_MASKS}")
     if batch_size < 1 or image_size < 1:
@@ -425,8 +450,9 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
                      epoch, rank, world_size, num_workers, cfg.shards_per_group,
                      overflow=cfg.mode == "epoch" and world_size > 1)
     spec = _BatchSpec(batch_size, image_size, tuple(cfg.crop_scale), tuple(cfg.crop_ratio), tuple(cfg.mean),
-                      tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, cfg.shuffle_buffer, cfg.drop_last)
-    return TrainStream(cfg, plan, spec, reducer, num_samples, context_length, text_mask)
+                      tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, cfg.shuffle_buffer, cfg.drop_last,
+                      decode)
+    return TrainStream(cfg, plan, spec, reducer, num_samples, context_length, text_mask, device)
 
 
 def _data_set_sizes(shards: list[str]) -> dict[str, int]:

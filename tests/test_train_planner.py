@@ -81,6 +81,21 @@ def test_flops_are_counted_and_scale_with_tokens():
     assert m32.activation_bytes_per_sample_ckpt < m32.activation_bytes_per_sample
 
 
+def test_depth_cut_trace_matches_the_full_trace():
+    """The planner traces towers cut to 1 and 2 blocks and extrapolates by depth; the tiny model (4 image
+    blocks, 2 text blocks) traced at full depth gives the same FLOPs and activations (with the cycle
+    collector paused during a trace, both are deterministic)."""
+    from crate_clip.train.planner import measure_stage
+    from crate_clip.train.run_config import config_from_dict
+
+    cfg = config_from_dict(_cfg(32, 8), check_paths=False)
+    cut, full = measure_stage(cfg, cfg.stages[0]), measure_stage(cfg, cfg.stages[0], full_depth=True)
+    for key in ("trainable_params", "frozen_params", "flops_per_sample", "forward_flops_per_sample",
+                "activation_bytes_per_sample", "activation_bytes_per_sample_ckpt", "activation_bytes_fixed"):
+        assert getattr(cut, key) == pytest.approx(getattr(full, key), rel=0.01), key
+    assert cut.activation_bytes_per_sample_ckpt < 0.8 * cut.activation_bytes_per_sample
+
+
 @pytest.mark.slow
 def test_memory_prediction_matches_the_real_cpu_peak():
     from crate_clip.train.planner import logits_bytes, measure_stage, state_bytes_per_rank

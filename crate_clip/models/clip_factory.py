@@ -46,7 +46,9 @@ def create_clip(model_name: str, image_size: Optional[int] = None, context_lengt
         open_clip_kwargs["text_cfg"] = merged
         if context_length is not None:
             merged["context_length"] = context_length
-    with quiet_random_init():
+    # on the meta device, build there from the start (open_clip builds on CPU, then moves): no init compute
+    on_meta = torch.device(device).type == "meta"
+    with quiet_random_init(), (torch.device("meta") if on_meta else contextlib.nullcontext()):
         model = open_clip.create_model(
             model_name, pretrained=None, precision=precision, device=device,
             force_image_size=image_size, force_context_length=context_length, **open_clip_kwargs)

@@ -4,8 +4,9 @@
     FLOPs per sample  counted with torch.utils.flop_counter on a real forward + backward (batch 2, CPU),
                       token masks and text length as configured
     state bytes       weights / grads / AdamW state per rank under the ZeRO stage and precision
-    activations       bytes per sample measured on CPU (live tensors traced through dispatch, batch 1 and 2,
-                      slope = per sample), with and without gradient checkpointing, scaled to the dtype
+    activations       bytes per sample measured on CPU (live tensors traced through dispatch, batch 2 and 4,
+                      slope = per sample), with and without gradient checkpointing, scaled to the dtype;
+                      towers traced cut to 1 and 2 blocks and extrapolated linearly in depth
     micro-batch       the largest divisor of global_batch / world that fits, and k accumulation steps
     time              total FLOPs / (GPUs x peak bf16 x MFU); GPU-hours
 
@@ -14,6 +15,7 @@ which is what a caching allocator must hold at the peak, less fragmentation (the
 """
 from __future__ import annotations
 
+import gc
 import math
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -96,15 +98,30 @@ class LiveTensorPeak(TorchDispatchMode):
 
 def _train_pass(model, images, tokens, track_memory: bool) -> tuple[int, float, float]:
     """(peak live bytes, total FLOPs, forward FLOPs) of one forward + contrastive loss + backward."""
+    model.zero_grad(set_to_none=True)
+    tracer = LiveTensorPeak() if track_memory else None
+    # the trace sees a tensor die with its Python object: the cycle collector running at random moments
+    # (checkpointing's saved-tensor hooks make cycles) would move the measured peak from run to run
+    gc.collect()
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        return _traced_pass(model, images, tokens, tracer)
+    finally:
+        if gc_was_on:
+            gc.enable()
+
+
+def _traced_pass(model, images, tokens, tracer) -> tuple[int, float, float]:
+    """_train_pass's body."""
     from torch.utils.flop_counter import FlopCounterMode
 
     import torch.nn.functional as F
-    model.zero_grad(set_to_none=True)
-    tracer = LiveTensorPeak() if track_memory else None
     with FlopCounterMode(display=False) as flops:
         with (tracer or _null()):
             image_f, text_f, scale = model(image=images, text=tokens)[:3]
-            logits = scale * image_f @ text_f.t()
+            # a locked text tower computes in the run's precision: its features meet the image's in fp32
+            logits = scale * image_f @ text_f.t().to(image_f.dtype)
             labels = torch.arange(len(images))
             loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
             forward = flops.get_total_flops()
@@ -135,40 +152,97 @@ class StageMeasure:
     activation_bytes_per_sample_ckpt: float
 
 
-def build_plan_model(cfg, stage):
+def build_plan_model(cfg, stage, device: str = "cpu"):
     """The stage's model as training builds it (random init; token mask; locked towers frozen)."""
     from crate_clip.train import stage_loop
-    pretrained, compiled = cfg.model.pretrained, cfg.model.compile
+    pretrained, text, compiled = cfg.model.pretrained, cfg.model.text_pretrained, cfg.model.compile
     try:
-        cfg.model.pretrained = None  # weights do not change the shapes; do not read a file here
+        # weights do not change the shapes: read no file and no hub tag here (the lock still applies)
+        cfg.model.pretrained = cfg.model.text_pretrained = None
         cfg.model.compile = False    # the traced passes run eagerly
-        return stage_loop.build_stage_model(cfg, stage, None)
+        return stage_loop.build_stage_model(cfg, stage, None, device=device)
     finally:
-        cfg.model.pretrained, cfg.model.compile = pretrained, compiled
+        cfg.model.pretrained, cfg.model.text_pretrained, cfg.model.compile = pretrained, text, compiled
 
 
-def measure_stage(cfg, stage, batches=(1, 2)) -> StageMeasure:
-    """Count FLOPs and trace activations of the stage's model at two batch sizes (CPU, fp32)."""
-    model = build_plan_model(cfg, stage)
-    model.train()
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    peaks, peaks_ckpt, flops = {}, {}, {}
+def _block_lists(model) -> Optional[tuple]:
+    """(image tower's block list's owner, attribute), (text ...): the repeated blocks a depth cut shortens."""
+    visual = getattr(model, "visual", None)
+    trunk = getattr(visual, "trunk", None)
+    image = (trunk, "blocks") if hasattr(trunk, "blocks") else \
+        (visual.transformer, "resblocks") if hasattr(getattr(visual, "transformer", None), "resblocks") else None
+    text = (model.transformer, "resblocks") if hasattr(getattr(model, "transformer", None), "resblocks") else None
+    return (image, text) if image and text else None
+
+
+def _cut_to_cpu(model, depths: tuple) -> torch.nn.Module:
+    """A meta-device model with each tower cut to `depths` blocks, made real on the CPU with random values
+    (the trace measures sizes, which values do not change)."""
+    for (owner, attr), depth in zip(_block_lists(model), depths):
+        setattr(owner, attr, getattr(owner, attr)[:depth])
+    model = model.to_empty(device="cpu")
     g = torch.Generator().manual_seed(0)
-    for b in batches:
-        images = torch.randn(b, 3, stage.image_size, stage.image_size, generator=g)
-        tokens = torch.randint(1, 1000, (b, stage.context_length), generator=g)
-        peaks[b], total, fwd = _train_pass(model, images, tokens, track_memory=True)
-        flops[b] = (total, fwd)
-        _set_ckpt(model, True)
-        peaks_ckpt[b], _, _ = _train_pass(model, images, tokens, track_memory=True)
-        _set_ckpt(model, bool(cfg.model.grad_checkpointing))
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.is_floating_point():
+                t.normal_(0, 0.02, generator=g)
+            else:
+                t.zero_()
+    return model
+
+
+def _trace(model, cfg, stage, batches) -> dict:
+    """Peak live bytes at each batch, gradient checkpointing off and on, and FLOPs (checkpointing off)."""
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for ckpt in (False, True):
+        _set_ckpt(model, ckpt)
+        # one untraced pass first in each mode: lazily built state (workspaces, cached masks) is not per-sample
+        _train_pass(model, torch.randn(1, 3, stage.image_size, stage.image_size, generator=g),
+                    torch.randint(1, 1000, (1, stage.context_length), generator=g), track_memory=False)
+        for b in batches:
+            images = torch.randn(b, 3, stage.image_size, stage.image_size, generator=g)
+            tokens = torch.randint(1, 1000, (b, stage.context_length), generator=g)
+            peak, flops, fwd = _train_pass(model, images, tokens, track_memory=True)
+            out[f"{'ckpt' if ckpt else 'peak'}{b}"] = peak
+            if not ckpt:
+                out[f"flops{b}"], out[f"fwd{b}"] = flops, fwd
+    _set_ckpt(model, bool(cfg.model.grad_checkpointing))
+    return out
+
+
+def measure_stage(cfg, stage, batches=(2, 4), full_depth: bool = False) -> StageMeasure:
+    """Count FLOPs and trace activations of the stage's model at two batch sizes (CPU, fp32); batches of
+    2 and 4 rather than 1 and 2, so that activations, not the parameter gradients, decide where the peak is.
+
+    Unless `full_depth`, the towers are traced cut to 1 and 2 blocks and every quantity extrapolated
+    linearly in each tower's depth: the blocks of a tower are identical, so each adds the same saved
+    activations and FLOPs (tests/test_train_planner.py checks it against the full trace). L/14 at 224 px
+    then costs seconds on a CPU instead of a full-depth fp32 pass."""
+    meta = build_plan_model(cfg, stage, device="meta")
+    trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in meta.parameters() if not p.requires_grad)
+    lists = _block_lists(meta)
+    depths = tuple(len(getattr(owner, attr)) for owner, attr in lists) if lists else None
+    if full_depth or depths is None or max(depths) <= 2:
+        v = _trace(build_plan_model(cfg, stage), cfg, stage, batches)
+    else:
+        base = _trace(_cut_to_cpu(meta, (1, 1)), cfg, stage, batches)
+        v = dict(base)
+        for tower, depth in enumerate(depths):
+            if depth < 2:
+                continue
+            cut = tuple(2 if i == tower else 1 for i in range(2))
+            more = _trace(_cut_to_cpu(build_plan_model(cfg, stage, device="meta"), cut), cfg, stage, batches)
+            for key in v:
+                v[key] += (more[key] - base[key]) * (depth - 1)
     b1, b2 = batches
-    per = (peaks[b2] - peaks[b1]) / (b2 - b1)
-    per_ckpt = (peaks_ckpt[b2] - peaks_ckpt[b1]) / (b2 - b1)
+    per = (v[f"peak{b2}"] - v[f"peak{b1}"]) / (b2 - b1)
+    per_ckpt = (v[f"ckpt{b2}"] - v[f"ckpt{b1}"]) / (b2 - b1)
     # the trace also holds the fp32 parameter gradients: counted apart, in the per-rank state
-    fixed = max(0.0, peaks[b1] - per * b1 - 4.0 * trainable)
-    return StageMeasure(trainable, frozen, flops[b2][0] / b2, flops[b2][1] / b2, per, fixed, per_ckpt)
+    fixed = max(0.0, v[f"peak{b1}"] - per * b1 - 4.0 * trainable)
+    return StageMeasure(trainable, frozen, v[f"flops{b2}"] / b2, v[f"fwd{b2}"] / b2, per, fixed, per_ckpt)
 
 
 def _set_ckpt(model, on: bool) -> None:

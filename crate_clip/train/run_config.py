@@ -17,6 +17,7 @@ from crate_clip.config_schema import Bool, Float, Int, Section, error_lines
 from crate_clip.models.open_clip_configs import image_patch_size
 from crate_clip.models.pos_embed import POS_EMBED_RESIZE_MODES
 from crate_clip.models.token_masks import TokenMask
+from data_pipelines.device_decode import Decode
 from data_pipelines.shard_reader import ShardListError, expand_source, is_remote
 from data_pipelines.text_reduction import TextMask
 from data_pipelines.train_stream import StreamConfig
@@ -102,6 +103,9 @@ class StageConfig(Section):
     # per-rank micro-batch (an int, or "auto": the planner's largest that fits); None = global_batch / world.
     # k = global_batch / (micro_batch x world) accumulation steps with exact contrastive gradients
     micro_batch: Optional[Union[Literal["auto"], Annotated[int, Field(ge=1)]]] = None
+    # where JPEGs are decoded: 'cpu' (loader workers) or 'device' (workers draw the crops and ship the bytes;
+    # batched torchvision decode_jpeg + crop/resize/normalise on the training device; same crops and seeds)
+    decode: Decode = "cpu"
 
     @property
     def steps(self) -> int:

@@ -202,17 +202,18 @@ def _export(cfg: RunConfig, weights: dict, log: MetricsLog, dist: DistInfo) -> O
 
 # ---------------------------------------------------------------- building blocks
 def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict],
-                      resuming: bool = False) -> torch.nn.Module:
+                      resuming: bool = False, device: str = "cpu") -> torch.nn.Module:
     """The model at the stage's image size / context length: from carried weights (position embeddings
     resized 2-D for the image grid, 1-D for the text), or fresh (plus model.pretrained and
     model.text_pretrained) for the first; then the text tower / logit scale locked as configured.
-    `resuming`: every weight comes from the checkpoint loaded next, so nothing else is read."""
+    `resuming`: every weight comes from the checkpoint loaded next, so nothing else is read. `device`: 'meta'
+    for shapes only (the planner)."""
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     pretrained = None if resuming else cfg.model.pretrained if weights is None else weights
     # (the tower's patch size changes here when the stage sets another one: crate_clip/models/patch_change.py)
     model = create_clip_at_patch(cfg.model.name, pretrained, stage.patch_size, stage.patch_resize,
                                  image_size=stage.image_size, context_length=stage.context_length,
-                                 pos_embed_resize=cfg.model.pos_embed_resize)
+                                 pos_embed_resize=cfg.model.pos_embed_resize, device=device)
     set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
@@ -243,7 +244,7 @@ def default_stream_factory(cfg: RunConfig, stage: StageConfig, stage_index: int,
                               text_mask=stage.text_mask, batch_size=stage.global_batch // dist.world_size,
                               rank=dist.rank, world_size=dist.world_size,
                               tokenizer_name=cfg.model.tokenizer or cfg.model.name,
-                              bert_vocab=cfg.model.bert_vocab)
+                              bert_vocab=cfg.model.bert_vocab, decode=stage.decode, device=dist.device)
 
 
 def _normalisation(model_name: str) -> dict:
@@ -260,9 +261,9 @@ def _make_loss(dist: DistInfo):
                     rank=dist.rank, world_size=dist.world_size)
 
 
-def _summed_skips(stream, dist: DistInfo) -> dict:
-    """The data stream's bad-sample counters, summed over ranks."""
-    local = stream.skip_counts() if hasattr(stream, "skip_counts") else {}
+def _summed_skips(stream, dist: DistInfo, counters: str = "skip_counts") -> dict:
+    """The data stream's bad-sample counters (or its `decode_counts`), summed over ranks."""
+    local = getattr(stream, counters)() if hasattr(stream, counters) else {}
     gathered = [None] * dist.world_size
     tdist.all_gather_object(gathered, dict(local))
     total: dict = {}
@@ -335,7 +336,9 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
                           "grad_norm": result.grad_norm, "skipped": result.skipped,
                           "samples_per_s": log.samples_per_second(progress.step),
                           "nonfinite_skipped": progress.nonfinite_skipped,
-                          "data_skips": _summed_skips(stream, dist), "time": time.time(), **(measured or {})})
+                          "data_skips": _summed_skips(stream, dist), "time": time.time(), **(measured or {}),
+                          **({"data_decode": _summed_skips(stream, dist, "decode_counts")}
+                             if stage.decode == "device" else {})})
         if progress.nonfinite_in_a_row >= cfg.run.max_nonfinite_in_a_row:
             # the skipped steps left the weights untouched: this checkpoint holds the last good state
             tag_dir = _save(ckpts, engine, cfg, stage, progress, stream)
