@@ -3,7 +3,8 @@
     training steps of CRATE-alpha-CLIPA-B/16 and L/14 at 84 px / 8 and 32 tokens and at 224 px / 32 tokens,
     with and without torch.compile of the towers, beside open_clip's ViT-B-16 built the same way:
     samples/s, step time, model TFLOP/s (FLOPs counted), MFU vs the GPU's bf16 peak, peak memory;
-    JPEG decode + resize images/s on the CPU (PIL, one core) and batched on the GPU (torchvision.io.decode_jpeg);
+    training-stream images/s with `decode: cpu` (PIL in one worker) and `decode: device` (batched
+    torchvision.io.decode_jpeg + crop/resize on the GPU), and the worker's share of the device path;
     the token-reduction speed-up of B/16 at 84 px / 8 tokens vs 224 px / 32 tokens (ideal: the FLOP ratio).
 
     python bench/bench_gpu.py                 # on the GPU machine; writes the `gpu` section of BENCHMARKS.md
@@ -16,7 +17,6 @@ Targets (issue 11): MFU >= 40% for B/16 at 224 px on an H100/H200-class GPU; CRA
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
@@ -95,44 +95,47 @@ def train_case(dist, model: str, size: int, tokens: int, batch: int, compile_: b
             "peak_memory_gib": mem}
 
 
-def _jpegs(n: int, w: int = 512, h: int = 384) -> list[bytes]:
-    """DataComp-size JPEGs with photo-like content (smooth gradients + noise), quality 90."""
-    import numpy as np
-    from PIL import Image
-    rng = np.random.default_rng(0)
-    out = []
-    for i in range(n):
-        yy, xx = np.mgrid[0:h, 0:w]
-        base = np.stack([(xx * (i + 1)) % 256, (yy * 2) % 256, ((xx + yy) // 3) % 256], -1).astype(np.float32)
-        img = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
-        buf = io.BytesIO()
-        Image.fromarray(img).save(buf, format="JPEG", quality=90)
-        out.append(buf.getvalue())
-    return out
+def _loader_rate(pattern: str, size: int, decode: str, device: str, batches: int, ship_only: bool = False) -> float:
+    """Images/s of the training stream (1 worker process = 1 CPU core of decoding) on `pattern`'s shards:
+    decode 'cpu' (PIL in the worker) or 'device' (worker ships JPEG bytes + boxes; `device` decodes in this
+    process). ship_only: the worker's share of the device path alone (the batches are not decoded)."""
+    from data_pipelines.device_decode import DeviceJpegBatch
+    from data_pipelines.train_stream import StreamConfig, build_train_stream
 
-
-def decode_rates(device: str, size: int = 224, n: int = 64) -> dict:
-    """Images/s: PIL decode + resize on one CPU core; batched torchvision decode_jpeg + resize on `device`."""
-    import torch.nn.functional as F
-    import torchvision
-    from PIL import Image
-    data = _jpegs(n)
-    t0 = time.perf_counter()
-    for b in data:
-        Image.open(io.BytesIO(b)).convert("RGB").resize((size, size), Image.BICUBIC)
-    cpu = n / (time.perf_counter() - t0)
-    gpu = None
-    if device.startswith("cuda"):
-        tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in data]
-        for _ in range(2):
-            t0 = time.perf_counter()
-            decoded = torchvision.io.decode_jpeg(tensors, device=device)
-            batch = torch.stack([F.interpolate(d[None].float(), size=(size, size), mode="bilinear",
-                                               antialias=True)[0] for d in decoded])
+    cfg = StreamConfig(sources=[pattern], num_workers=1, shuffle_buffer=200)
+    stream = build_train_stream(cfg, image_size=size, context_length=32, text_mask="truncate", batch_size=32,
+                                decode=decode, device=device)
+    it = _raw_batches(stream) if ship_only else iter(stream)
+    next(it)  # worker start-up
+    t0, n = time.perf_counter(), 0
+    for _ in range(batches):
+        images, _ = next(it)
+        n += len(images)
+        if isinstance(images, torch.Tensor) and images.is_cuda:
             torch.cuda.synchronize()
-            gpu = n / (time.perf_counter() - t0)
-        del batch
-    return {"image_size": size, "cpu_pil_images_per_s_per_core": cpu, "gpu_decode_images_per_s": gpu}
+    assert not ship_only or isinstance(images, DeviceJpegBatch)
+    return n / (time.perf_counter() - t0)
+
+
+def _raw_batches(stream):
+    """The stream's batches as the workers send them (decode: device batches stay undecoded)."""
+    for images, tokens, meta in stream._loader():
+        if images is not None:
+            yield images, tokens
+
+
+def decode_rates(device: str, sizes=(224, 84), batches: int = 12) -> list[dict]:
+    """Loader images/s at each size with CPU decode and with device decode, on DataComp-like shards."""
+    from bench_data import SHARDS, make_shards
+    pattern = make_shards() if not any(SHARDS.glob("*.tar")) else f"{SHARDS}/{{00000000..00000007}}.tar"
+    rows = []
+    for size in sizes:
+        rows.append({"image_size": size, "device": device,
+                     "cpu_decode_images_per_s_per_core": _loader_rate(pattern, size, "cpu", device, batches),
+                     "device_decode_images_per_s": _loader_rate(pattern, size, "device", device, batches),
+                     "device_path_worker_images_per_s_per_core": _loader_rate(pattern, size, "device", device,
+                                                                             batches, ship_only=True)})
+    return rows
 
 
 def _markdown(results: list[dict], decode: dict, device_name: str) -> str:
@@ -157,9 +160,13 @@ def _markdown(results: list[dict], decode: dict, device_name: str) -> str:
     vit = ok.get(("ViT-B-16", 224, 32, False))
     if vit and hi:
         lines.append(f"CRATE-alpha-B/16 step time / ViT-B/16's at 224 px: {hi['step_s'] / vit['step_s']:.2f}x (target <= 1.3x).")
-    gpu = decode.get("gpu_decode_images_per_s")
-    lines.append(f"JPEG decode + resize to {decode['image_size']} px: CPU (PIL) {decode['cpu_pil_images_per_s_per_core']:.0f} "
-                 f"images/s per core" + (f"; GPU (torchvision decode_jpeg, batched) {gpu:.0f} images/s" if gpu else ""))
+    lines += ["", "Training stream (bench_data.py's DataComp-like shards, batch 32, 1 worker process), images/s:", "",
+              "| px | decode: cpu (per worker core) | decode: device, end to end | device path, worker share "
+              "(per core) |", "|---|---|---|---|"]
+    for r in decode:
+        lines.append(f"| {r['image_size']} | {r['cpu_decode_images_per_s_per_core']:.0f} | "
+                     f"{r['device_decode_images_per_s']:.0f} ({r['device']}) | "
+                     f"{r['device_path_worker_images_per_s_per_core']:.0f} |")
     return "\n".join(lines)
 
 
@@ -194,7 +201,7 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         results.append(r)
         print(json.dumps(r), flush=True)
-    decode = decode_rates(dist.device, size=32 if args.smoke else 224, n=8 if args.smoke else 128)
+    decode = decode_rates(dist.device, sizes=(84,) if args.smoke else (224, 84), batches=2 if args.smoke else 12)
     print(json.dumps(decode), flush=True)
     device_name = torch.cuda.get_device_name() if cuda else "CPU"
     md = _markdown(results, decode, device_name)
