@@ -140,3 +140,22 @@ def test_undecodable_bytes_fall_back_then_are_replaced(shards):
     assert torch.equal(images[1], images[0]) and new_tokens.tolist() == [[1, 2], [1, 2]]
     green = _levels(images)[0].mean((1, 2))
     assert abs(green[1] - 200) < 3 and abs(green[0] - 10) < 3
+
+
+def test_stage_key_decode_reaches_the_stream(shards):
+    from crate_clip.train.engine import DistInfo
+    from crate_clip.train.run_config import ConfigError, config_from_dict
+    from crate_clip.train.stage_loop import default_stream_factory
+
+    raw = {"data": {"sources": [str(shards)], "num_workers": 0, "shuffle_buffer": 8},
+           "model": {"name": "CRATE-alpha-CLIPA-tiny"},
+           "stages": [{"name": "s", "image_size": 32, "context_length": 16, "samples": 8, "global_batch": 8,
+                       "decode": "gpu"}]}
+    with pytest.raises(ConfigError, match=r"stages\.0\.decode"):
+        config_from_dict(raw)
+    raw["stages"][0]["decode"] = "device"
+    cfg = config_from_dict(raw)
+    stream = default_stream_factory(cfg, cfg.stages[0], 0, DistInfo(0, 1, 0, "cpu"))
+    (images, tokens), = _batches(stream, 1)
+    assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32 and tokens.shape == (8, 16)
+    assert set(stream.decode_counts()) == {FALLBACK, DEVICE_FAILED, SUBSTITUTED}

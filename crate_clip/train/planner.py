@@ -32,8 +32,18 @@ GPU_TABLE = {
 }
 DEFAULT_MFU = 0.40
 MEMORY_RESERVE = 0.10       # allocator fragmentation, CUDA context, NCCL buffers
-# CPU JPEG decode + crop at the stage size, images/s per core (BENCHMARKS.md, data loader on DataComp-size JPEGs)
-CPU_DECODE_RATE = {84: 550.0, 224: 70.0}
+# Training-stream images/s per loader core at the stage size, measured on DataComp-like JPEGs (max side 512):
+# decode: cpu = header + crop draw + PIL decode/resize + tokenize, BENCHMARKS.md `data` section
+# (bench/bench_data.py, 1 worker, "ours" column, 2026-11-29); decode: device = the worker's share alone
+# (header + crop draw + tokenize; the device decodes), BENCHMARKS.md `scaling` section (bench/bench_gpu.py
+# decode_rates, device path worker share, 2026-12-01).
+CPU_DECODE_RATE = {84: 547.0, 112: 290.0, 224: 71.0}
+DEVICE_PATH_WORKER_RATE = {84: 0.0, 224: 0.0}
+
+
+def loader_rate(table: dict, image_size: int) -> float:
+    """Images/s per core at `image_size`: the measured size nearest to it."""
+    return table[min(table, key=lambda s: abs(s - image_size))]
 
 
 def gpu_peak_tflops(name: Optional[str]) -> Optional[float]:
@@ -289,7 +299,8 @@ class StagePlan:
     total_flops: float
     wall_hours: Optional[float]
     gpu_hours: Optional[float]
-    cpu_cores_per_gpu: Optional[float]
+    cpu_cores_per_gpu: Optional[dict]   # loader cores one GPU needs: {"cpu": decode: cpu, "device": decode: device}
+    decode: str = "cpu"
     notes: list = field(default_factory=list)
 
 
@@ -340,13 +351,14 @@ def plan_stage(cfg, stage, measure: StageMeasure, gpus: int, gpu_memory: int, ze
         seconds = total / (gpus * peak_tflops * 1e12 * mfu)
         wall, gpu_h = seconds / 3600, seconds * gpus / 3600
         per_gpu_rate = peak_tflops * 1e12 * mfu / (measure.flops_per_sample + extra)
-        rate = CPU_DECODE_RATE[min(CPU_DECODE_RATE, key=lambda s: abs(s - stage.image_size))]
-        cores = per_gpu_rate / rate
+        cores = {"cpu": per_gpu_rate / loader_rate(CPU_DECODE_RATE, stage.image_size),
+                 "device": per_gpu_rate / loader_rate(DEVICE_PATH_WORKER_RATE, stage.image_size)}
     return StagePlan(stage.name, stage.image_size, stage.context_length, stage.global_batch, per_rank,
                      measure.trainable_params, measure.frozen_params, measure.flops_per_sample, state,
                      measure.activation_bytes_per_sample * dtype_scale,
                      measure.activation_bytes_per_sample_ckpt * dtype_scale, micro, k, ckpt,
-                     peak(micro, ckpt) if micro else float("nan"), stage.steps, total, wall, gpu_h, cores, notes)
+                     peak(micro, ckpt) if micro else float("nan"), stage.steps, total, wall, gpu_h, cores,
+                     stage.decode, notes)
 
 
 def plan_run(cfg, gpus: int, gpu_memory: int, gpu: Optional[str] = None, mfu: float = DEFAULT_MFU,
@@ -401,10 +413,11 @@ def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optiona
              f"{' (grad checkpointing)' if p.grad_checkpointing else ''}, peak {_fmt_bytes(p.peak_bytes_per_rank)}"
              if p.micro_batch else "  micro-batch       none fits"),
             f"  total             {p.total_flops / 1e18:.1f} EFLOP"
-            + (f", {p.wall_hours:.1f} h wall, {p.gpu_hours:,.0f} GPU-hours, "
-               f"{p.cpu_cores_per_gpu:.0f} CPU cores/GPU for CPU JPEG decode" if p.wall_hours is not None else
+            + (f", {p.wall_hours:.1f} h wall, {p.gpu_hours:,.0f} GPU-hours" if p.wall_hours is not None else
                " (give --gpu for time)"),
-        ] + [f"  note: {n}" for n in p.notes]
+        ] + ([f"  loader CPU cores  {p.cpu_cores_per_gpu['cpu']:.1f} per GPU with decode: cpu, "
+              f"{p.cpu_cores_per_gpu['device']:.1f} with decode: device (this stage: {p.decode})"]
+             if p.cpu_cores_per_gpu else []) + [f"  note: {n}" for n in p.notes]
     if plans and plans[0].gpu_hours is not None:
         total = sum(p.gpu_hours for p in plans)
         lines.append(f"all stages: {sum(p.wall_hours for p in plans):.1f} h wall, {total:,.0f} GPU-hours")
