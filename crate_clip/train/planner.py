@@ -222,20 +222,25 @@ def _trace(model, cfg, stage, batches) -> dict:
     return out
 
 
-def measure_stage(cfg, stage, batches=(2, 4), full_depth: bool = False) -> StageMeasure:
+CUT_ABOVE_BLOCKS = 4   # towers this deep or shallower are traced whole (cheaper than three cut traces)
+
+
+def measure_stage(cfg, stage, batches=(2, 4), full_depth: Optional[bool] = None) -> StageMeasure:
     """Count FLOPs and trace activations of the stage's model at two batch sizes (CPU, fp32); batches of
     2 and 4 rather than 1 and 2, so that activations, not the parameter gradients, decide where the peak is.
 
-    Unless `full_depth`, the towers are traced cut to 1 and 2 blocks and every quantity extrapolated
-    linearly in each tower's depth: the blocks of a tower are identical, so each adds the same saved
-    activations and FLOPs (tests/test_train_planner.py checks it against the full trace). L/14 at 224 px
-    then costs seconds on a CPU instead of a full-depth fp32 pass."""
+    With full_depth False (None: when a tower is deeper than CUT_ABOVE_BLOCKS), the towers are traced cut
+    to 1 and 2 blocks and every quantity is extrapolated linearly in each tower's depth: the blocks of a
+    tower are identical, so each adds the same saved activations and FLOPs (tests/test_train_planner.py
+    checks it against the full trace). L/14 at 224 px then costs seconds on a CPU, not a full fp32 pass."""
     meta = build_plan_model(cfg, stage, device="meta")
     trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in meta.parameters() if not p.requires_grad)
     lists = _block_lists(meta)
     depths = tuple(len(getattr(owner, attr)) for owner, attr in lists) if lists else None
-    if full_depth or depths is None or max(depths) <= 2:
+    if full_depth is None:
+        full_depth = depths is None or max(depths) <= CUT_ABOVE_BLOCKS
+    if full_depth or depths is None:
         v = _trace(build_plan_model(cfg, stage), cfg, stage, batches)
     else:
         base = _trace(_cut_to_cpu(meta, (1, 1)), cfg, stage, batches)
