@@ -34,11 +34,12 @@ DEFAULT_MFU = 0.40
 MEMORY_RESERVE = 0.10       # allocator fragmentation, CUDA context, NCCL buffers
 # Training-stream images/s per loader core at the stage size, measured on DataComp-like JPEGs (max side 512):
 # decode: cpu = header + crop draw + PIL decode/resize + tokenize, BENCHMARKS.md `data` section
-# (bench/bench_data.py, 1 worker, "ours" column, 2026-11-29); decode: device = the worker's share alone
-# (header + crop draw + tokenize; the device decodes), BENCHMARKS.md `scaling` section (bench/bench_gpu.py
-# decode_rates, device path worker share, 2026-12-01).
+# (bench/bench_data.py, 1 worker, "ours" column, 2026-11-29). decode: device = the worker's share alone
+# (header + crop draw + tokenize; the device decodes): its ratio to decode: cpu measured in one run of
+# bench/bench_gpu.py decode_rates (16.3x at 224 px, 3.2x at 84 px; BENCHMARKS.md `scaling`, 2026-12-01)
+# times the rate above.
 CPU_DECODE_RATE = {84: 547.0, 112: 290.0, 224: 71.0}
-DEVICE_PATH_WORKER_RATE = {84: 0.0, 224: 0.0}
+DEVICE_PATH_WORKER_RATE = {84: 1740.0, 224: 1160.0}
 
 
 def loader_rate(table: dict, image_size: int) -> float:
