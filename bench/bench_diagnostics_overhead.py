@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("--fraction", type=float, default=0.15, help="share of each stage's steps to run")
     p.add_argument("--precision", default="fp32", help="run-config precision (this CPU has no native bf16)")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "diagnostics_overhead"))
+    p.add_argument("--reuse", action="store_true", help="keep finished runs of the same command in --out")
     p.add_argument("--write", action="store_true", help="write the section into BENCHMARKS.md")
     args = p.parse_args(argv)
     stages = demo_stages(args.config)
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
         for every in arms:
             run_dir = Path(args.out) / f"pair{pair}_every{every}"
             wall = run_demo(run_dir, common + [f"logging.diagnostics_every={every}"], config=args.config,
-                            probe_train_images=0)
+                            probe_train_images=0, reuse=args.reuse)
             result[every] = {**stage_times(run_dir), "wall_seconds": wall}
         on, off = result[args.every], result[0]
         rows.append((on, off))

@@ -34,13 +34,16 @@ def _segment(model: str, scenes: str, out: Path, facet: str = "projection", size
     return json.loads((out / "metrics.json").read_text())
 
 
-def train_towers(runs: Path, overrides: list[str]) -> None:
-    """The demo, once as configured (CRATE-alpha) and once with the ViT tower of matching shape."""
+TOWER_OVERRIDES = {"crate": [], "vit": ["model.name=ViT-tiny-fmnist"]}   # the demo config's tower is CRATE-alpha
+
+
+def train_towers(run_dirs: dict, which: list[str], overrides: list[str]) -> None:
+    """The demo as configured (CRATE-alpha) and/or with the ViT tower of matching shape, same recipe otherwise."""
     from demo_runs import run_demo
 
-    for name, extra in (("crate_demo", []), ("vit_demo", ["model.name=ViT-tiny-fmnist"])):
-        wall = run_demo(runs / name, overrides + extra)
-        print(f"[bench] {name}: {wall:.0f} s", flush=True)
+    for tower in which:
+        wall = run_demo(run_dirs[tower], overrides + TOWER_OVERRIDES[tower])
+        print(f"[bench] {tower} demo run {run_dirs[tower]}: {wall:.0f} s", flush=True)
 
 
 def trained_accuracy(run_dir: Path) -> dict:
@@ -54,12 +57,12 @@ def trained_accuracy(run_dir: Path) -> dict:
             "linear_probe": json.loads(probe.read_text())["top1"] if probe.is_file() else None}
 
 
-def refresh_figures(runs: Path, scenes: str) -> None:
+def refresh_figures(crate: Path, vit: Path, scenes: str) -> None:
     """docs/whitebox_training_curve.png (the CRATE run's plot) and docs/whitebox_demo.png (maps and masks)."""
     import whitebox_figure
 
-    shutil.copyfile(runs / "crate_demo" / "training_curve.png", ROOT / "docs" / "whitebox_training_curve.png")
-    whitebox_figure.main(["--scenes", scenes])
+    shutil.copyfile(crate / "training_curve.png", ROOT / "docs" / "whitebox_training_curve.png")
+    whitebox_figure.main(["--scenes", scenes, "--crate-run", str(crate), "--vit-run", str(vit)])
 
 
 def main(argv=None) -> int:
@@ -70,16 +73,18 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, help="the first N scenes only")
     p.add_argument("--only", type=int, nargs="*", help="run these configuration indices (default all)")
     p.add_argument("--write", action="store_true", help="write the section into BENCHMARKS.md")
-    p.add_argument("--train", action="store_true", help="first train both towers with the demo (runs/*_demo)")
+    p.add_argument("--crate-run", default=str(ROOT / "runs" / "crate_demo"), help="the CRATE-alpha demo run")
+    p.add_argument("--vit-run", default=str(ROOT / "runs" / "vit_demo"), help="the ViT demo run")
+    p.add_argument("--train", nargs="*", choices=sorted(TOWER_OVERRIDES),
+                   help="first train these towers with the demo into their runs (bare --train: both)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="with --train: a run-config override for both demo runs (repeatable)")
-    p.add_argument("--figures", action="store_true", help="redraw docs/whitebox_*.png from the CRATE run")
+                   help="with --train: a run-config override for the demo runs (repeatable)")
+    p.add_argument("--figures", action="store_true", help="redraw docs/whitebox_*.png from the two runs")
     args = p.parse_args(argv)
     out = Path(args.out)
-    runs = ROOT / "runs"
-    crate, vit = runs / "crate_demo", runs / "vit_demo"
-    if args.train:
-        train_towers(runs, args.overrides)
+    crate, vit = Path(args.crate_run), Path(args.vit_run)
+    if args.train is not None:
+        train_towers({"crate": crate, "vit": vit}, args.train or sorted(TOWER_OVERRIDES), args.overrides)
     configs = [
         ("CRATE-α tiny, demo-trained", f"local-dir:{crate / 'export'}", "projection"),
         ("CRATE-α tiny, demo-trained", f"local-dir:{crate / 'export'}", "output"),
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
     md = markdown(rows, stage_times(crate), rows[0][2], trained, " ".join(argv if argv is not None else sys.argv[1:]))
     print(md)
     if args.figures:
-        refresh_figures(runs, args.scenes)
+        refresh_figures(crate, vit, args.scenes)
     if args.write:
         from report import write_section
         write_section("segmentation", md)

@@ -19,8 +19,9 @@ def demo_stages(config: Path = DEMO_CONFIG) -> list[dict]:
 
 
 def run_demo(run_dir: Path, overrides: list[str], *, config: Path = DEMO_CONFIG, data_dir: Path | None = None,
-             probe_train_images: int | None = None, nproc: int = 2) -> float:
-    """One demo run into `run_dir` (an earlier one there is moved aside by the trainer); returns its wall seconds.
+             probe_train_images: int | None = None, nproc: int = 2, reuse: bool = False) -> float:
+    """One demo run into `run_dir` (an earlier one there is moved aside by the trainer); returns its wall seconds
+    (also kept in `<run-dir>.wall`). `reuse`: a finished run there with the same command is kept instead.
     Raises with the console's tail when the demo fails."""
     cmd = [sys.executable, "-m", "crate_clip.train.demo", "--config", str(config), "--nproc", str(nproc),
            "--run-dir", str(run_dir), "--data-dir", str(data_dir or ROOT / "data" / "fashion_mnist")]
@@ -28,7 +29,12 @@ def run_demo(run_dir: Path, overrides: list[str], *, config: Path = DEMO_CONFIG,
         cmd += ["--probe-train-images", str(probe_train_images)]
     for o in overrides:
         cmd += ["--set", o]
-    log = Path(f"{run_dir}.log")
+    log, done = Path(f"{run_dir}.log"), Path(f"{run_dir}.wall")
+    if reuse and done.is_file() and (Path(run_dir) / "export").is_dir():
+        kept = json.loads(done.read_text())
+        if kept["command"] == cmd[1:]:
+            print(f"[bench] reusing the finished run {run_dir}", flush=True)
+            return kept["wall_seconds"]
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"[bench] {' '.join(cmd[1:])}  (console: {log})", flush=True)
     t0 = time.perf_counter()
@@ -37,6 +43,7 @@ def run_demo(run_dir: Path, overrides: list[str], *, config: Path = DEMO_CONFIG,
     wall = time.perf_counter() - t0
     if rc:
         raise RuntimeError(f"the demo run {run_dir} failed (exit {rc}):\n{log.read_text()[-4000:]}")
+    done.write_text(json.dumps({"command": cmd[1:], "wall_seconds": wall}))
     return wall
 
 
