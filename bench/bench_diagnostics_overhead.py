@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("--fraction", type=float, default=0.15, help="share of each stage's steps to run")
     p.add_argument("--precision", default="fp32", help="run-config precision (this CPU has no native bf16)")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "diagnostics_overhead"))
+    p.add_argument("--note", default="", help="a paragraph for BENCHMARKS.md about the conditions of this run")
     p.add_argument("--reuse", action="store_true", help="keep finished runs of the same command in --out")
     p.add_argument("--write", action="store_true", help="write the section into BENCHMARKS.md")
     args = p.parse_args(argv)
@@ -91,6 +92,8 @@ def markdown(rows, args, common: list[str]) -> str:
               f"--fraction {args.fraction} --precision {args.precision} --write`. The ratio carries the run-to-run "
               "noise of a shared machine; the probe share (timed around each measurement inside the same runs) "
               "is the cost itself."]
+    if args.note:
+        lines += ["", args.note]
     return "\n".join(lines)
 
 
