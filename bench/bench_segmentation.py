@@ -2,15 +2,18 @@
 of MaskCut on the demo-trained CRATE-alpha tower, a ViT tower of matching shape trained the same way, and
 random-initialised towers; plus the white-box diagnostics' share of the CRATE demo's training time.
 
-Needs (see BENCHMARKS.md for the commands): the scenes `crate-clip shards scenes --out data/fmnist_scenes`, and
-the two demo runs runs/crate_demo (default demo config) and runs/vit_demo (`--set model.name=ViT-tiny-fmnist`).
+Needs the scenes (`crate-clip shards scenes --out data/fmnist_scenes --count 500`) and the two demo runs
+runs/crate_demo (the demo config) and runs/vit_demo (the same with `model.name=ViT-tiny-fmnist`); `--train` makes
+both first, through the same trainer and recipe (`--set KEY=VALUE` overrides go to both):
 
-    python bench/bench_segmentation.py [--scenes data/fmnist_scenes] [--write]
+    python bench/bench_segmentation.py [--train [--set precision=fp32 ...]] [--scenes data/fmnist_scenes]
+                                       [--figures] [--write]
 """
 import argparse
 import contextlib
 import io
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,22 +34,35 @@ def _segment(model: str, scenes: str, out: Path, facet: str = "projection", size
     return json.loads((out / "metrics.json").read_text())
 
 
-def diagnostics_share(run_dir: Path) -> dict:
-    """Seconds spent in the diagnostics vs. the stages' wall time, both from the run's own metrics.jsonl
-    (samples_per_s counts from the stage start, diagnostics included: elapsed = step * batch / samples_per_s)."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    per_stage = {}
-    for r in records:
-        per_stage.setdefault(r["stage_index"], []).append(r)
-    diag = elapsed = 0.0
-    for recs in per_stage.values():
-        first, last = recs[0], recs[-1]
-        batch = (last["samples_seen"] - first["samples_seen"]) / max(last["step"] - first["step"], 1)
-        elapsed += last["step"] * batch / last["samples_per_s"]
-        wb = [r["whitebox"] for r in recs if r.get("whitebox")]
-        diag += wb[-1]["seconds_total"] if wb else 0.0
-    return {"diagnostics_seconds": diag, "training_seconds": elapsed, "share": diag / elapsed if elapsed else None,
-            "measurements": sum(1 for r in records if r.get("whitebox"))}
+TOWER_OVERRIDES = {"crate": [], "vit": ["model.name=ViT-tiny-fmnist"]}   # the demo config's tower is CRATE-alpha
+
+
+def train_towers(run_dirs: dict, which: list[str], overrides: list[str]) -> None:
+    """The demo as configured (CRATE-alpha) and/or with the ViT tower of matching shape, same recipe otherwise."""
+    from demo_runs import run_demo
+
+    for tower in which:
+        wall = run_demo(run_dirs[tower], overrides + TOWER_OVERRIDES[tower])
+        print(f"[bench] {tower} demo run {run_dirs[tower]}: {wall:.0f} s", flush=True)
+
+
+def trained_accuracy(run_dir: Path) -> dict:
+    """The run's final zero-shot top-1 and (when the demo ran it) linear-probe top-1."""
+    results = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line.strip()]
+    probe = run_dir / "linear_probe.json"
+    final = results[-1]
+    return {"zeroshot": final["top1"], "n_images": final["n_images"], "image_size": final["image_size"],
+            "samples": final.get("samples_seen"),
+            "stage_sizes": list(dict.fromkeys(r["stage_image_size"] for r in results)),
+            "linear_probe": json.loads(probe.read_text())["top1"] if probe.is_file() else None}
+
+
+def refresh_figures(crate: Path, vit: Path, scenes: str) -> None:
+    """docs/whitebox_training_curve.png (the CRATE run's plot) and docs/whitebox_demo.png (maps and masks)."""
+    import whitebox_figure
+
+    shutil.copyfile(crate / "training_curve.png", ROOT / "docs" / "whitebox_training_curve.png")
+    whitebox_figure.main(["--scenes", scenes, "--crate-run", str(crate), "--vit-run", str(vit)])
 
 
 def main(argv=None) -> int:
@@ -57,9 +73,18 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, help="the first N scenes only")
     p.add_argument("--only", type=int, nargs="*", help="run these configuration indices (default all)")
     p.add_argument("--write", action="store_true", help="write the section into BENCHMARKS.md")
+    p.add_argument("--crate-run", default=str(ROOT / "runs" / "crate_demo"), help="the CRATE-alpha demo run")
+    p.add_argument("--vit-run", default=str(ROOT / "runs" / "vit_demo"), help="the ViT demo run")
+    p.add_argument("--train", nargs="*", choices=sorted(TOWER_OVERRIDES),
+                   help="first train these towers with the demo into their runs (bare --train: both)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --train: a run-config override for the demo runs (repeatable)")
+    p.add_argument("--figures", action="store_true", help="redraw docs/whitebox_*.png from the two runs")
     args = p.parse_args(argv)
     out = Path(args.out)
-    crate, vit = ROOT / "runs" / "crate_demo", ROOT / "runs" / "vit_demo"
+    crate, vit = Path(args.crate_run), Path(args.vit_run)
+    if args.train is not None:
+        train_towers({"crate": crate, "vit": vit}, args.train or sorted(TOWER_OVERRIDES), args.overrides)
     configs = [
         ("CRATE-α tiny, demo-trained", f"local-dir:{crate / 'export'}", "projection"),
         ("CRATE-α tiny, demo-trained", f"local-dir:{crate / 'export'}", "output"),
@@ -82,16 +107,20 @@ def main(argv=None) -> int:
               f"mean best IoU {m['mean_best_iou']:.3f}  masks {m['masks']}", flush=True)
     if args.only is not None and len(rows) < len(configs):
         return 0  # a partial (parallel) run: the table is made by a run that finds every result
-    share = diagnostics_share(crate)
-    md = markdown(rows, share, rows[0][2])
+    from demo_runs import stage_times
+
+    trained = {"CRATE-α": trained_accuracy(crate), "ViT": trained_accuracy(vit)}
+    md = markdown(rows, stage_times(crate), rows[0][2], trained, " ".join(argv if argv is not None else sys.argv[1:]))
     print(md)
+    if args.figures:
+        refresh_figures(crate, vit, args.scenes)
     if args.write:
         from report import write_section
         write_section("segmentation", md)
     return 0
 
 
-def markdown(rows, share: dict, first: dict) -> str:
+def markdown(rows, share: dict, first: dict, trained: dict, command: str) -> str:
     """The BENCHMARKS.md section."""
     from report import machine_line
 
@@ -101,17 +130,23 @@ def markdown(rows, share: dict, first: dict) -> str:
              f"MaskCut (tau 0.3, up to 3 masks, last block, no CRF) on {first['images']} composite scenes "
              f"(56 px, {first['objects']} Fashion-MNIST test objects on textured backgrounds, "
              "`crate-clip shards scenes --out data/fmnist_scenes --count 500`), towers run at 56 px (14x14 patches "
-             "of 4 px; trained at 20 then 28 px). Class-agnostic mask AP50 / AP from pycocotools; mean best IoU = "
+             f"of 4 px; trained at {' then '.join(str(x) for x in trained['CRATE-α']['stage_sizes'])} px). "
+             "Class-agnostic mask AP50 / AP from pycocotools; mean best IoU = "
              "mean over ground-truth objects of the best IoU of any predicted mask.", "",
              "| tower | features | mask AP50 | mask AP | mean best IoU | masks |", "|---|---|---:|---:|---:|---:|"]
     for name, facet, m in rows:
         lines.append(f"| {name} | {facet_name[facet]} | {100 * m['ap50']:.1f} | {100 * m['ap']:.1f} | "
                      f"{m['mean_best_iou']:.3f} | {m['masks']} |")
-    if share["share"] is not None:
-        lines += ["", f"Diagnostics during the CRATE demo run (64 probe images): "
-                      f"{share['measurements']} measurements, {share['diagnostics_seconds']:.1f} s of "
-                      f"{share['training_seconds']:.0f} s of training steps = {100 * share['share']:.2f}% "
-                      "(timed inside the same run; the 5% budget)."]
+    lines += ["", "Trained towers (final zero-shot top-1 on the Fashion-MNIST test images; linear probe as the demo "
+                  "prints it): " + "; ".join(
+                      f"{name} ({t['samples']:,} samples) {100 * t['zeroshot']:.2f}% zero-shot at {t['image_size']} px"
+                      + (f", linear probe {100 * t['linear_probe']:.2f}%" if t["linear_probe"] is not None else "")
+                      for name, t in trained.items()) + "."]
+    if share["probe_share"] is not None:
+        lines += ["", f"Diagnostics during the CRATE demo run (64 probe images): {share['measurements']} measurements, "
+                      f"{share['probe_seconds']:.1f} s of {share['training_seconds']:.0f} s of training steps = "
+                      f"{100 * share['probe_share']:.2f}% (timed inside the same run)."]
+    lines += ["", f"Command: `flock /work/notes/cpu.lock python bench/bench_segmentation.py {command}`"]
     return "\n".join(lines)
 
 

@@ -59,3 +59,22 @@ def test_layer_diagnostics_on_a_tower():
 def test_layer_diagnostics_refuses_other_towers():
     with pytest.raises(TypeError, match="no CRATE-alpha tower"):
         layer_diagnostics(torch.nn.Linear(3, 3), torch.zeros(1, 3))
+
+
+@pytest.mark.parametrize("patch", [4, 7])
+def test_zero3_shadow_tower_follows_the_stage_patch_size(patch):
+    """The probe's plain copy of a ZeRO-3 tower takes the trained tower's weights also after a stage changed
+    the patch size (a stage's `patch_size`), and then computes what the trained tower computes."""
+    from crate_clip.models import create_clip
+    from crate_clip.train.run_config import StageConfig
+    from crate_clip.train.whitebox_log import shadow_tower
+    from eval.whitebox import find_crate_tower
+
+    torch.manual_seed(0)
+    trained = find_crate_tower(create_clip("CRATE-alpha-CLIPA-tiny", image_size=28, context_length=16)).eval()
+    trained.set_patch_size(patch)
+    stage = StageConfig(image_size=28, context_length=16, samples=256, patch_size=patch)
+    shadow = shadow_tower("CRATE-alpha-CLIPA-tiny", stage, trained).eval()
+    shadow.load_state_dict(trained.state_dict())   # strict: every shape must match
+    images = torch.randn(2, 3, 28, 28)
+    assert layer_diagnostics(shadow, images) == layer_diagnostics(trained, images)

@@ -43,6 +43,18 @@ def _probe_images(cfg, image_size: int, model, count: int) -> torch.Tensor:
     return torch.stack(images)
 
 
+def shadow_tower(model_name: str, stage, trunk):
+    """A plain CRATE-alpha tower shaped like `trunk` (the engine's, whose ZeRO-3 parameters are shards): built at
+    the stage's image size and at the trunk's current patch size, which a stage's `patch_size` may have changed
+    (an attribute, so it is right even while the weights are partitioned)."""
+    from crate_clip.models.patch_change import create_clip_at_patch
+    from eval.whitebox import find_crate_tower
+
+    plain = create_clip_at_patch(model_name, patch_size=trunk.patch_size, image_size=stage.image_size,
+                                 context_length=stage.context_length)
+    return find_crate_tower(plain)
+
+
 class WhiteboxProbe:
     """Computes and logs the diagnostics of one stage's tower on a fixed probe batch."""
 
@@ -60,11 +72,7 @@ class WhiteboxProbe:
         # ZeRO-3: a plain tower on rank 0 to load the gathered weights into (the engine's hold shards only)
         self.shadow = None
         if self.zero3 and dist.is_main:
-            from crate_clip.models import create_clip
-            from eval.whitebox import find_crate_tower as tower_of
-
-            plain = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length)
-            self.shadow = tower_of(plain).to(dist.device)
+            self.shadow = shadow_tower(cfg.model.name, stage, self.trunk).to(dist.device)
 
     @classmethod
     def for_stage(cls, cfg, stage, engine, dist, log) -> Optional["WhiteboxProbe"]:
