@@ -1,0 +1,114 @@
+"""Patch-size change between stages at equal training compute (issue 13): the demo data and recipe,
+    (a) the demo as configured: 20 px / patch 4 (25 tokens), then 28 px / patch 4 (49 tokens);
+    (b) 28 px / patch 7 (16 tokens), then 28 px / patch 4, the kernel resized with pi_resize (FlexiViT);
+    (c) as (b) with bilinear resizing (the CRATE-alpha paper's jax.image.resize).
+The full-resolution stage is the same in all three; the first stage of (b) and (c) gets as many samples as
+make its training FLOPs (torch's FLOP counter on the stage's model, forward + backward) equal to (a)'s.
+Zero-shot top-1 after each stage on the 10,000 test images, printed as a BENCHMARKS.md table.
+
+    .venv/bin/python bench/bench_patch_size.py [--only a,b,c] [--set KEY=VALUE ...]   # 3 demo runs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEMO = ROOT / "configs" / "demo" / "fashion_mnist.yaml"
+
+
+def flops_per_sample(model_name: str, image_size: int, patch: int, context_length: int) -> float:
+    """Training FLOPs (forward + backward) per sample of the tower at `patch` px patches, counted by torch."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from crate_clip.models.patch_change import create_clip_at_patch
+    model = create_clip_at_patch(model_name, None, patch, "pi_resize", image_size=image_size,
+                                 context_length=context_length)
+    images, tokens = torch.randn(4, 3, image_size, image_size), torch.randint(1, 1000, (4, context_length))
+    with FlopCounterMode(display=False) as counter:
+        image_f, text_f, scale = model(image=images, text=tokens)[:3]
+        (scale * image_f @ text_f.T).logsumexp(1).mean().backward()
+    return counter.get_total_flops() / 4
+
+
+def variants(cfg) -> dict[str, dict]:
+    """name -> (overrides, training FLOPs per stage) of the three arms, FLOP-matched on the first stage."""
+    s0, s1 = cfg.stages[0], cfg.stages[1]
+    name, ctx0, ctx1 = cfg.model.name, s0.context_length, s1.context_length
+    f_low = flops_per_sample(name, s0.image_size, 4, ctx0)
+    f_p7 = flops_per_sample(name, 28, 7, ctx0)
+    f_full = flops_per_sample(name, s1.image_size, 4, ctx1)
+    budget0 = s0.samples * f_low
+    # whole global batches; the warm-up keeps its share of the stage's steps
+    samples_p7 = int(budget0 / f_p7) // s0.global_batch * s0.global_batch
+    warmup_p7 = max(1, round(s0.warmup_steps * samples_p7 / s0.samples))
+    p7 = ["stages.0.image_size=28", "stages.0.patch_size=7", f"stages.0.samples={samples_p7}",
+          f"stages.0.warmup_steps={warmup_p7}", "stages.1.patch_size=4"]
+    stage1 = s1.samples * f_full
+    return {
+        "a": {"label": f"(a) {s0.image_size} px / p4 -> {s1.image_size} px / p4", "overrides": [],
+              "flops": (budget0, stage1), "samples": (s0.samples, s1.samples)},
+        "b": {"label": "(b) 28 px / p7 -> 28 px / p4, pi_resize", "overrides": p7 + ["stages.1.patch_resize=pi_resize"],
+              "flops": (samples_p7 * f_p7, stage1), "samples": (samples_p7, s1.samples)},
+        "c": {"label": "(c) 28 px / p7 -> 28 px / p4, bilinear", "overrides": p7 + ["stages.1.patch_resize=bilinear"],
+              "flops": (samples_p7 * f_p7, stage1), "samples": (samples_p7, s1.samples)},
+    }
+
+
+def run_arm(key: str, arm: dict, extra: list[str], runs: Path) -> dict:
+    """One demo run (no final probe); returns its results.jsonl rows and wall time."""
+    run_dir = runs / f"patch_bench_{key}"
+    cmd = [sys.executable, "-m", "crate_clip.train.demo", "--run-dir", str(run_dir), "--probe-train-images", "0"]
+    for o in arm["overrides"] + extra:
+        cmd += ["--set", o]
+    print(" ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    rows = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line.strip()]
+    return {"rows": rows, "seconds": time.perf_counter() - t0, "command": cmd[1:]}
+
+
+def markdown(arms: dict, done: dict) -> str:
+    """The BENCHMARKS.md table: FLOPs and zero-shot top-1 after each stage per arm."""
+    lines = ["| arm | stage 0 samples | stage 0 TFLOP | stage 1 samples | stage 1 TFLOP | top-1 after stage 0 "
+             "(its size / 28 px) | top-1 after stage 1 (28 px) | wall s |", "|---|---|---|---|---|---|---|---|"]
+    for key, res in done.items():
+        arm = arms[key]
+        by = {(r["stage_index"], r["image_size"]): 100 * r["top1"] for r in res["rows"]}
+        s0 = " / ".join(f"{v:.2f}%" for (i, _), v in sorted(by.items()) if i == 0)
+        lines.append(f"| {arm['label']} | {arm['samples'][0]:,} | {arm['flops'][0] / 1e12:.1f} | "
+                     f"{arm['samples'][1]:,} | {arm['flops'][1] / 1e12:.1f} | {s0} | {by.get((1, 28), float('nan')):.2f}% | "
+                     f"{res['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Run the chosen arms one after the other and print the table."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default="a,b,c", help="comma-separated arms to run (default a,b,c)")
+    p.add_argument("--runs", default=str(ROOT / "runs"), help="parent folder of the run folders")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="extra demo override, all arms")
+    args = p.parse_args()
+    from crate_clip.train.run_config import load_run_config
+    cfg = load_run_config(DEMO, args.overrides, check_paths=False)
+    arms = variants(cfg)
+    done = {}
+    for key in args.only.split(","):
+        done[key] = run_arm(key, arms[key], args.overrides, Path(args.runs))
+        print(markdown(arms, done), flush=True)
+    out = Path(args.runs) / "patch_bench.json"
+    out.write_text(json.dumps({k: {**arms[k], **v} for k, v in done.items()}, indent=1))
+    print(f"\n{markdown(arms, done)}\n(written to {out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
