@@ -1,12 +1,10 @@
-"""Built-in class names and prompt templates (ImageNet-1K from open_clip, Fashion-MNIST here)."""
+"""Built-in class names and prompt templates (ImageNet-1K from open_clip, Fashion-MNIST from crate_clip.class_names)."""
 from pathlib import Path
 
 from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
 
-FASHION_MNIST_CLASSNAMES = (
-    "T-shirt/top", "trouser", "pullover", "dress", "coat",
-    "sandal", "shirt", "sneaker", "bag", "ankle boot",
-)
+from crate_clip.class_names import FASHION_MNIST_CLASSNAMES
+
 FASHION_MNIST_TEMPLATES = (
     "a photo of a {}.",
     "a black and white photo of a {}.",

@@ -13,6 +13,7 @@ from data_pipelines.sources.fashion_mnist import CLASSNAMES, write_fashion_mnist
     write_fashion_mnist_classification_shards, write_fashion_mnist_shards
 from data_pipelines.sources.image_folder import image_folder_samples
 from data_pipelines.sources.table import table_samples
+from eval.class_sets import resolve_classnames
 
 from data_fixtures import numbered_samples
 
@@ -94,8 +95,9 @@ def test_fashion_mnist_shards_and_eval_sets(tmp_path, fashion_mnist_dir):
 
     folder = write_fashion_mnist_eval_folder(tmp_path / "val", "test", limit=60)
     dirs = sorted(d.name for d in folder.iterdir() if d.is_dir())
-    assert len(dirs) == 10 and dirs[0].startswith("0_t-shirt") and dirs[9].startswith("9_ankle")
+    assert len(dirs) == 10 and dirs[0] == "0_T-shirt-top" and dirs[9] == "9_ankle_boot"   # "T-shirt/top", "ankle boot"
     assert (folder / "classnames.txt").read_text().splitlines() == list(CLASSNAMES)
+    assert resolve_classnames("custom", folder) == resolve_classnames("fashion_mnist")   # one class list
     assert sum(len(list((folder / d).iterdir())) for d in dirs) == 60
 
     cls = write_fashion_mnist_classification_shards(tmp_path / "cls", "test", samples_per_shard=40, limit=100)

@@ -93,4 +93,4 @@ def test_segment_cli_writes_png_and_coco_json(tmp_path, fashion_mnist_dir):
     assert names == ["scene0_attn_layer1.png", "scene0_attn_layer3.png", "scene0_pca.png",
                      "scene1_attn_layer1.png", "scene1_attn_layer3.png", "scene1_pca.png"]
     with Image.open(tmp_path / "maps" / "scene0_attn_layer3.png") as im:
-        assert im.height == 56 * 3 and im.width > 6 * 56 * 3  # image, average, 4 heads (x3 display scale)
+        assert im.height == 56 * 3 and im.width == 6 * 56 * 3 + 5 * 2  # image, average, 4 heads (x3), 2 px gaps

@@ -295,3 +295,30 @@ def test_compile_fullgraph_and_export_match_eager():
         eager = model(x)
         torch.testing.assert_close(torch.compile(model, fullgraph=True, backend="eager")(x), eager)
         torch.testing.assert_close(torch.export.export(model, (x,)).module()(x), eager)
+
+
+@pytest.mark.parametrize("name,size", [("crate_alpha_tiny_patch16_224", 32), ("crate_alpha_clipa_w128_d4_h4_p4_28", 28)])
+def test_fx_symbolic_trace_matches_eager(name, size):
+    """torch.fx traces the tower: the grid and position-embedding checks are leaf calls run with the graph."""
+    model = tiny(name, img_size=size, dynamic_img_size=True).eval()
+    graph = torch.fx.symbolic_trace(model)
+    with torch.no_grad():
+        for side in (size, size + 16):   # another size: resampled when the graph runs, not fixed at trace time
+            x = torch.randn(2, 3, side, side)
+            torch.testing.assert_close(graph(x), model(x), rtol=0, atol=0)
+    fixed = torch.fx.symbolic_trace(tiny(name, img_size=size).eval())
+    with pytest.raises(ValueError, match="call set_input_size"):
+        fixed(torch.randn(1, 3, size + 16, size + 16))
+
+
+def test_timm_fx_feature_extraction_gives_the_block_outputs():
+    """timm's fx feature path ("blocks.i" nodes) returns each block's output, as forward_intermediates does."""
+    model = tiny(img_size=32).eval()
+    nodes = timm.models.get_graph_node_names(model)[1]
+    assert "patch_grid" in nodes and "pos_embed_for_grid" in nodes and nodes[-1] == "head"   # leaf calls
+    features = tiny(img_size=32, features_only=True, feature_cls="fx", out_indices=(0, 1)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        ref = model.forward_intermediates(x, output_fmt="NLC", return_prefix_tokens=True, intermediates_only=True)
+        for out, (spatial, prefix) in zip(features(x), ref, strict=True):
+            torch.testing.assert_close(out, torch.cat([prefix, spatial], 1), rtol=0, atol=0)

@@ -114,6 +114,33 @@ class CrateBlock(nn.Module):
         return x, attn, code
 
 
+# ----- an input's patch grid and its position embedding -----
+# Module-level and fx-wrapped: a torch.fx trace (symbolic_trace, timm's create_feature_extractor) records each as
+# one call, so their Python checks on the input's size run when the traced graph runs, not while tracing.
+def patch_grid(img_size: Tuple[int, int], patch_size: int) -> Tuple[int, int]:
+    """The patch grid of an (h, w) input (VALID convolution: remainders dropped); smaller than a patch: error."""
+    grid = (img_size[0] // patch_size, img_size[1] // patch_size)
+    if min(grid) < 1:
+        raise ValueError(f"image size {tuple(img_size)} is smaller than one {patch_size}px patch")
+    return grid
+
+
+def pos_embed_for_grid(pos_embed: torch.Tensor, grid: Tuple[int, int], model_grid: Tuple[int, int],
+                       img_size: Tuple[int, int], dynamic_img_size: bool) -> torch.Tensor:
+    """The tower's position embedding for an input's patch grid: its own, or resampled when `dynamic_img_size`."""
+    if grid == model_grid:
+        return pos_embed
+    if not dynamic_img_size:
+        raise ValueError(
+            f"the input gives a {grid} patch grid but the position embedding is for {model_grid} "
+            f"(img_size={img_size}): call set_input_size(new_size) or build with dynamic_img_size=True")
+    return resize_image_pos_embed(pos_embed, grid, model_grid)
+
+
+torch.fx.wrap("patch_grid")
+torch.fx.wrap("pos_embed_for_grid")
+
+
 class CrateAlpha(nn.Module):
     """CRATE-alpha / CRATE image tower (timm interface).
 
@@ -175,7 +202,7 @@ class CrateAlpha(nn.Module):
         self.token_mask, self.token_drop_ratio = token_mask, token_drop_ratio
         self.patch_size = patch_size
         self.img_size = to_2tuple(img_size)
-        self.grid_size = self._grid_for(self.img_size)
+        self.grid_size = patch_grid(self.img_size, patch_size)
 
         if patch_embed_type == "conv":
             self.patch_embed = ConvPatchEmbed(patch_size, in_chans, embed_dim, bias=patch_bias)
@@ -261,12 +288,6 @@ class CrateAlpha(nn.Module):
         self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
 
     # ----- input size -----
-    def _grid_for(self, img_size: Tuple[int, int]) -> Tuple[int, int]:
-        grid = (img_size[0] // self.patch_size, img_size[1] // self.patch_size)
-        if min(grid) < 1:
-            raise ValueError(f"image size {tuple(img_size)} is smaller than one {self.patch_size}px patch")
-        return grid
-
     def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None,
                        patch_size: Optional[int] = None, pos_embed_resize: str = "grid_2d") -> None:
         """Rebuild for a new input size; the current position embedding is resampled once
@@ -279,7 +300,7 @@ class CrateAlpha(nn.Module):
             self.set_patch_size(p[0])
         if img_size is None:
             return
-        new_grid = self._grid_for(to_2tuple(img_size))
+        new_grid = patch_grid(to_2tuple(img_size), self.patch_size)
         if new_grid != self.grid_size:
             with torch.no_grad():
                 pos = resize_image_pos_embed(self.pos_embed.detach(), new_grid, self.grid_size, pos_embed_resize)
@@ -341,15 +362,9 @@ class CrateAlpha(nn.Module):
     # ----- forward -----
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
         """Patch embedding, class token and position embedding: (B, C, H, W) -> (B, 1 + N, d), grid."""
-        grid = self._grid_for(x.shape[-2:])
+        grid = patch_grid(x.shape[-2:], self.patch_size)
         x = self.patch_embed(x)
-        pos = self.pos_embed
-        if grid != self.grid_size:
-            if not self.dynamic_img_size:
-                raise ValueError(
-                    f"the input gives a {grid} patch grid but the position embedding is for {self.grid_size} "
-                    f"(img_size={self.img_size}): call set_input_size(new_size) or build with dynamic_img_size=True")
-            pos = resize_image_pos_embed(pos, grid, self.grid_size)
+        pos = pos_embed_for_grid(self.pos_embed, grid, self.grid_size, self.img_size, self.dynamic_img_size)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         return x + pos.to(x.dtype), grid
 

@@ -50,9 +50,12 @@ class ISTA(nn.Module):
         z1 = torch.addmm(y2.new_full((1,), -shrink), y2 * eta, D).relu_()
         r = z1 @ D.t() - y2
         z2 = torch.addmm(z1 - shrink, r * -eta, D).relu_()
+        # the code first: the block's output is then the last node of a torch.fx trace of the block (what
+        # timm's fx feature extraction returns for "blocks.i"); no *-unpacking of a shape, which fx cannot trace
+        code = z2.unflatten(0, shape[:-1])
         decoder = (self.D1 if self.D1 is not None else D).t()
         if residual is None:
             out = z2 @ decoder
         else:
             out = torch.addmm(residual.reshape(-1, shape[-1]), z2, decoder)
-        return out.reshape(shape), z2.reshape(*shape[:-1], -1)
+        return out.reshape(shape), code

@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 from scipy import ndimage
 
-from .fashion_mnist import CLASSNAMES, load_fashion_mnist
+from .fashion_mnist import CLASSNAMES, load_fashion_mnist, plain_name
 
 SILHOUETTE_LEVEL = 12     # of 255: Fashion-MNIST backgrounds are exact zeros, objects rarely that dark inside
 MIN_VISIBLE_PIXELS = 25   # an object occluded below this is dropped from the scene
@@ -78,7 +78,7 @@ def composite_scene_samples(count: int, size: int = 56, max_objects: int = 3, se
     rng = np.random.default_rng(seed)
     for i in range(count):
         image, objects = composite_scene(rng, images, labels, size, max_objects)
-        names = [CLASSNAMES[o["label"]] for o in objects]
+        names = [plain_name(o["label"]) for o in objects]
         caption = "a scene with " + (", ".join(f"a {n}" for n in names) if names else "no object")
         records = [{"label": o["label"], "classname": CLASSNAMES[o["label"]], **encode_mask(o["mask"])}
                    for o in objects]

@@ -10,19 +10,19 @@ from typing import Iterator
 import numpy as np
 from PIL import Image
 
+from crate_clip.class_names import FASHION_MNIST_CLASSNAMES as CLASSNAMES
+
 SEARCH_DIRS = ("/usr/share/datasets/fashion-mnist", "~/.cache/fashion-mnist", "data/fashion-mnist")
 SPLIT_PREFIX = {"train": "train", "test": "t10k"}
-# Label order of the data set; names written so that a prompt "a photo of a {name}" reads naturally.
-CLASSNAMES = ("t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
-              "ankle boot")
-# Caption wording varies per sample (synonyms and templates) so the text tower sees real language.
-SYNONYMS = {
-    "t-shirt": ("t-shirt", "tee", "top", "t-shirt top"), "trouser": ("trouser", "pair of trousers", "pair of pants"),
-    "pullover": ("pullover", "sweater", "jumper"), "dress": ("dress", "gown", "frock"),
-    "coat": ("coat", "jacket", "overcoat"), "sandal": ("sandal", "open shoe", "summer sandal"),
-    "shirt": ("shirt", "button-up shirt", "blouse"), "sneaker": ("sneaker", "trainer", "running shoe"),
-    "bag": ("bag", "handbag", "purse"), "ankle boot": ("ankle boot", "boot", "short boot"),
-}
+# Caption wording varies per sample (synonyms and templates) so the text tower sees real language; the first
+# synonym is the plain name a sentence uses ("a t-shirt", where the label name reads "T-shirt/top").
+SYNONYMS = dict(zip(CLASSNAMES, (
+    ("t-shirt", "tee", "top", "t-shirt top"), ("trouser", "pair of trousers", "pair of pants"),
+    ("pullover", "sweater", "jumper"), ("dress", "gown", "frock"),
+    ("coat", "jacket", "overcoat"), ("sandal", "open shoe", "summer sandal"),
+    ("shirt", "button-up shirt", "blouse"), ("sneaker", "trainer", "running shoe"),
+    ("bag", "handbag", "purse"), ("ankle boot", "boot", "short boot"),
+), strict=True))
 TEMPLATES = ("a photo of a {}.", "a grayscale photo of a {}.", "a product photo of the {}.",
              "a small picture of a {}.", "a {} on a black background.", "a low resolution photo of a {}.",
              "a centered image of a {}.", "a {}, seen from the front.", "an item of clothing: a {}.",
@@ -68,6 +68,11 @@ def load_fashion_mnist(split: str = "train", source_dir=None) -> tuple[np.ndarra
     if len(images) != len(labels):
         raise ValueError(f"{d}: {len(images)} images but {len(labels)} labels in split {split}")
     return images, labels
+
+
+def plain_name(label: int) -> str:
+    """The class's name as a caption sentence writes it ("t-shirt" for "T-shirt/top")."""
+    return SYNONYMS[CLASSNAMES[label]][0]
 
 
 def fashion_mnist_caption(label: int, rng: random.Random) -> str:
