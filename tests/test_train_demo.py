@@ -19,7 +19,7 @@ def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd
 
     run = tmp_path / "run"
     argv = ["--data-dir", str(tmp_path / "data"), "--run-dir", str(run), "--nproc", "2",
-            "--train-images", "192", "--test-images", "40"]
+            "--train-images", "192", "--test-images", "40", "--probe-train-images", "60"]
     assert main(argv + [arg for o in TINY_RUN for arg in ("--set", o)]) == 0
     results = read_jsonl(run / RESULTS_FILE)
     assert [(r["stage_name"], r["image_size"], r["n_images"]) for r in results] == [
