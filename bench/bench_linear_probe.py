@@ -22,6 +22,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from report import markdown_table  # noqa: E402  (bench/ on the path, as the other benches)
 
 SEEDS = [0, 1, 2, 3, 4]
 DEMO_MODEL = "CRATE-alpha-CLIPA-tiny"
@@ -82,14 +84,13 @@ def evaluate(label: str, model, preprocess, settings, cache_dir: Path, with_skle
 
 def markdown(rows: list[dict]) -> str:
     """The BENCHMARKS.md table."""
-    lines = ["| image features | train / test images | linear probe top-1 (wd) | 10-shot top-1, 5 seeds | "
-             "sklearn LogisticRegression top-1 (C) |", "|---|---|---|---|---|"]
-    for r in rows:
-        sk = f"{100 * r['sklearn_top1']:.2f}% (C={r['sklearn_C']:g})" if "sklearn_top1" in r else "-"
-        lines.append(f"| {r['model']} | {r['n_train']:,} / {r['n_test']:,} | {100 * r['full_top1']:.2f}% "
-                     f"({r['full_wd']:.2g}) | {100 * r['fewshot10_top1']:.2f} ± {100 * r['fewshot10_top1_std']:.2f}% "
-                     f"| {sk} |")
-    return "\n".join(lines)
+    header = ["image features", "train / test images", "linear probe top-1 (wd)", "10-shot top-1, 5 seeds",
+              "sklearn LogisticRegression top-1 (C)"]
+    cells = [[r["model"], f"{r['n_train']:,} / {r['n_test']:,}", f"{100 * r['full_top1']:.2f}% ({r['full_wd']:.2g})",
+              f"{100 * r['fewshot10_top1']:.2f} ± {100 * r['fewshot10_top1_std']:.2f}%",
+              f"{100 * r['sklearn_top1']:.2f}% (C={r['sklearn_C']:g})" if "sklearn_top1" in r else "-"]
+             for r in rows]
+    return markdown_table(header, cells)
 
 
 def main() -> int:

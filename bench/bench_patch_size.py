@@ -21,6 +21,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from report import markdown_table  # noqa: E402  (bench/ on the path, as the other benches)
 
 DEMO = ROOT / "configs" / "demo" / "fashion_mnist.yaml"
 
@@ -78,16 +80,17 @@ def run_arm(key: str, arm: dict, extra: list[str], runs: Path) -> dict:
 
 def markdown(arms: dict, done: dict) -> str:
     """The BENCHMARKS.md table: FLOPs and zero-shot top-1 after each stage per arm."""
-    lines = ["| arm | stage 0 samples | stage 0 TFLOP | stage 1 samples | stage 1 TFLOP | top-1 after stage 0 "
-             "(its size / 28 px) | top-1 after stage 1 (28 px) | wall s |", "|---|---|---|---|---|---|---|---|"]
+    header = ["arm", "stage 0 samples", "stage 0 TFLOP", "stage 1 samples", "stage 1 TFLOP",
+              "top-1 after stage 0 (its size / 28 px)", "top-1 after stage 1 (28 px)", "wall s"]
+    cells = []
     for key, res in done.items():
         arm = arms[key]
         by = {(r["stage_index"], r["image_size"]): 100 * r["top1"] for r in res["rows"]}
         s0 = " / ".join(f"{v:.2f}%" for (i, _), v in sorted(by.items()) if i == 0)
-        lines.append(f"| {arm['label']} | {arm['samples'][0]:,} | {arm['flops'][0] / 1e12:.1f} | "
-                     f"{arm['samples'][1]:,} | {arm['flops'][1] / 1e12:.1f} | {s0} | {by.get((1, 28), float('nan')):.2f}% | "
-                     f"{res['seconds']:.0f} |")
-    return "\n".join(lines)
+        cells.append([arm["label"], f"{arm['samples'][0]:,}", f"{arm['flops'][0] / 1e12:.1f}",
+                      f"{arm['samples'][1]:,}", f"{arm['flops'][1] / 1e12:.1f}", s0,
+                      f"{by.get((1, 28), float('nan')):.2f}%", f"{res['seconds']:.0f}"])
+    return markdown_table(header, cells)
 
 
 def main() -> int:

@@ -23,3 +23,9 @@ def write_section(name: str, markdown: str, path: Path = BENCHMARKS_MD) -> None:
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + f"\n\n{block}\n"
     path.write_text(text)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of already formatted cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
