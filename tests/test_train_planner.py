@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from train_fixtures import REPO_ROOT, run_env
+from train_fixtures import REPO_ROOT, run_env, tiny_clip_params
 
 PEAK_SCRIPT = r"""
 import json, resource, sys, torch
@@ -55,15 +55,6 @@ def _cfg(image_size=32, batch=128, ckpt=False):
                         "global_batch": batch, "lr": 1e-3}]}
 
 
-def tiny_clip_params(image_size: int, context_length: int) -> int:
-    """CRATE-alpha-CLIPA-tiny's parameter count in closed form (its model_configs JSON; 3,953,921 at 16 px, 16 tokens)."""
-    d, depth, p, embed = 128, 4, 4, 128   # CRATE-alpha blocks of 10 d^2 + 4 d; patch conv without bias; linear proj
-    image = depth * (10 * d * d + 4 * d) + 3 * p * p * d + d + ((image_size // p) ** 2 + 1) * d + 2 * d + d * embed
-    w, vocab, layers = 64, 49408, 2       # open_clip text blocks of 12 w^2 + 13 w; final LayerNorm; projection
-    text = vocab * w + context_length * w + layers * (12 * w * w + 13 * w) + 2 * w + w * embed
-    return image + text + 1               # + logit_scale
-
-
 def test_state_bytes_follow_the_zero_stage():
     from crate_clip.train.planner import state_bytes_per_rank
 
@@ -72,6 +63,23 @@ def test_state_bytes_follow_the_zero_stage():
     z3 = state_bytes_per_rank(100, 20, "bf16", 3, 4)
     assert z3 == {"weights": 60, "grads": 50, "optimizer": 300}
     assert state_bytes_per_rank(100, 0, "fp32", 0, 4) == {"weights": 400, "grads": 400, "optimizer": 800}
+
+
+def test_a_locked_text_tower_counts_as_frozen_and_is_held_whole_by_every_rank():
+    """text_lock keeps the locked tower's weights as fp32 buffers: the planner counts them (frozen) and gives
+    every rank all of them, as ZeRO partitions parameters only."""
+    from crate_clip.train.planner import build_plan_model, locked_buffer_params, state_bytes_per_rank
+    from crate_clip.train.run_config import config_from_dict
+
+    raw = _cfg(16)
+    raw["model"].update(lock_text=True, text_pretrained="text.pt")
+    cfg = config_from_dict(raw, check_paths=False)
+    w, vocab, layers, embed, context = 64, 49408, 2, 128, 16
+    text = vocab * w + context * w + layers * (12 * w * w + 13 * w) + 2 * w + w * embed
+    assert locked_buffer_params(build_plan_model(cfg, cfg.stages[0], device="meta")) == text
+    plain = config_from_dict(_cfg(16), check_paths=False)
+    assert locked_buffer_params(build_plan_model(plain, plain.stages[0], device="meta")) == 0
+    assert state_bytes_per_rank(100, 20, "bf16", 3, 4, locked=10)["weights"] == 60 + 40
 
 
 def test_flops_are_counted_and_scale_with_tokens():

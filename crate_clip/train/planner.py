@@ -161,6 +161,7 @@ class StageMeasure:
     activation_bytes_per_sample: float
     activation_bytes_fixed: float
     activation_bytes_per_sample_ckpt: float
+    locked_params: int = 0           # a locked tower's weights, held as fp32 buffers (text_lock)
 
 
 def build_plan_model(cfg, stage, device: str = "cpu"):
@@ -237,6 +238,7 @@ def measure_stage(cfg, stage, batches=(2, 4), full_depth: Optional[bool] = None)
     meta = build_plan_model(cfg, stage, device="meta")
     trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in meta.parameters() if not p.requires_grad)
+    locked = locked_buffer_params(meta)
     lists = _block_lists(meta)
     depths = tuple(len(getattr(owner, attr)) for owner, attr in lists) if lists else None
     if full_depth is None:
@@ -258,7 +260,15 @@ def measure_stage(cfg, stage, batches=(2, 4), full_depth: Optional[bool] = None)
     per_ckpt = (v[f"ckpt{b2}"] - v[f"ckpt{b1}"]) / (b2 - b1)
     # the trace also holds the fp32 parameter gradients: counted apart, in the per-rank state
     fixed = max(0.0, v[f"peak{b1}"] - per * b1 - 4.0 * trainable)
-    return StageMeasure(trainable, frozen, v[f"flops{b2}"] / b2, v[f"fwd{b2}"] / b2, per, fixed, per_ckpt)
+    return StageMeasure(trainable, frozen, v[f"flops{b2}"] / b2, v[f"fwd{b2}"] / b2, per, fixed, per_ckpt, locked)
+
+
+def locked_buffer_params(model) -> int:
+    """Elements of the persistent floating-point buffers: the weights text_lock turned into buffers (open_clip's
+    and our towers keep no other persistent float buffers)."""
+    params = {name for name, _ in model.named_parameters()}
+    return sum(t.numel() for name, t in model.state_dict(keep_vars=True).items()
+               if name not in params and t.is_floating_point())
 
 
 def _set_ckpt(model, on: bool) -> None:
@@ -266,9 +276,11 @@ def _set_ckpt(model, on: bool) -> None:
 
 
 # ---------------------------------------------------------------- memory model
-def state_bytes_per_rank(trainable: int, frozen: int, precision: str, zero_stage: int, world: int) -> dict:
+def state_bytes_per_rank(trainable: int, frozen: int, precision: str, zero_stage: int, world: int,
+                         locked: int = 0) -> dict:
     """Weights / gradients / optimizer bytes one rank holds (DeepSpeed mixed precision: bf16 working
-    weights and gradients, fp32 master weights + AdamW m and v in the optimizer)."""
+    weights and gradients, fp32 master weights + AdamW m and v in the optimizer). `locked` weights are fp32
+    buffers, which ZeRO does not partition: every rank holds them whole."""
     half = precision in ("bf16", "fp16")
     w_b = 2 if half else 4
     weights = (trainable + frozen) * w_b
@@ -280,6 +292,7 @@ def state_bytes_per_rank(trainable: int, frozen: int, precision: str, zero_stage
         grads /= world
     if zero_stage >= 3:
         weights /= world
+    weights += 4 * locked
     return {"weights": weights, "grads": grads, "optimizer": optim}
 
 
@@ -324,7 +337,8 @@ def plan_stage(cfg, stage, measure: StageMeasure, gpus: int, gpu_memory: int, ze
     """Fit the stage on `gpus` ranks of `gpu_memory` bytes; time at `mfu` of `peak_tflops`."""
     per_rank = stage.global_batch // gpus
     dtype_scale = 0.5 if cfg.precision in ("bf16", "fp16") else 1.0  # activations measured in fp32
-    state = state_bytes_per_rank(measure.trainable_params, measure.frozen_params, cfg.precision, zero_stage, gpus)
+    state = state_bytes_per_rank(measure.trainable_params, measure.frozen_params, cfg.precision, zero_stage, gpus,
+                                 measure.locked_params)
     fixed = sum(state.values()) + measure.activation_bytes_fixed * dtype_scale
     budget = gpu_memory * (1 - MEMORY_RESERVE)
     notes = []
@@ -360,7 +374,8 @@ def plan_stage(cfg, stage, measure: StageMeasure, gpus: int, gpu_memory: int, ze
         cores = {"cpu": per_gpu_rate / loader_rate(CPU_DECODE_RATE, stage.image_size),
                  "device": per_gpu_rate / loader_rate(DEVICE_PATH_WORKER_RATE, stage.image_size)}
     return StagePlan(stage.name, stage.image_size, stage.context_length, stage.global_batch, per_rank,
-                     measure.trainable_params, measure.frozen_params, measure.flops_per_sample, state,
+                     measure.trainable_params, measure.frozen_params + measure.locked_params,
+                     measure.flops_per_sample, state,
                      measure.activation_bytes_per_sample * dtype_scale,
                      measure.activation_bytes_per_sample_ckpt * dtype_scale, micro, k, ckpt,
                      peak(micro, ckpt) if micro else float("nan"), stage.steps, total, wall, gpu_h, cores,
