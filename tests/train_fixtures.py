@@ -94,10 +94,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def tiny_text_params(context_length: int) -> int:
+    """CRATE-alpha-CLIPA-tiny's text tower in closed form: open_clip blocks of 12 w^2 + 13 w, final LayerNorm,
+    projection (the part a text lock turns into buffers)."""
+    w, vocab, layers, embed = 64, 49408, 2, 128
+    return vocab * w + context_length * w + layers * (12 * w * w + 13 * w) + 2 * w + w * embed
+
+
 def tiny_clip_params(image_size: int, context_length: int) -> int:
     """CRATE-alpha-CLIPA-tiny's parameter count in closed form (its model_configs JSON; 3,953,921 at 16 px, 16 tokens)."""
     d, depth, p, embed = 128, 4, 4, 128   # CRATE-alpha blocks of 10 d^2 + 4 d; patch conv without bias; linear proj
     image = depth * (10 * d * d + 4 * d) + 3 * p * p * d + d + ((image_size // p) ** 2 + 1) * d + 2 * d + d * embed
-    w, vocab, layers = 64, 49408, 2       # open_clip text blocks of 12 w^2 + 13 w; final LayerNorm; projection
-    text = vocab * w + context_length * w + layers * (12 * w * w + 13 * w) + 2 * w + w * embed
-    return image + text + 1               # + logit_scale
+    return image + tiny_text_params(context_length) + 1   # + logit_scale
