@@ -1,12 +1,14 @@
-"""Patch-size change between stages at equal training compute (issue 13): the demo data and recipe,
-    (a) the demo as configured: 20 px / patch 4 (25 tokens), then 28 px / patch 4 (49 tokens);
+"""Patch-size change between stages at equal training compute (issue 13), on the demo data:
+    (a) 20 px / patch 4 (25 tokens), then 28 px / patch 4 (49 tokens): CLIPA's image-size reduction;
     (b) 28 px / patch 7 (16 tokens), then 28 px / patch 4, the kernel resized with pi_resize (FlexiViT);
     (c) as (b) with bilinear resizing (the CRATE-alpha paper's jax.image.resize).
-The full-resolution stage is the same in all three; the first stage of (b) and (c) gets as many samples as
-make its training FLOPs (torch's FLOP counter on the stage's model, forward + backward) equal to (a)'s.
-Zero-shot top-1 after each stage on the 10,000 test images, printed as a BENCHMARKS.md table.
+The demo config gives everything else (tower, optimizer, data); the arms set both stages themselves, so the
+comparison does not move when the demo's own recipe does. The 28 px / patch 4 stage is the same in all three;
+the first stage of (b) and (c) gets as many samples as make its training FLOPs (torch's FLOP counter on the
+stage's model, forward + backward) equal to (a)'s. Zero-shot top-1 after each stage on the 10,000 test
+images, printed as a BENCHMARKS.md table.
 
-    .venv/bin/python bench/bench_patch_size.py [--only a,b,c] [--set KEY=VALUE ...]   # 3 demo runs
+    .venv/bin/python bench/bench_patch_size.py [--only a,b,c] [--set KEY=VALUE ...]   # 3 demo runs, ~15 min
 """
 from __future__ import annotations
 
@@ -41,27 +43,38 @@ def flops_per_sample(model_name: str, image_size: int, patch: int, context_lengt
     return counter.get_total_flops() / 4
 
 
+# the arms' shared schedule: batch 64 (the demo's; 10 classes make larger contrastive batches mostly
+# false negatives), stage 0 at (a)'s budget, then a short 28 px / patch 4 stage
+BATCH, STAGE0_SAMPLES, STAGE0_WARMUP = 64, 64_000, 40
+STAGE1 = {"samples": 19_200, "lr": 5e-4, "warmup_steps": 20}
+
+
 def variants(cfg) -> dict[str, dict]:
     """name -> (overrides, training FLOPs per stage) of the three arms, FLOP-matched on the first stage."""
-    s0, s1 = cfg.stages[0], cfg.stages[1]
-    name, ctx0, ctx1 = cfg.model.name, s0.context_length, s1.context_length
-    f_low = flops_per_sample(name, s0.image_size, 4, ctx0)
+    name, ctx0, ctx1 = cfg.model.name, cfg.stages[0].context_length, cfg.stages[1].context_length
+    f_low = flops_per_sample(name, 20, 4, ctx0)
     f_p7 = flops_per_sample(name, 28, 7, ctx0)
-    f_full = flops_per_sample(name, s1.image_size, 4, ctx1)
-    budget0 = s0.samples * f_low
+    f_full = flops_per_sample(name, 28, 4, ctx1)
+    budget0 = STAGE0_SAMPLES * f_low
     # whole global batches; the warm-up keeps its share of the stage's steps
-    samples_p7 = int(budget0 / f_p7) // s0.global_batch * s0.global_batch
-    warmup_p7 = max(1, round(s0.warmup_steps * samples_p7 / s0.samples))
+    samples_p7 = int(budget0 / f_p7) // BATCH * BATCH
+    warmup_p7 = max(1, round(STAGE0_WARMUP * samples_p7 / STAGE0_SAMPLES))
+    common = [f"stages.{i}.global_batch={BATCH}" for i in (0, 1)] + [
+        "stages.1.image_size=28", "stages.1.patch_size=4", *(f"stages.1.{k}={v}" for k, v in STAGE1.items())]
+    low = ["stages.0.image_size=20", "stages.0.patch_size=4", f"stages.0.samples={STAGE0_SAMPLES}",
+           f"stages.0.warmup_steps={STAGE0_WARMUP}"]
     p7 = ["stages.0.image_size=28", "stages.0.patch_size=7", f"stages.0.samples={samples_p7}",
-          f"stages.0.warmup_steps={warmup_p7}", "stages.1.patch_size=4"]
-    stage1 = s1.samples * f_full
+          f"stages.0.warmup_steps={warmup_p7}"]
+    stage1 = STAGE1["samples"] * f_full
     return {
-        "a": {"label": f"(a) {s0.image_size} px / p4 -> {s1.image_size} px / p4", "overrides": [],
-              "flops": (budget0, stage1), "samples": (s0.samples, s1.samples)},
-        "b": {"label": "(b) 28 px / p7 -> 28 px / p4, pi_resize", "overrides": p7 + ["stages.1.patch_resize=pi_resize"],
-              "flops": (samples_p7 * f_p7, stage1), "samples": (samples_p7, s1.samples)},
-        "c": {"label": "(c) 28 px / p7 -> 28 px / p4, bilinear", "overrides": p7 + ["stages.1.patch_resize=bilinear"],
-              "flops": (samples_p7 * f_p7, stage1), "samples": (samples_p7, s1.samples)},
+        "a": {"label": "(a) 20 px / p4 -> 28 px / p4", "overrides": common + low,
+              "flops": (budget0, stage1), "samples": (STAGE0_SAMPLES, STAGE1["samples"])},
+        "b": {"label": "(b) 28 px / p7 -> 28 px / p4, pi_resize",
+              "overrides": common + p7 + ["stages.1.patch_resize=pi_resize"],
+              "flops": (samples_p7 * f_p7, stage1), "samples": (samples_p7, STAGE1["samples"])},
+        "c": {"label": "(c) 28 px / p7 -> 28 px / p4, bilinear",
+              "overrides": common + p7 + ["stages.1.patch_resize=bilinear"],
+              "flops": (samples_p7 * f_p7, stage1), "samples": (samples_p7, STAGE1["samples"])},
     }
 
 

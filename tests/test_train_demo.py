@@ -23,12 +23,27 @@ def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd
     assert main(argv + [arg for o in TINY_RUN for arg in ("--set", o)]) == 0
     results = read_jsonl(run / RESULTS_FILE)
     assert [(r["stage_name"], r["image_size"], r["n_images"]) for r in results] == [
-        ("lowres", 20, 40), ("lowres", 28, 40), ("fullres", 28, 40)]
+        ("lowres", 21, 40), ("lowres", 28, 40), ("fullres", 28, 40)]
+    assert {r["patch_size"] for r in results} == {7}   # the demo moves the tiny tower to 7 px patches
     out, err = capfd.readouterr()   # the trainer's processes write to the file descriptors
     assert "zero-shot top-1 on the 40 Fashion-MNIST test images" in out and "stage 1 fullres" in out
-    assert json.loads((run / "export" / "open_clip_config.json").read_text())["model_cfg"]["vision_cfg"]["image_size"] == 28
+    vision_cfg = json.loads((run / "export" / "open_clip_config.json").read_text())["model_cfg"]["vision_cfg"]
+    assert (vision_cfg["image_size"], vision_cfg["patch_size"]) == (28, 7)
     assert (run / "training_curve.png").is_file()
     # issue 10 item 15: no misleading random-init notice (weights are loaded or random by design), and no
     # torch deprecation notices of the collectives DeepSpeed and open_clip's ClipLoss call (one per rank)
     assert "initialized randomly" not in out + err and "is deprecated" not in out + err
     assert "final model on the 40 test images" in out
+
+
+@pytest.mark.multiproc
+def test_a_failed_demo_says_so_and_prints_no_results(fashion_mnist_dir, tmp_path, capfd):
+    from crate_clip.train.demo import main
+
+    run = tmp_path / "run"
+    argv = ["--data-dir", str(tmp_path / "data"), "--run-dir", str(run), "--nproc", "1",
+            "--train-images", "64", "--test-images", "10", "--set", "stages.1.warmup_steps=1000"]
+    rc = main(argv)   # torchrun's exit code (1) when its worker stopped on the invalid run config
+    out, err = capfd.readouterr()
+    assert rc != 0 and "stages.1.warmup_steps: 1000" in err and f"training stopped with exit code {rc}" in err
+    assert "zero-shot top-1 on the" not in out and "[demo] plot:" not in out

@@ -90,9 +90,12 @@ def summarize(run_dir: Path) -> list[dict]:
     from crate_clip.train.metrics_log import RESULTS_FILE, read_jsonl
 
     results = read_jsonl(run_dir / RESULTS_FILE)
-    print(f"\n[demo] zero-shot top-1 on the {results[0]['n_images'] if results else 0:,} Fashion-MNIST test images:")
+    if not results:
+        return []
+    print(f"\n[demo] zero-shot top-1 on the {results[0]['n_images']:,} Fashion-MNIST test images:")
     for r in results:
-        print(f"  stage {r['stage_index']} {r['stage_name']:<8} trained at {r['stage_image_size']:>3} px, "
+        patch = f" / patch {r['patch_size']}" if r.get("patch_size") else ""
+        print(f"  stage {r['stage_index']} {r['stage_name']:<8} trained at {r['stage_image_size']:>3} px{patch}, "
               f"evaluated at {r['image_size']:>3} px: {100 * r['top1']:6.2f}%")
     return results
 
@@ -144,16 +147,21 @@ def main(argv=None) -> int:
     print(f"[demo] {' '.join(cmd)}", flush=True)
     rc = subprocess.run(cmd, env=env).returncode
     results = summarize(run_dir)
-    if rc == 0 and results:
-        probe = linear_probe_final(run_dir, data_dir, test_dir, args.probe_train_images)
-        if probe:
-            print(f"[demo] final model on the {results[-1]['n_images']:,} test images: zero-shot top-1 "
-                  f"{100 * results[-1]['top1']:.2f}%, "
-                  f"linear probe top-1 {100 * probe['top1']:.2f}% ({probe['n_train']} labelled training images)")
+    if rc != 0:
+        # say what failed and what was kept; no plot or export lines for files a failed run did not write
+        print(f"[demo] training stopped with exit code {rc} (the error is above); checkpoints saved so far are in "
+              f"{run_dir / 'checkpoints'}; `python -m crate_clip.train.demo --resume` continues from the last one",
+              file=sys.stderr)
+        return rc
+    probe = linear_probe_final(run_dir, data_dir, test_dir, args.probe_train_images) if results else None
+    if probe:
+        print(f"[demo] final model on the {results[-1]['n_images']:,} test images: zero-shot top-1 "
+              f"{100 * results[-1]['top1']:.2f}%, "
+              f"linear probe top-1 {100 * probe['top1']:.2f}% ({probe['n_train']} labelled training images)")
     print(f"[demo] plot: {run_dir / 'training_curve.png'}\n[demo] export: {run_dir / 'export'} "
           f"(open_clip.create_model_and_transforms('local-dir:{run_dir / 'export'}') after `import crate_clip`)")
-    print(f"[demo] finished in {time.perf_counter() - t0:.0f} s (exit code {rc})")
-    return rc if rc else (0 if results else 1)
+    print(f"[demo] finished in {time.perf_counter() - t0:.0f} s")
+    return 0 if results else 1
 
 
 if __name__ == "__main__":

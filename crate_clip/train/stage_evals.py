@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as tdist
 
-from crate_clip.models.patch_change import create_clip_at_patch
+from crate_clip.models.patch_change import create_clip_at_patch, tower_patch_size
 from crate_clip.train.engine import DistInfo
 from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl
 from crate_clip.train.run_config import RunConfig
@@ -43,7 +43,8 @@ def evaluate_after_stage(cfg: RunConfig, stage_index: int, weights: dict, progre
                                  bert_vocab=cfg.model.bert_vocab)
         for name, res in results.items():
             record = {"stage_index": stage_index, "stage_name": stage.name, "eval": name, "image_size": size,
-                      "stage_image_size": stage.image_size, "context_length": stage.context_length,
+                      "stage_image_size": stage.image_size, "patch_size": tower_patch_size(model),
+                      "context_length": stage.context_length,
                       "samples_seen": progress.samples_seen, "global_step": progress.global_step,
                       **{k: v for k, v in res.items() if isinstance(v, (int, float, str, list)) or v is None}}
             records.append(record)
