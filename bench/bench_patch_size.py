@@ -63,8 +63,9 @@ def variants(cfg) -> dict[str, dict]:
         "stages.1.image_size=28", "stages.1.patch_size=4", *(f"stages.1.{k}={v}" for k, v in STAGE1.items())]
     low = ["stages.0.image_size=20", "stages.0.patch_size=4", f"stages.0.samples={STAGE0_SAMPLES}",
            f"stages.0.warmup_steps={STAGE0_WARMUP}"]
+    # keep_last 3: stage 0's last checkpoint outlives stage 1's two, for the evaluation at the change
     p7 = ["stages.0.image_size=28", "stages.0.patch_size=7", f"stages.0.samples={samples_p7}",
-          f"stages.0.warmup_steps={warmup_p7}"]
+          f"stages.0.warmup_steps={warmup_p7}", "checkpoint.keep_last=3"]
     stage1 = STAGE1["samples"] * f_full
     return {
         "a": {"label": "(a) 20 px / p4 -> 28 px / p4", "overrides": common + low,
@@ -78,8 +79,27 @@ def variants(cfg) -> dict[str, dict]:
     }
 
 
+def at_the_change(run_dir: Path, resize: str, test_dir: Path) -> float:
+    """Zero-shot top-1 at 28 px of stage 0's last checkpoint moved to patch 4 by `resize`, before any stage-1
+    step: how much of the patch-7 function each resize keeps."""
+    from eval.class_sets import resolve_classnames, resolve_templates
+    from eval.eval_datasets import classification_dataset
+    from eval.model_loading import eval_transform, load_eval_model
+    from eval.zeroshot import zero_shot_evaluate
+
+    stage0 = sorted((run_dir / "checkpoints").glob("stage0-step*"))[-1]
+    model, _, tokenizer, _ = load_eval_model(str(stage0), image_size=28)
+    model.visual.trunk.set_patch_size(4, resize)
+    classnames = resolve_classnames("fashion_mnist", test_dir)
+    data = classification_dataset(test_dir, eval_transform(model, 28), dataset="fashion_mnist",
+                                  num_classes=len(classnames))
+    return zero_shot_evaluate(model, tokenizer, data, classnames, resolve_templates("fashion_mnist", "fashion_mnist"),
+                              batch_size=500, progress=False)["top1"]
+
+
 def run_arm(key: str, arm: dict, extra: list[str], runs: Path) -> dict:
-    """One demo run (no final probe); returns its results.jsonl rows and wall time."""
+    """One demo run (no final probe); returns its results.jsonl rows and wall time (and, for a patch
+    change, the top-1 right after it)."""
     run_dir = runs / f"patch_bench_{key}"
     cmd = [sys.executable, "-m", "crate_clip.train.demo", "--run-dir", str(run_dir), "--probe-train-images", "0"]
     for o in arm["overrides"] + extra:
@@ -87,14 +107,18 @@ def run_arm(key: str, arm: dict, extra: list[str], runs: Path) -> dict:
     print(" ".join(cmd), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True)
+    seconds = time.perf_counter() - t0
     rows = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line.strip()]
-    return {"rows": rows, "seconds": time.perf_counter() - t0, "command": cmd[1:]}
+    resize = next((o.split("=", 1)[1] for o in arm["overrides"] if o.startswith("stages.1.patch_resize=")), None)
+    change = at_the_change(run_dir, resize, ROOT / "data" / "fashion_mnist" / "test") if resize else None
+    return {"rows": rows, "seconds": seconds, "command": cmd[1:], "at_change": change}
 
 
 def markdown(arms: dict, done: dict) -> str:
     """The BENCHMARKS.md table: FLOPs and zero-shot top-1 after each stage per arm."""
     header = ["arm", "stage 0 samples", "stage 0 TFLOP", "stage 1 samples", "stage 1 TFLOP",
-              "top-1 after stage 0 (its size / 28 px)", "top-1 after stage 1 (28 px)", "wall s"]
+              "top-1 after stage 0 (its size / 28 px)", "right after the change to p4 (28 px)",
+              "top-1 after stage 1 (28 px)", "wall s"]
     cells = []
     for key, res in done.items():
         arm = arms[key]
@@ -102,6 +126,7 @@ def markdown(arms: dict, done: dict) -> str:
         s0 = " / ".join(f"{v:.2f}%" for (i, _), v in sorted(by.items()) if i == 0)
         cells.append([arm["label"], f"{arm['samples'][0]:,}", f"{arm['flops'][0] / 1e12:.1f}",
                       f"{arm['samples'][1]:,}", f"{arm['flops'][1] / 1e12:.1f}", s0,
+                      "-" if res.get("at_change") is None else f"{100 * res['at_change']:.2f}%",
                       f"{by.get((1, 28), float('nan')):.2f}%", f"{res['seconds']:.0f}"])
     return markdown_table(header, cells)
 

@@ -15,8 +15,8 @@ THROUGHPUT_KEYS = ("step_time_s", "data_wait_s", "data_wait_frac", "samples_per_
                    "tflops", "tflops_per_gpu", "mfu", "peak_memory_gib_max_rank")
 PLOT_FILE = "training_curve.png"
 # keys of an evaluation record that say where it was taken, not what it measured
-EVAL_RECORD_KEYS = ("stage_index", "image_size", "stage_image_size", "patch_size", "context_length", "samples_seen",
-                    "global_step")
+EVAL_RECORD_KEYS = ("stage_index", "image_size", "stage_image_size", "patch_size", "context_length",
+                    "samples_seen", "global_step")
 
 
 class MetricsLog:

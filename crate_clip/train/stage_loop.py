@@ -261,7 +261,7 @@ def _make_loss(dist: DistInfo):
                     rank=dist.rank, world_size=dist.world_size)
 
 
-def _summed_skips(stream, dist: DistInfo, counters: str = "skip_counts") -> dict:
+def _summed_counters(stream, dist: DistInfo, counters: str = "skip_counts") -> dict:
     """The data stream's bad-sample counters (or its `decode_counts`), summed over ranks."""
     local = getattr(stream, counters)() if hasattr(stream, counters) else {}
     gathered = [None] * dist.world_size
@@ -336,8 +336,8 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
                           "grad_norm": result.grad_norm, "skipped": result.skipped,
                           "samples_per_s": log.samples_per_second(progress.step),
                           "nonfinite_skipped": progress.nonfinite_skipped,
-                          "data_skips": _summed_skips(stream, dist), "time": time.time(), **(measured or {}),
-                          **({"data_decode": _summed_skips(stream, dist, "decode_counts")}
+                          "data_skips": _summed_counters(stream, dist), "time": time.time(), **(measured or {}),
+                          **({"data_decode": _summed_counters(stream, dist, "decode_counts")}
                              if stage.decode == "device" else {})})
         if progress.nonfinite_in_a_row >= cfg.run.max_nonfinite_in_a_row:
             # the skipped steps left the weights untouched: this checkpoint holds the last good state
