@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -78,15 +79,23 @@ def torchrun_cmd(nproc: int, *args: str, module: str | None = None) -> list[str]
 
 def run_env() -> dict:
     """Environment of a launched job: one thread per process (2 cores), repo importable."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    # faulthandler: a worker that dies of a signal prints every thread's Python stack, so a crash says where
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), PYTHONFAULTHANDLER="1")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env
 
 
 def run_job(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    """Run a launched job to completion (output captured; shown on failure by the caller)."""
-    return subprocess.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    """Run a launched job to completion (output captured; shown on failure by the caller). A job whose worker
+    aborted (SIGABRT from C++ code: "terminate called without an active exception", seen once in ~20 runs of
+    the ZeRO probe, never alone) runs once more, with a warning in pytest's summary that carries the crash."""
+    proc = subprocess.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and "SIGABRT" in proc.stderr:
+        warnings.warn(f"a worker of {' '.join(cmd[-3:])} aborted; ran the job again. Its stderr:\n"
+                      f"{proc.stderr[-4000:]}")
+        proc = subprocess.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    return proc
 
 
 def read_jsonl(path: Path) -> list[dict]:
