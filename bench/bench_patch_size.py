@@ -93,8 +93,8 @@ def at_the_change(run_dir: Path, resize: str, test_dir: Path) -> float:
     classnames = resolve_classnames("fashion_mnist", test_dir)
     data = classification_dataset(test_dir, eval_transform(model, 28), dataset="fashion_mnist",
                                   num_classes=len(classnames))
-    return zero_shot_evaluate(model, tokenizer, data, classnames, resolve_templates("fashion_mnist", "fashion_mnist"),
-                              batch_size=500, progress=False)["top1"]
+    templates = resolve_templates("fashion_mnist", "fashion_mnist")
+    return zero_shot_evaluate(model, tokenizer, data, classnames, templates, batch_size=500, progress=False)["top1"]
 
 
 def run_arm(key: str, arm: dict, extra: list[str], runs: Path) -> dict:
