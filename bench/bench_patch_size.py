@@ -79,25 +79,22 @@ def variants(cfg) -> dict[str, dict]:
     }
 
 
-def at_the_change(run_dir: Path, resize: str, test_dir: Path) -> float:
+def at_the_change(run_dir: Path, resize: str, cfg) -> float:
     """Zero-shot top-1 at 28 px of stage 0's last checkpoint moved to patch 4 by `resize`, before any stage-1
-    step: how much of the patch-7 function each resize keeps."""
-    from eval.class_sets import resolve_classnames, resolve_templates
-    from eval.eval_datasets import classification_dataset
-    from eval.model_loading import eval_transform, load_eval_model
-    from eval.zeroshot import zero_shot_evaluate
+    step: how much of the patch-7 function each resize keeps. The demo's own evaluation (its first
+    eval.evals entry, on the test images the demo wrote), run as after a stage."""
+    from eval.model_loading import load_eval_model
+    from eval.stage_hook import evaluate_stage
 
     stage0 = sorted((run_dir / "checkpoints").glob("stage0-step*"))[-1]
-    model, _, tokenizer, _ = load_eval_model(str(stage0), image_size=28)
+    model, _, _, model_name = load_eval_model(str(stage0), image_size=28)
     model.visual.trunk.set_patch_size(4, resize)
-    classnames = resolve_classnames("fashion_mnist", test_dir)
-    data = classification_dataset(test_dir, eval_transform(model, 28), dataset="fashion_mnist",
-                                  num_classes=len(classnames))
-    templates = resolve_templates("fashion_mnist", "fashion_mnist")
-    return zero_shot_evaluate(model, tokenizer, data, classnames, templates, batch_size=500, progress=False)["top1"]
+    spec = cfg.eval.evals[0].model_copy(update={"data": str(ROOT / cfg.eval.evals[0].data)})
+    return evaluate_stage(model, model_name=model_name, evals=[spec], image_size=28, precision=cfg.precision,
+                          progress=False)[spec.name]["top1"]
 
 
-def run_arm(key: str, arm: dict, extra: list[str], runs: Path) -> dict:
+def run_arm(key: str, arm: dict, extra: list[str], runs: Path, cfg) -> dict:
     """One demo run (no final probe); returns its results.jsonl rows and wall time (and, for a patch
     change, the top-1 right after it)."""
     run_dir = runs / f"patch_bench_{key}"
@@ -110,7 +107,7 @@ def run_arm(key: str, arm: dict, extra: list[str], runs: Path) -> dict:
     seconds = time.perf_counter() - t0
     rows = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line.strip()]
     resize = next((o.split("=", 1)[1] for o in arm["overrides"] if o.startswith("stages.1.patch_resize=")), None)
-    change = at_the_change(run_dir, resize, ROOT / "data" / "fashion_mnist" / "test") if resize else None
+    change = at_the_change(run_dir, resize, cfg) if resize else None
     return {"rows": rows, "seconds": seconds, "command": cmd[1:], "at_change": change}
 
 
@@ -143,7 +140,7 @@ def main() -> int:
     arms = variants(cfg)
     done = {}
     for key in args.only.split(","):
-        done[key] = run_arm(key, arms[key], args.overrides, Path(args.runs))
+        done[key] = run_arm(key, arms[key], args.overrides, Path(args.runs), cfg)
         print(markdown(arms, done), flush=True)
     out = Path(args.runs) / "patch_bench.json"
     out.write_text(json.dumps({k: {**arms[k], **v} for k, v in done.items()}, indent=1))
