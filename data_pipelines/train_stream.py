@@ -17,7 +17,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Iterator, Literal, Optional
+from typing import Iterator, Literal, Optional, get_args
 
 import numpy as np
 import torch
@@ -414,8 +414,8 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
     """The training stream of one rank for one stage (image size, text length and mask); `bert_vocab`: a
     folder with vocab.txt for a BERT-tokenized model when the HuggingFace hub is not reachable; `decode`:
     'device' decodes the JPEGs on `device` in the trainer's process (data_pipelines/device_decode.py)."""
-    if decode not in ("cpu", "device"):
-        raise ValueError(f"decode={decode!r}: use 'cpu' or 'device'")
+    if decode not in get_args(Decode):   # the one list of decode paths: device_decode.Decode
+        raise ValueError(f"decode={decode!r}: use one of {get_args(Decode)}")
     if text_mask not in TEXT_MASKS:
         raise ValueError(f"text_mask={text_mask!r} is not one of {TEXT_MASKS}")
     if batch_size < 1 or image_size < 1:
