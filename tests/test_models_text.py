@@ -91,14 +91,23 @@ def test_grad_checkpointing_same_output_and_gradients(tiny_text_clip):
         out.square().sum().backward()
         return out.detach(), {n: p.grad.clone() for n, p in model.text.named_parameters()}
 
+    def intermediates():
+        return model.text.forward_intermediates(tokens, return_sparse_codes=True)
+
     plain, grads = run()
+    plain_inter = intermediates()
     model.set_grad_checkpointing(True)
     try:
         assert model.text.transformer.grad_checkpointing
         checked, grads_ckpt = run()
+        checked_inter = intermediates()
     finally:
         model.set_grad_checkpointing(False)
     assert torch.equal(plain, checked)   # the same kernels on the same inputs
+    for key, values in plain_inter.items():
+        values = values if isinstance(values, list) else [values]
+        others = checked_inter[key] if isinstance(checked_inter[key], list) else [checked_inter[key]]
+        assert all(torch.equal(a, b) for a, b in zip(values, others, strict=True)), key
     for name, g in grads.items():   # recomputation reorders the accumulation: rounding-level differences only
         torch.testing.assert_close(grads_ckpt[name], g, msg=name)
 

@@ -81,10 +81,11 @@ class CrateBlockStack(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, L, d) -> (B, L, d) through every block."""
         for blk in self.resblocks:
-            x = checkpoint(blk, x, use_reentrant=False) if self._checkpointed() else blk(x)
+            x = checkpoint(blk, x, use_reentrant=False) if self.checkpointing_active() else blk(x)
         return x
 
-    def _checkpointed(self) -> bool:
+    def checkpointing_active(self) -> bool:
+        """True while gradient checkpointing is on and autograd records."""
         return self.grad_checkpointing and torch.is_grad_enabled()
 
 
@@ -207,7 +208,7 @@ class CrateAlphaText(nn.Module):
         for i, blk in enumerate(blocks[:max_index + 1] if stop_early else blocks):
             if return_projections and i in take_indices:  # one extra d x d matmul: analysis only
                 out["text_projections"].append(blk.attn.project(blk.norm1(x)))
-            if self.transformer._checkpointed():
+            if self.transformer.checkpointing_active():
                 x, attn, code = checkpoint(blk.forward_with_extras, x, return_attn, use_reentrant=False)
             else:
                 x, attn, code = blk.forward_with_extras(x, return_attn)
