@@ -10,7 +10,7 @@ SUBCOMMANDS = {
     "shards": ("data_pipelines.cli", "write DataComp-layout webdataset shards from local data"),
     "plan": ("crate_clip.train.plan_cli", "per-stage memory fit, micro-batch, FLOPs and GPU-hours of a run config"),
     "demo": ("crate_clip.train.demo", "the embedded Fashion-MNIST demo (the README's first command)"),
-    "inspect": ("eval.inspect_cli", "white-box maps: class-token attention per head and PCA of patch features"),
+    "inspect": ("eval.inspect_cli", "white-box maps (attention per head, PCA) and a caption's attention and atoms"),
     "segment": ("eval.segment_cli", "zero-shot segmentation (MaskCut) as PNG overlays + COCO RLE JSON"),
     "convert": ("crate_clip.convert_cli", "released CRATE-alpha-CLIPA weights -> an open_clip local-dir: export"),
 }

@@ -1,4 +1,5 @@
-"""`crate-clip inspect maps ...` and `crate-clip segment ...`: attention / PCA maps and MaskCut segmentation."""
+"""`crate-clip inspect maps|text ...` and `crate-clip segment ...`: attention / PCA maps, the text tower's attention
+and dictionary atoms, and MaskCut segmentation."""
 from __future__ import annotations
 
 import argparse
@@ -74,6 +75,33 @@ def maps_main(argv) -> int:
     for path, im, comp in zip(args.images, shown, pca):
         pca_strip(im, comp, maps.grid).save(args.out / f"{Path(path).stem}_pca.png")
     print(json.dumps({"out": str(args.out), "images": len(images), "attention_layers": layers, "pca_layer": pca_layer}))
+    return 0
+
+
+# ---------------------------------------------------------------- inspect text
+def text_main(argv) -> int:
+    """`crate-clip inspect text CAPTION`: per-head attention over the words and the most active dictionary atoms per
+    token, at one block of a CRATE-alpha text tower; per-block coding rate and code sparsity of the caption."""
+    from eval.model_loading import load_eval_model
+    from eval.whitebox_text import draw_attention, format_inspection, inspect_caption
+
+    p = argparse.ArgumentParser(prog="crate-clip inspect text", description=text_main.__doc__)
+    p.add_argument("caption")
+    p.add_argument("--model", required=True, help="open_clip model name, local-dir:FOLDER, or a DeepSpeed checkpoint")
+    p.add_argument("--pretrained", help="weights file or DeepSpeed checkpoint for --model NAME (none: random init)")
+    p.add_argument("--bert-vocab", help="folder with vocab.txt for a BERT-tokenized model (offline)")
+    p.add_argument("--layer", type=int, default=-1, help="block index (negative: from the end; default the last)")
+    p.add_argument("--atoms", type=int, default=5, help="dictionary atoms shown per token (default 5)")
+    p.add_argument("--json", action="store_true", help="print the inspection as JSON instead of tables")
+    p.add_argument("--out", type=Path, help="also draw the attention heatmaps into this folder (PNG)")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)  # a random-init tower (no --pretrained) is the same on every call
+    clip, _, tokenizer, _ = load_eval_model(args.model, args.pretrained, bert_vocab=args.bert_vocab)
+    ins = inspect_caption(clip.float().eval(), tokenizer, args.caption, args.layer, args.atoms)
+    print(json.dumps(ins.__dict__) if args.json else format_inspection(ins))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        draw_attention(ins, args.out / f"text_attention_block{ins.layer}.png")
     return 0
 
 
@@ -168,13 +196,18 @@ def _run(fn, argv, prog) -> int:
         return 2
 
 
+INSPECT_COMMANDS = {"maps": maps_main, "text": text_main}
+
+
 def inspect_entry(argv=None) -> int:
-    """`crate-clip inspect <what>`: only `maps` for now."""
+    """`crate-clip inspect maps ...` (image tower) or `crate-clip inspect text ...` (CRATE-alpha text tower)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "maps":
-        print("usage: crate-clip inspect maps --model ... --images ... --out DIR [--layer N]", file=sys.stderr)
+    if not argv or argv[0] not in INSPECT_COMMANDS:
+        print("usage: crate-clip inspect maps --model ... --images ... --out DIR [--layer N]\n"
+              "       crate-clip inspect text CAPTION --model ... [--layer N] [--atoms K] [--json] [--out DIR]",
+              file=sys.stderr)
         return 2
-    return _run(maps_main, argv[1:], "crate-clip inspect maps")
+    return _run(INSPECT_COMMANDS[argv[0]], argv[1:], f"crate-clip inspect {argv[0]}")
 
 
 def segment_entry(argv=None) -> int:

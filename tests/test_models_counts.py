@@ -79,3 +79,27 @@ def test_ablation_ladder_counts():
     assert over - base == depth * 3 * d * d
     assert dec - over == depth * 4 * d * d
     assert res == dec
+
+
+CRATE_TEXT_COUNTS = {  # docs/text_tower.md: (text tower with projection, whole CLIP incl. logit_scale)
+    "CRATE-alpha-CLIPA-tiny-crate-text": (3_254_912, 3_941_633),
+    "CRATE-alpha-CLIPA-B-16-crate-text": (285_607_936, 357_953_537),
+    "CRATE-alpha-CLIPA-L-14-crate-text": (285_607_936, 539_281_409),
+    "CRATE-alpha-CLIPA-H-14-crate-text": (285_607_936, 812_455_937),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CRATE_TEXT_COUNTS))
+def test_crate_text_clip_counts(name):
+    import open_clip
+    from crate_clip.models import create_clip, text_tower_param_count
+
+    cfg = open_clip.get_model_config(name)
+    model = create_clip(name, device="meta")
+    text, total = CRATE_TEXT_COUNTS[name]
+    assert sum(p.numel() for p in model.text.parameters()) == text_tower_param_count(cfg["embed_dim"], cfg["text_cfg"])
+    assert (sum(p.numel() for p in model.text.parameters()), sum(p.numel() for p in model.parameters())) == (text, total)
+    assert total == text + image_tower_param_count(name) + 1   # + logit_scale
+    t, w = cfg["text_cfg"], cfg["text_cfg"]["width"]   # closed form: embeddings, blocks, final LN, projection
+    assert text == (t["vocab_size"] + t["context_length"]) * w + t["layers"] * (10 * w * w + 4 * w) + 2 * w \
+        + w * cfg["embed_dim"]

@@ -27,6 +27,7 @@ from crate_clip.models.pos_embed import (check_resize_mode, resize_image_pos_emb
 
 IMAGE_POS_KEY = "visual.trunk.pos_embed"
 TEXT_POS_KEY = "positional_embedding"
+TEXT_POS_KEYS = (TEXT_POS_KEY, "text." + TEXT_POS_KEY)  # CLIP's text tower, CustomTextCLIP's (CRATE-alpha text)
 
 
 def create_clip(model_name: str, image_size: Optional[int] = None, context_length: Optional[int] = None,
@@ -101,10 +102,11 @@ def resize_clip_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module
     if "visual.positional_embedding" in sd and "visual.positional_embedding" in target:
         # an open_clip ViT tower (the white-box benchmark's baseline): open_clip's own 2-D resize
         open_clip.model.resize_pos_embed(sd, getattr(model, "module", model))
-    tpos = sd.get(TEXT_POS_KEY)
-    # (another width cannot be resized: the loader's key and shape checks report it)
-    if tpos is not None and TEXT_POS_KEY in target and tpos.shape[1:] == target[TEXT_POS_KEY].shape[1:]:
-        sd[TEXT_POS_KEY] = resize_text_pos_embed(tpos, target[TEXT_POS_KEY].shape[0])
+    for key in TEXT_POS_KEYS:
+        tpos = sd.get(key)
+        # (another width cannot be resized: the loader's key and shape checks report it)
+        if tpos is not None and key in target and tpos.shape[1:] == target[key].shape[1:]:
+            sd[key] = resize_text_pos_embed(tpos, target[key].shape[0])
     return sd
 
 
@@ -173,7 +175,7 @@ def load_clip_weights(model: nn.Module, source: Union[str, Path, Dict[str, torch
            if k in target and v.shape != target[k].shape}
     if bad:
         hint = (" (position embeddings of another size load with pos_embed_resize='grid_2d' or 'official_1d')"
-                if {name(IMAGE_POS_KEY), TEXT_POS_KEY} & set(bad) else "")
+                if {name(IMAGE_POS_KEY), *TEXT_POS_KEYS} & set(bad) else "")
         raise CheckpointMismatchError(f"checkpoint{where} has shape mismatches (checkpoint, model): {bad}{hint}")
     target_model.load_state_dict({k: v for k, v in sd.items() if k in target}, strict=strict)
 

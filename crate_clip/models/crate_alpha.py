@@ -85,18 +85,30 @@ class CratePatchEmbed(nn.Module):
 
 
 class CrateBlock(nn.Module):
-    """Pre-norm block: t + MSSA(LN1 t), then ISTA(LN2 t) added to t (`residual`) or replacing it."""
+    """Pre-norm block: t + MSSA(LN1 t), then ISTA(LN2 t) added to t (`residual`) or replacing it.
+
+    The one block of both towers: the image tower attends over all tokens, a causal text tower
+    (`causal=True`) lets each token attend to itself and the tokens before it.
+    """
 
     def __init__(self, dim: int, num_heads: int, overcomplete_ratio: int = 4, decoupled: bool = True,
                  residual: bool = True, eta: float = 0.1, lambd: float = 0.1, attn_out_bias: bool = False,
-                 norm_eps: float = 1e-6, drop_path: float = 0.0, attn_impl: str = "sdpa"):
+                 norm_eps: float = 1e-6, drop_path: float = 0.0, attn_impl: str = "sdpa", causal: bool = False):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
-        self.attn = MSSA(dim, num_heads, out_bias=attn_out_bias, attn_impl=attn_impl)
+        self.attn = MSSA(dim, num_heads, out_bias=attn_out_bias, attn_impl=attn_impl, causal=causal)
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
         self.ista = ISTA(dim, overcomplete_ratio, decoupled, eta, lambd)
         self.residual = residual
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def init_weights(self) -> None:
+        """JAX init of the published models: U and W_out normal(0.02), W_out's bias 0, D and D1 uniform(sqrt(6/d))."""
+        nn.init.normal_(self.attn.qkv.weight, std=0.02)
+        nn.init.normal_(self.attn.proj.weight, std=0.02)
+        if self.attn.proj.bias is not None:
+            nn.init.zeros_(self.attn.proj.bias)
+        self.ista.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, L, d) -> (B, L, d)."""
@@ -241,11 +253,7 @@ class CrateAlpha(nn.Module):
         nn.init.normal_(self.cls_token, std=1e-6)
         nn.init.normal_(self.pos_embed, std=0.02)
         for blk in self.blocks:
-            nn.init.normal_(blk.attn.qkv.weight, std=0.02)
-            nn.init.normal_(blk.attn.proj.weight, std=0.02)
-            if blk.attn.proj.bias is not None:
-                nn.init.zeros_(blk.attn.proj.bias)
-            blk.ista.reset_parameters()
+            blk.init_weights()
         if isinstance(self.head, nn.Linear):
             nn.init.normal_(self.head.weight, std=0.02)
             nn.init.zeros_(self.head.bias)

@@ -11,9 +11,11 @@ class MSSA(nn.Module):
 
     `qkv.weight` stores U transposed (a Linear weight, as in the official port: w = y @ qkv.weight.T);
     `proj` is W_out. CRATE-alpha has no output bias; the original CRATE has one (`out_bias=True`).
+    `causal`: token i attends to tokens 0..i only (a GPT/CLIP text tower); the image tower attends to all.
     """
 
-    def __init__(self, dim: int, num_heads: int, out_bias: bool = False, attn_impl: str = "sdpa"):
+    def __init__(self, dim: int, num_heads: int, out_bias: bool = False, attn_impl: str = "sdpa",
+                 causal: bool = False):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
@@ -21,6 +23,7 @@ class MSSA(nn.Module):
         self.head_dim = dim // num_heads
         self.scale = self.head_dim ** -0.5
         self.attn_impl = attn_impl
+        self.causal = causal
         self.qkv = nn.Linear(dim, dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=out_bias)
 
@@ -35,9 +38,13 @@ class MSSA(nn.Module):
         w = self.project(y)  # (B, h, L, hd)
         if return_attn or self.attn_impl == "math":
             # explicit path: needed to hand the map out (SDPA never materialises it); also the bench baseline
-            attn = ((w * self.scale) @ w.transpose(-2, -1)).softmax(dim=-1)
+            scores = (w * self.scale) @ w.transpose(-2, -1)
+            if self.causal:   # the positions after each query get -inf, as SDPA's is_causal
+                future = torch.ones(L, L, dtype=torch.bool, device=y.device).triu(1)
+                scores = scores.masked_fill(future, float("-inf"))
+            attn = scores.softmax(dim=-1)
             return self._merge_heads(attn @ w), (attn if return_attn else None)
-        return self._merge_heads(F.scaled_dot_product_attention(w, w, w)), None
+        return self._merge_heads(F.scaled_dot_product_attention(w, w, w, is_causal=self.causal)), None
 
     def _merge_heads(self, out: torch.Tensor) -> torch.Tensor:
         """(B, h, L, hd) -> W_out applied to the (B, L, d) concatenation of the heads."""

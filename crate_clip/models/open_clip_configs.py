@@ -19,13 +19,14 @@ from open_clip.constants import IMAGENET_MEAN, IMAGENET_STD, OPENAI_DATASET_MEAN
 from timm.models import is_model, register_model
 
 from crate_clip.models import crate_alpha
+from crate_clip.models.open_clip_text_tower import check_text_tower_config
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 DEFAULT_PREPROCESS = {"mode": "RGB", "mean": OPENAI_DATASET_MEAN, "std": OPENAI_DATASET_STD,
                       "interpolation": "bicubic", "resize_mode": "shortest", "fill_color": 0}
 # the official CRATE-alpha-CLIPA protocol (torch_inference/eval_in1k.py; main_clip.py normalises the same way)
 CLIPA_PREPROCESS = {**DEFAULT_PREPROCESS, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, "interpolation": "bilinear"}
-PREPROCESS_CFGS = {name: CLIPA_PREPROCESS for name in
+PREPROCESS_CFGS = {name + suffix: CLIPA_PREPROCESS for suffix in ("", "-crate-text") for name in
                    ("CRATE-alpha-CLIPA-B-16", "CRATE-alpha-CLIPA-L-14", "CRATE-alpha-CLIPA-H-14")}
 _PARAMETRIC = re.compile(r"^crate_alpha_clipa_w(\d+)_d(\d+)_h(\d+)_p(\d+)_(\d+)$")
 
@@ -55,7 +56,9 @@ def register_open_clip_configs(config_dir: Path = MODEL_CONFIG_DIR) -> List[str]
     """Register every JSON in `config_dir` with open_clip (and its parametric tower with timm); returns names."""
     names = []
     for path in sorted(Path(config_dir).glob("*.json")):
-        tower = json.loads(path.read_text()).get("vision_cfg", {}).get("timm_model_name", "")
+        cfg = json.loads(path.read_text())
+        check_text_tower_config(cfg, str(path))
+        tower = cfg.get("vision_cfg", {}).get("timm_model_name", "")
         if _PARAMETRIC.match(tower):
             register_clip_tower(tower)
         names.append(path.stem)
