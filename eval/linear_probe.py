@@ -32,6 +32,7 @@ from eval.class_sets import resolve_classnames
 from eval.distributed_batches import gather_objects, lockstep, rank_and_world
 from eval.eval_datasets import classification_dataset, make_loader
 from eval.model_calls import autocast_context, check_precision, image_features, unwrap_model
+from eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
 
 NAME = "linear_probe"
 CACHE_VERSION = 1
@@ -63,6 +64,7 @@ class Settings(BaseModel):
     batch_size: int = 256                      # feature extraction
     num_workers: int = 0
     seed: int = 0
+    max_unreadable_fraction: float = Field(DEFAULT_MAX_UNREADABLE_FRACTION, ge=0, le=1)
 
 
 # ---------------------------------------------------------------- features
@@ -112,7 +114,8 @@ def batch_features(model, images: torch.Tensor, kind: str, normalize: bool, prec
 def extract_features(model, dataset, *, kind: str, normalize: bool = True, batch_size: int = 256,
                      device="cpu", precision: str = "fp32", num_workers: int = 0, max_images: int | None = None,
                      progress: bool = True, desc: str = "features") -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(features [N, D], labels [N], unreadable count) of a data set; ranks split it, every rank gets all."""
+    """(features [N, D], labels [N], unreadable count) of a data set; ranks split it, every rank gets all;
+    UnreadableDataError when no image could be read."""
     rank, world = rank_and_world()
     was_training = model.training
     model.eval()
@@ -133,7 +136,7 @@ def extract_features(model, dataset, *, kind: str, normalize: bool = True, batch
     gathered = gather_objects(mine)
     parts = [p for p in gathered if p[0].numel()]
     if not parts:
-        raise ValueError(f"{desc}: no readable image in the data")
+        check_unreadable(f"{desc} of {data_name(dataset)}", 0, sum(p[3] for p in gathered), 0.0)
     order = torch.cat([p[2] for p in parts]).argsort()   # sample order, whatever the rank split
     return (torch.cat([p[0] for p in parts])[order], torch.cat([p[1] for p in parts])[order],
             sum(p[3] for p in gathered))
@@ -331,6 +334,8 @@ def run(model, *, preprocess, settings: Settings | dict, device="cpu", precision
         feats, labs, info = cached_features(model, dataset, data, preprocess, max_images=limit, labels=labels,
                                             desc=f"{split} features", **common)
         _check_labels(labs, num_classes, data)
+        check_unreadable(f"linear probe {split} split {data}", len(labs), info["unreadable"],
+                         settings.max_unreadable_fraction)
         splits[split] = (feats, labs, info)
     (xtr, ytr, itr), (xte, yte, ite) = splits["train"], splits["test"]
     extract_seconds = time.perf_counter() - start

@@ -1,0 +1,88 @@
+"""Evaluations that would report a wrong number refuse instead (exit code 2, one line): unreadable images,
+class folders that do not match the class names, weights that are not finite or not the exported ones."""
+import pytest
+import webdataset as wds
+
+from crate_clip.cli import main as crate_clip_main
+from eval.class_sets import FASHION_MNIST_CLASSNAMES
+from eval.stage_hook import evaluate_stage
+from eval.unreadable_images import UnreadableDataError
+from eval_fixtures import CRATE_TINY, class_dir, shared_crate_tiny
+
+GARBAGE = b"this is text with a .jpg name, not an image\n"
+
+
+@pytest.fixture
+def unreadable_sets(tmp_path):
+    """A 10-class ImageFolder and a captioned shard whose 50 images are all unreadable."""
+    folder, shards = tmp_path / "folder", tmp_path / "captions"
+    shards.mkdir()
+    with wds.TarWriter(str(shards / "00000000.tar")) as sink:
+        for i in range(50):
+            (folder / class_dir(i % 10)).mkdir(parents=True, exist_ok=True)
+            (folder / class_dir(i % 10) / f"{i:03d}.jpg").write_bytes(GARBAGE)
+            sink.write({"__key__": f"{i:06d}", "jpg": GARBAGE, "txt": b"a photo of a bag."})
+    (folder / "classnames.txt").write_text("\n".join(FASHION_MNIST_CLASSNAMES) + "\n")
+    return {"folder": folder, "captions": shards}
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("task", ["zeroshot", "linear_probe", "retrieval"])
+def test_an_eval_that_reads_no_image_exits_2_and_writes_no_result(task, sets, unreadable_sets, vit_file, tmp_path,
+                                                                  capsys):
+    name, weights = vit_file
+    data = unreadable_sets["captions" if task == "retrieval" else "folder"]
+    args = ["eval", task, "--model", name, "--pretrained", str(weights), "--data", str(data), "--no-progress",
+            "--cache-dir", "", "--output", str(tmp_path / "out.json")]
+    if task != "retrieval":
+        args += ["--dataset", "fashion_mnist"]
+    if task == "linear_probe":
+        args += ["--train-data", str(sets["folder"]), "--weight-decay", "1e-4"]
+    assert crate_clip_main(args) == 2
+    err = _one_line_error(capsys)
+    assert str(data) in err and "none of its 50 images could be read" in err and "no result" in err
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_the_threshold_is_an_option_with_its_default_in_the_help():
+    from eval.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices
+    for task in ("zeroshot", "linear_probe", "retrieval"):
+        text = " ".join(sub[task].format_help().split())
+        assert "--max-unreadable-fraction" in text and "cannot be read (always when none can) (default: 0.01)" in text
+    args = build_parser().parse_args(["zeroshot", "--model", "m", "--data", "d", "--max-unreadable-fraction", "0.2"])
+    assert args.max_unreadable_fraction == 0.2
+
+
+def test_a_training_run_evaluation_refuses_the_same_way(unreadable_sets):
+    evals = [{"name": "fmnist", "type": "zeroshot", "dataset": "fashion_mnist", "data": str(unreadable_sets["folder"]),
+              "templates": "plain", "batch_size": 40}]
+    with pytest.raises(UnreadableDataError, match="none of its 50 images could be read"):
+        evaluate_stage(shared_crate_tiny(), model_name=CRATE_TINY, evals=evals, image_size=28, progress=False)
+    evals[0]["max_unreadable_fraction"] = 1.0   # nothing read is refused whatever the threshold
+    with pytest.raises(UnreadableDataError, match="no result"):
+        evaluate_stage(shared_crate_tiny(), model_name=CRATE_TINY, evals=evals, image_size=28, progress=False)
+
+
+def test_a_few_unreadable_shard_images_are_refused_above_the_threshold(sets, tmp_path):
+    """Retrieval over 30 good pairs and 1 garbage one: 3.2% unreadable, above the default 1%."""
+    from eval.eval_datasets import tar_samples
+
+    good = [s for _, s in zip(range(30), tar_samples(str(sets["captions"] / "00000000.tar")))]
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    with wds.TarWriter(str(mixed / "00000000.tar")) as sink:
+        for sample in good + [{"__key__": "garbage", "jpg": GARBAGE, "txt": b"a photo of a bag."}]:
+            sink.write({k: sample[k] for k in ("__key__", "jpg", "txt")})
+    evals = [{"name": "captions", "type": "retrieval", "data": str(mixed), "batch_size": 64}]
+    with pytest.raises(UnreadableDataError, match=r"1 of 31 images \(3\.2%\) could not be read \(e\.g\. .*garbage"):
+        evaluate_stage(shared_crate_tiny(), model_name=CRATE_TINY, evals=evals, image_size=28, progress=False)
+    evals[0]["max_unreadable_fraction"] = 0.05
+    result = evaluate_stage(shared_crate_tiny(), model_name=CRATE_TINY, evals=evals, image_size=28, progress=False)
+    assert (result["captions"]["n_pairs"], result["captions"]["n_unreadable"]) == (30, 1)
