@@ -1,5 +1,8 @@
 """Evaluations that would report a wrong number refuse instead (exit code 2, one line): unreadable images,
 class folders that do not match the class names, weights that are not finite or not the exported ones."""
+import json
+import shutil
+
 import pytest
 import webdataset as wds
 
@@ -86,3 +89,67 @@ def test_a_few_unreadable_shard_images_are_refused_above_the_threshold(sets, tmp
     evals[0]["max_unreadable_fraction"] = 0.05
     result = evaluate_stage(shared_crate_tiny(), model_name=CRATE_TINY, evals=evals, image_size=28, progress=False)
     assert (result["captions"]["n_pairs"], result["captions"]["n_unreadable"]) == (30, 1)
+
+
+def _renamed_folder(src, dst, rename):
+    """A copy of the ImageFolder `src` with each class folder renamed by `rename(old name)`."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("classnames.txt"))
+    for old in sorted(p for p in dst.iterdir() if p.is_dir()):
+        old.rename(dst / rename(old.name))
+    return dst
+
+
+def _without_index(name: str) -> str:
+    """'09_ankle_boot' -> 'Ankle_boot': named as a test split often is, sorting differently from the indexed one."""
+    return name.split("_", 1)[1].capitalize()
+
+
+def _eval_json(tmp_path, name, *args) -> dict:
+    out = tmp_path / f"{len(list(tmp_path.glob('*.json')))}.json"
+    assert crate_clip_main(["eval", *args, "--dataset", "fashion_mnist", "--no-progress", "--cache-dir", "",
+                            "--output", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_class_folders_are_matched_to_class_names_not_to_sort_order(sets, vit_file, tmp_path, capsys):
+    name, weights = vit_file
+    renamed = _renamed_folder(sets["folder"], tmp_path / "renamed", _without_index)
+    assert sorted(p.name for p in renamed.iterdir())[:2] == ["Ankle_boot", "Bag"]   # classes 9 and 8 sort first
+    model = ["--model", name, "--pretrained", str(weights)]
+    # same images, same labels: the same numbers (within one image of 160: other batches, other float sums)
+    zeroshot = [_eval_json(tmp_path, name, "zeroshot", *model, "--data", str(d))["top1"]
+                for d in (sets["folder"], renamed)]
+    assert zeroshot[0] > 0.25 and abs(zeroshot[0] - zeroshot[1]) <= 1 / 160, zeroshot
+    probe = ["linear_probe", *model, "--train-data", str(sets["folder"]), "--weight-decay", "1e-4"]
+    probes = [_eval_json(tmp_path, name, *probe, "--data", str(d))["top1"] for d in (sets["folder"], renamed)]
+    assert probes[0] > 0.4 and abs(probes[0] - probes[1]) <= 1 / 160, probes
+
+
+def test_a_class_folder_that_matches_no_class_name_is_an_error_naming_it(sets, vit_file, tmp_path, capsys):
+    name, weights = vit_file
+    renamed = _renamed_folder(sets["folder"], tmp_path / "renamed",
+                              lambda old: "socks" if old.startswith("08") else _without_index(old))
+    base = ["--model", name, "--pretrained", str(weights), "--data", str(renamed), "--dataset", "fashion_mnist",
+            "--no-progress", "--cache-dir", ""]
+    for task in (["zeroshot"], ["linear_probe", "--train-data", str(sets["folder"])]):
+        assert crate_clip_main(["eval", *task, *base]) == 2
+        err = _one_line_error(capsys)
+        assert f"{renamed}: folders 'socks' match no class name" in err and "fix: name each folder" in err
+
+
+def test_folder_matching_rules():
+    from eval.class_folders import map_class_folders
+
+    names = ["T-shirt/top", "trouser", "ankle boot"]
+    assert map_class_folders("r", ["2_Ankle-Boot", "T-shirt_top", "trouser"], names) == \
+        {"2_Ankle-Boot": 2, "T-shirt_top": 0, "trouser": 1}
+    assert map_class_folders("r", ["002", "0_tee", "1"], names) == {"002": 2, "0_tee": 0, "1": 1}   # by index
+    # the training split's folder names as the classes (a probe without class names): prefixes on either side
+    assert map_class_folders("r", ["Ankle_boot", "trouser", "t_shirt_top"], ["0_t-shirt_top", "1_trouser", "2_ankle_boot"]) \
+        == {"Ankle_boot": 2, "trouser": 1, "t_shirt_top": 0}
+    with pytest.raises(ValueError, match=r"r: folders 'tee' match no class name"):
+        map_class_folders("r", ["tee", "trouser", "ankle_boot"], names)
+    with pytest.raises(ValueError, match=r"'1_trouser' and 'trouser' both match class 'trouser'"):
+        map_class_folders("r", ["1_trouser", "trouser", "ankle_boot"], names)
+    with pytest.raises(ValueError, match=r"folders '0', '1', '7' match no class name"):   # index 7 out of range
+        map_class_folders("r", ["0", "1", "7"], names)
