@@ -32,6 +32,7 @@ from eval.class_sets import resolve_classnames
 from eval.distributed_batches import gather_objects, lockstep, rank_and_world
 from eval.eval_datasets import classification_dataset, make_loader
 from eval.model_calls import autocast_context, check_precision, image_features, unwrap_model
+from eval.model_loading import check_finite_weights
 from eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
 
 NAME = "linear_probe"
@@ -392,5 +393,6 @@ def load_timm_classifier(name: str, pretrained: str | None, image_size: int | No
 
     kwargs = {"img_size": image_size} if image_size else {}
     model = timm.create_model(name, pretrained=False, checkpoint_path=pretrained or "", **kwargs)
+    check_finite_weights(model, pretrained or name)
     config = resolve_data_config({"input_size": (3, image_size, image_size)} if image_size else {}, model=model)
     return model.to(device).eval(), create_transform(**config, is_training=False)

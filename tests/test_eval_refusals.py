@@ -153,3 +153,49 @@ def test_folder_matching_rules():
         map_class_folders("r", ["1_trouser", "trouser", "ankle_boot"], names)
     with pytest.raises(ValueError, match=r"folders '0', '1', '7' match no class name"):   # index 7 out of range
         map_class_folders("r", ["0", "1", "7"], names)
+
+
+@pytest.fixture
+def export_dir(tmp_path):
+    """The tiny CRATE CLIP exported as an open_clip local-dir: folder."""
+    from crate_clip.train.export import export_open_clip
+
+    state = shared_crate_tiny().state_dict()
+    return export_open_clip(state, CRATE_TINY, tmp_path / "export", image_size=28, context_length=32)
+
+
+def _overwrite_tensor_bytes(weights, key: str, byte: int, count: int) -> None:
+    """Write `count` bytes of value `byte` over the start of tensor `key` of a safetensors file, in place."""
+    data = bytearray(weights.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    begin = 8 + header_len + json.loads(data[8:8 + header_len])[key]["data_offsets"][0]
+    data[begin:begin + count] = bytes([byte]) * count
+    weights.write_bytes(bytes(data))
+
+
+def test_an_export_with_non_finite_weights_is_refused_naming_the_tensor(export_dir, sets, capsys):
+    _overwrite_tensor_bytes(export_dir / "open_clip_model.safetensors", "visual.trunk.patch_embed.proj.weight", 0xFF, 64)
+    code = crate_clip_main(["eval", "zeroshot", "--model", f"local-dir:{export_dir}", "--data", str(sets["folder"]),
+                            "--dataset", "fashion_mnist", "--no-progress", "--cache-dir", ""])
+    err = _one_line_error(capsys)
+    assert code == 2 and "non-finite weights in visual.trunk.patch_embed.proj.weight (16 NaN, 0 inf" in err
+    from eval.model_loading import NonFiniteWeightsError, load_eval_model
+    with pytest.raises(NonFiniteWeightsError, match=r"patch_embed\.proj\.weight"):   # ours as name + weights file
+        load_eval_model(CRATE_TINY, str(export_dir / "open_clip_model.safetensors"))
+
+
+def test_an_export_is_verified_against_the_checksum_its_config_records(export_dir):
+    from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, ChecksumMismatchError, file_checksum
+    from eval.model_loading import load_eval_model
+
+    weights, config = export_dir / "open_clip_model.safetensors", export_dir / "open_clip_config.json"
+    load_eval_model(f"local-dir:{export_dir}")   # no checksum recorded: not checked
+    recorded = {**json.loads(config.read_text()), CHECKSUMS_KEY: {weights.name: file_checksum(weights)}}
+    config.write_text(json.dumps(recorded))
+    load_eval_model(f"local-dir:{export_dir}")
+    _overwrite_tensor_bytes(weights, "logit_scale", 0x40, 1)   # a finite, plausible, different value
+    with pytest.raises(ChecksumMismatchError, match=rf"{weights}: sha256 differs from the one {config} records"):
+        load_eval_model(f"local-dir:{export_dir}")
+    weights.write_bytes(weights.read_bytes()[:-4])
+    with pytest.raises(ChecksumMismatchError, match=r"bytes where .* records"):
+        load_eval_model(f"local-dir:{export_dir}")
