@@ -125,3 +125,17 @@ def test_a_latest_file_that_is_not_text_counts_as_missing(tmp_path):
     model, *_ = load_eval_model(str(root))
     assert torch.equal(model.state_dict()["visual.trunk.pos_embed"],
                        shared_crate_tiny().state_dict()["visual.trunk.pos_embed"])
+
+
+@pytest.mark.multiproc
+def test_under_torchrun_the_process_code_is_the_last_line(tmp_path):
+    """torchrun exits 1 for any failing worker: the refused run says its own code (2) last."""
+    from train_fixtures import run_job, torchrun_cmd
+
+    config = tmp_path / "bad.yaml"
+    config.write_text("run: {output_dir: %s}\nstagez: []\n" % (tmp_path / "run"))
+    proc = run_job(torchrun_cmd(1, "train", "--config", str(config), module="crate_clip.cli"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("crate-clip")]
+    assert "stagez: unknown key" in proc.stderr and not (tmp_path / "run").exists()
+    assert ours[-1].startswith("crate-clip: exit code 2 (configuration or input error"), ours
