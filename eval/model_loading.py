@@ -50,8 +50,8 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
 
     Weights stay fp32 (`precision='bf16'` evaluates under autocast); a checkpoint that does not fit the
     model config raises CheckpointMismatchError naming the missing and unexpected keys, one with NaN/inf
-    weights NonFiniteWeightsError naming the tensors. The tokenizer is
-    the one recorded in a DeepSpeed checkpoint unless `bert_vocab` is given.
+    weights NonFiniteWeightsError naming the tensors. The tokenizer is the one recorded in a DeepSpeed
+    checkpoint unless `bert_vocab` is given.
     """
     if model.startswith(LOCAL_DIR):
         clip, model_name, info = _from_local_dir(model, image_size), model, {}
