@@ -34,13 +34,17 @@ def main(argv=None) -> int:
     if name not in SUBCOMMANDS:
         print(f"crate-clip: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    from crate_clip.cli_errors import USER_ERRORS, report_error
+    from crate_clip.cli_errors import USER_ERRORS, report_error, show_exit_code
 
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
-        return int(module.main(rest) or 0)
+        code = int(module.main(rest) or 0)
     except USER_ERRORS as exc:   # one line naming the file/key and the fix; --debug shows the traceback
-        return report_error(f"crate-clip {name}", exc)
+        code = report_error(f"crate-clip {name}", exc)
+    except SystemExit as exc:   # argparse's usage errors
+        show_exit_code(exc.code if isinstance(exc.code, int) else 1)
+        raise
+    return show_exit_code(code)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import open_clip
+
 from crate_clip.models import (CheckpointMismatchError, TokenizerUnavailableError, clip_tokenizer,
                                load_official_clipa)
 from crate_clip.train.export import export_open_clip, export_state_equal, load_export
@@ -12,7 +14,7 @@ from crate_clip.train.export import export_open_clip, export_state_equal, load_e
 
 def build_parser() -> argparse.ArgumentParser:
     """The `crate-clip convert` argument parser."""
-    parser = argparse.ArgumentParser(prog="crate-clip convert", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="crate-clip convert", description=" ".join(__doc__.split()))
     sub = parser.add_subparsers(dest="command", required=True)
     off = sub.add_parser("official", help="a released crate_alpha_CLIPA_{L14,H14}.pth (UCSC-VLAA/CRATE-alpha)")
     off.add_argument("checkpoint", type=Path, help="the .pth file (a plain state dict, loaded weights_only)")
@@ -24,10 +26,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_model_name(name: str) -> None:
+    """ValueError listing the known CRATE-alpha configs when `name` is no registered open_clip config."""
+    if open_clip.get_model_config(name) is None:
+        known = [m for m in open_clip.list_models() if m.startswith("CRATE-alpha")]
+        raise ValueError(f"--model {name}: no such open_clip model config; known CRATE-alpha models: "
+                         f"{', '.join(known)} (or add your own config with open_clip.add_model_config first)")
+
+
 def main(argv=None) -> int:
     """Run `crate-clip convert ...`; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
+        check_model_name(args.model)
         tokenizer = clip_tokenizer(args.model, bert_vocab=args.bert_vocab)  # fail before the slow part
         model = load_official_clipa(args.checkpoint, args.model)
         state = model.state_dict()

@@ -20,12 +20,13 @@ from eval.registry import TASKS, EvalContext, parse_eval, run_task
 USAGE_ERRORS = (ValueError, FileNotFoundError, CheckpointMismatchError, TokenizerUnavailableError)
 # command-line option -> the shared eval setting it sets (defaults come from the settings schema)
 COMMON_OPTIONS = {"--data": "data", "--batch-size": "batch_size", "--workers": "num_workers",
-                  "--max-images": "max_images"}
+                  "--max-images": "max_images", "--max-unreadable-fraction": "max_unreadable_fraction"}
 
 
 def _option(parser: argparse.ArgumentParser, flag: str, field, required: bool = False) -> None:
     default = "" if field.default is None or required else f" (default: {field.default})"
-    kind = int if int in (field.annotation, *get_args(field.annotation)) else None
+    kinds = (field.annotation, *get_args(field.annotation))
+    kind = next((k for k in (int, float) if k in kinds), None)
     parser.add_argument(flag, dest=flag.lstrip("-").replace("-", "_"), required=required, type=kind,
                         help=f"{field.description or ''}{default}")
 

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_w
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
 from crate_clip.shard_sources import ShardListError, expand_source
+from eval.class_folders import map_class_folders
 from eval.distributed_batches import rank_slice
 
 IMAGENET_NUM_CLASSES = 1000
@@ -56,8 +57,10 @@ class ClassificationFolder(Dataset):
         return decode_image(path, self.transform), label, index, str(Path(path).relative_to(self.root))
 
 
-def image_folder(root: str | Path, transform: Callable, *, num_classes: int, imagenet: bool = False) -> ClassificationFolder:
-    """ImageNet-val layout `<root>/<class dir>/<image>`; class index = sorted class-dir order."""
+def image_folder(root: str | Path, transform: Callable, *, num_classes: int, imagenet: bool = False,
+                 classnames: list[str] | None = None) -> ClassificationFolder:
+    """ImageNet-val layout `<root>/<class dir>/<image>`; with `classnames` each folder is matched to its class
+    by name or index (eval.class_folders), else (and for ImageNet's WordNet ids) class index = sorted order."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"evaluation data folder {root} does not exist")
@@ -66,8 +69,11 @@ def image_folder(root: str | Path, transform: Callable, *, num_classes: int, ima
         _check_imagenet_classes(root, classes)
     elif len(classes) != num_classes:
         raise ValueError(f"{root}: found {len(classes)} class folders but {num_classes} class names; "
-                         f"they must agree (one folder per class, sorted folder order = class-name order)")
-    _, class_to_idx = find_classes(str(root))
+                         f"they must agree (one folder per class)")
+    if classnames is not None and not imagenet:
+        class_to_idx = map_class_folders(root, classes, list(classnames))
+    else:
+        _, class_to_idx = find_classes(str(root))
     samples = make_dataset(str(root), class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
     if not samples:
         raise ValueError(f"{root}: no image files ({', '.join(IMG_EXTENSIONS)}) in its {len(classes)} class folders")
@@ -305,8 +311,9 @@ def loader_length(dataset, max_images: int | None, world: int, batch_size: int) 
 
 
 def classification_dataset(data: str | Path, transform: Callable, *, dataset: str, num_classes: int,
-                           labels_file: str | Path | None = None):
-    """The classification source at `data`: shards with .cls, a flat folder + labels, or an ImageFolder."""
+                           labels_file: str | Path | None = None, classnames: list[str] | None = None):
+    """The classification source at `data`: shards with .cls, a flat folder + labels, or an ImageFolder (whose
+    folders are matched to `classnames` by name or index when given)."""
     imagenet = dataset == "imagenet1k"
     if imagenet and num_classes != IMAGENET_NUM_CLASSES:
         raise ValueError(f"imagenet1k needs 1000 class names, got {num_classes}")
@@ -315,4 +322,4 @@ def classification_dataset(data: str | Path, transform: Callable, *, dataset: st
     if labels_file:
         names = imagenet_wnids() if imagenet else None
         return flat_folder(data, labels_file, transform, num_classes=num_classes, label_names=names)
-    return image_folder(data, transform, num_classes=num_classes, imagenet=imagenet)
+    return image_folder(data, transform, num_classes=num_classes, imagenet=imagenet, classnames=classnames)

@@ -9,7 +9,8 @@ from typing import Optional
 
 from pydantic import Field, model_validator
 
-from crate_clip.config_schema import Int, Section
+from crate_clip.config_schema import Float, Int, Section
+from eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION
 
 
 class EvalSettings(Section):
@@ -21,6 +22,9 @@ class EvalSettings(Section):
     batch_size: Int = Field(256, ge=1, description="images per forward on each rank")
     max_images: Optional[Int] = Field(None, ge=1, description="evaluate this many images (spread evenly) only")
     num_workers: Int = Field(0, ge=0, description="data-loader worker processes per rank")
+    max_unreadable_fraction: Float = Field(DEFAULT_MAX_UNREADABLE_FRACTION, ge=0, le=1,
+                                           description="refuse the result when more than this fraction of the "
+                                                       "images cannot be read (always when none can)")
 
     @model_validator(mode="before")
     @classmethod

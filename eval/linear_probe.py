@@ -32,9 +32,11 @@ from eval.class_sets import resolve_classnames
 from eval.distributed_batches import gather_objects, lockstep, rank_and_world
 from eval.eval_datasets import classification_dataset, make_loader
 from eval.model_calls import autocast_context, check_precision, image_features, unwrap_model
+from eval.model_loading import check_finite_weights
+from eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
 
 NAME = "linear_probe"
-CACHE_VERSION = 1
+CACHE_VERSION = 2   # 2: keyed by the class each folder of an ImageFolder split is matched to
 WD_GRID = np.logspace(-6, 2, num=97)             # CLIP_benchmark's weight-decay grid
 WD_COARSE = list(range(0, len(WD_GRID), 16))     # its 7 coarse points (1e-6, ..., 1e2)
 WD_FIRST_SPAN = 8                                # then +-8, +-4, +-2, +-1 grid steps around the best
@@ -46,7 +48,7 @@ class Settings(BaseModel):
     train_data: str = Field(description="training split: ImageFolder, flat folder (+ train_labels) or .cls shards")
     data: str = Field(description="test split, same layouts")
     dataset: str = "custom"
-    classnames: Optional[str] = None           # class-name file; only the class count is used
+    classnames: Optional[str] = None           # class-name file: the classes that folders are matched to
     train_labels: Optional[str] = None         # label file of a flat training folder
     labels: Optional[str] = None               # label file of a flat test folder
     features: Literal["auto", "image", "tower"] = "auto"   # auto: image for CLIP, tower for a timm classifier
@@ -63,6 +65,7 @@ class Settings(BaseModel):
     batch_size: int = 256                      # feature extraction
     num_workers: int = 0
     seed: int = 0
+    max_unreadable_fraction: float = Field(DEFAULT_MAX_UNREADABLE_FRACTION, ge=0, le=1)
 
 
 # ---------------------------------------------------------------- features
@@ -112,7 +115,8 @@ def batch_features(model, images: torch.Tensor, kind: str, normalize: bool, prec
 def extract_features(model, dataset, *, kind: str, normalize: bool = True, batch_size: int = 256,
                      device="cpu", precision: str = "fp32", num_workers: int = 0, max_images: int | None = None,
                      progress: bool = True, desc: str = "features") -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(features [N, D], labels [N], unreadable count) of a data set; ranks split it, every rank gets all."""
+    """(features [N, D], labels [N], unreadable count) of a data set; ranks split it, every rank gets all;
+    UnreadableDataError when no image could be read."""
     rank, world = rank_and_world()
     was_training = model.training
     model.eval()
@@ -133,7 +137,7 @@ def extract_features(model, dataset, *, kind: str, normalize: bool = True, batch
     gathered = gather_objects(mine)
     parts = [p for p in gathered if p[0].numel()]
     if not parts:
-        raise ValueError(f"{desc}: no readable image in the data")
+        check_unreadable(f"{desc} of {data_name(dataset)}", 0, sum(p[3] for p in gathered), 0.0)
     order = torch.cat([p[2] for p in parts]).argsort()   # sample order, whatever the rank split
     return (torch.cat([p[0] for p in parts])[order], torch.cat([p[1] for p in parts])[order],
             sum(p[3] for p in gathered))
@@ -152,13 +156,15 @@ def image_weights_digest(model) -> str:
 
 
 def feature_cache_key(model, data: str, preprocess, *, kind: str, normalize: bool, precision: str,
-                      max_images: int | None, labels: str | None) -> str:
-    """Cache key: image-tower weights + the data (path, file sizes) + preprocessing + feature settings."""
+                      max_images: int | None, labels: str | None, classes: list | None = None) -> str:
+    """Cache key: image-tower weights + the data (path, file sizes, folder -> class) + preprocessing + feature
+    settings."""
     path = Path(str(data))
     stamp = sorted((p.name, p.stat().st_size) for p in path.iterdir())[:10000] if path.is_dir() else str(data)
     meta = json.dumps({"v": CACHE_VERSION, "data": str(path.resolve()) if path.exists() else str(data),
                        "stamp": stamp, "labels": labels, "preprocess": repr(preprocess), "kind": kind,
-                       "normalize": normalize, "precision": precision, "max_images": max_images}, sort_keys=True)
+                       "normalize": normalize, "precision": precision, "max_images": max_images,
+                       "classes": classes}, sort_keys=True)
     return hashlib.sha256((image_weights_digest(model) + meta).encode()).hexdigest()
 
 
@@ -167,8 +173,9 @@ def cached_features(model, dataset, data: str, preprocess, *, cache_dir, kind: s
     """Features and labels from the cache when there (every rank), else extracted and saved by rank 0."""
     path = None
     if cache_dir is not None:
+        classes = sorted({(Path(p).parent.name, label) for p, label in getattr(dataset, "samples", [])})
         key = feature_cache_key(model, data, preprocess, kind=kind, normalize=normalize, precision=precision,
-                                max_images=max_images, labels=labels)
+                                max_images=max_images, labels=labels, classes=classes)
         path = Path(cache_dir) / f"linear_probe_features_{key[:40]}.pt"
         hits = gather_objects(path.is_file())
         if all(hits):
@@ -296,14 +303,16 @@ def probe(train_feats, train_labels, test_feats, test_labels, num_classes: int, 
 
 
 # ---------------------------------------------------------------- the evaluator
-def _num_classes(settings: Settings) -> int:
+def _class_names(settings: Settings) -> list[str]:
+    """The class names (file or built-in), else the training split's folder names: the classes both splits'
+    folders are matched to by name (so a test split named or sorted differently keeps its labels)."""
     try:
-        return len(resolve_classnames(settings.dataset, settings.train_data, settings.classnames))
+        return resolve_classnames(settings.dataset, settings.train_data, settings.classnames)
     except FileNotFoundError:
         root = Path(settings.train_data)
-        dirs = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+        dirs = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
         if dirs:
-            return len(dirs)
+            return dirs
         raise ValueError(f"linear probe: cannot tell the number of classes of {settings.train_data}: give "
                          f"`classnames` (one name per line) or put classnames.txt beside the data") from None
 
@@ -320,17 +329,20 @@ def run(model, *, preprocess, settings: Settings | dict, device="cpu", precision
     check_precision(precision)
     start = time.perf_counter()
     kind = resolve_feature_kind(model, settings.features)
-    num_classes = _num_classes(settings)
+    classnames = _class_names(settings)
+    num_classes = len(classnames)
     common = dict(cache_dir=cache_dir, kind=kind, normalize=settings.normalize, precision=precision,
                   batch_size=settings.batch_size, device=device, num_workers=settings.num_workers, progress=progress)
     splits = {}
     for split, data, labels, limit in (("train", settings.train_data, settings.train_labels, settings.max_train_images),
                                        ("test", settings.data, settings.labels, settings.max_images)):
         dataset = classification_dataset(data, preprocess, dataset=settings.dataset, num_classes=num_classes,
-                                         labels_file=labels)
+                                         labels_file=labels, classnames=classnames)
         feats, labs, info = cached_features(model, dataset, data, preprocess, max_images=limit, labels=labels,
                                             desc=f"{split} features", **common)
         _check_labels(labs, num_classes, data)
+        check_unreadable(f"linear probe {split} split {data}", len(labs), info["unreadable"],
+                         settings.max_unreadable_fraction)
         splits[split] = (feats, labs, info)
     (xtr, ytr, itr), (xte, yte, ite) = splits["train"], splits["test"]
     extract_seconds = time.perf_counter() - start
@@ -381,5 +393,6 @@ def load_timm_classifier(name: str, pretrained: str | None, image_size: int | No
 
     kwargs = {"img_size": image_size} if image_size else {}
     model = timm.create_model(name, pretrained=False, checkpoint_path=pretrained or "", **kwargs)
+    check_finite_weights(model, pretrained or name)
     config = resolve_data_config({"input_size": (3, image_size, image_size)} if image_size else {}, model=model)
     return model.to(device).eval(), create_transform(**config, is_training=False)

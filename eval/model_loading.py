@@ -1,7 +1,9 @@
 """Load a CLIP for evaluation from an open_clip name + weights file, `local-dir:`, or a DeepSpeed checkpoint.
 
 DeepSpeed checkpoints (`<run>/checkpoints/` with a `latest` file, or one `<tag>/` folder) of any ZeRO stage
-are consolidated to fp32 by crate_clip.checkpoint_io, the one owner of the checkpoint layout.
+are consolidated to fp32 by crate_clip.checkpoint_io, the one owner of the checkpoint layout. Whatever the
+source, weights that are not finite are refused (a NaN/inf tensor would only give a chance-level number), and
+an export's weights file is verified against the checksum its open_clip_config.json records, when it does.
 """
 import json
 import pickle
@@ -14,6 +16,7 @@ from open_clip.transform import PreprocessCfg, image_transform_v2
 
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, consolidate_deepspeed_checkpoint,  # noqa: F401
                                                           is_deepspeed_checkpoint, resolve_checkpoint_tag)
+from crate_clip.checkpoint_io.file_checksums import verify_recorded_checksums
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, quiet_random_init, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
 from crate_clip.models.patch_change import create_clip_at_patch, register_tower_of
@@ -46,8 +49,9 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
     CRATE-alpha-CLIPA layout), `local-dir:`, or a DeepSpeed checkpoint.
 
     Weights stay fp32 (`precision='bf16'` evaluates under autocast); a checkpoint that does not fit the
-    model config raises CheckpointMismatchError naming the missing and unexpected keys. The tokenizer is
-    the one recorded in a DeepSpeed checkpoint unless `bert_vocab` is given.
+    model config raises CheckpointMismatchError naming the missing and unexpected keys, one with NaN/inf
+    weights NonFiniteWeightsError naming the tensors. The tokenizer is the one recorded in a DeepSpeed
+    checkpoint unless `bert_vocab` is given.
     """
     if model.startswith(LOCAL_DIR):
         clip, model_name, info = _from_local_dir(model, image_size), model, {}
@@ -59,9 +63,27 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
     else:
         _check_not_a_missing_path(model)
         clip, model_name, info = create_clip(model, image_size=image_size, pretrained=pretrained), model, {}
+    check_finite_weights(clip, pretrained or model)
     clip = clip.to(device).eval()
     bert_vocab = bert_vocab or _recorded_vocab(info)
     return clip, eval_transform(clip, image_size), eval_tokenizer(model_name, clip, bert_vocab), model_name
+
+
+class NonFiniteWeightsError(CorruptWeightsError):
+    """Weights holding NaN or inf; the message names the tensors and the source."""
+
+
+def check_finite_weights(model: torch.nn.Module, source) -> None:
+    """NonFiniteWeightsError naming the tensors of `model` that hold NaN or inf (loaded from `source`)."""
+    bad = []
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            nan, total = int(tensor.isnan().sum()), tensor.numel()
+            bad.append(f"{name} ({nan} NaN, {int(tensor.isinf().sum())} inf of {total:,} values)")
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more tensors" if len(bad) > 5 else "")
+        raise NonFiniteWeightsError(f"{source}: non-finite weights in {shown}; the file is damaged or the run it "
+                                    f"comes from diverged: use an earlier checkpoint or export")
 
 
 def _recorded_vocab(info: dict) -> str | None:
@@ -84,8 +106,10 @@ def _from_local_dir(model: str, image_size: int | None):
     if weights is None:
         raise FileNotFoundError(f"{folder}: no open_clip_model.safetensors / open_clip_pytorch_model.bin weights")
     config = folder / "open_clip_config.json"
-    if config.is_file():   # an export at a changed patch size names a parametric tower: register it with timm
-        register_tower_of(json.loads(config.read_text()).get("model_cfg"))
+    if config.is_file():
+        recorded = json.loads(config.read_text())
+        verify_recorded_checksums(folder, recorded, config)   # when the export recorded them
+        register_tower_of(recorded.get("model_cfg"))   # an export at a changed patch size names a parametric tower
     with quiet_random_init():   # the weights are loaded on the next line
         clip = open_clip.create_model(model, load_weights=False, force_image_size=image_size)
     load_clip_weights(clip, read_state_dict(weights), pos_embed_resize="grid_2d")

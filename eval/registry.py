@@ -57,7 +57,8 @@ class EvalContext:
     def loop_args(self, settings: EvalSettings) -> dict:
         """The keyword arguments every evaluation loop takes."""
         return dict(batch_size=settings.batch_size, device=self.device, precision=self.precision,
-                    num_workers=settings.num_workers, progress=self.progress, max_images=settings.max_images)
+                    num_workers=settings.num_workers, progress=self.progress, max_images=settings.max_images,
+                    max_unreadable_fraction=settings.max_unreadable_fraction)
 
 
 def run_task(model, settings: dict | EvalSettings, context: EvalContext) -> dict:

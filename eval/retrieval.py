@@ -8,6 +8,7 @@ from tqdm import tqdm
 from eval.distributed_batches import all_reduce_sum, gather_objects, lockstep, rank_and_world
 from eval.eval_datasets import ShardSamples, make_loader
 from eval.model_calls import check_precision, dummy_images, image_features, text_features
+from eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
 
 RECALL_KS = (1, 5, 10)
 SIMILARITY_ROWS = 4096   # images per block of the similarity matrix (bounds memory at N x 4096 floats)
@@ -15,8 +16,10 @@ SIMILARITY_ROWS = 4096   # images per block of the similarity matrix (bounds mem
 
 def retrieval_evaluate(model, tokenizer, dataset: ShardSamples, *, batch_size: int = 256, device="cpu",
                        precision: str = "fp32", num_workers: int = 0, progress: bool = True,
-                       max_images: int | None = None) -> dict:
-    """Recall@k in both directions over all readable (image, caption) pairs (all ranks call this)."""
+                       max_images: int | None = None,
+                       max_unreadable_fraction: float = DEFAULT_MAX_UNREADABLE_FRACTION) -> dict:
+    """Recall@k in both directions over all readable (image, caption) pairs (all ranks call this); refused
+    (UnreadableDataError) when more than `max_unreadable_fraction` of the images cannot be read."""
     check_precision(precision)
     if getattr(dataset, "target", "txt") != "txt":
         raise ValueError("retrieval needs captioned shards (.txt members); these were opened for .cls labels")
@@ -39,8 +42,9 @@ def retrieval_evaluate(model, tokenizer, dataset: ShardSamples, *, batch_size: i
         texts.append(text_features(model, tokenizer(batch.targets).to(device), precision).cpu())
         indices.append(batch.indices)
     model.train(was_training)
+    n_read, n_unreadable = all_reduce_sum(torch.tensor([sum(map(len, indices)), len(unreadable)])).tolist()
+    check_unreadable(f"retrieval on {data_name(dataset)}", n_read, n_unreadable, max_unreadable_fraction, unreadable)
     image_feats, text_feats = _gathered_in_order(indices, images, texts)
-    n_unreadable = int(all_reduce_sum(torch.tensor([len(unreadable)], dtype=torch.int64)).item())
     metrics = recall_metrics(image_feats, text_feats)
     seconds = time.perf_counter() - start
     return {**metrics, "n_pairs": len(image_feats), "n_unreadable": n_unreadable,
@@ -52,9 +56,7 @@ def _gathered_in_order(indices, images, texts) -> tuple[torch.Tensor, torch.Tens
     empty = torch.zeros(0, dtype=torch.int64)
     local = (torch.cat(indices) if indices else empty,
              torch.cat(images) if images else None, torch.cat(texts) if texts else None)
-    parts = [p for p in gather_objects(local) if p[1] is not None]
-    if not parts:
-        raise ValueError("retrieval: no readable (image, caption) pairs in the data")
+    parts = [p for p in gather_objects(local) if p[1] is not None]   # some rank read pairs (check_unreadable)
     order = torch.cat([p[0] for p in parts]).argsort()
     return torch.cat([p[1] for p in parts])[order], torch.cat([p[2] for p in parts])[order]
 

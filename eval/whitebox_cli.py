@@ -34,14 +34,50 @@ def _load(args):
     return clip.float().eval()
 
 
-def _read_images(paths: list[str]) -> list[Image.Image]:
+def patch_grid(clip) -> tuple[int, int]:
+    """(rows, columns) of the image tower's patch grid at its input size."""
+    from eval.whitebox import find_crate_tower
+
+    tower = find_crate_tower(clip) or getattr(getattr(clip, "module", clip), "visual", None)
+    return tuple(tower.grid_size)
+
+
+def open_image(source, grid: tuple[int, int]) -> tuple[Image.Image | None, str | None]:
+    """(RGB image, None), or (None, why it is skipped): not decodable, or smaller than the patch grid (each
+    patch would see less than a pixel of its own, and every mask would be degenerate)."""
+    from eval.eval_datasets import DECODE_ERRORS
+
+    try:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
+            image = im.convert("RGB")
+    except DECODE_ERRORS as exn:
+        return None, f"unreadable: {type(exn).__name__}"
+    if image.height < grid[0] or image.width < grid[1]:
+        return None, f"{image.width}x{image.height} px, smaller than the model's {grid[1]}x{grid[0]} patch grid"
+    return image, None
+
+
+def _read_images(paths: list[str], grid: tuple[int, int], skipped: list[str]) -> list[tuple[str, Image.Image]]:
+    """(path, image) of the usable --images; the others are appended to `skipped` as 'path (why)'."""
     images = []
     for p in paths:
         if not Path(p).is_file():
             raise FileNotFoundError(f"--images: {p} does not exist")
-        with Image.open(p) as im:
-            images.append(im.convert("RGB"))
+        image, why = open_image(p, grid)
+        if image is None:
+            skipped.append(f"{p} ({why})")
+        else:
+            images.append((p, image))
     return images
+
+
+def _report_skipped(prog: str, skipped: list[str], total: int, kept: int) -> None:
+    """One line on stderr naming the skipped images; an error when none was usable."""
+    if kept == 0:
+        raise ValueError(f"none of the {total} images is usable: {'; '.join(skipped[:5])}")
+    if skipped:
+        more = f"; ... ({len(skipped)} in all)" if len(skipped) > 5 else ""
+        print(f"{prog}: skipped {len(skipped)} of {total} images: {'; '.join(skipped[:5])}{more}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- inspect maps
@@ -57,7 +93,10 @@ def maps_main(argv) -> int:
                    help="PCA features: U^T LN(Z) (ViT: keys) or the block output (default projection)")
     args = p.parse_args(argv)
     clip = _load(args)
-    images = _read_images(args.images)
+    skipped = []
+    kept = _read_images(args.images, patch_grid(clip), skipped)
+    _report_skipped(p.prog, skipped, len(args.images), len(kept))
+    paths, images = [k[0] for k in kept], [k[1] for k in kept]
     x = to_tensor(images, clip)
     last = block_maps(clip, x, -1)
     depth = _depth(clip)
@@ -67,14 +106,15 @@ def maps_main(argv) -> int:
     for layer in layers:
         maps = last if layer == depth - 1 else block_maps(clip, x, layer)
         attn = maps.cls_attention().cpu().numpy()
-        for path, im, a in zip(args.images, shown, attn):
+        for path, im, a in zip(paths, shown, attn):
             attention_strip(im, a).save(args.out / f"{Path(path).stem}_attn_layer{layer}.png")
     pca_layer = layers[0] if args.layer != -1 else depth - 1
     maps = last if pca_layer == depth - 1 else block_maps(clip, x, pca_layer)
     pca = joint_pca(maps.patch_features(args.facet).cpu().numpy(), 4)
-    for path, im, comp in zip(args.images, shown, pca):
+    for path, im, comp in zip(paths, shown, pca):
         pca_strip(im, comp, maps.grid).save(args.out / f"{Path(path).stem}_pca.png")
-    print(json.dumps({"out": str(args.out), "images": len(images), "attention_layers": layers, "pca_layer": pca_layer}))
+    print(json.dumps({"out": str(args.out), "images": len(images), "skipped": len(skipped), "attention_layers": layers,
+                      "pca_layer": pca_layer}))
     return 0
 
 
@@ -113,10 +153,12 @@ def _depth(clip) -> int:
 
 
 # ---------------------------------------------------------------- segment
-def scene_shards(data: str, limit: int | None = None):
-    """(key, PIL image, ground truth {height, width, objects}) from composite-scene shards (`crate-clip shards scenes`)."""
+def scene_shards(data: str, limit: int | None = None, grid: tuple[int, int] = (1, 1), skipped: list | None = None):
+    """(key, PIL image, ground truth {height, width, objects}) from composite-scene shards (`crate-clip shards
+    scenes`); scenes whose image is unusable (see `open_image`) are appended to `skipped` as 'key (why)'."""
     from eval.eval_datasets import shard_urls
 
+    skipped = [] if skipped is None else skipped
     count = 0
     for url in shard_urls(data):
         with tarfile.open(url) as tar:
@@ -132,7 +174,10 @@ def scene_shards(data: str, limit: int | None = None):
                 if "objects" not in meta:
                     raise ValueError(f"{url}: sample {key} has no 'objects' (not a segmentation set from "
                                      f"`crate-clip shards scenes`)")
-                image = Image.open(io.BytesIO(parts["jpg"])).convert("RGB")
+                image, why = open_image(parts["jpg"], grid)
+                if image is None:
+                    skipped.append(f"{url}:{key} ({why})")
+                    continue
                 yield key, image, {"height": image.height, "width": image.width, "objects": meta["objects"]}
                 count += 1
                 if limit is not None and count >= limit:
@@ -157,12 +202,14 @@ def segment_main(argv) -> int:
     p.add_argument("--overlays", type=int, default=None, help="write at most this many overlay PNGs (default all)")
     args = p.parse_args(argv)
     clip = _load(args)
+    skipped = []
     if args.images:
-        items = [(Path(path).stem, im, None, path) for path, im in zip(args.images, _read_images(args.images))]
+        items = [(Path(path).stem, im, None, path) for path, im in _read_images(args.images, patch_grid(clip), skipped)]
     else:
-        items = [(key, im, gt, key) for key, im, gt in scene_shards(args.data, args.limit)]
-        if not items:
+        items = [(key, im, gt, key) for key, im, gt in scene_shards(args.data, args.limit, patch_grid(clip), skipped)]
+        if not items and not skipped:
             raise ValueError(f"--data {args.data}: no samples found")
+    _report_skipped(p.prog, skipped, len(items) + len(skipped), len(items))
     args.out.mkdir(parents=True, exist_ok=True)
     results, predictions = [], []
     for start in range(0, len(items), args.batch_size):
@@ -175,7 +222,7 @@ def segment_main(argv) -> int:
             results.append({"image": str(name), "stem": stem, "height": im.height, "width": im.width, "masks": records})
             if args.overlays is None or len(results) <= args.overlays:
                 overlay_masks(im, ms).save(args.out / f"{stem}_segments.png")
-    summary = {"out": str(write_results(results, args.out)), "images": len(results),
+    summary = {"out": str(write_results(results, args.out)), "images": len(results), "skipped": len(skipped),
                "masks": sum(len(r["masks"]) for r in results)}
     if args.data:
         metrics = coco_evaluate([c[2] for c in items], predictions)

@@ -15,6 +15,7 @@ from eval.classifier_cache import cache_path, classifier_key, load_cached, save_
 from eval.distributed_batches import all_ranks_agree, all_reduce_sum, lockstep, rank_and_world
 from eval.eval_datasets import make_loader, loader_length
 from eval.model_calls import check_precision, dummy_images, image_features, text_features
+from eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
 
 CLASSES_PER_BATCH = 10   # as open_clip: 10 classes x all templates per text forward
 
@@ -58,8 +59,10 @@ def cached_text_classifier(model, tokenizer, classnames, templates, *, device="c
 def zero_shot_evaluate(model, tokenizer, dataset, classnames: Sequence[str], templates: Sequence, *,
                        batch_size: int = 256, device="cpu", precision: str = "fp32",
                        cache_dir: str | Path | None = None, num_workers: int = 0, progress: bool = True,
-                       max_images: int | None = None) -> dict:
-    """Zero-shot top-1/top-5/mean-per-class accuracy of `model` on `dataset` (all ranks call this)."""
+                       max_images: int | None = None,
+                       max_unreadable_fraction: float = DEFAULT_MAX_UNREADABLE_FRACTION) -> dict:
+    """Zero-shot top-1/top-5/mean-per-class accuracy of `model` on `dataset` (all ranks call this); refused
+    (UnreadableDataError) when more than `max_unreadable_fraction` of the images cannot be read."""
     check_precision(precision)
     classnames = list(classnames)
     _check_class_count(dataset, classnames)
@@ -85,8 +88,11 @@ def zero_shot_evaluate(model, tokenizer, dataset, classnames: Sequence[str], tem
             _score_batch(model, batch, classifier, counts, device=device, precision=precision)
     bar.close()
     model.train(was_training)
-    return _summary(all_reduce_sum(counts), unreadable, world, classnames, cache_info,
-                    time.perf_counter() - start)
+    metrics = _summary(all_reduce_sum(counts), unreadable, world, classnames, cache_info,
+                       time.perf_counter() - start)
+    check_unreadable(f"zero-shot on {data_name(dataset)}", metrics["n_images"], metrics["n_unreadable"],
+                     max_unreadable_fraction, unreadable)
+    return metrics
 
 
 def _score_batch(model, batch, classifier: torch.Tensor, counts: torch.Tensor, *, device, precision: str) -> None:

@@ -94,3 +94,33 @@ def test_segment_cli_writes_png_and_coco_json(tmp_path, fashion_mnist_dir):
                      "scene1_attn_layer1.png", "scene1_attn_layer3.png", "scene1_pca.png"]
     with Image.open(tmp_path / "maps" / "scene0_attn_layer3.png") as im:
         assert im.height == 56 * 3 and im.width == 6 * 56 * 3 + 5 * 2  # image, average, 4 heads (x3), 2 px gaps
+
+
+def test_segment_and_maps_skip_unusable_images_with_one_line(tmp_path, fashion_mnist_dir, capsys):
+    """A text file named .png, a 0-byte PNG and images smaller than the 7x7 patch grid are skipped and named in
+    one line; the readable image is still segmented. Nothing usable at all is an error (exit 2)."""
+    from crate_clip.cli import main
+    from eval_fixtures import read_idx
+
+    good = tmp_path / "good.png"
+    Image.fromarray(read_idx(fashion_mnist_dir, "test")[0][0]).save(good)
+    text, empty, dot, small = (tmp_path / n for n in ("text.png", "empty.png", "dot.png", "small.png"))
+    text.write_text("not an image\n")
+    empty.write_bytes(b"")
+    Image.new("RGB", (1, 1)).save(dot)
+    Image.new("RGB", (6, 30)).save(small)
+    bad = [text, empty, dot, small]
+    model = ["--model", "CRATE-alpha-CLIPA-tiny"]
+    assert main(["segment", *model, "--images", str(good), *map(str, bad), "--out", str(tmp_path / "seg")]) == 0
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("crate-clip segment: skipped 4 of 5 images: ")
+    assert all(str(p) in line for p in bad) and "unreadable: UnidentifiedImageError" in line
+    assert "1x1 px, smaller than the model's 7x7 patch grid" in line and "6x30 px" in line
+    assert json.loads(captured.out)["skipped"] == 4
+    assert [r["image"] for r in json.loads((tmp_path / "seg" / "segments.json").read_text())] == [str(good)]
+    assert main(["inspect", "maps", *model, "--images", str(good), str(dot), "--out", str(tmp_path / "maps")]) == 0
+    captured = capsys.readouterr()
+    assert "crate-clip inspect maps: skipped 1 of 2 images:" in captured.err and json.loads(captured.out)["images"] == 1
+    assert main(["segment", *model, "--images", *map(str, bad), "--out", str(tmp_path / "none")]) == 2
+    assert "none of the 4 images is usable" in capsys.readouterr().err

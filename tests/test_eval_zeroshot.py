@@ -12,6 +12,7 @@ from torchvision.datasets import ImageFolder
 from eval.class_sets import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES, resolve_templates
 from eval.eval_datasets import classification_dataset, imagenet_wnids, read_label_file
 from eval.model_loading import eval_transform
+from eval.unreadable_images import UnreadableDataError
 from eval.zeroshot import build_text_classifier, zero_shot_evaluate
 from eval_fixtures import CRATE_TINY, PER_CLASS, shared_crate_tiny
 
@@ -124,7 +125,7 @@ def test_bf16_evaluation_is_close_to_fp32(sets, vit):
     assert abs(bf16["top1"] - fp32["top1"]) <= 0.05
 
 
-def test_unreadable_images_are_counted_not_fatal(sets, vit, tmp_path):
+def test_unreadable_images_are_counted_and_refused_above_the_threshold(sets, vit, tmp_path):
     model, name = vit
     folder = tmp_path / "folder"
     shutil.copytree(sets["folder"], folder)
@@ -132,7 +133,9 @@ def test_unreadable_images_are_counted_not_fatal(sets, vit, tmp_path):
     good = next((folder / "01_trouser").glob("*.jpg")).read_bytes()
     (folder / "01_trouser" / "truncated.jpg").write_bytes(good[: len(good) // 2])
     clean = ours(model, name, sets["folder"])
-    damaged = ours(model, name, folder)
+    with pytest.raises(UnreadableDataError, match=r"2 of 162 images \(1\.2%\) could not be read .*garbage"):
+        ours(model, name, folder)   # above the default 1%
+    damaged = ours(model, name, folder, max_unreadable_fraction=0.02)
     assert damaged["n_unreadable"] == 2 and damaged["n_images"] == clean["n_images"]
     assert sorted(damaged["unreadable_examples"]) == ["00_T-shirt_top/garbage.jpg", "01_trouser/truncated.jpg"]
     assert damaged["top1"] == clean["top1"]

@@ -25,9 +25,27 @@ def read_info(tag_dir: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return None
+
+
+def read_latest_tag(checkpoints: Path) -> str | None:
+    """The tag the `latest` file names; None when it is missing, empty or not text (a garbled file counts as
+    missing: the newest complete checkpoint is then found by its crate_clip.json)."""
+    path = Path(checkpoints) / LATEST_FILE
+    try:
+        tag = path.read_bytes().decode("utf-8").strip()
+    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
+        return None
+    return tag if tag and "/" not in tag and tag not in (".", "..") else None
+
+
+def newest_complete_tag(checkpoints: Path) -> str | None:
+    """The complete checkpoint (crate_clip.json present) with the highest global step in `checkpoints`."""
+    found = [(info.get("global_step", 0), p.name) for p in Path(checkpoints).iterdir()
+             if p.is_dir() and not p.name.startswith(".") and (info := read_info(p)) is not None]
+    return max(found)[1] if found else None
 
 
 def _is_tag_dir(path: Path) -> bool:
@@ -43,12 +61,17 @@ def is_deepspeed_checkpoint(path: str | Path | None) -> bool:
 
 
 def resolve_checkpoint_tag(path: str | Path, tag: str | None = None) -> Path:
-    """The tag folder: `path/<tag>`, `path/<contents of latest>`, or `path` itself when it is a tag folder."""
+    """The tag folder: `path/<tag>`, `path/<contents of latest>`, or `path` itself when it is a tag folder; a
+    `latest` that cannot be read names the newest complete checkpoint instead."""
     path = Path(path)
     if tag is not None:
         tag_dir = path / tag
     elif (path / LATEST_FILE).is_file():
-        tag_dir = path / (path / LATEST_FILE).read_text().strip()
+        found = read_latest_tag(path) or newest_complete_tag(path)
+        if found is None:
+            raise FileNotFoundError(f"{path}: its {LATEST_FILE} file names no checkpoint and no folder in it holds "
+                                    f"a complete one ({INFO_FILE}); pass a checkpoint tag folder")
+        tag_dir = path / found
     else:
         tag_dir = path
     if not _is_tag_dir(tag_dir):
@@ -59,8 +82,7 @@ def resolve_checkpoint_tag(path: str | Path, tag: str | None = None) -> Path:
 def consolidate_deepspeed_checkpoint(path: str | Path, tag: str | None = None) -> tuple[dict, dict]:
     """fp32 state dict of a DeepSpeed checkpoint of any ZeRO stage, and the run info from crate_clip.json."""
     tag_dir = resolve_checkpoint_tag(path, tag)
-    info_path = tag_dir / INFO_FILE
-    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    info = read_info(tag_dir) or {}
     if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)

@@ -21,7 +21,7 @@ import torch
 from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_write_text, fsync_tree, replace_dir,
                                                    restore_replaced)
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
-                                                            consolidated_state_dict, read_info)
+                                                            consolidated_state_dict, read_info, read_latest_tag)
 
 
 class ResumeError(RuntimeError):
@@ -120,11 +120,9 @@ class CheckpointManager:
 
     def latest_tag(self) -> str | None:
         """The tag `latest` names, if that checkpoint is complete; else the newest complete one."""
-        path = self.root / LATEST_FILE
-        if path.is_file():
-            tag = path.read_text().strip()
-            if read_info(self.root / tag) is not None:
-                return tag
+        tag = read_latest_tag(self.root)   # a garbled `latest` counts as missing
+        if tag is not None and read_info(self.root / tag) is not None:
+            return tag
         complete = self.complete_tags()
         return complete[-1] if complete else None
 

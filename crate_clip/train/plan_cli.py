@@ -5,7 +5,40 @@ import argparse
 import json
 import sys
 
-from crate_clip.train.planner import DEFAULT_MFU, GPU_TABLE
+from crate_clip.train.planner import DEFAULT_MFU, GPU_TABLE, parse_bytes
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least 1 GPU")
+    return value
+
+
+def _mfu(text: str) -> float:
+    """argparse type: a model FLOPs utilisation in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: MFU is a fraction of the peak in (0, 1], e.g. 0.4 for 40%")
+    return value
+
+
+def _gpu_memory(text: str) -> int:
+    """argparse type: a memory size with a unit, more than 0."""
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the memory per GPU must be more than 0")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,10 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Per stage: parameters, counted FLOPs, per-rank memory, the largest "
                                             "micro-batch that fits, accumulation steps, wall time and GPU-hours.")
     p.add_argument("config", help="run config YAML")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (ranks)")
-    p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB (default: the --gpu's)")
+    p.add_argument("--gpus", type=_positive_int, required=True, help="number of GPUs (ranks), at least 1")
+    p.add_argument("--gpu-memory", type=_gpu_memory, default=None,
+                   help="memory per GPU, e.g. 80GiB, 141G, 512MiB (default: the --gpu's)")
     p.add_argument("--gpu", default=None, help=f"GPU type for the bf16 peak: {', '.join(GPU_TABLE)}")
-    p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilisation assumed for time")
+    p.add_argument("--mfu", type=_mfu, default=DEFAULT_MFU,
+                   help=f"model FLOPs utilisation assumed for time, in (0, 1] (default: {DEFAULT_MFU})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
@@ -27,7 +62,7 @@ def main(argv=None) -> int:
     """Run `crate-clip plan`; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     from crate_clip.train.engine import zero_stage_of
-    from crate_clip.train.planner import format_plan, parse_bytes, plan_run, plans_as_dicts
+    from crate_clip.train.planner import format_plan, plan_run, plans_as_dicts
     from crate_clip.train.run_config import ConfigError, load_run_config
 
     try:
@@ -40,7 +75,7 @@ def main(argv=None) -> int:
         print("crate-clip plan: --gpu-memory: required unless --gpu names a known GPU "
               f"({', '.join(GPU_TABLE)})", file=sys.stderr)
         return 2
-    memory = parse_bytes(args.gpu_memory) if args.gpu_memory else GPU_TABLE[gpu_key][1] * 2 ** 30
+    memory = args.gpu_memory or GPU_TABLE[gpu_key][1] * 2 ** 30
     bad = [f"stages.{i}.global_batch {s.global_batch}" for i, s in enumerate(cfg.stages) if s.global_batch % args.gpus]
     if bad:
         print(f"crate-clip plan: {', '.join(bad)} not divisible by --gpus {args.gpus}", file=sys.stderr)

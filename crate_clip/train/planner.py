@@ -58,14 +58,28 @@ def gpu_peak_tflops(name: Optional[str]) -> Optional[float]:
     return None
 
 
+BYTE_SUFFIXES = (("tib", 2 ** 40), ("tb", 2 ** 40), ("t", 2 ** 40), ("gib", 2 ** 30), ("gb", 2 ** 30),
+                 ("g", 2 ** 30), ("mib", 2 ** 20), ("mb", 2 ** 20), ("m", 2 ** 20), ("kib", 2 ** 10),
+                 ("kb", 2 ** 10), ("k", 2 ** 10), ("b", 1))
+
+
 def parse_bytes(text: str) -> int:
-    """'80GiB', '80GB', '141G', '12345' -> bytes (GB and GiB both read as 2**30: GPUs are sold in GiB)."""
+    """'80GiB', '80GB', '141G', '512KiB', '12345' -> bytes (binary units: GPUs are sold in GiB); ValueError
+    naming the accepted forms otherwise."""
     t = str(text).strip().lower().replace(" ", "")
-    for suffix, mult in (("tib", 2 ** 40), ("tb", 2 ** 40), ("gib", 2 ** 30), ("gb", 2 ** 30), ("g", 2 ** 30),
-                         ("mib", 2 ** 20), ("mb", 2 ** 20), ("m", 2 ** 20)):
+    number, mult = t, 1
+    for suffix, size in BYTE_SUFFIXES:
         if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(float(t))
+            number, mult = t[: -len(suffix)], size
+            break
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size: a number with an optional unit, e.g. 80GiB, 141G, 512MiB, "
+                         f"64KiB or 12345 (bytes)") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{text!r}: a size must be a finite number >= 0")
+    return int(value * mult)
 
 
 # ---------------------------------------------------------------- live-tensor trace

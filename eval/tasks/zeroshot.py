@@ -29,7 +29,7 @@ def run(model, settings: Settings, context) -> dict:
     classnames = resolve_classnames(settings.dataset, settings.data, settings.classnames)
     templates = resolve_templates(settings.templates, settings.dataset)
     dataset = classification_dataset(settings.data, context.preprocess, dataset=settings.dataset,
-                                     num_classes=len(classnames), labels_file=settings.labels)
+                                     num_classes=len(classnames), labels_file=settings.labels, classnames=classnames)
     return zero_shot_evaluate(model, context.tokenizer, dataset, classnames, templates,
                               cache_dir=context.cache_dir, **context.loop_args(settings))
 

@@ -1,0 +1,52 @@
+"""Size and sha256 of written files, recorded by their writer and verified by readers before they trust them.
+
+An export records them in its open_clip_config.json under CHECKSUMS_KEY:
+    "file_checksums": {"open_clip_model.safetensors": {"bytes": 123456, "sha256": "<64 hex digits>"}}
+A reader verifies every file listed there (`verify_recorded_checksums`); a config without the key is not checked.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+CHECKSUMS_KEY = "file_checksums"
+CHUNK_BYTES = 1 << 22
+
+
+class ChecksumMismatchError(ValueError):
+    """A file whose size or sha256 is not what its writer recorded; the message names it and the fix."""
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes (read in chunks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_checksum(path: str | Path) -> dict:
+    """The record of one file: {"bytes": size, "sha256": hex digest}."""
+    return {"bytes": Path(path).stat().st_size, "sha256": file_sha256(path)}
+
+
+def verify_file_checksum(path: str | Path, expected: dict, recorded_in: str | Path) -> None:
+    """ChecksumMismatchError when `path` is missing or its size or sha256 differs from `expected`."""
+    path = Path(path)
+    fix = "it was changed or damaged after it was written: copy or export it again"
+    if not path.is_file():
+        raise ChecksumMismatchError(f"{path}: missing, but {recorded_in} records its checksum; {fix}")
+    size = path.stat().st_size
+    if "bytes" in expected and size != expected["bytes"]:
+        raise ChecksumMismatchError(f"{path}: {size:,} bytes where {recorded_in} records {expected['bytes']:,}; {fix}")
+    if "sha256" in expected and file_sha256(path) != expected["sha256"]:
+        raise ChecksumMismatchError(f"{path}: sha256 differs from the one {recorded_in} records; {fix}")
+
+
+def verify_recorded_checksums(folder: str | Path, config: dict, recorded_in: str | Path) -> int:
+    """Verify every file that `config[CHECKSUMS_KEY]` lists (names relative to `folder`); returns how many."""
+    records = config.get(CHECKSUMS_KEY) or {}
+    for name, expected in records.items():
+        verify_file_checksum(Path(folder) / name, expected, recorded_in)
+    return len(records)
