@@ -2,10 +2,11 @@
 
 The global batch of every step is cut from `C` canonical streams, `global_batch / C` samples each, in
 stream order. Rank r of W reads the contiguous streams [r*C/W, (r+1)*C/W), so the rank batches in rank
-order are the global batch for any W. Within a rank, DataLoader worker k of K reads the local streams
-k, k+K, k+2K, ... and yields one slice per stream and step in that order, so the DataLoader's round-robin
-over workers brings the slices in stream order. Hence C must be a multiple of W x K (workers used: at
-most C/W) and a divisor of the global batch.
+order are the global batch for any W. Within a rank, DataLoader worker k of K reads the contiguous block
+of local streams [k*L/K, (k+1)*L/K) (L = C/W) and yields, per step, one item holding the slices of its
+streams in stream order; the DataLoader takes the workers in turn, so the items of a step in worker order
+are the rank batch. Hence C must be a multiple of W x K (workers used: at most C/W) and a divisor of the
+global batch.
 
 The stream state saved by a rank holds one record per canonical stream it reads (position, skips, shard
 sizes measured so far) next to the counters every rank shares (epoch, steps, measured sizes).
@@ -52,9 +53,10 @@ class StreamLayout:
         per_rank = self.streams // self.world_size
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
-    def worker_streams(self, worker: int) -> list[int]:
+    def worker_streams(self, worker: int) -> range:
         """The canonical streams DataLoader worker `worker` reads (worker 0 when in-process)."""
-        return list(self.local_streams)[worker::max(1, self.workers)]
+        local, per_worker = self.local_streams, len(self.local_streams) // max(1, self.workers)
+        return range(local[0] + worker * per_worker, local[0] + (worker + 1) * per_worker)
 
 
 def default_stream_count(world_size: int, num_workers: int, rank_batch: int, max_streams: Optional[int]) -> int:

@@ -112,7 +112,8 @@ def collate(images: list, tokens: list, spec: SliceSpec):
 def stream_slices(plan: ShardPlan, spec: SliceSpec, reducer: TextReducer, stream: int, position: dict,
                   step: int, end_step: Optional[int]) -> Iterator[tuple]:
     """(images, tokens, meta) slices of canonical stream `stream` from `position`, numbered from `step`, up to
-    `end_step` (None: until its data ends), then one end report (None, None, meta).
+    `end_step` (None: until its data ends), then one end report (None, None, meta); images and tokens are
+    lists of decoded samples, collated by the caller with the other streams' slices of the step.
 
     meta: stream, step, the samples' __key__s and the position after the slice. In epoch mode the position
     also holds the usable samples of every shard read in full ("read", the real size the next epoch is
@@ -151,7 +152,7 @@ def stream_slices(plan: ShardPlan, spec: SliceSpec, reducer: TextReducer, stream
             tokens.append(item[1])
             keys.append(raw["__key__"])
             if len(images) == spec.slice_size:
-                yield (*collate(images, tokens, spec), meta(keys=keys))
+                yield images, tokens, meta(keys=keys)
                 images, tokens, keys = [], [], []
                 step += 1
                 if end_step is not None and step >= end_step:
@@ -168,14 +169,15 @@ def stream_slices(plan: ShardPlan, spec: SliceSpec, reducer: TextReducer, stream
                                f"usable sample (last shards: {shards}); skipped so far: {dict(skips)}")
         group, offset = group + 1, 0
     if images and not spec.drop_last:
-        yield (*collate(images, tokens, spec), meta(keys=keys))
+        yield images, tokens, meta(keys=keys)
         step += 1
     # The final skip counts and shard sizes, also when a partial slice is dropped.
     yield None, None, meta(end=True)
 
 
 class StreamsDataset(IterableDataset):
-    """The slices of a rank's canonical streams, each DataLoader worker reading its share of them in turn."""
+    """A rank's canonical streams, each DataLoader worker reading its block of them: per step one item,
+    (images, tokens, info), holding the slices of all its streams in stream order, collated once."""
 
     def __init__(self, plan: ShardPlan, spec: SliceSpec, reducer: TextReducer, layout: StreamLayout,
                  positions: dict[int, dict], step: int, end_step: Optional[int]):
@@ -185,15 +187,23 @@ class StreamsDataset(IterableDataset):
 
     def __iter__(self):
         info = get_worker_info()
-        mine = self.layout.worker_streams(info.id if info is not None else 0)
+        worker = info.id if info is not None else 0
         active = [stream_slices(self.plan, self.spec, self.reducer, c, self.positions[c], self.step, self.end_step)
-                  for c in mine]
-        # One item of each stream in turn: slice t of all of them, then slice t+1 ...; a stream that has
-        # ended drops out after its end report.
+                  for c in self.layout.worker_streams(worker)]
+        step = self.step
+        # info: this worker's slice metas of the step (stream order) and the end reports of streams that
+        # ended at it; images None once every stream has ended (the worker's last item).
         while active:
+            images, tokens, slices, ended = [], [], [], []
             for it in list(active):
-                item = next(it, None)
-                if item is None:
+                got_images, got_tokens, meta = next(it)
+                if meta.get("end"):
+                    ended.append(meta)
                     active.remove(it)
                     continue
-                yield item
+                images += got_images
+                tokens += got_tokens
+                slices.append({**meta, "count": len(got_images)})
+            chunk = collate(images, tokens, self.spec) if images else (None, None)
+            yield (*chunk, {"worker": worker, "step": step, "slices": slices, "ended": ended})
+            step += 1

@@ -7,9 +7,9 @@ very sample sequence an uninterrupted run would have seen:
 - C canonical streams each read their own shard groups one after the other (shard_plan.py; the samples
   of a group interleaved and shuffled, every draw seeded by the sample's position: stream_slices.py);
 - global batch t = for c in 0..C-1 the next G/C usable samples of stream c (the *slice* of c at step t);
-- rank r reads streams [r*C/W, (r+1)*C/W), its DataLoader workers the local streams k, k+K, ...
-  (stream_layout.py), each yielding one slice per stream and step; this process joins a step's slices
-  in stream order into the rank batch, so the rank batches in rank order are the global batch.
+- rank r reads streams [r*C/W, (r+1)*C/W), each of its K DataLoader workers a contiguous block of them
+  (stream_layout.py), yielding per step one item with its streams' slices; this process joins a step's
+  items in worker order into the rank batch, so the rank batches in rank order are the global batch.
 A bad sample is skipped and counted by the stream that read it: the next usable sample of the same
 stream takes its place, and no other stream moves.
 
@@ -45,6 +45,7 @@ from collections import Counter
 from pathlib import PurePath
 from typing import Literal, Optional, get_args
 
+import numpy as np
 import torch
 from pydantic import Field, field_validator
 from torch.utils.data import DataLoader
@@ -130,7 +131,7 @@ class TrainStream:
     def __init__(self, cfg: StreamConfig, plan: ShardPlan, spec: SliceSpec, layout: StreamLayout,
                  reducer: TextReducer, num_samples: int, context_length: int, text_mask: str, device: str = "cpu"):
         self.cfg, self.plan, self.spec, self.layout, self.reducer = cfg, plan, spec, layout, reducer
-        self.device = device  # where decode: device batches are decoded and several slices joined (CUDA)
+        self.device = device  # where decode: device batches are decoded and the workers' parts joined (CUDA)
         self._decode_main: Counter = Counter()  # device-decode fallbacks counted in this process
         self._num_samples = num_samples
         self.context_length, self.text_mask = context_length, text_mask
@@ -192,14 +193,13 @@ class TrainStream:
         dataset = StreamsDataset(self.plan, self.spec, self.reducer, self.layout, positions, self._batches, end_step)
         kwargs = {}
         if self.layout.workers > 0:
-            # a worker's items are slices: as many rank batches ahead as prefetch_factor says
-            kwargs = {"prefetch_factor": self.cfg.prefetch_factor * len(self.layout.local_streams),
-                      "persistent_workers": False}
+            # a worker's item is its share of one step: as many rank batches ahead as prefetch_factor says
+            kwargs = {"prefetch_factor": self.cfg.prefetch_factor * self.layout.workers, "persistent_workers": False}
         # The stream seeds its own randomness; a private generator keeps DataLoader from drawing its base
         # seed from torch's global RNG, which would shift the trainer's (image masks) on every new iterator
         # and make a resumed run diverge from an uninterrupted one.
         generator = torch.Generator().manual_seed(self.cfg.seed)
-        # pinned host slices: their copies to the GPU overlap with compute
+        # pinned host memory: the copies to the GPU overlap with compute
         return DataLoader(dataset, batch_size=None, num_workers=self.layout.workers, generator=generator,
                           pin_memory=torch.cuda.is_available(), **kwargs)
 
@@ -213,33 +213,32 @@ class TrainStream:
             self._next_epoch()
 
     def _assembled(self, items):
-        """Rank batches from the streams' slices: step by step, each step's slices in stream order."""
-        local = list(self.layout.local_streams)
-        pending: dict[int, dict[int, tuple]] = {}   # step -> stream -> slice
-        ended: dict[int, dict] = {}                 # stream -> its end report
+        """Rank batches from the workers' items: step by step, each step's items in worker order."""
+        workers = range(max(1, self.layout.workers))
+        pending: dict[int, dict[int, tuple]] = {}   # step -> worker -> item
+        finished: set[int] = set()                  # workers whose streams have all ended
+        ended: list[dict] = []                      # end reports: final skip counts and measured sizes
         step = self._batches
-
-        def complete() -> bool:
-            return all(c in pending.get(step, {}) or (c in ended and ended[c]["step"] <= step) for c in local)
-
-        for images, tokens, meta in items:
-            if meta.get("end"):
-                ended[meta["stream"]] = meta
+        for images, tokens, info in items:
+            ended += info["ended"]
+            if images is None:
+                finished.add(info["worker"])
             else:
-                pending.setdefault(meta["step"], {})[meta["stream"]] = (images, tokens, meta)
-            while pending.get(step) and complete():
+                pending.setdefault(info["step"], {})[info["worker"]] = (images, tokens, info)
+            while pending.get(step) and all(k in pending[step] or k in finished for k in workers):
                 parts = pending.pop(step)
-                yield self._batch([parts[c] for c in local if c in parts])
+                yield self._batch([parts[k] for k in workers if k in parts])
                 step += 1
-        for meta in ended.values():
-            self._positions[meta["stream"]] = meta["position"]  # final skip counts and measured sizes
+        for meta in ended:
+            self._positions[meta["stream"]] = meta["position"]
 
     def _batch(self, parts: list[tuple]) -> tuple:
-        """One step's slices as the rank batch (the trainer has consumed it once it is yielded)."""
-        for _, _, meta in parts:
+        """One step's items as the rank batch (the trainer has consumed it once it is yielded)."""
+        metas = [meta for _, _, info in parts for meta in info["slices"]]
+        for meta in metas:
             self._positions[meta["stream"]] = meta["position"]
         self._batches += 1
-        self._keys = [key for _, _, meta in parts for key in meta["keys"]]
+        self._keys = [key for meta in metas for key in meta["keys"]]
         images, tokens = [p[0] for p in parts], [p[1] for p in parts]
         tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
         if isinstance(images[0], DeviceJpegBatch):
@@ -351,13 +350,14 @@ def _copy_position(position: dict) -> dict:
 
 
 def _join_images(images: list[torch.Tensor], device: str) -> torch.Tensor:
-    """The slices of one step as one batch: on a CUDA device, copied there first (from pinned memory, without
-    blocking) and joined there, sparing this process a host copy of the batch; else joined in host memory."""
+    """The workers' parts of one step as one batch: on a CUDA device, copied there first (from pinned memory, without
+    blocking) and joined there, sparing this process a host copy of the batch; else joined in host memory by
+    one single-threaded copy (torch's intra-op threads would wait for cores the trainer's ops hold)."""
     if len(images) == 1:
         return images[0]
     if torch.device(device).type == "cuda":
         return torch.cat([x.to(device, non_blocking=True) for x in images])
-    return torch.cat(images)
+    return torch.from_numpy(np.concatenate([x.numpy() for x in images]))
 
 
 def _check_epoch_shards(mode: str, shards: int, streams: int) -> None:
