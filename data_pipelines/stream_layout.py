@@ -72,22 +72,22 @@ def resolve_layout(streams: int, global_batch: int, world_size: int, rank: int, 
                    origin: str = "") -> StreamLayout:
     """The layout of `rank`, or a LayoutError naming data.canonical_streams and the fix; `origin` says
     where the count came from (e.g. ' (recorded in the checkpoint)')."""
-    name = f"{KEY}={streams}{origin}"
+    name, wanted = f"{KEY}={streams}{origin}", world_size * max(1, num_workers)
     if streams < 1:
         raise LayoutError(f"{name}: must be >= 1")
     if global_batch % streams:
         raise LayoutError(f"{name} does not divide the global batch {global_batch} (each canonical stream gives "
                           f"global_batch / canonical_streams samples per step); fix: a divisor of {global_batch}"
-                          f"{_suggestion(global_batch, world_size * max(1, num_workers))}")
+                          f"{_suggestion(global_batch, wanted)}")
     if streams % world_size:
         raise LayoutError(f"{name} is not a multiple of world_size={world_size}; fix: a multiple of every world "
-                          f"size the run is launched with{_suggestion(global_batch, world_size * max(1, num_workers))}")
+                          f"size the run is launched with{_suggestion(global_batch, wanted)}")
     per_rank = streams // world_size
     workers = min(num_workers, per_rank)   # a worker without a stream would idle
     if workers and per_rank % workers:
         raise LayoutError(f"{name} is not divisible by world_size x num_workers = {world_size} x {num_workers} "
-                          f"({per_rank} streams per rank cannot be shared evenly by the workers); fix: data.num_workers "
-                          f"a divisor of {per_rank}{_suggestion(global_batch, world_size * num_workers, f' or {KEY}:')}")
+                          f"({per_rank} streams per rank cannot be shared evenly by the workers); fix: "
+                          f"data.num_workers a divisor of {per_rank}{_suggestion(global_batch, wanted, f' or {KEY}:')}")
     return StreamLayout(streams, global_batch, world_size, rank, workers)
 
 

@@ -11,7 +11,11 @@ very sample sequence an uninterrupted run would have seen:
   (stream_layout.py), yielding per step one item with its streams' slices; this process joins a step's
   items in worker order into the rank batch, so the rank batches in rank order are the global batch.
 A bad sample is skipped and counted by the stream that read it: the next usable sample of the same
-stream takes its place, and no other stream moves.
+stream takes its place, and no other stream moves. C must divide G and be a multiple of W x K (K: the
+workers used, at most C/W). Unset, C is W x K of the first launch (K lowered to the largest count that
+divides the rank batch; epoch mode: C at most the shard count); it is recorded in the stream state, and
+a resume whose config leaves it unset reads it back, so the order survives a resume on fewer GPUs or
+workers; a resume on more needs a C set from the start.
 
 Modes:
 - resampled: group g of stream c draws its shards with replacement (by source weight), seeded by
@@ -239,12 +243,11 @@ class TrainStream:
             self._positions[meta["stream"]] = meta["position"]
         self._batches += 1
         self._keys = [key for meta in metas for key in meta["keys"]]
-        images, tokens = [p[0] for p in parts], [p[1] for p in parts]
-        tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+        images, tokens = [p[0] for p in parts], _join([p[1] for p in parts])
         if isinstance(images[0], DeviceJpegBatch):
             joined = images[0] if len(images) == 1 else DeviceJpegBatch.join(images)
             return joined.to_images(self.device, tokens, self._decode_main)
-        return _join_images(images, self.device), tokens
+        return _join(images, self.device), tokens
 
     def _next_epoch(self) -> None:
         """Move an epoch-mode stream to the start of the next epoch, dealt and sized with the real shard sizes."""
@@ -317,11 +320,10 @@ class TrainStream:
         if self.cfg.canonical_streams is not None:
             raise ValueError(f"{KEY}={self.cfg.canonical_streams} but the stream state was saved with "
                              f"{streams}; fix: {KEY}: {streams} (or remove the key)")
-        layout = self.layout
-        self.layout = resolve_layout(streams, layout.global_batch, layout.world_size, layout.rank,
-                                     self.cfg.num_workers, " (recorded in the checkpoint)")
+        layout = resolve_layout(streams, self.layout.global_batch, self.layout.world_size, self.layout.rank,
+                                self.cfg.num_workers, " (recorded in the checkpoint)")
         _check_epoch_shards(self.plan.mode, len(self.plan.all_shards), streams)
-        self.plan.streams = streams
+        self.layout, self.plan.streams = layout, streams
         self.spec.slice_size = self.layout.slice_size
         self._positions = {c: fresh_position() for c in self.layout.local_streams}
 
@@ -349,23 +351,23 @@ def _copy_position(position: dict) -> dict:
             "usable": dict(position.get("usable", {}))}
 
 
-def _join_images(images: list[torch.Tensor], device: str) -> torch.Tensor:
-    """The workers' parts of one step as one batch: on a CUDA device, copied there first (from pinned memory, without
-    blocking) and joined there, sparing this process a host copy of the batch; else joined in host memory by
-    one single-threaded copy (torch's intra-op threads would wait for cores the trainer's ops hold)."""
-    if len(images) == 1:
-        return images[0]
+def _join(parts: list[torch.Tensor], device: str = "cpu") -> torch.Tensor:
+    """The workers' parts of one step as one tensor: on a CUDA device, copied there first (from pinned
+    memory, without blocking) and joined there, sparing this process a host copy of the batch; else joined
+    in host memory by one single-threaded copy (torch's intra-op threads would wait for busy cores)."""
+    if len(parts) == 1:
+        return parts[0]
     if torch.device(device).type == "cuda":
-        return torch.cat([x.to(device, non_blocking=True) for x in images])
-    return torch.from_numpy(np.concatenate([x.numpy() for x in images]))
+        return torch.cat([x.to(device, non_blocking=True) for x in parts])
+    return torch.from_numpy(np.concatenate([x.numpy() for x in parts]))
 
 
 def _check_epoch_shards(mode: str, shards: int, streams: int) -> None:
     """Epoch mode deals whole shards: every canonical stream needs one."""
     if mode == "epoch" and shards < streams:
-        raise ValueError(f"epoch mode needs at least one shard per canonical stream: {shards} shards for {KEY}={streams}"
-                         f"; fix: a smaller {KEY} (world size x num_workers at most {shards}), use mode='resampled', "
-                         "or write more, smaller shards")
+        raise ValueError(f"epoch mode needs at least one shard per canonical stream: {shards} shards for "
+                         f"{KEY}={streams}; fix: a smaller {KEY} (world size x num_workers at most {shards}), use "
+                         "mode='resampled', or write more, smaller shards")
 
 
 def _probe_pos_source(cfg: StreamConfig) -> str:

@@ -29,8 +29,8 @@ def numbered(tmp_path_factory, fashion_mnist_dir):
 def rank_streams(src, world: int, workers: int, **kw) -> list:
     """The streams of every rank of a `world`-rank job, built in this process."""
     cfg = StreamConfig(sources=[str(src)], num_workers=workers, shuffle_buffer=20, **kw)
-    return [build_train_stream(cfg, image_size=28, context_length=16, text_mask="random", batch_size=GLOBAL_BATCH // world,
-                               rank=r, world_size=world) for r in range(world)]
+    return [build_train_stream(cfg, image_size=28, context_length=16, text_mask="random",
+                               batch_size=GLOBAL_BATCH // world, rank=r, world_size=world) for r in range(world)]
 
 
 def global_batches(streams: list, n: int) -> list[tuple]:

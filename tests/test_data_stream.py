@@ -273,6 +273,17 @@ def test_epoch_mode_uneven_ranks_yield_equal_batch_counts(numbered):
     assert not rows[0] & rows[1]
 
 
+def test_one_exact_pass_when_streams_end_at_different_steps(numbered):
+    """drop_last: false over 5 shards dealt to 4 streams (24, 12, 12, 12 samples; 2 per stream and step): the
+    workers' parts of a step stay in order while the second worker's streams have ended."""
+    five = f"{numbered}/{{00000000..00000004}}.tar"
+    stream = stream_of(five, mode="epoch", drop_last=False, num_workers=2, canonical_streams=4)
+    batches = list(stream)
+    assert [len(tokens) for _, tokens in batches] == [8] * 6 + [2] * 6
+    rows = token_rows(batches)
+    assert len(rows) == len(set(rows)) == 60 and stream.epoch == 1
+
+
 def test_resume_with_another_worker_count_is_exact(numbered):
     reference = token_rows(take(stream_of(numbered, num_workers=2, text_mask="random"), 6))
     two = stream_of(numbered, num_workers=2, text_mask="random")
