@@ -260,9 +260,9 @@ def order_section(pattern: str, args) -> str:
         f"batch {ORDER_BATCH}, {args.measure} batches timed after {args.warmup} warm-up, {args.repeats} alternating runs "
         "of each layout in fresh processes (median, range of the per-run ratios). Baseline: the per-worker layout "
         "built from the same reading and decoding code (each worker yields whole batches of its own stream). "
-        "Canonical streams: every batch holds batch/C samples of each of C streams; each worker yields one slice per "
-        f"stream and step, this process joins them (C={ORDER_WORKERS}: one stream per worker; C={4 * ORDER_WORKERS}: "
-        "four per worker, smaller slices). CPU ms per sample: user + system time of the process and its workers over "
+        "Canonical streams: every batch holds batch/C samples of each of C streams; each worker yields per step one "
+        "item with the slices of its block of streams, this process joins the workers' items (C="
+        f"{ORDER_WORKERS}: one stream per worker; C={4 * ORDER_WORKERS}: four per worker). CPU ms per sample: user + system time of the process and its workers over "
         "the warm-up and timed batches, which other jobs on the machine do not inflate.",
         "", "| image size | layout | samples/s | vs baseline | CPU ms / sample | CPU vs baseline |",
         "| --- | --- | --- | --- | --- | --- |", *rows, "",
