@@ -8,6 +8,12 @@ tokenize to 32 tokens, with the same worker count. open_clip_train's data code f
 throwaway venv under bench/out/ with webdataset 0.2.86 from PyPI (and pandas, which it imports).
 
     .venv/bin/python bench/bench_data.py            # writes the `data` section of BENCHMARKS.md
+    .venv/bin/python bench/bench_data.py --order    # writes the `data-order` section (canonical streams)
+
+`--order`: the cost of cutting every batch from canonical streams (each DataLoader worker yields one slice
+per stream, this process joins a step's slices) against the per-worker layout built from the same code
+(each worker yields whole batches of its own stream), same shards, workers and batch; and the global-batch
+key sequence after a resume at 1, 2 and 4 simulated ranks against an uninterrupted 2-rank run.
 """
 from __future__ import annotations
 
@@ -135,10 +141,144 @@ def check_webdataset_1(pattern: str, num_samples: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- main
+ORDER_BATCH, ORDER_WORKERS = 32, 2
+
+
+def _order_config(pattern: str, workers: int, **kw):
+    sys.path.insert(0, str(ROOT))
+    from data_pipelines.train_stream import StreamConfig
+
+    return StreamConfig(sources=[pattern], num_workers=workers, shuffle_buffer=200, **kw)
+
+
+def canonical_batches(pattern: str, size: int, streams: int):
+    """Batches of a one-rank stream cut from `streams` canonical streams (slices joined in this process)."""
+    from data_pipelines.train_stream import build_train_stream
+
+    return build_train_stream(_order_config(pattern, ORDER_WORKERS, canonical_streams=streams), image_size=size,
+                              context_length=CONTEXT, text_mask="truncate", batch_size=ORDER_BATCH)
+
+
+def per_worker_batches(pattern: str, size: int):
+    """Baseline layout: every worker yields whole batches of its own stream, taken in worker turn, nothing
+    joined (the stream's own DataLoader over one canonical stream per worker, a slice being a whole batch)."""
+    from data_pipelines.train_stream import build_train_stream
+
+    stream = build_train_stream(_order_config(pattern, ORDER_WORKERS, canonical_streams=ORDER_WORKERS),
+                                image_size=size, context_length=CONTEXT, text_mask="truncate",
+                                batch_size=ORDER_BATCH * ORDER_WORKERS)
+    return ((images, tokens) for images, tokens, _ in stream._loader() if images is not None)
+
+
+def key_sequences(pattern: str, steps: int, resume_at: int, size: int = 32) -> dict:
+    """Global-batch keys of `steps` steps after a resume at step `resume_at` of a 2-rank, 2-worker run, for
+    1, 2 and 4 simulated ranks (1 worker each), and of the uninterrupted run."""
+    from data_pipelines.stream_layout import merge_stream_states, split_stream_state
+    from data_pipelines.train_stream import build_train_stream
+
+    def ranks(world: int, workers: int) -> list:
+        cfg = _order_config(pattern, workers)
+        return [build_train_stream(cfg, image_size=size, context_length=CONTEXT, text_mask="truncate",
+                                   batch_size=ORDER_BATCH // world, rank=r, world_size=world) for r in range(world)]
+
+    def keys(streams: list, n: int) -> list:
+        iters, out = [iter(s) for s in streams], []
+        for _ in range(n):
+            for it in iters:
+                next(it)
+            out.append([k for s in streams for k in s.batch_keys])
+        return out
+
+    uninterrupted = keys(ranks(2, 2), resume_at + steps)[resume_at:]
+    first = ranks(2, 2)
+    keys(first, resume_at)
+    table = merge_stream_states([s.state_dict() for s in first])
+    out = {"uninterrupted": uninterrupted}
+    for world in (1, 2, 4):
+        streams = ranks(world, 1)
+        for r, s in enumerate(streams):
+            s.load_state_dict(split_stream_state(table, r, world))
+        out[world] = keys(streams, steps)
+    return out
+
+
+ORDER_LAYOUTS = {"per-worker": "per-worker batches (baseline)", "c2": f"canonical streams C={ORDER_WORKERS}",
+                 "c8": f"canonical streams C={4 * ORDER_WORKERS}"}
+
+
+def order_child(pattern: str, size: int, layout: str, warmup: int, measure: int) -> dict:
+    """Samples/s of one layout, and the CPU time (this process and its DataLoader workers) per sample, which
+    other jobs on the machine do not inflate."""
+    import gc
+    import resource
+
+    if layout == "per-worker":
+        batches = per_worker_batches(pattern, size)
+    else:
+        batches = canonical_batches(pattern, size, {"c2": ORDER_WORKERS, "c8": 4 * ORDER_WORKERS}[layout])
+    start = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    it = iter(batches)
+    rate = time_batches(it, warmup, measure)
+    it.close()      # the DataLoader's workers exit: their CPU time lands in RUSAGE_CHILDREN
+    del it, batches
+    gc.collect()
+    end = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu = sum(e.ru_utime + e.ru_stime - s.ru_utime - s.ru_stime for s, e in zip(start, end))
+    return {"samples_per_s": rate, "cpu_ms_per_sample": 1000 * cpu / ((warmup + measure) * ORDER_BATCH)}
+
+
+def order_section(pattern: str, args) -> str:
+    """Throughput of canonical streams vs the per-worker layout, and the key sequences after resumes."""
+    rows = []
+    for size in (224, 84):
+        results = {name: [] for name in ORDER_LAYOUTS}
+        for rep in range(args.repeats):
+            for name in (list(ORDER_LAYOUTS) if rep % 2 == 0 else list(ORDER_LAYOUTS)[::-1]):  # alternate
+                results[name].append(run_child(Path(sys.executable), "--child", "order", "--layout", name,
+                                               "--pattern", pattern, "--size", str(size), "--warmup",
+                                               str(args.warmup), "--measure", str(args.measure)))
+        base = results["per-worker"]
+        for name, label in ORDER_LAYOUTS.items():
+            rate = [r["samples_per_s"] for r in results[name]]
+            cpu = [r["cpu_ms_per_sample"] for r in results[name]]
+            ratios = sorted(r / b["samples_per_s"] for r, b in zip(rate, base))
+            cpu_ratio = median(cpu) / median(b["cpu_ms_per_sample"] for b in base)
+            rows.append(f"| {size} | {label} | {median(rate):.0f} | {median(ratios):.2f}x ({ratios[0]:.2f}-"
+                        f"{ratios[-1]:.2f}x) | {median(cpu):.2f} | {cpu_ratio:.2f}x |")
+            print(rows[-1], flush=True)
+    steps, resume_at = 50, 20
+    seqs = key_sequences(pattern, steps, resume_at)
+    ref = seqs["uninterrupted"]
+    lines = [f"| {w} | {sum(a == b for a, b in zip(seqs[w], ref))} / {steps} | "
+             f"{'identical' if seqs[w] == ref else 'DIFFERENT'} |" for w in (1, 2, 4)]
+    print("\n".join(lines), flush=True)
+    from report import machine_line
+
+    return "\n".join([
+        "## Data order: canonical streams (`bench/bench_data.py --order`)",
+        f"Same DataComp-like shards as the `data` section; resampled mode, one rank, {ORDER_WORKERS} DataLoader workers, "
+        f"batch {ORDER_BATCH}, {args.measure} batches timed after {args.warmup} warm-up, {args.repeats} alternating runs "
+        "of each layout in fresh processes (median, range of the per-run ratios). Baseline: the per-worker layout "
+        "built from the same reading and decoding code (each worker yields whole batches of its own stream). "
+        "Canonical streams: every batch holds batch/C samples of each of C streams; each worker yields per step one "
+        "item with the slices of its block of streams, this process joins the workers' items (C="
+        f"{ORDER_WORKERS}: one stream per worker; C={4 * ORDER_WORKERS}: four per worker). CPU ms per sample: user + system time of the process and its workers over "
+        "the warm-up and timed batches, which other jobs on the machine do not inflate.",
+        "", "| image size | layout | samples/s | vs baseline | CPU ms / sample | CPU vs baseline |",
+        "| --- | --- | --- | --- | --- | --- |", *rows, "",
+        f"Global-batch keys (webdataset `__key__`) of the {steps} steps after a resume at step {resume_at} of a 2-rank, "
+        "2-worker run (state merged with `merge_stream_states`, split with `split_stream_state`), 1 worker per rank, "
+        "against the uninterrupted 2-rank run:", "",
+        "| ranks after the resume | steps with identical keys | sequence |", "| --- | --- | --- |", *lines, "",
+        machine_line() + " (2 cores shared with other jobs: compare ratios, not absolute rates)",
+    ])
+
+
 def main(argv=None) -> int:
     """Run every configuration, print the table, write BENCHMARKS.md's `data` section."""
     p = argparse.ArgumentParser()
-    p.add_argument("--child", choices=("ours", "baseline"))
+    p.add_argument("--child", choices=("ours", "baseline", "order"))
+    p.add_argument("--layout", choices=tuple(ORDER_LAYOUTS))
     p.add_argument("--pattern")
     p.add_argument("--size", type=int)
     p.add_argument("--workers", type=int)
@@ -147,7 +287,11 @@ def main(argv=None) -> int:
     p.add_argument("--num-samples", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="alternating ours/baseline pairs per setting")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--order", action="store_true", help="canonical-stream section only (`data-order`)")
     args = p.parse_args(argv)
+    if args.child == "order":
+        print(json.dumps(order_child(args.pattern, args.size, args.layout, args.warmup, args.measure)))
+        return 0
     if args.child:
         if args.child == "ours":
             rate = ours(args.pattern, args.size, args.workers, args.warmup, args.measure)
@@ -158,6 +302,13 @@ def main(argv=None) -> int:
 
     OUT.mkdir(parents=True, exist_ok=True)
     pattern = make_shards()
+    if args.order:
+        md = order_section(pattern, args)
+        if not args.no_write:
+            from report import write_section
+            write_section("data-order", md)
+        print(md)
+        return 0
     num_samples = sum(json.loads(f.read_text())["successes"] for f in SHARDS.glob("*_stats.json"))
     wds1 = check_webdataset_1(pattern, num_samples)
     print(f"open_clip_train with webdataset 1.0.2: {wds1}")

@@ -7,10 +7,11 @@ The worker then ships the JPEG bytes and the box instead of pixels. What the dev
 (not a JPEG, a JPEG mode other than RGB / grayscale such as CMYK, no end-of-image marker) the worker
 decodes as the CPU path does, counted as `decode_cpu_fallback`.
 
-Main-process side (`DeviceJpegBatch.to_images`): one batched `torchvision.io.decode_jpeg` on the device
-(nvjpeg on CUDA; libjpeg-turbo on CPU), then per image PIL's own bicubic box resampling as two small
-matmuls (the weights of PIL's Resample.c: kernel a = -0.5, support widened by the downscale factor, read
-beyond the box up to the image edge, each pass rounded to uint8), then normalise. An image the device decoder rejects is decoded with PIL in the main process
+Main-process side (`DeviceJpegBatch.join`, `.to_images`): the workers' parts of one step joined, then one
+batched `torchvision.io.decode_jpeg` on the device (nvjpeg on CUDA; libjpeg-turbo on CPU), then per image
+PIL's own bicubic box resampling as two small matmuls (the weights of PIL's Resample.c: kernel a = -0.5,
+support widened by the downscale factor, read beyond the box up to the image edge, each pass rounded to
+uint8), then normalise. An image the device decoder rejects is decoded with PIL in the main process
 (`decode_device_failed`); one that PIL cannot decode either is replaced, image and caption, by another
 sample of the batch (`decode_substituted`), since a rank's batch size is fixed by then.
 
@@ -92,6 +93,20 @@ class DeviceJpegBatch:
         buffer = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if at else \
             torch.empty(0, dtype=torch.uint8)
         return cls(size, tuple(mean), tuple(std), reduced_decode, buffer, spans, [it.box for it in items], pixels)
+
+    @classmethod
+    def join(cls, parts: list["DeviceJpegBatch"]) -> "DeviceJpegBatch":
+        """One batch of several workers' parts, in order (one device decode for all of them)."""
+        spans, boxes, pixels, at, base = [], [], {}, 0, 0
+        for part in parts:
+            spans += [None if s is None else (s[0] + at, s[1] + at) for s in part.spans]
+            boxes += part.boxes
+            pixels.update({base + i: px for i, px in part.pixels.items()})
+            at += part.buffer.numel()
+            base += len(part)
+        first = parts[0]
+        return cls(first.size, first.mean, first.std, first.reduced_decode, torch.cat([p.buffer for p in parts]),
+                   spans, boxes, pixels)
 
     def __len__(self) -> int:
         return len(self.spans)

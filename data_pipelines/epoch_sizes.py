@@ -1,9 +1,10 @@
 """Real shard sizes for epoch mode: the usable samples counted while reading replace the claimed sizes.
 
 img2dataset's `_stats.json` counts downloads ("successes"), bad images included, so an epoch sized from it
-is longer than the data: ranks run out of their shards and continue into the next epoch's (seen twice).
-At the end of each epoch every rank reports the usable samples of the shards it read in full; all ranks
-take the union, so the next epoch's length (the same on every rank) is computed from the real counts.
+is longer than the data: streams run out of their shards and continue into the next epoch's (seen twice).
+At the end of each epoch every rank reports the usable samples of the shards its canonical streams read in
+full; all ranks take the union, so the next epoch is dealt and sized from the real counts (the same on every
+rank, and for any world size: the streams' reads do not depend on which rank holds them).
 """
 from __future__ import annotations
 
@@ -25,19 +26,19 @@ def gather_across_ranks(obj, world_size: int) -> list:
     return [obj]
 
 
-def adopt_real_sizes(plan: ShardPlan, worker_reads: list[dict]) -> dict[str, int]:
-    """Put the measured sizes of every rank's fully read shards into plan.sizes; returns those that changed."""
+def adopt_real_sizes(plan: ShardPlan, stream_reads: list[dict], rank: int, world_size: int) -> dict[str, int]:
+    """Put the measured sizes of every rank's fully read shards into the plan; returns those that changed."""
     local: dict[str, int] = {}
-    for read in worker_reads:
+    for read in stream_reads:
         local.update(read)
     measured: dict[str, int] = {}
-    for rank_read in gather_across_ranks(local, plan.world_size):   # all ranks call it at the same batch
+    for rank_read in gather_across_ranks(local, world_size):   # all ranks call it at the same batch
         measured.update(rank_read)
     changed = {url: int(n) for url, n in measured.items() if plan.sizes.get(url) != n}
-    if changed and plan.rank == 0:
+    if changed and rank == 0:
         claimed = sum(plan.sizes.get(url, 0) for url in measured)
         log.warning("epoch %d: the stats of the %d shards read in full claimed %d samples, %d were usable; "
-                    "epoch %d's length uses the usable counts", plan.epoch, len(measured), claimed,
+                    "epoch %d is dealt and sized with the usable counts", plan.epoch, len(measured), claimed,
                     sum(measured.values()), plan.epoch + 1)
-    plan.sizes.update(changed)
+    plan.update_sizes(changed)
     return changed

@@ -1,10 +1,18 @@
-"""Shard plan: which shard groups each (rank, worker) reads, plus data set sizes and in-group mixing.
+"""Shard plan: the shard groups of every canonical stream, plus data set sizes and in-group mixing.
 
-A pure function of the stream's settings (seed, epoch, rank, world size, worker count), so every rank
-can compute every other rank's share without communicating, and a worker's position is two integers.
+A pure function of the stream's settings (seed, epoch, sources, known sizes, canonical stream count), not
+of the ranks or DataLoader workers that read the streams, so a stream's position is two integers that
+any process layout can continue from.
+- resampled mode: group g of stream c holds `group_size` shards drawn with replacement (by source
+  weight) with a generator seeded by (seed, c, epoch, g);
+- epoch mode: the shard list shuffled by (seed, epoch) is dealt to the streams in that order, each shard
+  to the stream holding the fewest known samples so far (ties: fewer shards, then the lower index). With
+  `overflow`, a stream that runs out of its own shards continues into round-robin shares
+  (shard i of the permutation of epoch e+1, e+2, ... to stream i mod C), which need no sizes.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import tarfile
@@ -18,7 +26,7 @@ from .shard_reader import is_remote, shard_sizes
 
 @dataclass
 class ShardPlan:
-    """Deterministic assignment of shard groups to (rank, worker) for one stream."""
+    """Deterministic shard groups of the canonical streams of one training stream."""
 
     shards_by_source: list[list[str]]
     weights: list[float]
@@ -26,13 +34,11 @@ class ShardPlan:
     mode: str
     seed: int
     epoch: int
-    rank: int
-    world_size: int
-    num_workers: int
+    streams: int      # canonical stream count C
     group_size: int
-    overflow: bool  # epoch mode, several ranks: a worker past its own shards continues into the next epoch's
+    overflow: bool    # epoch mode with whole slices: a stream past its shards continues into later epochs'
     generation: int = 0  # bumped by an inexact resume so that restarted draws differ from the first ones
-    _orders: dict = field(default_factory=dict, repr=False, compare=False)  # epoch -> shard permutation
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)  # permutations and deals
 
     @property
     def rng_seed(self) -> str:
@@ -44,44 +50,70 @@ class ShardPlan:
         """Every shard of every source, in source order."""
         return [s for shards in self.shards_by_source for s in shards]
 
-    def worker_shards(self, epoch: int, worker: int, rank: int | None = None) -> list[str]:
-        """Epoch mode: the shards `worker` of `rank` reads in `epoch`."""
-        shards = self.all_shards
-        key = (epoch, self.rng_seed)
-        if key not in self._orders:  # ~140k shards x every rank and worker: permute once per epoch
-            self._orders[key] = random.Random(f"epoch-{self.rng_seed}-{epoch}").sample(range(len(shards)), len(shards))
-        order = self._orders[key]
-        rank = self.rank if rank is None else rank
-        mine = [shards[i] for i in order[rank::self.world_size]]
-        return mine[worker::self.num_workers]
+    def update_sizes(self, sizes: dict[str, int]) -> None:
+        """Adopt measured shard sizes; later deals are balanced with them."""
+        self.sizes.update(sizes)
+        self._cache = {k: v for k, v in self._cache.items() if k[0] != "deal"}
 
-    def group_shards(self, worker: int, group: int) -> list[str] | None:
-        """Shards of a worker's group `group`, or None once the worker's stream has ended."""
+    def permutation(self, epoch: int) -> list[int]:
+        """Epoch mode: the order of all shards in `epoch` (indices into all_shards)."""
+        key = ("perm", epoch, self.rng_seed)
+        if key not in self._cache:  # ~140k shards: permute once per epoch, not per group
+            n = len(self.all_shards)
+            self._cache[key] = random.Random(f"epoch-{self.rng_seed}-{epoch}").sample(range(n), n)
+        return self._cache[key]
+
+    def deal(self, epoch: int) -> list[list[str]]:
+        """Epoch mode: every canonical stream's own shards in `epoch`, balanced by the known sizes."""
+        key = ("deal", epoch, self.rng_seed, self.streams)
+        if key not in self._cache:
+            shards = self.all_shards
+            dealt: list[list[str]] = [[] for _ in range(self.streams)]
+            heap = [(0, 0, c) for c in range(self.streams)]   # (samples, shards, stream)
+            for i in self.permutation(epoch):
+                samples, count, c = heapq.heappop(heap)
+                dealt[c].append(shards[i])
+                heapq.heappush(heap, (samples + self.sizes.get(shards[i], 0), count + 1, c))
+            self._cache[key] = dealt
+        return self._cache[key]
+
+    def _overflow_share(self, epoch: int, stream: int) -> list[str]:
+        """Epoch mode: the round-robin share of `stream` in the permutation of `epoch` (no sizes needed)."""
+        shards = self.all_shards
+        return [shards[i] for i in self.permutation(epoch)[stream::self.streams]]
+
+    def group_shards(self, stream: int, group: int) -> list[str] | None:
+        """Shards of group `group` of canonical stream `stream`, or None once the stream's data has ended."""
         if self.mode == "resampled":
-            rng = random.Random(f"shards-{self.rng_seed}-{self.rank}-{worker}-{self.epoch}-{group}")
+            rng = random.Random(f"shards-{self.rng_seed}-{stream}-{self.epoch}-{group}")
             picks = []
             for _ in range(self.group_size):
                 src = rng.choices(range(len(self.shards_by_source)), weights=self.weights)[0]
                 picks.append(rng.choice(self.shards_by_source[src]))
             return picks
+        own = self.deal(self.epoch)[stream]
         epoch = self.epoch
         while True:
-            mine = self.worker_shards(epoch, worker)
-            groups = [mine[i:i + self.group_size] for i in range(0, len(mine), self.group_size)]
+            groups = [own[i:i + self.group_size] for i in range(0, len(own), self.group_size)]
             if group < len(groups):
                 return groups[group]
             if not self.overflow or not groups:
                 return None
             group -= len(groups)
             epoch += 1
+            own = self._overflow_share(epoch, stream)
 
-    def expected_batches(self, batch_size: int, drop_last: bool, rank: int) -> int:
-        """Epoch mode: batches `rank` yields in one pass, from the known shard sizes."""
-        total = 0
-        for w in range(self.num_workers):
-            n = sum(self.sizes.get(s, 0) for s in self.worker_shards(self.epoch, w, rank))
-            total += n // batch_size if drop_last else math.ceil(n / batch_size)
-        return total
+    def stream_sizes(self) -> list[int]:
+        """Epoch mode: the known sample count of every canonical stream's own shards this epoch."""
+        return [sum(self.sizes.get(s, 0) for s in shards) for shards in self.deal(self.epoch)]
+
+    def steps_per_epoch(self, slice_size: int, whole_slices: bool) -> int:
+        """Epoch mode: global batches in this epoch, from the known sizes; every stream gives one slice per
+        step. Whole slices: as many as the smallest stream fills; else as many as the largest starts."""
+        sizes = self.stream_sizes()
+        if whole_slices:
+            return min(sizes) // slice_size
+        return max(math.ceil(n / slice_size) for n in sizes)
 
 
 def interleave(iterators: list[Iterator], rng: random.Random) -> Iterator:

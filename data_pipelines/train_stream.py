@@ -1,39 +1,70 @@
 """The training stream: DataComp-layout shards -> (images, tokens) batches, resumable, bad data counted.
 
-Each DataLoader worker reads its own sequence of *shard groups* (`shards_per_group` shards whose samples
-are interleaved at random, then passed through a shuffle buffer that is drained at the end of the group):
-- resampled mode: group g's shards are drawn with replacement (by source weight) from a generator seeded
-  with (seed, rank, worker, epoch, g), so the stream is endless and any rank or worker always has data;
-- epoch mode: the shard list shuffled by (seed, epoch) is split by rank, then by worker; one pass.
-Every random choice for a sample (crop, text mask) is seeded by its position (group, index in group),
-so a worker's position is two integers. The main process records the position of the last batch the
-trainer consumed from each worker; resuming fast-forwards within one group without decoding anything,
-and rotates the worker order so that the batch sequence continues exactly where it stopped.
+Order is part of the data. The global batches (which samples, in which order) are a function of the seed,
+the sources, the global batch G and the canonical stream count C (`data.canonical_streams`) only, not of
+the number of processes W or DataLoader workers K, so a run resumed on another cluster size continues the
+very sample sequence an uninterrupted run would have seen:
+- C canonical streams each read their own shard groups one after the other (shard_plan.py; the samples
+  of a group interleaved and shuffled, every draw seeded by the sample's position: stream_slices.py);
+- global batch t = for c in 0..C-1 the next G/C usable samples of stream c (the *slice* of c at step t);
+- rank r reads streams [r*C/W, (r+1)*C/W), each of its K DataLoader workers a contiguous block of them
+  (stream_layout.py), yielding per step one item with its streams' slices; this process joins a step's
+  items in worker order into the rank batch, so the rank batches in rank order are the global batch.
+A bad sample is skipped and counted by the stream that read it: the next usable sample of the same
+stream takes its place, and no other stream moves. C must divide G and be a multiple of W x K (K: the
+workers used, at most C/W). Unset, C is W x K of the first launch (K lowered to the largest count that
+divides the rank batch; epoch mode: C at most the shard count); it is recorded in the stream state, and
+a resume whose config leaves it unset reads it back, so the order survives a resume on fewer GPUs or
+workers; a resume on more needs a C set from the start.
+
+Modes:
+- resampled: group g of stream c draws its shards with replacement (by source weight), seeded by
+  (seed, c, epoch, g); endless, and every stream has data whatever the shard count;
+- epoch: the shards shuffled by (seed, epoch) are dealt to the streams in that order, each to the stream
+  with the fewest known samples (img2dataset stats, replaced by the usable counts measured in earlier
+  epochs: epoch_sizes.py). Epoch e has S = min over streams of (known samples // (G/C)) steps, the same on
+  every rank. A stream gives exactly S slices: the rest of its shards waits for the next epoch's deal
+  (not seen this epoch; with balanced sizes less than one shard per stream), and a stream whose shards
+  hold fewer usable samples than their stats claim continues into its round-robin share of the next
+  epoch's shard order (seen again next epoch). Both rules are per canonical stream, so independent of W
+  and K. `drop_last: false` instead gives one exact pass (every usable sample once, the last batches
+  short, ranks may end at different steps: for a single process, e.g. `shards inspect`).
+
+State (`state_dict`): the epoch, the steps consumed in it, and per canonical stream its position
+(group, offset), skip counts and measured shard sizes. A rank saves the records of its own streams;
+`merge_stream_states` / `split_stream_state` (stream_layout.py) turn the states of all W ranks into the
+state of any rank of W' ranks; `load_state_dict` takes either its own state or the merged table. A
+resume fast-forwards each stream within one group, reading the samples already consumed without
+decoding them.
+
+Cost: every sample is read once and decoded only by the stream that yields it; reading beyond what is
+yielded: at most one group of `shards_per_group` shards per stream at a resume, and one shuffle buffer
+per stream at an epoch end. Per rank, C/W streams are open at once: (C/W) x shards_per_group open shards
+and (C/W) x shuffle_buffer raw samples in memory.
 """
 from __future__ import annotations
 
 import logging
-import random
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Iterator, Literal, Optional, get_args
+from typing import Literal, Optional, get_args
 
 import numpy as np
 import torch
-import webdataset as wds
 from pydantic import Field, field_validator
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 
 from crate_clip.config_schema import Bool, Float, Int, Section
 
-from .device_decode import DECODE_COUNTERS, Decode, DeviceJpegBatch, ship_sample
-from .image_decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_train, normalize_batch
+from .device_decode import DECODE_COUNTERS, Decode, DeviceJpegBatch
 from .epoch_sizes import adopt_real_sizes
+from .image_decode import DEFAULT_MAX_IMAGE_PIXELS
 from .pos_tagging import PosSource
-from .shard_plan import ShardPlan, interleave, resolve_sizes
-from .shard_reader import (SKIP_REASONS, ShardListError, check_some_shard_exists, expand_source, iter_shard_samples, sample_caption,
-                           sample_image_bytes)
+from .shard_plan import ShardPlan, resolve_sizes
+from .shard_reader import SKIP_REASONS, ShardListError, check_some_shard_exists, expand_source
+from .stream_layout import (KEY, STATE_VERSION, StreamLayout, default_stream_count, resolve_layout,
+                            takes_rank_counters)
+from .stream_slices import SliceSpec, StreamsDataset, fresh_position
 from .text_reduction import TEXT_MASKS, TextReducer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -41,10 +72,6 @@ log = logging.getLogger(__name__)
 OPENAI_DATASET_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_DATASET_STD = (0.26862954, 0.26130258, 0.27577711)
 Mode = Literal["resampled", "epoch"]
-STATE_VERSION = 1
-# A worker that reads this many groups in a row without one usable sample stops with an error
-# (every shard unreadable) instead of spinning forever.
-MAX_EMPTY_GROUPS = 50
 
 
 class StreamConfig(Section):
@@ -55,7 +82,13 @@ class StreamConfig(Section):
     weights: Optional[list[Float]] = None
     mode: Mode = "resampled"
     seed: Int = 0
-    shuffle_buffer: Int = Field(1000, ge=0, description="samples held for shuffling (0 = none)")
+    canonical_streams: Optional[Int] = Field(
+        None, ge=1, description="sample streams every global batch is cut from (global_batch / canonical_streams "
+        "samples of each): the sample order depends on it, not on the GPUs or workers. Must divide every stage's "
+        "global batch and be a multiple of world size x num_workers of every launch (resume) of the run. Default: "
+        "world size x num_workers of the first launch, recorded in the checkpoints (a resume on fewer GPUs or "
+        "workers keeps the order; to resume on more, set it from the start)")
+    shuffle_buffer: Int = Field(1000, ge=0, description="samples held for shuffling per canonical stream (0 = none)")
     num_workers: Int = Field(2, ge=0, description="DataLoader worker processes per rank (0 = in the trainer)")
     num_samples: Optional[Int] = Field(None, ge=1, description="samples per epoch; default: from _stats.json")
     max_image_pixels: Int = Field(DEFAULT_MAX_IMAGE_PIXELS, ge=1, description="larger images are counted "
@@ -63,12 +96,12 @@ class StreamConfig(Section):
     crop_scale: tuple[Float, Float] = (0.4, 1.0)
     mean: tuple[Float, Float, Float] = OPENAI_DATASET_MEAN
     std: tuple[Float, Float, Float] = OPENAI_DATASET_STD
-    shards_per_group: Int = Field(2, ge=1, description="shards interleaved per worker; bounds resume "
+    shards_per_group: Int = Field(2, ge=1, description="shards interleaved per canonical stream; bounds resume "
                                   "fast-forward reading")
-    drop_last: Bool = True             # epoch mode: drop each worker's final partial batch
+    drop_last: Bool = True             # epoch mode: whole slices only (false: one exact pass, short last batches)
     pos_source: PosSource = "auto"     # syntax mask POS source
     reduced_decode: Bool = True        # JPEG draft decode when the target is small
-    prefetch_factor: Int = Field(2, ge=1, description="batches each worker prepares ahead (x batch memory)")
+    prefetch_factor: Int = Field(2, ge=1, description="rank batches each worker prepares ahead (x batch memory)")
     crop_ratio: tuple[Float, Float] = (3 / 4, 4 / 3)
 
     @field_validator("sources", mode="before")
@@ -95,173 +128,23 @@ class StreamConfig(Section):
         return problems
 
 
-# --------------------------------------------------------------------------------------------------------
-# Worker side
-# --------------------------------------------------------------------------------------------------------
-@dataclass
-class _BatchSpec:
-    """What a worker needs to turn raw samples into batches."""
-
-    batch_size: int
-    image_size: int
-    crop_scale: tuple
-    crop_ratio: tuple
-    mean: tuple
-    std: tuple
-    max_image_pixels: int
-    reduced_decode: bool
-    shuffle_buffer: int
-    drop_last: bool
-    decode: str = "cpu"    # "device": ship JPEG bytes + crop boxes, decoded on the trainer's device
-
-
-class _StreamDataset(IterableDataset):
-    """One pass of the per-worker batch streams; worker ids rotated so a resume continues the order."""
-
-    def __init__(self, plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer, positions: list[dict],
-                 rotate: int):
-        super().__init__()
-        self.plan, self.spec, self.reducer = plan, spec, reducer
-        self.positions, self.rotate = positions, rotate
-
-    def __iter__(self):
-        info = get_worker_info()
-        dl_id = info.id if info is not None else 0
-        worker = (dl_id + self.rotate) % self.plan.num_workers
-        pos = self.positions[worker]
-        yield from worker_batches(self.plan, self.spec, self.reducer, worker, pos["group"], pos["offset"],
-                                  pos.get("skips", {}), pos.get("read", {}))
-
-
-def _group_raw(plan: ShardPlan, spec: _BatchSpec, worker: int, group: int, shards: list[str],
-               skips: Counter) -> Iterator[dict]:
-    """Raw samples of one group: its shards interleaved at random, then shuffled; bad data counted."""
-    tag = f"{plan.rng_seed}-{plan.rank}-{worker}-{plan.epoch}-{group}"
-    iters = [iter_shard_samples(url, skips) for url in shards]
-    # webdataset's buffer shuffle (starts yielding at 100 samples) with a generator seeded by the position:
-    # a resume replays the same order from the raw samples alone
-    shuffle = wds.shuffle(spec.shuffle_buffer, initial=100, rng=random.Random(f"shuffle-{tag}"))
-    yield from shuffle(interleave(iters, random.Random(f"mix-{tag}")))
-
-
-class _GatedCounter:
-    """A view of a Counter that ignores increments while `active` is False."""
-
-    def __init__(self, target: Counter, active: bool = True):
-        self.target, self.active = target, active
-
-    def __getitem__(self, key):
-        return self.target[key]
-
-    def __setitem__(self, key, value):
-        if self.active:
-            self.target[key] = value
-
-
-def _decode_sample(raw: dict, spec: _BatchSpec, reducer: TextReducer, rng: random.Random,
-                   skips: Counter):
-    """(image uint8 HWC, tokens) of a raw sample, or None after counting why it was skipped."""
-    caption, reason = sample_caption(raw)
-    if reason:
-        skips[reason] += 1
-        return None
-    data = sample_image_bytes(raw)
-    if data is None:
-        skips["missing_image"] += 1
-        return None
-    try:
-        if spec.decode == "device":  # same draws, same order: only the pixels are left to the device
-            image = ship_sample(data, spec.image_size, rng, spec.crop_scale, spec.crop_ratio,
-                                spec.max_image_pixels, spec.reduced_decode, skips)
-        else:
-            image = decode_train(data, spec.image_size, rng, spec.crop_scale, spec.crop_ratio,
-                                 spec.max_image_pixels, spec.reduced_decode)
-    except BadImage as exn:
-        skips[exn.reason] += 1
-        return None
-    return image, reducer(caption, rng)
-
-
-def _collate(images: list, tokens: list, spec: _BatchSpec):
-    """Stack a worker's samples into normalised float images (B,3,S,S) (decode: device: a DeviceJpegBatch)
-    and int64 tokens (B,L)."""
-    if spec.decode == "device":
-        return (DeviceJpegBatch.collate(images, spec.image_size, spec.mean, spec.std, spec.reduced_decode),
-                torch.from_numpy(np.stack(tokens)))
-    return normalize_batch(np.stack(images), spec.mean, spec.std), torch.from_numpy(np.stack(tokens))
-
-
-def worker_batches(plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer, worker: int, group: int,
-                   offset: int, skips: dict, read: dict | None = None) -> Iterator[tuple]:
-    """(images, tokens, meta) batches of one worker from position (group, offset); meta = new position.
-
-    meta["read"] holds the usable samples of every shard this worker has read in full (from its start),
-    the real size that the next epoch's length is computed from."""
-    skips, read = Counter(skips), dict(read or {})
-    images, tokens = [], []
-    empty_groups = 0
-    while True:
-        shards = plan.group_shards(worker, group)
-        if shards is None:
-            break
-        produced = False
-        # While fast-forwarding, reading-time events (duplicate keys, broken tars) were already counted
-        # in the saved skips: the gate opens as the last already-consumed sample comes out.
-        gate = _GatedCounter(skips, active=offset == 0)
-        usable: Counter | None = Counter() if offset == 0 else None  # fast-forwarded groups are not measured
-        for idx, raw in enumerate(_group_raw(plan, spec, worker, group, shards, gate)):
-            if idx < offset:
-                gate.active = idx == offset - 1
-                continue  # fast-forward after a resume: read, do not decode
-            offset = idx + 1
-            rng = random.Random(f"sample-{plan.rng_seed}-{plan.rank}-{worker}-{plan.epoch}-{group}-{idx}")
-            item = _decode_sample(raw, spec, reducer, rng, skips)
-            if item is None:
-                continue
-            produced = True
-            if usable is not None:
-                usable[raw["__url__"]] += 1
-            images.append(item[0])
-            tokens.append(item[1])
-            if len(images) == spec.batch_size:
-                meta = {"worker": worker, "group": group, "offset": offset, "skips": dict(skips), "read": read}
-                yield (*_collate(images, tokens, spec), meta)
-                images, tokens = [], []
-        if usable is not None:
-            read = {**read, **{url: usable[url] for url in shards}}
-        empty_groups = 0 if produced else empty_groups + 1
-        if empty_groups >= MAX_EMPTY_GROUPS:
-            raise RuntimeError(f"worker {worker} of rank {plan.rank} read {MAX_EMPTY_GROUPS} shard groups in a "
-                               f"row without one usable sample (last shards: {shards}); skipped so far: "
-                               f"{dict(skips)}")
-        group, offset = group + 1, 0
-    meta = {"worker": worker, "group": group, "offset": 0, "skips": dict(skips), "read": read}
-    if images and not spec.drop_last:
-        yield (*_collate(images, tokens, spec), meta)
-    else:
-        # Report the final skip counts and shard sizes even when the partial batch is dropped.
-        yield (None, None, meta)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Main-process side
-# --------------------------------------------------------------------------------------------------------
 class TrainStream:
-    """Iterable of (images float32 (B,3,S,S), tokens int64 (B,L)); resumable; counts skipped samples."""
+    """Iterable of (images float32 (B,3,S,S), tokens int64 (B,L)), one rank's part of each global batch;
+    resumable at any world size and worker count; counts skipped samples."""
 
-    def __init__(self, cfg: StreamConfig, plan: ShardPlan, spec: _BatchSpec, reducer: TextReducer,
-                 num_samples: int, context_length: int, text_mask: str, device: str = "cpu"):
-        self.cfg, self.plan, self.spec, self.reducer = cfg, plan, spec, reducer
-        self.device = device  # where decode: device batches are decoded
+    def __init__(self, cfg: StreamConfig, plan: ShardPlan, spec: SliceSpec, layout: StreamLayout,
+                 reducer: TextReducer, num_samples: int, context_length: int, text_mask: str, device: str = "cpu"):
+        self.cfg, self.plan, self.spec, self.layout, self.reducer = cfg, plan, spec, layout, reducer
+        self.device = device  # where decode: device batches are decoded and the workers' parts joined (CUDA)
         self._decode_main: Counter = Counter()  # device-decode fallbacks counted in this process
         self._num_samples = num_samples
         self.context_length, self.text_mask = context_length, text_mask
-        self.batch_size = spec.batch_size
-        self.num_workers = plan.num_workers
-        self._positions = self._fresh_positions()
-        self._batches = 0  # batches consumed in the current epoch (resampled: since the start)
-        self._done_skips: Counter = Counter()  # skip counts of finished epochs
+        self.batch_size = layout.global_batch // layout.world_size
+        self._positions = {c: fresh_position() for c in layout.local_streams}
+        self._batches = 0  # global batches consumed in the current epoch (resampled: since the start)
+        self._done_skips: Counter = Counter()  # skips carried over from a state that had no stream records
         self._measured: dict[str, int] = {}    # shard -> usable samples, where that differs from its stats
+        self._keys: list[str] = []
         self._pos_probe: str | None = None
 
     @property
@@ -286,118 +169,205 @@ class TrainStream:
         return self.plan.epoch
 
     @property
+    def num_workers(self) -> int:
+        """DataLoader worker processes this rank uses (0: its streams are read in this process)."""
+        return self.layout.workers
+
+    @property
+    def canonical_streams(self) -> int:
+        """The canonical stream count C the sample order is defined by (recorded in the state)."""
+        return self.layout.streams
+
+    @property
+    def batch_keys(self) -> list[str]:
+        """The webdataset __key__ of every sample of the last batch yielded, in batch order."""
+        return list(self._keys)
+
+    @property
     def batches_per_epoch(self) -> int | None:
-        """Epoch mode: batches this rank yields per pass (all ranks equal when world_size > 1)."""
+        """Epoch mode: global batches per pass, the same on every rank (drop_last: false: an estimate)."""
         if self.plan.mode != "epoch":
             return None
-        counts = [self.plan.expected_batches(self.batch_size, self.spec.drop_last, r)
-                  for r in range(self.plan.world_size)]
-        return min(counts) if self.plan.world_size > 1 else counts[self.plan.rank]
-
-    def _fresh_positions(self) -> list[dict]:
-        """Every worker at the start of its stream."""
-        return [{"group": 0, "offset": 0, "skips": {}} for _ in range(self.plan.num_workers)]
+        return self.plan.steps_per_epoch(self.layout.slice_size, self.spec.drop_last)
 
     def _loader(self) -> DataLoader:
-        """A DataLoader over the workers' streams, starting each worker at its recorded position."""
-        rotate = self._batches % self.plan.num_workers
-        dataset = _StreamDataset(self.plan, self.spec, self.reducer, [dict(p) for p in self._positions], rotate)
+        """A DataLoader over this rank's canonical streams, each starting at its recorded position."""
+        end_step = self.batches_per_epoch if self.plan.mode == "epoch" and self.spec.drop_last else None
+        positions = {c: dict(p) for c, p in self._positions.items()}
+        dataset = StreamsDataset(self.plan, self.spec, self.reducer, self.layout, positions, self._batches, end_step)
         kwargs = {}
-        if self.cfg.num_workers > 0:
-            kwargs = {"prefetch_factor": self.cfg.prefetch_factor, "persistent_workers": False}
+        if self.layout.workers > 0:
+            # a worker's item is its share of one step: as many rank batches ahead as prefetch_factor says
+            kwargs = {"prefetch_factor": self.cfg.prefetch_factor * self.layout.workers, "persistent_workers": False}
         # The stream seeds its own randomness; a private generator keeps DataLoader from drawing its base
         # seed from torch's global RNG, which would shift the trainer's (image masks) on every new iterator
         # and make a resumed run diverge from an uninterrupted one.
         generator = torch.Generator().manual_seed(self.cfg.seed)
-        # pinned host batches: the trainer's non_blocking copies to the GPU then overlap with compute
-        return DataLoader(dataset, batch_size=None, num_workers=self.cfg.num_workers, generator=generator,
+        # pinned host memory: the copies to the GPU overlap with compute
+        return DataLoader(dataset, batch_size=None, num_workers=self.layout.workers, generator=generator,
                           pin_memory=torch.cuda.is_available(), **kwargs)
 
     def __iter__(self):
         """Endless batches in resampled mode; the rest of the current epoch in epoch mode."""
-        cap = self.batches_per_epoch if (self.plan.mode == "epoch" and self.plan.world_size > 1) else None
-        if cap is not None and self._batches >= cap:
+        epoch_mode = self.plan.mode == "epoch"
+        if epoch_mode and self.spec.drop_last and self._batches >= self.batches_per_epoch:
+            self._next_epoch()  # the state was saved after the epoch's last batch
+        yield from self._assembled(self._loader())
+        if epoch_mode:
             self._next_epoch()
-            cap = self.batches_per_epoch
-        for images, tokens, meta in self._loader():
-            self._positions[meta["worker"]] = {k: meta[k] for k in ("group", "offset", "skips", "read")}
+
+    def _assembled(self, items):
+        """Rank batches from the workers' items: step by step, each step's items in worker order."""
+        workers = range(max(1, self.layout.workers))
+        pending: dict[int, dict[int, tuple]] = {}   # step -> worker -> item
+        finished: set[int] = set()                  # workers whose streams have all ended
+        ended: list[dict] = []                      # end reports: final skip counts and measured sizes
+        step = self._batches
+        for images, tokens, info in items:
+            ended += info["ended"]
             if images is None:
-                continue  # a worker's final skip report
-            self._batches += 1
-            if isinstance(images, DeviceJpegBatch):
-                images, tokens = images.to_images(self.device, tokens, self._decode_main)
-            yield images, tokens
-            if cap is not None and self._batches >= cap:
-                break  # every rank stops after the same number of batches: no rank waits on another
-        if self.plan.mode == "epoch":
-            self._next_epoch()
+                finished.add(info["worker"])
+            else:
+                pending.setdefault(info["step"], {})[info["worker"]] = (images, tokens, info)
+            while pending.get(step) and all(k in pending[step] or k in finished for k in workers):
+                parts = pending.pop(step)
+                yield self._batch([parts[k] for k in workers if k in parts])
+                step += 1
+        for meta in ended:
+            self._positions[meta["stream"]] = meta["position"]
+
+    def _batch(self, parts: list[tuple]) -> tuple:
+        """One step's items as the rank batch (the trainer has consumed it once it is yielded)."""
+        metas = [meta for _, _, info in parts for meta in info["slices"]]
+        for meta in metas:
+            self._positions[meta["stream"]] = meta["position"]
+        self._batches += 1
+        self._keys = [key for meta in metas for key in meta["keys"]]
+        images, tokens = [p[0] for p in parts], _join([p[1] for p in parts])
+        if isinstance(images[0], DeviceJpegBatch):
+            joined = images[0] if len(images) == 1 else DeviceJpegBatch.join(images)
+            return joined.to_images(self.device, tokens, self._decode_main)
+        return _join(images, self.device), tokens
 
     def _next_epoch(self) -> None:
-        """Move an epoch-mode stream to the start of the next epoch, whose length uses the real shard sizes."""
-        self._done_skips.update(self._current_skips())
-        self._measured.update(adopt_real_sizes(self.plan, [p.get("read", {}) for p in self._positions]))
+        """Move an epoch-mode stream to the start of the next epoch, dealt and sized with the real shard sizes."""
+        reads = [p["read"] for p in self._positions.values()]
+        self._measured.update(adopt_real_sizes(self.plan, reads, self.layout.rank, self.layout.world_size))
         self.plan.epoch += 1
-        self._positions = self._fresh_positions()
+        self._positions = {c: fresh_position(p["skips"]) for c, p in self._positions.items()}
         self._batches = 0
 
-    def _current_skips(self) -> Counter:
-        """Skip counts of the current epoch, summed over workers."""
-        total: Counter = Counter()
-        for p in self._positions:
-            total.update(p.get("skips", {}))
+    def _total_skips(self) -> Counter:
+        """Skip counts of this rank's streams, plus those carried over from an older state."""
+        total = Counter(self._done_skips)
+        for p in self._positions.values():
+            total.update(p["skips"])
         return total
 
     def skip_counts(self) -> dict[str, int]:
-        """Bad samples skipped so far, by reason (summed over DataLoader workers and finished epochs)."""
-        total = self._current_skips() + self._done_skips
+        """Bad samples skipped so far by this rank's streams, by reason."""
+        total = self._total_skips()
         return {reason: int(total.get(reason, 0)) for reason in SKIP_REASONS}
 
     def decode_counts(self) -> dict[str, int]:
         """decode: device: samples the CPU decoded instead (worker fallbacks, device failures) or replaced."""
-        total = self._current_skips() + self._done_skips + self._decode_main
+        total = self._total_skips() + self._decode_main
         return {key: int(total.get(key, 0)) for key in DECODE_COUNTERS}
 
     def state_dict(self) -> dict:
-        """JSON-serialisable position of the stream (what the trainer has consumed so far)."""
-        return {"version": STATE_VERSION, "mode": self.plan.mode, "seed": self.plan.seed, "epoch": self.plan.epoch,
-                "rank": self.plan.rank, "world_size": self.plan.world_size, "num_workers": self.plan.num_workers,
-                "batch_size": self.batch_size, "batches": self._batches, "generation": self.plan.generation,
-                "samples": self._batches * self.batch_size,
-                "workers": [{"group": p["group"], "offset": p["offset"], "skips": dict(p.get("skips", {})),
-                             "read": dict(p.get("read", {}))} for p in self._positions],
-                "done_skips": dict(self._done_skips), "measured_sizes": dict(self._measured),
-                "decode_main": dict(self._decode_main)}
+        """JSON-serialisable position of this rank's canonical streams (what the trainer has consumed)."""
+        return {"version": STATE_VERSION, "mode": self.plan.mode, "seed": self.plan.seed,
+                "generation": self.plan.generation, "epoch": self.plan.epoch, "batches": self._batches,
+                "samples": self._batches * self.layout.global_batch, "canonical_streams": self.layout.streams,
+                "global_batch": self.layout.global_batch, "rank": self.layout.rank,
+                "world_size": self.layout.world_size, "num_workers": self.layout.workers,
+                "batch_size": self.batch_size,
+                "streams": {str(c): _copy_position(p) for c, p in self._positions.items()},
+                "measured_sizes": dict(self._measured), "decode_main": dict(self._decode_main),
+                "done_skips": dict(self._done_skips)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a saved position; exact when mode, seed, world size and worker count match."""
-        for key in ("mode", "seed", "rank", "world_size"):
+        """Continue from a saved state: this rank's own, or a table of all canonical streams
+        (merge_stream_states) saved at any world size and worker count; exact in both cases."""
+        for key in ("mode", "seed"):
             if key in state and state[key] != getattr(self.plan, key):
                 raise ValueError(f"stream state has {key}={state[key]!r} but this stream has "
                                  f"{key}={getattr(self.plan, key)!r}; resume with the same data settings")
-        self.plan.epoch = int(state.get("epoch", self.plan.epoch))
-        self.plan.generation = int(state.get("generation", 0))
-        self._done_skips = Counter(state.get("done_skips", {}))
-        self._decode_main = Counter(state.get("decode_main", {}))
-        self._measured = {k: int(v) for k, v in state.get("measured_sizes", {}).items()}
-        self.plan.sizes.update(self._measured)
-        workers = state.get("workers", [])
-        if len(workers) != self.plan.num_workers or state.get("batch_size", self.batch_size) != self.batch_size:
-            # Positions belong to other worker streams: they cannot be mapped. Keep the skip counts and
-            # start this epoch's streams over (resampled: fresh draws; epoch: the epoch is repeated).
-            log.warning("stream state was saved with %s workers / batch %s, now %s / %s: resume is not exact "
-                        "(resampled mode restarts its draws; epoch mode restarts epoch %d)",
-                        len(workers), state.get("batch_size"), self.plan.num_workers, self.batch_size,
-                        self.plan.epoch)
-            for w in workers:
-                self._done_skips.update(w.get("skips", {}))
-            self._positions = self._fresh_positions()
-            self._batches = 0
-            if self.plan.mode == "resampled":
-                self.plan.generation += 1
+        if state.get("version") != STATE_VERSION:
+            self._load_without_streams(state)
             return
-        self._positions = [{"group": int(w["group"]), "offset": int(w["offset"]), "skips": dict(w.get("skips", {})),
-                            "read": dict(w.get("read", {}))} for w in workers]
-        self._batches = int(state.get("batches", 0))
+        if state["global_batch"] != self.layout.global_batch:
+            raise ValueError(f"stream state was saved with global batch {state['global_batch']}, this stream has "
+                             f"{self.layout.global_batch}; resume with the global batch it was saved with")
+        self._adopt_stream_count(int(state["canonical_streams"]))
+        missing = [c for c in self.layout.local_streams if str(c) not in state["streams"]]
+        if missing:
+            raise ValueError(f"stream state lacks canonical streams {missing} of rank {self.layout.rank}; load the "
+                             "table merge_stream_states(<the states of every saved rank>) instead")
+        self.plan.epoch, self.plan.generation = int(state["epoch"]), int(state["generation"])
+        self._measured = {k: int(v) for k, v in state.get("measured_sizes", {}).items()}
+        self.plan.update_sizes(self._measured)
+        self._positions = {c: _copy_position(state["streams"][str(c)]) for c in self.layout.local_streams}
+        self._batches = int(state["batches"])
+        own_counters = takes_rank_counters(state, self.layout.local_streams)
+        self._decode_main = Counter(state.get("decode_main", {}) if own_counters else {})
+        self._done_skips = Counter(state.get("done_skips", {}) if own_counters else {})
+
+    def _adopt_stream_count(self, streams: int) -> None:
+        """Read the saved canonical streams when the config leaves the count open; else they must agree."""
+        if streams == self.layout.streams:
+            return
+        if self.cfg.canonical_streams is not None:
+            raise ValueError(f"{KEY}={self.cfg.canonical_streams} but the stream state was saved with "
+                             f"{streams}; fix: {KEY}: {streams} (or remove the key)")
+        layout = resolve_layout(streams, self.layout.global_batch, self.layout.world_size, self.layout.rank,
+                                self.cfg.num_workers, " (recorded in the checkpoint)")
+        _check_epoch_shards(self.plan.mode, len(self.plan.all_shards), streams)
+        self.layout, self.plan.streams = layout, streams
+        self.spec.slice_size = self.layout.slice_size
+        self._positions = {c: fresh_position() for c in self.layout.local_streams}
+
+    def _load_without_streams(self, state: dict) -> None:
+        """A state of per-worker positions (no canonical streams): its positions cannot be mapped, so keep
+        its counters and start this epoch's streams over (resampled: fresh draws; epoch: epoch repeated)."""
+        log.warning("stream state version %s has no canonical-stream positions: resume is not exact (resampled mode "
+                    "restarts its draws; epoch mode restarts epoch %s)", state.get("version"), state.get("epoch"))
+        self.plan.epoch = int(state.get("epoch", self.plan.epoch))
+        self.plan.generation = int(state.get("generation", 0)) + (self.plan.mode == "resampled")
+        self._measured = {k: int(v) for k, v in state.get("measured_sizes", {}).items()}
+        self.plan.update_sizes(self._measured)
+        self._done_skips = Counter(state.get("done_skips", {}))
+        for worker in state.get("workers", []):
+            self._done_skips.update(worker.get("skips", {}))
+        self._decode_main = Counter(state.get("decode_main", {}))
+        self._positions = {c: fresh_position() for c in self.layout.local_streams}
+        self._batches = 0
+
+
+def _copy_position(position: dict) -> dict:
+    """A stream record with its own dicts (the trainer may keep or serialise what it gets)."""
+    return {"group": int(position["group"]), "offset": int(position["offset"]),
+            "skips": dict(position.get("skips", {})), "read": dict(position.get("read", {})),
+            "usable": dict(position.get("usable", {}))}
+
+
+def _join(parts: list[torch.Tensor], device: str = "cpu") -> torch.Tensor:
+    """The workers' parts of one step as one tensor: on a CUDA device, copied there first (from pinned
+    memory, without blocking) and joined there, sparing this process a host copy of the batch; else joined
+    in host memory by one single-threaded copy (torch's intra-op threads would wait for busy cores)."""
+    if len(parts) == 1:
+        return parts[0]
+    if torch.device(device).type == "cuda":
+        return torch.cat([x.to(device, non_blocking=True) for x in parts])
+    return torch.from_numpy(np.concatenate([x.numpy() for x in parts]))
+
+
+def _check_epoch_shards(mode: str, shards: int, streams: int) -> None:
+    """Epoch mode deals whole shards: every canonical stream needs one."""
+    if mode == "epoch" and shards < streams:
+        raise ValueError(f"epoch mode needs at least one shard per canonical stream: {shards} shards for "
+                         f"{KEY}={streams}; fix: a smaller {KEY} (world size x num_workers at most {shards}), use "
+                         "mode='resampled', or write more, smaller shards")
 
 
 def _probe_pos_source(cfg: StreamConfig) -> str:
@@ -411,9 +381,10 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
                        batch_size: int, rank: int = 0, world_size: int = 1, tokenizer_name: str = "clip-bpe",
                        epoch: int = 0, bert_vocab: str | None = None, decode: Decode = "cpu",
                        device: str = "cpu") -> TrainStream:
-    """The training stream of one rank for one stage (image size, text length and mask); `bert_vocab`: a
-    folder with vocab.txt for a BERT-tokenized model when the HuggingFace hub is not reachable; `decode`:
-    'device' decodes the JPEGs on `device` in the trainer's process (data_pipelines/device_decode.py)."""
+    """The training stream of one rank for one stage (image size, text length and mask); `batch_size`: the
+    rank's share of the global batch (global batch = batch_size x world_size); `bert_vocab`: a folder with
+    vocab.txt for a BERT-tokenized model when the HuggingFace hub is not reachable; `decode`: 'device'
+    decodes the JPEGs on `device` in the trainer's process (data_pipelines/device_decode.py)."""
     if decode not in get_args(Decode):   # the one list of decode paths: device_decode.Decode
         raise ValueError(f"decode={decode!r}: use one of {get_args(Decode)}")
     if text_mask not in TEXT_MASKS:
@@ -430,30 +401,28 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
             raise ShardListError(f"StreamConfig.sources: {exn}") from None
     all_shards = [s for shards in shards_by_source for s in shards]
     check_some_shard_exists(cfg.sources, all_shards)
-    num_workers = max(1, cfg.num_workers)
-    if cfg.mode == "epoch" and len(all_shards) < world_size:
-        raise ValueError(f"epoch mode needs at least one shard per rank: {len(all_shards)} shards for "
-                         f"world_size={world_size}; use mode='resampled' or write more, smaller shards")
+    epoch_mode = cfg.mode == "epoch"
+    streams = cfg.canonical_streams or default_stream_count(world_size, cfg.num_workers, batch_size,
+                                                             len(all_shards) if epoch_mode else None)
+    layout = resolve_layout(streams, batch_size * world_size, world_size, rank, cfg.num_workers)
+    _check_epoch_shards(cfg.mode, len(all_shards), streams)
+    if layout.workers < cfg.num_workers:
+        log.info("rank %d reads %d canonical streams: %d of its %d DataLoader workers are used", rank,
+                 len(layout.local_streams), max(1, layout.workers), cfg.num_workers)
     # Resampled mode draws shards without needing their sizes: the ~140k _stats.json of DataComp are read
     # only when someone asks for num_samples (shards inspect), never at a trainer's stage start.
     sizes, num_samples = {}, cfg.num_samples
-    if cfg.mode == "epoch":
+    if epoch_mode:
         sizes = _data_set_sizes(all_shards)
         num_samples = num_samples if num_samples is not None else sum(sizes.values())
-    if cfg.mode == "epoch":
-        per_rank = len(all_shards[rank::world_size])
-        if per_rank < num_workers:
-            log.info("rank %d has %d shards per epoch; %d workers would idle", rank, per_rank, num_workers - per_rank)
     tokenizer = _tokenizer(tokenizer_name, bert_vocab)
     reducer = TextReducer(context_length, text_mask, tokenizer, pos_source=cfg.pos_source)
     plan = ShardPlan(shards_by_source, list(cfg.weights or [1.0] * len(cfg.sources)), sizes, cfg.mode, cfg.seed,
-                     epoch, rank, world_size, num_workers, cfg.shards_per_group,
-                     overflow=cfg.mode == "epoch" and world_size > 1)
-    spec = _BatchSpec(batch_size, image_size, tuple(cfg.crop_scale), tuple(cfg.crop_ratio), tuple(cfg.mean),
-                      tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, cfg.shuffle_buffer, cfg.drop_last,
-                      decode)
-    return TrainStream(cfg, plan, spec, reducer, num_samples, context_length, text_mask, device)
-
+                     epoch, streams, cfg.shards_per_group, overflow=epoch_mode and cfg.drop_last)
+    spec = SliceSpec(layout.slice_size, image_size, tuple(cfg.crop_scale), tuple(cfg.crop_ratio), tuple(cfg.mean),
+                     tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, cfg.shuffle_buffer, cfg.drop_last,
+                     decode)
+    return TrainStream(cfg, plan, spec, layout, reducer, num_samples, context_length, text_mask, device)
 
 def _data_set_sizes(shards: list[str]) -> dict[str, int]:
     """Sample count of every shard (from _stats.json / sizes.json / tar headers); logs when estimated."""

@@ -159,3 +159,16 @@ def test_stage_key_decode_reaches_the_stream(shards):
     (images, tokens), = _batches(stream, 1)
     assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32 and tokens.shape == (8, 16)
     assert set(stream.decode_counts()) == {FALLBACK, DEVICE_FAILED, SUBSTITUTED}
+
+
+def test_slices_of_several_streams_decode_as_one_batch(shards):
+    """4 canonical streams in one process: their slices are joined into one device batch; the same batch as
+    the 2 ranks of a 2-process job decode separately (per-image decode and resampling: bit-exact)."""
+    joined = _batches(_stream(shards, "device", canonical_streams=4), 2)
+    cfg = StreamConfig(sources=[str(shards)], shuffle_buffer=8, num_workers=0, mean=MEAN, std=STD,
+                       crop_scale=(0.1, 1.0), canonical_streams=4)
+    ranks = [_batches(build_train_stream(cfg, image_size=SIZE, context_length=16, text_mask="truncate", batch_size=4,
+                                         rank=r, world_size=2, decode="device"), 2) for r in range(2)]
+    for step, (images, tokens) in enumerate(joined):
+        assert torch.equal(images, torch.cat([ranks[0][step][0], ranks[1][step][0]]))
+        assert torch.equal(tokens, torch.cat([ranks[0][step][1], ranks[1][step][1]]))

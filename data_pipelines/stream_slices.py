@@ -1,0 +1,209 @@
+"""Worker side of the training stream: the samples of canonical streams, decoded and cut into slices.
+
+A canonical stream reads its shard groups (shard_plan.ShardPlan) one after the other: the shards of a
+group are interleaved at random, passed through a shuffle buffer drained at the end of the group, and
+every random choice for a sample (crop, text mask) is seeded by (seed, stream, epoch, group, index in
+group), so a stream's position is (group, offset) and nothing about it depends on which process reads
+it. A resume fast-forwards within one group: the skipped samples are read, not decoded.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+import webdataset as wds
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .device_decode import DeviceJpegBatch, ship_sample
+from .image_decode import BadImage, decode_train, normalize_batch
+from .shard_plan import ShardPlan, interleave
+from .shard_reader import iter_shard_samples, sample_caption, sample_image_bytes
+from .stream_layout import StreamLayout
+from .text_reduction import TextReducer
+
+# A stream that reads this many groups in a row without one usable sample stops with an error
+# (every shard unreadable) instead of spinning forever.
+MAX_EMPTY_GROUPS = 50
+
+
+@dataclass
+class SliceSpec:
+    """What a worker needs to turn raw samples into slices."""
+
+    slice_size: int
+    image_size: int
+    crop_scale: tuple
+    crop_ratio: tuple
+    mean: tuple
+    std: tuple
+    max_image_pixels: int
+    reduced_decode: bool
+    shuffle_buffer: int
+    drop_last: bool
+    decode: str = "cpu"    # "device": ship JPEG bytes + crop boxes, decoded on the trainer's device
+
+
+def fresh_position(skips: Optional[dict] = None) -> dict:
+    """A stream at the start of its epoch (skip counts carry over)."""
+    return {"group": 0, "offset": 0, "skips": dict(skips or {}), "read": {}, "usable": {}}
+
+
+def _group_raw(plan: ShardPlan, spec: SliceSpec, stream: int, group: int, shards: list[str],
+               skips) -> Iterator[dict]:
+    """Raw samples of one group: its shards interleaved at random, then shuffled; bad data counted."""
+    tag = f"{plan.rng_seed}-{stream}-{plan.epoch}-{group}"
+    iters = [iter_shard_samples(url, skips) for url in shards]
+    # webdataset's buffer shuffle (starts yielding at 100 samples) with a generator seeded by the position:
+    # a resume replays the same order from the raw samples alone
+    shuffle = wds.shuffle(spec.shuffle_buffer, initial=100, rng=random.Random(f"shuffle-{tag}"))
+    yield from shuffle(interleave(iters, random.Random(f"mix-{tag}")))
+
+
+class _GatedCounter:
+    """A view of a Counter that ignores increments while `active` is False."""
+
+    def __init__(self, target: Counter, active: bool = True):
+        self.target, self.active = target, active
+
+    def __getitem__(self, key):
+        return self.target[key]
+
+    def __setitem__(self, key, value):
+        if self.active:
+            self.target[key] = value
+
+
+def decode_sample(raw: dict, spec: SliceSpec, reducer: TextReducer, rng: random.Random, skips: Counter):
+    """(image uint8 HWC, tokens) of a raw sample, or None after counting why it was skipped."""
+    caption, reason = sample_caption(raw)
+    if reason:
+        skips[reason] += 1
+        return None
+    data = sample_image_bytes(raw)
+    if data is None:
+        skips["missing_image"] += 1
+        return None
+    try:
+        if spec.decode == "device":  # same draws, same order: only the pixels are left to the device
+            image = ship_sample(data, spec.image_size, rng, spec.crop_scale, spec.crop_ratio,
+                                spec.max_image_pixels, spec.reduced_decode, skips)
+        else:
+            image = decode_train(data, spec.image_size, rng, spec.crop_scale, spec.crop_ratio,
+                                 spec.max_image_pixels, spec.reduced_decode)
+    except BadImage as exn:
+        skips[exn.reason] += 1
+        return None
+    return image, reducer(caption, rng)
+
+
+def collate(images: list, tokens: list, spec: SliceSpec):
+    """Stack samples into normalised float images (n,3,S,S) (decode: device: a DeviceJpegBatch) and int64
+    tokens (n,L)."""
+    if spec.decode == "device":
+        return (DeviceJpegBatch.collate(images, spec.image_size, spec.mean, spec.std, spec.reduced_decode),
+                torch.from_numpy(np.stack(tokens)))
+    return normalize_batch(np.stack(images), spec.mean, spec.std), torch.from_numpy(np.stack(tokens))
+
+
+def stream_slices(plan: ShardPlan, spec: SliceSpec, reducer: TextReducer, stream: int, position: dict,
+                  step: int, end_step: Optional[int]) -> Iterator[tuple]:
+    """(images, tokens, meta) slices of canonical stream `stream` from `position`, numbered from `step`, up to
+    `end_step` (None: until its data ends), then one end report (None, None, meta); images and tokens are
+    lists of decoded samples, collated by the caller with the other streams' slices of the step.
+
+    meta: stream, step, the samples' __key__s and the position after the slice. In epoch mode the position
+    also holds the usable samples of every shard read in full ("read", the real size the next epoch is
+    dealt with) and of the current group so far ("usable", so a resumed stream measures it exactly)."""
+    group, offset = position["group"], position["offset"]
+    skips, read, usable = Counter(position["skips"]), dict(position["read"]), Counter(position["usable"])
+    measure = plan.mode == "epoch"
+    images, tokens, keys = [], [], []
+    empty_groups = 0
+
+    def meta(**extra) -> dict:
+        return {"stream": stream, "step": step, "position": {"group": group, "offset": offset, "skips": dict(skips),
+                                                              "read": dict(read), "usable": dict(usable)}, **extra}
+
+    while end_step is None or step < end_step:
+        shards = plan.group_shards(stream, group)
+        if shards is None:
+            break
+        produced, finished = False, True
+        # While fast-forwarding, reading-time events (duplicate keys, broken tars) were already counted
+        # in the saved skips: the gate opens as the last already-consumed sample comes out.
+        gate = _GatedCounter(skips, active=offset == 0)
+        for idx, raw in enumerate(_group_raw(plan, spec, stream, group, shards, gate)):
+            if idx < offset:
+                gate.active = idx == offset - 1
+                continue  # fast-forward after a resume: read, do not decode
+            offset = idx + 1
+            rng = random.Random(f"sample-{plan.rng_seed}-{stream}-{plan.epoch}-{group}-{idx}")
+            item = decode_sample(raw, spec, reducer, rng, skips)
+            if item is None:
+                continue
+            produced = True
+            if measure:
+                usable[raw["__url__"]] += 1
+            images.append(item[0])
+            tokens.append(item[1])
+            keys.append(raw["__key__"])
+            if len(images) == spec.slice_size:
+                yield images, tokens, meta(keys=keys)
+                images, tokens, keys = [], [], []
+                step += 1
+                if end_step is not None and step >= end_step:
+                    finished = False  # decode nothing the trainer will not get
+                    break
+        if not finished:
+            break
+        if measure:
+            read.update({url: usable[url] for url in shards})
+            usable = Counter()
+        empty_groups = 0 if produced else empty_groups + 1
+        if empty_groups >= MAX_EMPTY_GROUPS:
+            raise RuntimeError(f"canonical stream {stream} read {MAX_EMPTY_GROUPS} shard groups in a row without one "
+                               f"usable sample (last shards: {shards}); skipped so far: {dict(skips)}")
+        group, offset = group + 1, 0
+    if images and not spec.drop_last:
+        yield images, tokens, meta(keys=keys)
+        step += 1
+    # The final skip counts and shard sizes, also when a partial slice is dropped.
+    yield None, None, meta(end=True)
+
+
+class StreamsDataset(IterableDataset):
+    """A rank's canonical streams, each DataLoader worker reading its block of them: per step one item,
+    (images, tokens, info), holding the slices of all its streams in stream order, collated once."""
+
+    def __init__(self, plan: ShardPlan, spec: SliceSpec, reducer: TextReducer, layout: StreamLayout,
+                 positions: dict[int, dict], step: int, end_step: Optional[int]):
+        super().__init__()
+        self.plan, self.spec, self.reducer, self.layout = plan, spec, reducer, layout
+        self.positions, self.step, self.end_step = positions, step, end_step
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        active = [stream_slices(self.plan, self.spec, self.reducer, c, self.positions[c], self.step, self.end_step)
+                  for c in self.layout.worker_streams(worker)]
+        step = self.step
+        # info: this worker's slice metas of the step (stream order) and the end reports of streams that
+        # ended at it; images None once every stream has ended (the worker's last item).
+        while active:
+            images, tokens, slices, ended = [], [], [], []
+            for it in list(active):
+                got_images, got_tokens, meta = next(it)
+                if meta.get("end"):
+                    ended.append(meta)
+                    active.remove(it)
+                    continue
+                images += got_images
+                tokens += got_tokens
+                slices.append({**meta, "count": len(got_images)})
+            chunk = collate(images, tokens, self.spec) if images else (None, None)
+            yield (*chunk, {"worker": worker, "step": step, "slices": slices, "ended": ended})
+            step += 1
