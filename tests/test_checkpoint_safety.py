@@ -21,13 +21,14 @@ import yaml
 from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidate_deepspeed_checkpoint, consolidated_state_dict
 from crate_clip.checkpoint_io.safe_unpickling import (DEEPSPEED_CLASSES, UntrustedCheckpointError, deepspeed_reads,
                                                       load_torch_file, trusted_checkpoints, unsafe_classes)
-from train_fixtures import REPO_ROOT, run_env, run_job, tiny_config, tiny_fmnist, write_config  # noqa: F401
+from train_fixtures import run_job, tiny_config, tiny_fmnist, write_config  # noqa: F401
 
 MID_TAG, LAST_TAG = "stage0-step00000001", "stage0-step00000002"
 # layout -> the file given the payload (the issue's examples: ZeRO-0 model states, ZeRO-2 optimizer states)
 POISONED_FILE = {0: "mp_rank_00_model_states.pt", 2: "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
                  3: "zero_pp_rank_0_mp_rank_00_model_states.pt"}
 LAYOUTS = sorted(POISONED_FILE)
+TRAINED = (0, 1, 2, 3)
 
 
 class Payload:
@@ -47,37 +48,55 @@ def poison(path: Path, marker: Path) -> None:
     torch.save(state, path)
 
 
-def _stage() -> list[dict]:
+def _stage(**extra) -> list[dict]:
     return [{"name": "s", "image_size": 16, "context_length": 16, "samples": 32, "global_batch": 16, "lr": 1e-3,
-             "warmup_steps": 1}]
+             "warmup_steps": 1, **extra}]
 
 
-def _config(run_dir: Path, data: Path, zero_stage: int, path: Path) -> Path:
-    cfg = tiny_config(run_dir, data, zero_stage=zero_stage, stages=_stage(), every_steps=1, evals=False,
-                      logging={"tensorboard": False, "plot": False})
+def _config(run_dir: Path, data: Path, zero_stage: int, text_file: Path, path: Path) -> Path:
+    """2 steps checkpointed after each, with what a checkpoint can hold beyond a plain model: a locked
+    pretrained text tower (buffers), a patch-size change (4 -> 8 px), 2 accumulated micro-batches, and
+    random image-token masks (drawn from the RNG states a resume restores)."""
+    stages = _stage(patch_size=8, micro_batch=8, image_mask="random", image_mask_ratio=0.5)
+    cfg = tiny_config(run_dir, data, zero_stage=zero_stage, stages=stages, every_steps=1, evals=False,
+                      logging={"tensorboard": False, "plot": False},
+                      model={"text_pretrained": str(text_file), "lock_text": True, "lock_logit_scale": True})
     return write_config(cfg, path)
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    return run_job([sys.executable, "-m", "crate_clip.train.cli", *args], timeout=300)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_fmnist):
-    """ZeRO stage -> (config, run folder) of a real 2-step, 1-process run (bf16) checkpointed after each step."""
+    """ZeRO stage -> (config, run folder) of a real 2-step, 1-process run (bf16)."""
+    from crate_clip.models import create_clip
+
     root = tmp_path_factory.mktemp("trained")
+    torch.manual_seed(0)
+    torch.save(create_clip("CRATE-alpha-CLIPA-tiny", context_length=16).state_dict(), root / "text.pt")
     runs = {}
-    for zs in LAYOUTS:
-        cfg = _config(root / f"z{zs}", tiny_fmnist, zs, root / f"z{zs}.yaml")
-        proc = run_job([sys.executable, "-m", "crate_clip.train.cli", "--config", str(cfg)], timeout=300)
+    for zs in TRAINED:
+        cfg = _config(root / f"z{zs}", tiny_fmnist, zs, root / "text.pt", root / f"z{zs}.yaml")
+        proc = _train("--config", str(cfg))
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         runs[zs] = cfg, root / f"z{zs}"
     return runs
 
 
-def _poisoned_run(trained, zs: int, root: Path, name: str = POISONED_FILE[0]) -> tuple[Path, Path, Path]:
-    """(run folder, tag folder, marker) of a copy of the ZeRO-`zs` run's mid-stage checkpoint with `name` poisoned."""
-    _, source = trained[zs]
-    run = root / f"poisoned{zs}-{name.split('_')[0]}"
+def _copy_mid_stage(source: Path, run: Path) -> Path:
+    """A run folder holding only the step-1 checkpoint of `source` (named by `latest`); returns its tag folder."""
     tag = run / "checkpoints" / MID_TAG
     shutil.copytree(source / "checkpoints" / MID_TAG, tag)
     (run / "checkpoints" / "latest").write_text(MID_TAG)
+    return tag
+
+
+def _poisoned_run(trained, zs: int, root: Path, name: str = POISONED_FILE[0]) -> tuple[Path, Path, Path]:
+    """(run folder, tag folder, marker) of a copy of the ZeRO-`zs` run's mid-stage checkpoint with `name` poisoned."""
+    run = root / f"poisoned{zs}-{name.split('_')[0]}"
+    tag = _copy_mid_stage(trained[zs][1], run)
     marker = root / f"marker-{run.name}"
     poison(tag / name, marker)
     return run, tag, marker
@@ -93,6 +112,13 @@ def poisoned(trained, tmp_path_factory):
 def _one_line_refusal(message: str, path_part: str) -> None:
     assert len(message.strip().splitlines()) == 1, message
     assert path_part in message and "posix.system" in message and "--trust-checkpoint" in message, message
+
+
+def _refused(read, path_part: str) -> None:
+    """`read()` raises the one-line refusal naming `path_part` and the payload's function."""
+    with pytest.raises(UntrustedCheckpointError) as exc:
+        read()
+    _one_line_refusal(str(exc.value), path_part)
 
 
 # ---------------------------------------------------------------- refused everywhere, in one line
@@ -113,10 +139,8 @@ def test_eval_refuses_a_checkpoint_that_pickles_code(poisoned, zs, capsys):
 @pytest.mark.parametrize("zs", LAYOUTS)
 def test_export_reader_refuses_a_checkpoint_that_pickles_code(poisoned, zs):
     run, tag, marker = poisoned[zs]
-    for read in (lambda: consolidate_deepspeed_checkpoint(run / "checkpoints"), lambda: consolidated_state_dict(tag)):
-        with pytest.raises(UntrustedCheckpointError) as exc:
-            read()
-        _one_line_refusal(str(exc.value), POISONED_FILE[zs])
+    _refused(lambda: consolidate_deepspeed_checkpoint(run / "checkpoints"), POISONED_FILE[zs])
+    _refused(lambda: consolidated_state_dict(tag), POISONED_FILE[zs])
     assert not marker.exists()
 
 
@@ -131,9 +155,7 @@ def test_model_pretrained_refuses_a_checkpoint_that_pickles_code(poisoned, zs):
     for source in sources:   # a run's checkpoints, one tag folder, a model-states file itself
         cfg = config_from_dict({"data": {"sources": ["unused"]}, "model": {"pretrained": str(source)},
                                 "stages": _stage()}, check_paths=False)
-        with pytest.raises(UntrustedCheckpointError) as exc:
-            build_stage_model(cfg, cfg.stages[0], None)
-        _one_line_refusal(str(exc.value), POISONED_FILE[zs])
+        _refused(lambda: build_stage_model(cfg, cfg.stages[0], None), POISONED_FILE[zs])
     assert not marker.exists()
 
 
@@ -143,9 +165,8 @@ def test_resume_refuses_a_checkpoint_that_pickles_code(poisoned, zs):
     from crate_clip.train.checkpoints import CheckpointManager
 
     _, tag, marker = poisoned[zs]
-    with pytest.raises(UntrustedCheckpointError) as exc:   # what --resume checks on every rank before any load
-        CheckpointManager(tag.parent, 3, rank=0, world_size=1).check_compatible(tag)
-    _one_line_refusal(str(exc.value), POISONED_FILE[zs])
+    ckpts = CheckpointManager(tag.parent, 3, rank=0, world_size=1)
+    _refused(lambda: ckpts.check_compatible(tag), POISONED_FILE[zs])   # what --resume checks on every rank first
     assert not marker.exists()
 
 
@@ -155,13 +176,11 @@ def test_resume_command_refuses_a_poisoned_rank_state_in_one_line(trained, tmp_p
 
     cfg_path, _ = trained[2]
     run, tag, marker = _poisoned_run(trained, 2, tmp_path, "train_state_rank00000.pt")
-    with pytest.raises(UntrustedCheckpointError):
-        CheckpointManager(tag.parent, 3, rank=0, world_size=1).load_rank_state(tag)
+    _refused(lambda: CheckpointManager(tag.parent, 3, rank=0, world_size=1).load_rank_state(tag),
+             "train_state_rank00000.pt")
     cfg = yaml.safe_load(cfg_path.read_text())
     cfg["run"]["output_dir"] = str(run)
-    cmd = [sys.executable, "-m", "crate_clip.train.cli", "--config", str(write_config(cfg, tmp_path / "resume.yaml")),
-           "--resume", "latest"]
-    proc = subprocess.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    proc = _train("--config", str(write_config(cfg, tmp_path / "resume.yaml")), "--resume", "latest")
     ours = [line for line in proc.stderr.splitlines() if line.startswith("crate-clip train:")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(ours) == 1, proc.stderr[-3000:]
@@ -202,9 +221,50 @@ def test_rank_state_of_an_earlier_version_loads_with_the_opt_in(trained, tmp_pat
     assert np.array_equal(np.random.get_state()[1], state["rng"]["numpy"][1])
 
 
+# ---------------------------------------------------------------- what the trainer writes still resumes
+@pytest.mark.slow
+@pytest.mark.parametrize("zs", TRAINED)
+def test_every_trainer_checkpoint_resumes_bit_exact(trained, tmp_path, zs):
+    """Resumed from the step-1 checkpoint through the allow-listed readers, step 2 ends where the
+    uninterrupted run's did: weights, optimizer states and rank states equal to the bit."""
+    cfg_path, source = trained[zs]
+    run = tmp_path / "run"
+    _copy_mid_stage(source, run)
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["run"]["output_dir"] = str(run)
+    proc = _train("--config", str(write_config(cfg, tmp_path / "resume.yaml")), "--resume", "latest")
+    assert proc.returncode == 0 and "--trust-checkpoint" not in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ours, theirs = run / "checkpoints" / LAST_TAG, source / "checkpoints" / LAST_TAG
+    assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
+    for path in ours.glob("*.pt"):
+        mine, reference = load_torch_file(path), load_torch_file(theirs / path.name)
+        for state in (mine, reference):
+            state.pop("crate_clip", None)   # the run info: it names the run's folder
+        _assert_equal(mine, reference, path.name)
+    resumed, uninterrupted = consolidated_state_dict(ours), consolidated_state_dict(theirs)
+    assert set(resumed) == set(uninterrupted)
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+
+
+def _assert_equal(a, b, where: str) -> None:
+    """Nested containers of tensors and plain values, equal to the bit."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), where
+        for key in a:
+            _assert_equal(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b or type(a).__module__.startswith("deepspeed"), where
+
+
 # ---------------------------------------------------------------- what the reader allows
 @pytest.mark.slow
-@pytest.mark.parametrize("zs", LAYOUTS)
+@pytest.mark.parametrize("zs", TRAINED)
 def test_trainer_checkpoints_need_nothing_beyond_the_allow_list(trained, zs):
     tag = trained[zs][1] / "checkpoints" / LAST_TAG
     files = sorted(tag.glob("*.pt"))
