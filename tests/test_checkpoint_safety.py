@@ -157,8 +157,8 @@ def test_model_pretrained_and_text_pretrained_refuse_a_checkpoint_that_pickles_c
         cfg = config_from_dict({"data": {"sources": ["unused"]}, "model": {"pretrained": str(source)},
                                 "stages": _stage()}, check_paths=False)
         _refused(lambda: build_stage_model(cfg, cfg.stages[0], None), POISONED_FILE[zs])
-    cfg = config_from_dict({"data": {"sources": ["unused"]}, "stages": _stage(),
-                            "model": {"text_pretrained": str(run / "checkpoints"), "lock_text": True}}, check_paths=False)
+    text = {"text_pretrained": str(run / "checkpoints"), "lock_text": True}
+    cfg = config_from_dict({"data": {"sources": ["unused"]}, "stages": _stage(), "model": text}, check_paths=False)
     with pytest.raises(TextTowerError) as exc:   # a config error naming the key, then the refusal
         build_stage_model(cfg, cfg.stages[0], None)
     assert str(exc.value).startswith("model.text_pretrained: ")
