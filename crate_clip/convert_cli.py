@@ -7,6 +7,7 @@ from pathlib import Path
 
 import open_clip
 
+from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
 from crate_clip.models import (CheckpointMismatchError, TokenizerUnavailableError, clip_tokenizer,
                                load_official_clipa)
 from crate_clip.train.export import export_open_clip, export_state_equal, load_export
@@ -17,12 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="crate-clip convert", description=" ".join(__doc__.split()))
     sub = parser.add_subparsers(dest="command", required=True)
     off = sub.add_parser("official", help="a released crate_alpha_CLIPA_{L14,H14}.pth (UCSC-VLAA/CRATE-alpha)")
-    off.add_argument("checkpoint", type=Path, help="the .pth file (a plain state dict, loaded weights_only)")
+    off.add_argument("checkpoint", type=Path, help="the .pth file (a plain state dict, read with weights_only=True)")
     off.add_argument("--model", default="CRATE-alpha-CLIPA-L-14",
                      help="open_clip config name: CRATE-alpha-CLIPA-L-14 (default) or -H-14, or one you registered")
     off.add_argument("--out", type=Path, required=True, help="export folder (created)")
     off.add_argument("--bert-vocab", help="folder holding vocab.txt, when the HuggingFace hub is not reachable")
     off.add_argument("--no-verify", action="store_true", help="skip reloading the export through open_clip")
+    off.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
     return parser
 
 
@@ -40,7 +42,10 @@ def main(argv=None) -> int:
     try:
         check_model_name(args.model)
         tokenizer = clip_tokenizer(args.model, bert_vocab=args.bert_vocab)  # fail before the slow part
-        model = load_official_clipa(args.checkpoint, args.model)
+        if args.trust_checkpoint:
+            print(TRUST_WARNING, file=sys.stderr)
+        with trusted_checkpoints(args.trust_checkpoint):
+            model = load_official_clipa(args.checkpoint, args.model)
         state = model.state_dict()
         export_open_clip(state, args.model, args.out, image_size=model.visual.image_size[0],
                          context_length=model.context_length, bert_vocab=args.bert_vocab)

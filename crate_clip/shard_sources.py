@@ -1,6 +1,9 @@
 """Data-source strings, parsed in one place for training (data_pipelines), evaluation (eval/) and run-config
 validation: a brace pattern (`/data/{00000000..00139827}.tar`), a folder of .tar files, a glob, a single
-tar, a URL, or a `pipe:` command (`pipe:aws s3 cp s3://bucket/{00000000..00139827}.tar -`)."""
+tar, a URL, or a `pipe:` command (`pipe:aws s3 cp s3://bucket/{00000000..00139827}.tar -`).
+
+A `pipe:` source runs a shell command per shard (webdataset's convention): a run config is as trusted as a
+script, and `shell_commands` lists what one will run (`crate-clip train --validate` prints it)."""
 from __future__ import annotations
 
 import glob
@@ -9,6 +12,8 @@ from pathlib import Path
 
 import braceexpand
 
+PIPE = "pipe:"
+STATS_PROBES = 8   # remote shards whose _stats.json is read to estimate the data set size (shard_reader.py)
 REMOTE_PREFIXES = ("pipe:", "http://", "https://", "gs://", "ais://", "sftp://", "hf://")
 
 
@@ -38,3 +43,19 @@ def expand_source(source: str) -> list[str]:
     if not shards:
         raise ShardListError(f"source {source!r} names no .tar shard")
     return shards
+
+
+def shell_commands(sources: list[str], key: str = "data.sources") -> list[str]:
+    """The shell commands `pipe:` sources run, one line per source pattern (with the number of commands it
+    expands to), and the commands that read their shards' `_stats.json` for the data-set size."""
+    lines = []
+    for i, source in enumerate(sources):
+        source = os.path.expandvars(os.path.expanduser(str(source)))
+        if not source.startswith(PIPE):
+            continue
+        count = len(list(braceexpand.braceexpand(source)))
+        command = source[len(PIPE):]
+        lines.append(f"{key}.{i}: {command}   ({count:,} command{'s' if count > 1 else ''}, one per shard)")
+        lines.append(f"{key}.{i}: {command.replace('.tar', '_stats.json', 1)}   (up to {min(count, STATS_PROBES)} "
+                     "of these, for the shards' sample counts)")
+    return lines

@@ -17,7 +17,8 @@ from typing import Iterator
 from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext, tar_file_iterator
 
-from crate_clip.shard_sources import REMOTE_PREFIXES, ShardListError, expand_source, is_remote  # noqa: F401
+from crate_clip.shard_sources import (REMOTE_PREFIXES, STATS_PROBES, ShardListError, expand_source,  # noqa: F401
+                                     is_remote)
 
 SKIP_REASONS = ("truncated_tar", "unreadable_shard", "undecodable_image", "zero_size_image",
                 "decompression_bomb", "missing_image", "missing_caption", "empty_caption",
@@ -76,7 +77,7 @@ def remote_shard_size(shard: str, timeout: float = 60.0) -> int | None:
         return None
 
 
-def shard_sizes(shards: list[str], max_remote_probes: int = 8) -> tuple[list[int | None], bool]:
+def shard_sizes(shards: list[str], max_remote_probes: int = STATS_PROBES) -> tuple[list[int | None], bool]:
     """Per-shard sample counts (None where unknown) and whether remote ones were extrapolated."""
     cache: dict = {}
     sizes: list[int | None] = [None if is_remote(s) else local_shard_size(s, cache) for s in shards]

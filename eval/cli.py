@@ -8,6 +8,8 @@ from typing import get_args
 
 import torch
 
+from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, TRUST_HELP, TRUST_WARNING,
+                                                      trusted_checkpoints)
 from crate_clip.cli_errors import report_error
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_tokenizers import TokenizerUnavailableError
@@ -50,6 +52,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "crate_clip" / "zeroshot"),
                         help="cache of what a task can reuse, e.g. zero-shot text classifiers ('' disables)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
 
 
 def _task_keys(task) -> list[str]:
@@ -92,6 +95,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     device = args.device if args.device != "cuda" else f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     _init_distributed(args.device)
+    if args.trust_checkpoint and rank_and_world()[0] == 0:
+        print(TRUST_WARNING, file=sys.stderr)
     try:
         settings = _settings(args)
         if args.model.startswith(TIMM_PREFIX):   # a timm classifier: tower features (linear_probe)
@@ -99,8 +104,9 @@ def main(argv=None) -> int:
                                                      args.image_size, device)
             tokenizer = None
         else:
-            model, preprocess, tokenizer, _ = load_eval_model(args.model, args.pretrained, args.image_size, device,
-                                                              bert_vocab=args.bert_vocab)
+            with trusted_checkpoints(args.trust_checkpoint):
+                model, preprocess, tokenizer, _ = load_eval_model(args.model, args.pretrained, args.image_size,
+                                                                  device, bert_vocab=args.bert_vocab)
         context = EvalContext(tokenizer=tokenizer, preprocess=preprocess, device=device, precision=args.precision,
                               cache_dir=args.cache_dir or None, progress=not args.no_progress)
         metrics = run_task(model, settings, context)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
 from eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU
 
 USAGE_ERRORS = (ValueError, FileNotFoundError, TypeError)
@@ -24,13 +25,17 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", type=int, help="square input size (position embeddings resized)")
     p.add_argument("--layer", type=int, default=-1, help="block index (negative: from the end; default the last)")
     p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
 
 
 def _load(args):
     from eval.model_loading import load_eval_model
 
     torch.manual_seed(0)  # a random-init tower (no --pretrained) is the same on every call
-    clip = load_eval_model(args.model, args.pretrained, args.image_size)[0]
+    if args.trust_checkpoint:
+        print(TRUST_WARNING, file=sys.stderr)
+    with trusted_checkpoints(args.trust_checkpoint):
+        clip = load_eval_model(args.model, args.pretrained, args.image_size)[0]
     return clip.float().eval()
 
 

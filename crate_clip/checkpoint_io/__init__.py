@@ -4,4 +4,6 @@ none of them (tests/test_architecture_imports.py).
 atomic_files.py           write-then-rename for files and folders, fsync of files and their folders
 deepspeed_checkpoints.py  the layout of a DeepSpeed checkpoint (tag folders, `latest`, crate_clip.json) and
                           its consolidation to one fp32 state dict, for any ZeRO stage
+safe_unpickling.py        torch files read with weights_only=True and the allow-list of DeepSpeed's classes;
+                          the one-line refusal and the --trust-checkpoint opt-in
 """

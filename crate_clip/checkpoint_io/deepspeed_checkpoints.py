@@ -6,13 +6,15 @@
 
 Checkpoints of any ZeRO stage consolidate to fp32: stage 0 keeps the whole model in
 `mp_rank_00_model_states.pt["module"]`; stages 1-3 are merged from their partitions by DeepSpeed's zero_to_fp32.
+Every file is read with weights_only=True and DeepSpeed's allow-list (safe_unpickling.py): a folder from
+elsewhere is data, not code.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import torch
+from crate_clip.checkpoint_io.safe_unpickling import deepspeed_reads, load_torch_file
 
 INFO_FILE = "crate_clip.json"
 LATEST_FILE = "latest"
@@ -80,17 +82,18 @@ def resolve_checkpoint_tag(path: str | Path, tag: str | None = None) -> Path:
 
 
 def consolidate_deepspeed_checkpoint(path: str | Path, tag: str | None = None) -> tuple[dict, dict]:
-    """fp32 state dict of a DeepSpeed checkpoint of any ZeRO stage, and the run info from crate_clip.json."""
+    """fp32 state dict of a DeepSpeed checkpoint of any ZeRO stage, and the run info from crate_clip.json; a file
+    needing a class outside the allow-list raises UntrustedCheckpointError (unless inside trusted_checkpoints())."""
     tag_dir = resolve_checkpoint_tag(path, tag)
     info = read_info(tag_dir) or {}
     if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        with deepspeed_reads(tag_dir):   # zero_to_fp32 unpickles with weights_only=False otherwise
+            state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
         info.setdefault("zero_stage", "1-3")
     else:
         # ZeRO stage 0 (zero_to_fp32 refuses it): the whole module is in the model-states file.
-        # DeepSpeed's own files are pickles with its config objects: trusted, as DeepSpeed itself loads them.
-        states = torch.load(tag_dir / STAGE0_MODEL_FILE, map_location="cpu", weights_only=False)
+        states = load_torch_file(tag_dir / STAGE0_MODEL_FILE)
         state = states["module"]
         info.setdefault("zero_stage", 0)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}

@@ -16,6 +16,7 @@ import torch
 from open_clip.model import set_model_preprocess_cfg
 from torch import nn
 
+from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError, key_list
 from crate_clip.models.clip_tokenizers import bert_text_cfg, bert_tokenizer  # noqa: F401  (re-exported)
 from crate_clip.models.weights_files import read_weights_file
@@ -124,8 +125,11 @@ def _resize_image_pos(pos: torch.Tensor, target: torch.Tensor, model: nn.Module,
 
 
 def read_state_dict(source: Union[str, Path]) -> Dict[str, torch.Tensor]:
-    """Read a weights file (.safetensors, or torch.load weights_only=True); unwraps state_dict/module nesting."""
+    """Read a weights file (.safetensors, or torch.load weights_only=True; unwraps state_dict/module nesting) or
+    a DeepSpeed checkpoint folder of any ZeRO stage (consolidated to fp32), refusing pickled code either way."""
     path = Path(source)
+    if is_deepspeed_checkpoint(path):
+        return consolidate_deepspeed_checkpoint(path)[0]
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file not found: {path}")
     sd = read_weights_file(path)   # a corrupt or truncated file: one line naming it

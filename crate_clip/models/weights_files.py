@@ -10,7 +10,7 @@ import pickle
 import zipfile
 from pathlib import Path
 
-from crate_clip.models.checkpoint_errors import CheckpointMismatchError
+from crate_clip.checkpoint_io.safe_unpickling import UntrustedCheckpointError, load_torch_file
 
 
 class CorruptWeightsError(ValueError):
@@ -24,39 +24,22 @@ def corrupt_file_message(path, exn: BaseException) -> str:
             f"download it again, or point to another checkpoint (an interrupted save leaves such files)")
 
 
-def read_weights_file(path: str | Path, *, trusted_pickle: bool = False):
-    """The object stored in a .safetensors / torch file; a corrupt or truncated file raises CorruptWeightsError.
-
-    `trusted_pickle` is for DeepSpeed's own model-states files, which pickle its config objects."""
-    import torch
-
+def read_weights_file(path: str | Path):
+    """The object stored in a .safetensors / torch file; a corrupt or truncated file raises CorruptWeightsError,
+    one that pickles a class outside the allow-list UntrustedCheckpointError (crate_clip.checkpoint_io)."""
     path = Path(path)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
             return load_file(str(path), device="cpu")
-        return torch.load(path, map_location="cpu", weights_only=not trusted_pickle)
-    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        return load_torch_file(path)   # weights_only=True, DeepSpeed's classes allowed (its model-states files)
+    except (FileNotFoundError, IsADirectoryError, PermissionError, UntrustedCheckpointError):
         raise
-    except pickle.UnpicklingError as exn:
-        if not trusted_pickle and _is_intact_zip(path):
-            # a complete file that pickles code: not corrupt, but not loaded without trusting it
-            raise CheckpointMismatchError(f"{path}: holds pickled objects other than tensors; torch.load with "
-                                      f"weights_only=True refuses them. Re-save its state_dict() with "
-                                      f"torch.save or safetensors") from exn
-        raise CorruptWeightsError(corrupt_file_message(path, exn)) from exn
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile) as exn:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError,
+            zipfile.BadZipFile) as exn:
         raise CorruptWeightsError(corrupt_file_message(path, exn)) from exn
     except Exception as exn:  # safetensors' SafetensorError and other readers' own error types
         if type(exn).__name__ == "SafetensorError":
             raise CorruptWeightsError(corrupt_file_message(path, exn)) from exn
         raise
 
-
-def _is_intact_zip(path: Path) -> bool:
-    """Whether a torch file is a complete zip archive (its records all read back)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return archive.testzip() is None
-    except (zipfile.BadZipFile, OSError):
-        return False

@@ -6,6 +6,10 @@ Layout (crate_clip.checkpoint_io, shared with eval/): `<run_dir>/checkpoints/<ta
 finished, rank 0 writes `crate_clip.json` (which marks a checkpoint complete), renames the folder to `<tag>`
 (an older `<tag>` is deleted only after that) and then replaces DeepSpeed's `latest` file atomically; so a
 save interrupted at any point (SIGKILL, power loss, full disk) never becomes the one resumed from.
+
+Nothing read on resume runs code: DeepSpeed's files go through the allow-listed reader
+(crate_clip.checkpoint_io.safe_unpickling) and the rank-state files hold only tensors, numbers, strings,
+lists, tuples and dicts, read with weights_only=True and no allow-list at all.
 """
 from __future__ import annotations
 
@@ -22,6 +26,12 @@ from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_wri
                                                    restore_replaced)
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
                                                             consolidated_state_dict, read_info, read_latest_tag)
+from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, UntrustedCheckpointError, check_checkpoint_folder,
+                                                      deepspeed_reads, load_torch_file)
+
+# what an earlier crate-clip pickled into its rank-state files: numpy's RNG state as an array
+EARLIER_RANK_STATE_CLASSES = {"numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+                              "numpy.ndarray", "numpy.dtype"}
 
 
 class ResumeError(RuntimeError):
@@ -34,17 +44,25 @@ def checkpoint_tag(stage_index: int, step: int) -> str:
 
 
 def rng_state() -> dict:
-    """This process's random-number generator states (torch CPU and CUDA, numpy, python)."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's random-number generator states (torch CPU and CUDA, numpy, python), as tensors, numbers
+    and tuples: what torch.load(weights_only=True) reads back without an allow-list."""
+    generator, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    numpy_state = {"generator": generator, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
     if torch.cuda.is_available():  # image token masks are drawn on the training device
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what rng_state() returned."""
+    """Restore what rng_state() returned (or an earlier version's form: numpy's own state tuple)."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["generator"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -149,17 +167,23 @@ class CheckpointManager:
     def load(self, engine, tag_dir: Path) -> tuple[dict, dict]:
         """Load DeepSpeed states into `engine` (all ranks); returns (info, this rank's client state)."""
         info = self.check_compatible(tag_dir)
-        load_path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
-                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        with deepspeed_reads(tag_dir):   # DeepSpeed's own torch.load calls pass weights_only=False
+            load_path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
             raise ResumeError(f"DeepSpeed could not load the checkpoint {tag_dir}")
         return info, self.load_rank_state(tag_dir)
 
     def check_compatible(self, tag_dir: Path) -> dict:
-        """The checkpoint's info; raises ResumeError when it was written by a job of another size."""
+        """The checkpoint's info; raises ResumeError when it was written by a job of another size, and
+        UntrustedCheckpointError when one of its files needs a class outside the allow-list."""
         info = read_info(tag_dir)
         if info is None:
             raise ResumeError(f"{tag_dir}: incomplete checkpoint (no {INFO_FILE})")
+        try:
+            check_checkpoint_folder(tag_dir)   # every file, on every rank: all ranks refuse alike
+        except UntrustedCheckpointError as exc:
+            raise _earlier_rank_state(exc) from None
         if info.get("world_size", self.world_size) != self.world_size:
             raise ResumeError(f"{tag_dir}: written by {info['world_size']} processes, this job has "
                               f"{self.world_size}; fix: relaunch with {info['world_size']} processes (the "
@@ -171,5 +195,17 @@ class CheckpointManager:
         path = rank_state_path(tag_dir, self.rank)
         if not path.is_file():
             raise ResumeError(f"{path}: missing; the checkpoint holds no state for rank {self.rank}")
-        return torch.load(path, weights_only=False)
+        try:
+            return load_torch_file(path, allow=())
+        except UntrustedCheckpointError as exc:
+            raise _earlier_rank_state(exc) from None
+
+
+def _earlier_rank_state(exc: UntrustedCheckpointError) -> UntrustedCheckpointError:
+    """The refusal, saying so when the file is a rank-state file of an earlier crate-clip version."""
+    if not (exc.path.name.startswith("train_state_rank") and set(exc.classes) <= EARLIER_RANK_STATE_CLASSES):
+        return exc
+    return UntrustedCheckpointError(exc.path, exc.classes, note=(
+        f" (a rank-state file written by an earlier crate-clip version, which pickled numpy's RNG state; if the "
+        f"run is your own, resume with {TRUST_FLAG}: the checkpoints written from then on need no opt-in)"))
 

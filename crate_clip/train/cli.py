@@ -15,6 +15,8 @@ EXIT_CONFIG, EXIT_NONFINITE, EXIT_RESUME = 2, 3, 4
 
 def build_parser() -> argparse.ArgumentParser:
     """The `crate-clip train` argument parser."""
+    from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP
+
     p = argparse.ArgumentParser(prog="crate-clip train", description="Train a CRATE-alpha CLIP from a run config.")
     p.add_argument("--config", required=True, help="run config YAML (see configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -23,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest complete checkpoint of the run, or from a checkpoint folder")
     p.add_argument("--overwrite", action="store_true",
                    help="run.output_dir holds an earlier run: move it to <output_dir>.previous and start over")
-    p.add_argument("--validate", action="store_true", help="check the config and exit")
+    p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
+    p.add_argument("--validate", action="store_true",
+                   help="check the config, print the shell commands its pipe: sources run, and exit")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -35,6 +39,8 @@ def main(argv=None) -> int:
     # names: torch's deprecation notices (one per rank and collective) say nothing a user can act on
     for old_name in ("all_gather_into_tensor", "torch.distributed.nn.functional.all_gather"):
         warnings.filterwarnings("ignore", message=f".*{old_name}.* is deprecated", category=FutureWarning)
+    from crate_clip.checkpoint_io.safe_unpickling import UntrustedCheckpointError, trusted_checkpoints
+    from crate_clip.shard_sources import shell_commands
     from crate_clip.train.checkpoints import ResumeError
     from crate_clip.train.run_config import ConfigError, load_run_config
 
@@ -46,12 +52,20 @@ def main(argv=None) -> int:
     if args.validate:
         print(f"{args.config}: valid ({len(cfg.stages)} stages, "
               f"{sum(s.samples for s in cfg.stages):,} samples)")
+        commands = shell_commands(cfg.data.sources)
+        if commands:   # a run config is as trusted as a script: say what it will run
+            print("shell commands this run executes (pipe: sources; a run config is as trusted as a script, "
+                  "see docs/safety.md):\n" + "\n".join(f"  {line}" for line in commands))
         return 0
     from crate_clip.train.run_dir import ExistingRunError
     from crate_clip.train.stage_loop import NonFiniteLossError, run_training
 
     try:
-        summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite)
+        with trusted_checkpoints(args.trust_checkpoint):
+            summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite)
+    except UntrustedCheckpointError as exc:   # every rank reads the same files: rank 0 says it
+        _report(exc)
+        return EXIT_CONFIG
     except (ConfigError, ExistingRunError) as exc:
         print(f"crate-clip train: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="run-config override passed to `crate-clip train` (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the previous demo run instead of starting over")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="passed to the trainer: resume a demo run of an earlier version (docs/safety.md)")
     p.add_argument("--train-images", type=int, help="write only the first N training images (a smoke run)")
     p.add_argument("--test-images", type=int, help="write only the first N test images (a smoke run)")
     p.add_argument("--probe-train-images", type=int, default=10_000,
@@ -72,9 +74,11 @@ def prepare_data(data_dir: Path, train_images: int | None = None, test_images: i
     return train_dir, test_dir
 
 
-def launch_command(config: str, nproc: int, overrides: list[str], resume: bool, overwrite: bool = False) -> list[str]:
+def launch_command(config: str, nproc: int, overrides: list[str], resume: bool, overwrite: bool = False,
+                   trust_checkpoint: bool = False) -> list[str]:
     """`torchrun --nproc_per_node N -m crate_clip.train.cli ...` (torch's launcher, shipped with torch);
-    `overwrite`: an earlier run is moved aside by the trainer (crate_clip.train.run_dir) before it starts."""
+    `overwrite`: an earlier run is moved aside by the trainer (crate_clip.train.run_dir) before it starts;
+    `trust_checkpoint`: the trainer's --trust-checkpoint."""
     from crate_clip.train.engine import _free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -82,7 +86,8 @@ def launch_command(config: str, nproc: int, overrides: list[str], resume: bool, 
            "-m", "crate_clip.train.cli", "--config", config]
     for o in overrides:
         cmd += ["--set", o]
-    return cmd + (["--resume", "latest"] if resume else []) + (["--overwrite"] if overwrite else [])
+    return (cmd + (["--resume", "latest"] if resume else []) + (["--overwrite"] if overwrite else [])
+            + (["--trust-checkpoint"] if trust_checkpoint else []))
 
 
 def summarize(run_dir: Path) -> list[dict]:
@@ -142,7 +147,8 @@ def main(argv=None) -> int:
                  *args.overrides]
     # a new demo starts over: the trainer moves an earlier run aside to <run-dir>.previous (nothing is deleted)
     resume = args.resume and run_dir.exists()
-    cmd = launch_command(args.config, args.nproc, overrides, resume, overwrite=not resume)
+    cmd = launch_command(args.config, args.nproc, overrides, resume, overwrite=not resume,
+                         trust_checkpoint=args.trust_checkpoint)
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.nproc)))
     print(f"[demo] {' '.join(cmd)}", flush=True)
     rc = subprocess.run(cmd, env=env).returncode

@@ -45,7 +45,7 @@ class RunSection(Section):
 class ModelSection(Section):
     """Which open_clip model config to build (any registered name, e.g. CRATE-alpha-CLIPA-L-14)."""
     name: str = "CRATE-alpha-CLIPA-tiny"
-    pretrained: Optional[str] = None       # weights file for the first stage (resized to its shapes)
+    pretrained: Optional[str] = None       # weights file or checkpoint folder for the first stage (resized)
     tokenizer: Optional[str] = None        # open_clip tokenizer / model name; default: model.name
     grad_checkpointing: Bool = False
     attention: AttentionKernel = "auto"

@@ -21,6 +21,7 @@ import torch.distributed as tdist
 import yaml
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
+from crate_clip.checkpoint_io.safe_unpickling import TRUST_WARNING, checkpoints_trusted
 from crate_clip.models import preprocess_cfg_for, set_image_token_mask, tokenizer_record
 from crate_clip.models.patch_change import checkpoint_patch_size, create_clip_at_patch
 from crate_clip.train.batch_agreement import agreed_batches
@@ -72,6 +73,8 @@ def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: O
     progress, weights, evals, tag_dir = start.progress, None, [], start.tag_dir
     t_start = time.time()
     try:
+        if checkpoints_trusted():
+            log.print(TRUST_WARNING)
         if start.tag_dir is not None:
             log.print(f"resuming from {start.tag_dir} (stage {progress.stage_index}, step {progress.step}, "
                       f"{progress.samples_seen} samples seen)")

@@ -11,7 +11,8 @@ model-states file of every checkpoint and come back from zero_to_fp32 under thei
 tower is replicated, exact, and travels into checkpoints, the next stage and the open_clip export.
 
 Sources (`model.text_pretrained`): a weights file (open_clip / DeepSpeed-consolidated state dict, plain or
-under `state_dict`, .pt/.pth/.bin/.safetensors, or a released crate_alpha_CLIPA_*.pth in the official layout), `local-dir:DIR` (an open_clip export, e.g. ours),
+under `state_dict`, .pt/.pth/.bin/.safetensors, or a released crate_alpha_CLIPA_*.pth in the official layout), a DeepSpeed
+checkpoint folder (any ZeRO stage, consolidated), `local-dir:DIR` (an open_clip export, e.g. ours),
 `hf-hub:ORG/REPO` or `MODEL:TAG` as open_clip.list_pretrained(as_str=True) names it (e.g.
 `ViT-H-14-CLIPA:datacomp1b`), both resolved by open_clip's own pretrained machinery (a download when a hub
 is reachable, else its cache).
@@ -26,6 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from crate_clip.checkpoint_io.deepspeed_checkpoints import is_deepspeed_checkpoint
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_factory import read_state_dict
 from crate_clip.models.clipa_import import LOGIT_KEYS as SCALE_KEYS
@@ -108,9 +110,10 @@ def resolve_text_source(spec: str, key: str = KEY, cache_dir: Optional[str] = No
             raise TextTowerError(f"{key}: {spec!r}: open_clip knows no file for it; fix: give a weights file")
         return Path(path)
     path = Path(spec).expanduser()
-    if not path.is_file():
-        raise TextTowerError(f"{key}: {spec!r} is not a file, local-dir:DIR, hf-hub:ORG/REPO or an open_clip "
-                             "MODEL:TAG (open_clip.list_pretrained(as_str=True)); fix: correct the path")
+    if not (path.is_file() or is_deepspeed_checkpoint(path)):
+        raise TextTowerError(f"{key}: {spec!r} is not a file, local-dir:DIR, hf-hub:ORG/REPO, an open_clip "
+                             "MODEL:TAG (open_clip.list_pretrained(as_str=True)) or a DeepSpeed checkpoint folder; "
+                             "fix: correct the path")
     return path
 
 
