@@ -26,6 +26,7 @@ from pydantic import Field, field_validator
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from crate_clip.config_schema import Bool, Float, Int, Section
+from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
 
 from .device_decode import DECODE_COUNTERS, Decode, DeviceJpegBatch, ship_sample
 from .image_decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_train, normalize_batch
@@ -38,8 +39,6 @@ from .text_reduction import TEXT_MASKS, TextReducer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-OPENAI_DATASET_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_DATASET_STD = (0.26862954, 0.26130258, 0.27577711)
 Mode = Literal["resampled", "epoch"]
 STATE_VERSION = 1
 # A worker that reads this many groups in a row without one usable sample stops with an error
@@ -51,25 +50,30 @@ class StreamConfig(Section):
     """Where the shards are and how they are read (everything but the stage's image size / text length);
     the run config's `data` section is this schema."""
 
-    sources: list[str] = Field(default_factory=list, validate_default=True)
-    weights: Optional[list[Float]] = None
-    mode: Mode = "resampled"
-    seed: Int = 0
+    sources: list[str] = Field(default_factory=list, validate_default=True,
+                               description="shard folders, brace patterns, globs, URLs or 'pipe:' commands")
+    weights: Optional[list[Float]] = Field(None, description="one sampling weight per source; default: equal")
+    mode: Mode = Field("resampled", description="resampled: shards drawn with replacement, endless; epoch: each "
+                                                "shard once per epoch, split over ranks and workers")
+    seed: Int = Field(0, description="the stream's seed (in a run config: set per stage from run.seed)")
     shuffle_buffer: Int = Field(1000, ge=0, description="samples held for shuffling (0 = none)")
     num_workers: Int = Field(2, ge=0, description="DataLoader worker processes per rank (0 = in the trainer)")
     num_samples: Optional[Int] = Field(None, ge=1, description="samples per epoch; default: from _stats.json")
     max_image_pixels: Int = Field(DEFAULT_MAX_IMAGE_PIXELS, ge=1, description="larger images are counted "
                                   "as decompression bombs and skipped")
-    crop_scale: tuple[Float, Float] = (0.4, 1.0)
-    mean: tuple[Float, Float, Float] = OPENAI_DATASET_MEAN
-    std: tuple[Float, Float, Float] = OPENAI_DATASET_STD
+    crop_scale: tuple[Float, Float] = Field((0.4, 1.0), description="random-resized-crop area range [min, max]")
+    mean: tuple[Float, Float, Float] = Field(OPENAI_MEAN, description="per-channel image mean (R, G, B); a run "
+                                                                      "uses the model config's unless this is set")
+    std: tuple[Float, Float, Float] = Field(OPENAI_STD, description="per-channel image std; as mean")
     shards_per_group: Int = Field(2, ge=1, description="shards interleaved per worker; bounds resume "
                                   "fast-forward reading")
-    drop_last: Bool = True             # epoch mode: drop each worker's final partial batch
-    pos_source: PosSource = "auto"     # syntax mask POS source
-    reduced_decode: Bool = True        # JPEG draft decode when the target is small
+    drop_last: Bool = Field(True, description="epoch mode: drop each worker's final partial batch")
+    pos_source: PosSource = Field("auto", description="the syntax text mask's part-of-speech source")
+    reduced_decode: Bool = Field(True, description="decode a JPEG at the smallest DCT scale (1/2, 1/4, 1/8) "
+                                                   "that leaves the crop at least the target size")
     prefetch_factor: Int = Field(2, ge=1, description="batches each worker prepares ahead (x batch memory)")
-    crop_ratio: tuple[Float, Float] = (3 / 4, 4 / 3)
+    crop_ratio: tuple[Float, Float] = Field((3 / 4, 4 / 3), description="random-resized-crop aspect-ratio "
+                                                                        "range [min, max]")
 
     @field_validator("sources", mode="before")
     @classmethod
@@ -89,10 +93,14 @@ class StreamConfig(Section):
                                         "fix: one weight per source, or remove the weights"))
         elif self.weights is not None and (any(w < 0 for w in self.weights) or sum(self.weights) <= 0):
             problems.append(("weights", f"{self.weights}; fix: weights >= 0 with a positive sum"))
-        lo, hi = self.crop_scale
-        if not 0 < lo <= hi <= 1:
-            problems.append(("crop_scale", f"{[lo, hi]}; fix: [min, max] with 0 < min <= max <= 1"))
-        return problems
+        return problems + crop_scale_problems("crop_scale", self.crop_scale)
+
+
+def crop_scale_problems(key: str, scale) -> list[tuple[str, str]]:
+    """A random-resized-crop area range (min, max) as config problems under `key`: none when unset or valid."""
+    if scale is None or 0 < scale[0] <= scale[1] <= 1:
+        return []
+    return [(key, f"{list(scale)}; fix: [min, max] with 0 < min <= max <= 1, or remove it")]
 
 
 # --------------------------------------------------------------------------------------------------------
