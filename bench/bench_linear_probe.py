@@ -1,4 +1,4 @@
-"""Linear probe of the demo model (issue 13): full and 10-shot (several seeds, mean ± std) on Fashion-MNIST
+"""Linear probe of the demo model: full and 10-shot (several seeds, mean ± std) on Fashion-MNIST
 image features, a random-init tower of the same shape as the floor, and scikit-learn's LogisticRegression on
 the same cached features as a cross-check of the probe's classifier.
 
