@@ -46,7 +46,7 @@ class Settings(EvalSettings):
     """Linear-probe settings: the keys of a `type: linear_probe` eval entry and the options of
     `crate-clip eval linear_probe`. The test split is `data`; `batch_size` is the feature-extraction batch."""
 
-    type: Literal["linear_probe"] = "linear_probe"
+    type: Literal["linear_probe"] = Field("linear_probe", description="the task")
     train_data: str = Field("", description="training split: ImageFolder, flat folder (with train_labels) or .cls shards")
     dataset: str = Field("custom", description="fashion_mnist / imagenet1k (built-in class lists) or any name")
     classnames: Optional[str] = Field(None, description="class-name file (only the class count is used); default "
