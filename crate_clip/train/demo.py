@@ -177,7 +177,7 @@ def main(argv=None) -> int:
               f"{100 * results[-1]['top1']:.2f}%, "
               f"linear probe top-1 {100 * probe['top1']:.2f}% ({probe['n_train']} labelled training images)")
     print(f"[demo] plot: {run_dir / 'training_curve.png'}\n[demo] export: {run_dir / 'export'} "
-          f"(open_clip.create_model_and_transforms('local-dir:{run_dir / 'export'}') after `import crate_clip`)")
+          f"(crate_clip.train.export.load_export('{run_dir / 'export'}'): open_clip's local-dir: loader)")
     print(f"[demo] finished in {time.perf_counter() - t0:.0f} s")
     return 0 if results else 1
 
