@@ -169,7 +169,7 @@ def _run(fn, argv, prog) -> int:
 
 
 def inspect_entry(argv=None) -> int:
-    """`crate-clip inspect maps ...`: the white-box maps (the one thing it inspects)."""
+    """`crate-clip inspect <what>`: only `maps` for now."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "maps":
         print("usage: crate-clip inspect maps --model ... --images ... --out DIR [--layer N]", file=sys.stderr)
