@@ -54,8 +54,8 @@ def type_name(tp: Any, titles: dict) -> str:
     """A field type in words: `int >= 1`, `'a' | 'b'`, `list of text`, a section's title."""
     origin, args = get_origin(tp), get_args(tp)
     if origin is Annotated:
-        return type_name(args[0], titles) + _bounds(m for m in args[1:] if isinstance(m, FieldInfo)
-                                                    for m in m.metadata)
+        return type_name(args[0], titles) + _bounds(c for info in args[1:] if isinstance(info, FieldInfo)
+                                                    for c in info.metadata)
     if origin in (Union, UnionType):
         members = [a for a in args if a is not type(None)]
         text = " or ".join(type_name(a, titles) for a in members)
