@@ -6,8 +6,8 @@ PY     := $(VENV)/bin/python
 # On a machine with no torch, pin the release this project is tested with (on the dev machines these
 # wheels lie on disk, CPU-runnable); a torch already installed in $(PYTHON) is respected instead.
 TORCH_PIN ?= torch==2.14.1 torchvision==0.29.1
-# Debian packages holding the real local data sets used by the demo and the tests.
-DEB_DATA := dataset-fashion-mnist fonts-noto-color-emoji unicode-data wordnet-base
+# Debian packages holding the real local data sets used by the demo and the tests (one list, in Python).
+DEB_DATA := $(shell $(PYTHON) data_pipelines/sources/debian_packages.py)
 
 .PHONY: install system-data demo test bench clean
 
@@ -33,7 +33,7 @@ system-data:
 	        (apt-get install -y -qq $$missing || (apt-get update -qq && apt-get install -y -qq $$missing)) >/dev/null; \
 	    else \
 	        echo "note: Debian packages missing:$$missing (install them with: sudo apt-get install$$missing);" \
-	             "the demo needs dataset-fashion-mnist, some tests skip without the others"; \
+	             "the demo needs $(firstword $(DEB_DATA)), some tests skip without the others"; \
 	    fi; \
 	fi
 

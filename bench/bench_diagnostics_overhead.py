@@ -1,7 +1,7 @@
 """What the white-box diagnostics cost the demo: the same shortened demo training with `logging.diagnostics_every`
 N (the demo config's 25) and 0 (off), alternated in pairs (on/off, then off/on, ...) so drift in the machine's
 load falls on both arms; reports the ratio of training seconds (on / off) per pair and overall, and the probe's
-own share of the 'on' runs' training time (timed inside those runs). The issue's budget: at most 5% slower.
+own share of the 'on' runs' training time (timed inside those runs). The budget: at most 5% slower.
 
 Each stage of the demo config is cut to a whole number of `diagnostics_every`-step blocks (`--fraction` of its
 steps, at least one block), so the probe runs as often per step as in the full demo (plus each stage's end).

@@ -1,4 +1,4 @@
-"""Patch-size change between stages at equal training compute (issue 13), on the demo data:
+"""Patch-size change between stages at equal training compute, on the demo data:
     (a) 20 px / patch 4 (25 tokens), then 28 px / patch 4 (49 tokens): CLIPA's image-size reduction;
     (b) 28 px / patch 7 (16 tokens), then 28 px / patch 4, the kernel resized with pi_resize (FlexiViT);
     (c) as (b) with bilinear resizing (the CRATE-alpha paper's jax.image.resize).

@@ -35,9 +35,9 @@ def _segment(model: str, scenes: str, out: Path, facet: str = "projection", size
 
 
 TOWER_OVERRIDES = {"crate": [], "vit": ["model.name=ViT-tiny-fmnist"]}   # the demo config's tower is CRATE-alpha
-# the recipe the segmentation numbers were measured with (the demo's until issue 13): patch 4 in both stages,
-# so the maps keep a 7x7 token grid at 28 px (the demo now trains at patch 7, a 4x4 grid), and the ViT tower,
-# which has no stage patch change, trains on the same schedule
+# the recipe the segmentation numbers were measured with: 20 px then 28 px at patch 4, so the maps have a 7x7
+# token grid at 28 px (the demo config trains at patch 7: a 4x4 grid), and the ViT tower, which has no stage
+# patch change, trains on the same schedule
 RECIPE = ["stages.0.image_size=20", "stages.0.patch_size=4", "stages.0.samples=89600", "stages.0.global_batch=256",
           "stages.0.lr=2e-3", "stages.0.warmup_steps=40", "stages.0.crop_scale=[0.7,1.0]",
           "stages.1.image_size=28", "stages.1.patch_size=4", "stages.1.samples=38400", "stages.1.global_batch=256",

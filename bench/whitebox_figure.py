@@ -1,4 +1,4 @@
-"""The README's white-box figure: for a few composite scenes, the trained tower's head-average class-token
+"""The white-box figure of docs/whitebox.md: for a few composite scenes, the trained tower's head-average class-token
 attention, the joint PCA of patch features and the MaskCut masks (CRATE-alpha demo tower; ViT for comparison).
 
     python bench/whitebox_figure.py [--scenes data/fmnist_scenes] [--out docs/whitebox_demo.png]

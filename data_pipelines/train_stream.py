@@ -55,6 +55,7 @@ from pydantic import Field, field_validator
 from torch.utils.data import DataLoader
 
 from crate_clip.config_schema import Bool, Float, Int, Section
+from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
 
 from .device_decode import DECODE_COUNTERS, Decode, DeviceJpegBatch
 from .epoch_sizes import adopt_real_sizes
@@ -69,8 +70,6 @@ from .text_reduction import TEXT_MASKS, TextReducer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-OPENAI_DATASET_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_DATASET_STD = (0.26862954, 0.26130258, 0.27577711)
 Mode = Literal["resampled", "epoch"]
 
 
@@ -78,10 +77,12 @@ class StreamConfig(Section):
     """Where the shards are and how they are read (everything but the stage's image size / text length);
     the run config's `data` section is this schema."""
 
-    sources: list[str] = Field(default_factory=list, validate_default=True)
-    weights: Optional[list[Float]] = None
-    mode: Mode = "resampled"
-    seed: Int = 0
+    sources: list[str] = Field(default_factory=list, validate_default=True,
+                               description="shard folders, brace patterns, globs, URLs or 'pipe:' commands")
+    weights: Optional[list[Float]] = Field(None, description="one sampling weight per source; default: equal")
+    mode: Mode = Field("resampled", description="resampled: shards drawn with replacement, endless; epoch: each "
+                                                "shard once per epoch, dealt to the canonical streams")
+    seed: Int = Field(0, description="the stream's seed (in a run config: set per stage from run.seed)")
     canonical_streams: Optional[Int] = Field(
         None, ge=1, description="sample streams every global batch is cut from (global_batch / canonical_streams "
         "samples of each): the sample order depends on it, not on the GPUs or workers. Must divide every stage's "
@@ -93,16 +94,20 @@ class StreamConfig(Section):
     num_samples: Optional[Int] = Field(None, ge=1, description="samples per epoch; default: from _stats.json")
     max_image_pixels: Int = Field(DEFAULT_MAX_IMAGE_PIXELS, ge=1, description="larger images are counted "
                                   "as decompression bombs and skipped")
-    crop_scale: tuple[Float, Float] = (0.4, 1.0)
-    mean: tuple[Float, Float, Float] = OPENAI_DATASET_MEAN
-    std: tuple[Float, Float, Float] = OPENAI_DATASET_STD
+    crop_scale: tuple[Float, Float] = Field((0.4, 1.0), description="random-resized-crop area range [min, max]")
+    mean: tuple[Float, Float, Float] = Field(OPENAI_MEAN, description="per-channel image mean (R, G, B); a run "
+                                                                      "uses the model config's unless this is set")
+    std: tuple[Float, Float, Float] = Field(OPENAI_STD, description="per-channel image std; as mean")
     shards_per_group: Int = Field(2, ge=1, description="shards interleaved per canonical stream; bounds resume "
                                   "fast-forward reading")
-    drop_last: Bool = True             # epoch mode: whole slices only (false: one exact pass, short last batches)
-    pos_source: PosSource = "auto"     # syntax mask POS source
-    reduced_decode: Bool = True        # JPEG draft decode when the target is small
+    drop_last: Bool = Field(True, description="epoch mode: whole slices only (false: one exact pass, short last "
+                                              "batches)")
+    pos_source: PosSource = Field("auto", description="the syntax text mask's part-of-speech source")
+    reduced_decode: Bool = Field(True, description="decode a JPEG at the smallest DCT scale (1/2, 1/4, 1/8) "
+                                                   "that leaves the crop at least the target size")
     prefetch_factor: Int = Field(2, ge=1, description="rank batches each worker prepares ahead (x batch memory)")
-    crop_ratio: tuple[Float, Float] = (3 / 4, 4 / 3)
+    crop_ratio: tuple[Float, Float] = Field((3 / 4, 4 / 3), description="random-resized-crop aspect-ratio "
+                                                                        "range [min, max]")
 
     @field_validator("sources", mode="before")
     @classmethod
@@ -122,10 +127,14 @@ class StreamConfig(Section):
                                         "fix: one weight per source, or remove the weights"))
         elif self.weights is not None and (any(w < 0 for w in self.weights) or sum(self.weights) <= 0):
             problems.append(("weights", f"{self.weights}; fix: weights >= 0 with a positive sum"))
-        lo, hi = self.crop_scale
-        if not 0 < lo <= hi <= 1:
-            problems.append(("crop_scale", f"{[lo, hi]}; fix: [min, max] with 0 < min <= max <= 1"))
-        return problems
+        return problems + crop_scale_problems("crop_scale", self.crop_scale)
+
+
+def crop_scale_problems(key: str, scale) -> list[tuple[str, str]]:
+    """A random-resized-crop area range (min, max) as config problems under `key`: none when unset or valid."""
+    if scale is None or 0 < scale[0] <= scale[1] <= 1:
+        return []
+    return [(key, f"{list(scale)}; fix: [min, max] with 0 < min <= max <= 1, or remove it")]
 
 
 class TrainStream:

@@ -24,13 +24,15 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 from tqdm import tqdm
 
+from crate_clip.config_schema import Float, Int
 from eval.class_sets import resolve_classnames
 from eval.distributed_batches import gather_objects, lockstep, rank_and_world
 from eval.eval_datasets import classification_dataset, make_loader
+from eval.eval_settings import EvalSettings
 from eval.model_calls import autocast_context, check_precision, image_features, unwrap_model
 from eval.model_loading import check_finite_weights
 from eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
@@ -42,30 +44,38 @@ WD_COARSE = list(range(0, len(WD_GRID), 16))     # its 7 coarse points (1e-6, ..
 WD_FIRST_SPAN = 8                                # then +-8, +-4, +-2, +-1 grid steps around the best
 
 
-class Settings(BaseModel):
-    """The probe's settings (the keys of a `type: linear_probe` eval entry and of the CLI)."""
-    model_config = ConfigDict(extra="forbid")
-    train_data: str = Field(description="training split: ImageFolder, flat folder (+ train_labels) or .cls shards")
-    data: str = Field(description="test split, same layouts")
-    dataset: str = "custom"
-    classnames: Optional[str] = None           # class-name file: the classes that folders are matched to
-    train_labels: Optional[str] = None         # label file of a flat training folder
-    labels: Optional[str] = None               # label file of a flat test folder
-    features: Literal["auto", "image", "tower"] = "auto"   # auto: image for CLIP, tower for a timm classifier
-    normalize: bool = True
-    max_train_images: Optional[int] = None     # spread evenly over the training split
-    max_images: Optional[int] = None           # same for the test split
-    val_proportion: float = Field(0.2, gt=0, lt=1)
-    fewshot_k: Optional[int] = Field(None, ge=1)
-    fewshot_seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
-    lr: float = 0.1
-    epochs: int = Field(10, ge=1)
-    probe_batch_size: int = Field(64, ge=1)
-    weight_decay: Optional[float] = None       # fixed value: skips the search
-    batch_size: int = 256                      # feature extraction
-    num_workers: int = 0
-    seed: int = 0
-    max_unreadable_fraction: float = Field(DEFAULT_MAX_UNREADABLE_FRACTION, ge=0, le=1)
+class Settings(EvalSettings):
+    """Linear-probe settings: the keys of a `type: linear_probe` eval entry and the options of
+    `crate-clip eval linear_probe`. The test split is `data`; `batch_size` is the feature-extraction batch."""
+
+    type: Literal["linear_probe"] = Field("linear_probe", description="the task")
+    train_data: str = Field("", description="training split: ImageFolder, flat folder (with train_labels) or .cls shards")
+    dataset: str = Field("custom", description="fashion_mnist / imagenet1k (built-in class lists) or any name")
+    classnames: Optional[str] = Field(None, description="class-name file: the classes that folders are matched to; "
+                                                        "default classnames.txt beside the data")
+    train_labels: Optional[str] = Field(None, description="label file of a flat training folder")
+    labels: Optional[str] = Field(None, description="label file of a flat test folder")
+    features: Literal["auto", "image", "tower"] = Field("auto", description="image: CLIP image embedding; tower: "
+                                                        "pooled pre-projection features (auto: image for CLIP, "
+                                                        "tower for a timm:NAME classifier)")
+    normalize: bool = Field(True, description="L2-normalise the features")
+    max_train_images: Optional[Int] = Field(None, ge=1, description="use this many training images (spread evenly)")
+    fewshot_k: Optional[Int] = Field(None, ge=1, description="k training images per class (few-shot probe)")
+    fewshot_seeds: Int = Field(3, ge=1, description="few-shot draws (seeds 0..n-1): mean and spread")
+    weight_decay: Optional[Float] = Field(None, ge=0, description="fixed weight decay (skips the validation search)")
+    epochs: Int = Field(10, ge=1, description="probe training epochs")
+    lr: Float = Field(0.1, gt=0, description="AdamW learning rate of the probe (cosine schedule, no warm-up)")
+    probe_batch_size: Int = Field(64, ge=1, description="batch size of the probe's training")
+    val_proportion: Float = Field(0.2, gt=0, lt=1, description="share of the training split held out to choose "
+                                                                "the weight decay")
+    seed: Int = Field(0, description="seed of the held-out split and of the probe's initialisation and order")
+
+    def checks(self) -> list[tuple[str, str]]:
+        """The training split is required."""
+        problems = super().checks()
+        if not str(self.train_data).strip():
+            problems.append(("train_data", "empty; fix: the labelled training split of the linear probe"))
+        return problems
 
 
 # ---------------------------------------------------------------- features
@@ -351,14 +361,16 @@ def run(model, *, preprocess, settings: Settings | dict, device="cpu", precision
     if settings.fewshot_k is None:
         out = probe(xtr, ytr, xte, yte, num_classes, settings)
     else:
-        out = _fewshot(xtr, ytr, xte, yte, num_classes, settings)
+        out = fewshot_probe(xtr, ytr, xte, yte, num_classes, settings)
     return {**out, **head, "extract_seconds": extract_seconds,
             "probe_seconds": time.perf_counter() - start - extract_seconds}
 
 
-def _fewshot(xtr, ytr, xte, yte, num_classes: int, settings: Settings) -> dict:
+def fewshot_probe(xtr, ytr, xte, yte, num_classes: int, settings: Settings) -> dict:
+    """Few-shot metrics: the probe on `fewshot_k` images per class, drawn with seeds 0..fewshot_seeds-1
+    (mean and standard deviation over the draws)."""
     runs = []
-    for seed in settings.fewshot_seeds:
+    for seed in range(settings.fewshot_seeds):
         tr, _ = split_train_val(ytr, settings.val_proportion, settings.seed)
         pool = fewshot_indices(ytr[tr], settings.fewshot_k, seed)
         runs.append(probe(xtr, ytr, xte, yte, num_classes, settings, pool=pool))

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
 from eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU, maskcut
 from eval.whitebox_maps import block_maps, display_scale
 
-OPENAI_MEAN, OPENAI_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 MASK_COLOURS = np.array([(230, 25, 75), (60, 180, 75), (0, 130, 200), (245, 130, 48), (145, 30, 180)], np.uint8)
 
 

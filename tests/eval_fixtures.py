@@ -158,6 +158,26 @@ def shared_crate_tiny() -> torch.nn.Module:
 CRATE_TINY = "CRATE-alpha-CLIPA-tiny"
 
 
+def assert_accuracies_agree(got: dict, want: dict, flips: int = 1) -> None:
+    """Zero-shot metrics of one model on the same images, batched differently or computed by other code: equal
+    image counts, and accuracies at most `flips` images apart (other batch shapes run other kernels, and an
+    arg-max between two logits equal to the last bits may then go either way). `got` is a zero_shot_evaluate
+    result; `want` has any of its keys."""
+    n = got["n_images"]
+    assert want.get("n_images", n) == n
+    classes = [c for c in got["per_class"] if c["n"]]
+    bounds = {"top1": flips / n, "top5": flips / n,
+              "mean_per_class": flips / (min(c["n"] for c in classes) * len(classes))}
+    for key, bound in bounds.items():
+        if key in want:
+            assert abs(got[key] - want[key]) <= bound + 1e-12, (key, got[key], want[key])
+    for g, w in (zip(got["per_class"], want["per_class"], strict=True) if "per_class" in want else ()):
+        assert (g["class"], g["n"]) == (w["class"], w["n"])
+        for key in ("top1", "top5"):
+            same = g[key] is None if w[key] is None else abs(g[key] - w[key]) <= flips / g["n"] + 1e-12
+            assert same, (key, g, w)
+
+
 def free_port() -> int:
     """An unused local TCP port for a gloo rendezvous."""
     import socket

@@ -1,4 +1,4 @@
-"""Clear errors of the CLIs (issue 10): one line naming the file and the fix, exit code 2, traceback with --debug."""
+"""Clear errors of the CLIs: one line naming the file and the fix, exit code 2, traceback with --debug."""
 import json
 
 import pytest

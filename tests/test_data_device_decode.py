@@ -9,13 +9,14 @@ import pytest
 import torch
 from PIL import Image
 
+from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
 from data_pipelines.device_decode import DEVICE_FAILED, FALLBACK, SUBSTITUTED, DeviceJpegBatch, ShippedImage
 from data_pipelines.train_stream import StreamConfig, build_train_stream
 
 from data_fixtures import write_tar
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+MEAN, STD = OPENAI_MEAN, OPENAI_STD
 SIZE = 64
 
 

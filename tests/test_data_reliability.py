@@ -1,4 +1,4 @@
-"""Reliability of the data layer (issue 10): decompression bombs, missing sources, lazy sizes, real epoch counts."""
+"""Reliability of the data layer: decompression bombs, missing sources, lazy sizes, real epoch counts."""
 import json
 import struct
 import zlib

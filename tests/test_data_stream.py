@@ -10,7 +10,8 @@ from PIL import Image
 
 from data_pipelines.image_decode import decode_eval, decode_train, to_rgb
 from data_pipelines.shard_writer import encode_jpeg
-from data_pipelines.train_stream import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, StreamConfig, build_train_stream
+from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
+from data_pipelines.train_stream import StreamConfig, build_train_stream
 
 from data_fixtures import jpeg_bytes, write_numbered_shards, write_tar
 
@@ -52,7 +53,7 @@ def test_batches_shapes_sizes_and_normalisation(numbered):
     assert tokens.shape == (8, 16) and tokens.dtype == torch.int64
     assert (tokens[:, 0] == 49406).all() and ((tokens == 49407).sum(1) == 1).all()
     # Fashion-MNIST is gray: made RGB, so the three channels carry the same 0-255 values.
-    raw = images * torch.tensor(OPENAI_DATASET_STD).view(1, 3, 1, 1) + torch.tensor(OPENAI_DATASET_MEAN).view(1, 3, 1, 1)
+    raw = images * torch.tensor(OPENAI_STD).view(1, 3, 1, 1) + torch.tensor(OPENAI_MEAN).view(1, 3, 1, 1)
     assert torch.allclose(raw[:, 0], raw[:, 1], atol=1e-5) and 0 <= raw.min() and raw.max() <= 1 + 1e-5
     assert stream_of(numbered, num_workers=0, num_samples=5000).num_samples == 5000
 

@@ -12,8 +12,8 @@ from eval.class_sets import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES
 from eval.eval_datasets import classification_dataset
 from eval.model_loading import consolidate_deepspeed_checkpoint, eval_transform, load_eval_model
 from eval.zeroshot import zero_shot_evaluate
-from eval_fixtures import (CRATE_TINY, DIST_BATCH, DIST_MAX_IMAGES, DS_STAGES, distributed_worker, free_port,
-                           shared_crate_tiny, shared_eval_sets)
+from eval_fixtures import (CRATE_TINY, DIST_BATCH, DIST_MAX_IMAGES, DS_STAGES, assert_accuracies_agree,
+                           distributed_worker, free_port, shared_crate_tiny, shared_eval_sets)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 KEYS = ("top1", "top5", "mean_per_class", "n_images", "per_class")
@@ -46,7 +46,7 @@ def test_two_ranks_give_the_one_process_numbers(distributed_run):
     workdir, results = distributed_run
     single = evaluate(shared_crate_tiny(), open_clip.get_tokenizer(CRATE_TINY), workdir / "shards")
     assert results["plain"]["world_size"] == 2 and results["plain"]["n_images"] == DIST_MAX_IMAGES
-    assert pick(results["plain"]) == pick(single)
+    assert_accuracies_agree(results["plain"], single)   # each rank forwards other batches than one process
 
 
 @pytest.mark.timeout(600)
@@ -56,7 +56,7 @@ def test_deepspeed_checkpoint_evaluates_like_the_in_memory_engine(distributed_ru
     model, _, tokenizer, name = load_eval_model(str(workdir / f"ckpt{stage}"))   # via `latest`
     assert name == CRATE_TINY and model.logit_scale.shape == torch.Size([])
     from_disk = evaluate(model, tokenizer, workdir / "shards")
-    assert pick(from_disk) == pick(results[f"engine{stage}"])
+    assert_accuracies_agree(from_disk, results[f"engine{stage}"])   # 1 process vs 2 ranks of the engine: other batches
     # one training step happened: the checkpoint is not the initial model
     init = shared_crate_tiny().state_dict()
     assert not torch.equal(model.state_dict()["visual.trunk.pos_embed"], init["visual.trunk.pos_embed"])
@@ -81,7 +81,7 @@ def test_zero_stages_consolidate_to_the_same_weights(distributed_run):
 def test_zero3_engine_uses_the_classifier_cache(distributed_run):
     _, results = distributed_run
     assert not results["engine3"]["cache_hit"] and results["engine3_cached"]["cache_hit"]
-    assert pick(results["engine3_cached"]) == pick(results["engine3"])
+    assert pick(results["engine3_cached"]) == pick(results["engine3"])   # exact: the same forward, classifier from disk
 
 
 @pytest.mark.timeout(600)
@@ -109,6 +109,6 @@ def test_weights_file_and_local_dir_load_the_same_model(tmp_path_factory, fashio
     for model_arg, pretrained in ((CRATE_TINY, str(tmp_path / "open_clip_model.safetensors")),
                                   (f"local-dir:{tmp_path}", None)):
         model, _, tokenizer, _ = load_eval_model(model_arg, pretrained)
-        assert pick(evaluate(model, tokenizer, sets["shards"], max_images=50)) == pick(expected)
+        assert pick(evaluate(model, tokenizer, sets["shards"], max_images=50)) == pick(expected)   # exact: a round trip
     with pytest.raises(ValueError, match="is a weights file"):
         load_eval_model(str(tmp_path / "open_clip_model.safetensors"))

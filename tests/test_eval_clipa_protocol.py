@@ -30,7 +30,7 @@ def test_clipa_eval_transform_is_the_torch_ports(monkeypatch):
     monkeypatch.setitem(open_clip_configs.PREPROCESS_CFGS, TINY, cfg)
     ours = eval_transform(create_clip(TINY, image_size=224))
     for img in _images():
-        assert torch.equal(ours(img), TORCH_PORT(img))
+        assert torch.equal(ours(img), TORCH_PORT(img))   # exact: the same torchvision/PIL operations
 
 
 def test_other_models_keep_open_clips_transform():

@@ -1,4 +1,4 @@
-"""Evaluation reliability (issue 10): the classifier cache key, eval shards split by whole shards, corrupt tars."""
+"""Evaluation reliability: the classifier cache key, eval shards split by whole shards, corrupt tars."""
 import open_clip
 import pytest
 import torch

@@ -33,8 +33,11 @@ def test_retrieval_matches_open_clip_metrics(sets, vit):
     image_feats, text_feats = reference_features(model, tokenizer, sets["captions"])
     expected = get_clip_metrics(image_feats, text_feats, logit_scale=1.0)
     assert result["n_pairs"] == 10 * PER_CLASS and result["n_unreadable"] == 0
+    # batches of 37 vs all 160 at once run other kernels: two similarities equal to the last bits may swap,
+    # moving one rank by one (R@k and the mean rank by 1/n, the median rank by at most 1)
+    n = result["n_pairs"]
     for key, value in expected.items():
-        assert result[key] == pytest.approx(float(value), abs=1e-9), key
+        assert result[key] == pytest.approx(float(value), abs=(1 if "median" in key else 1 / n) + 1e-9), key
     # captions name the class, so a class-aware model retrieves above chance (R@10 of chance = 10/160)
     assert result["image_to_text_R@10"] > 0.125 and result["text_to_image_R@10"] > 0.125
 

@@ -77,4 +77,4 @@ def test_zero3_shadow_tower_follows_the_stage_patch_size(patch):
     shadow = shadow_tower("CRATE-alpha-CLIPA-tiny", stage, trained).eval()
     shadow.load_state_dict(trained.state_dict())   # strict: every shape must match
     images = torch.randn(2, 3, 28, 28)
-    assert layer_diagnostics(shadow, images) == layer_diagnostics(trained, images)
+    assert layer_diagnostics(shadow, images) == layer_diagnostics(trained, images)   # exact: same tower, same weights

@@ -14,7 +14,7 @@ from eval.eval_datasets import classification_dataset, imagenet_wnids, read_labe
 from eval.model_loading import eval_transform
 from eval.unreadable_images import UnreadableDataError
 from eval.zeroshot import build_text_classifier, zero_shot_evaluate
-from eval_fixtures import CRATE_TINY, PER_CLASS, shared_crate_tiny
+from eval_fixtures import CRATE_TINY, PER_CLASS, assert_accuracies_agree, shared_crate_tiny
 
 NAMES = list(FASHION_MNIST_CLASSNAMES)
 TEMPLATES = list(FASHION_MNIST_TEMPLATES)
@@ -61,9 +61,8 @@ def test_trained_model_matches_open_clip_zero_shot(sets, vit, monkeypatch):
     result = ours(model, name, sets["folder"])
     top1, top5, mean_per_class = open_clip_reference(model, name, sets["folder"], monkeypatch)
     assert result["n_images"] == 10 * PER_CLASS and result["n_unreadable"] == 0
-    assert result["top1"] == pytest.approx(top1, abs=1e-12)
-    assert result["top5"] == pytest.approx(top5, abs=1e-12)
-    assert result["mean_per_class"] == pytest.approx(mean_per_class, abs=1e-6)   # float32 reference
+    # open_clip builds the classifier by its own code and forwards batches of 32 (ours: 48)
+    assert_accuracies_agree(result, {"top1": top1, "top5": top5, "mean_per_class": mean_per_class})
     assert result["top1"] > 0.25          # trained: well above the 10 % of chance
     assert result["top5"] > result["top1"]
     assert [c["n"] for c in result["per_class"]] == [PER_CLASS] * 10
@@ -75,20 +74,16 @@ def test_any_map_style_dataset_of_pairs_is_accepted(sets, vit):
     pairs = ImageFolder(str(sets["folder"]), transform=eval_transform(model))
     result = zero_shot_evaluate(model, open_clip.get_tokenizer(name), pairs, NAMES, TEMPLATES, batch_size=64,
                                 progress=False)
-    assert pick(result) == pick(ours(model, name, sets["folder"]))
+    assert_accuracies_agree(result, ours(model, name, sets["folder"]))   # batches of 64 vs 48
     with pytest.raises(ValueError, match="9 class names but the data set has 10 classes"):
         zero_shot_evaluate(model, open_clip.get_tokenizer(name), pairs, NAMES[:9], TEMPLATES, progress=False)
-
-
-def pick(result):
-    return {k: result[k] for k in ("top1", "top5", "mean_per_class", "n_images", "per_class")}
 
 
 def test_crate_alpha_tiny_matches_open_clip_zero_shot(sets, monkeypatch):
     model = shared_crate_tiny()
     result = ours(model, CRATE_TINY, sets["folder"])
     top1, top5, _ = open_clip_reference(model, CRATE_TINY, sets["folder"], monkeypatch)
-    assert (result["top1"], result["top5"]) == (pytest.approx(top1, abs=1e-12), pytest.approx(top5, abs=1e-12))
+    assert_accuracies_agree(result, {"top1": top1, "top5": top5})   # open_clip's classifier code, batches of 32
 
 
 def test_folder_flat_and_shards_give_the_same_numbers(sets, vit):
@@ -96,9 +91,8 @@ def test_folder_flat_and_shards_give_the_same_numbers(sets, vit):
     folder = ours(model, name, sets["folder"])
     flat = ours(model, name, sets["flat"], labels_file=sets["labels"])
     shards = ours(model, name, sets["shards"], batch_size=7)
-    for other in (flat, shards):
-        assert other["n_images"] == folder["n_images"]
-        assert (other["top1"], other["top5"], other["per_class"]) == (folder["top1"], folder["top5"], folder["per_class"])
+    assert_accuracies_agree(flat, folder)     # data order vs class order: each image in another batch
+    assert_accuracies_agree(shards, folder)   # batches of 7 vs 48
 
 
 def test_classifier_cache_hits_and_is_keyed_by_weights_and_templates(sets, vit, tmp_path):
@@ -138,7 +132,7 @@ def test_unreadable_images_are_counted_and_refused_above_the_threshold(sets, vit
     damaged = ours(model, name, folder, max_unreadable_fraction=0.02)
     assert damaged["n_unreadable"] == 2 and damaged["n_images"] == clean["n_images"]
     assert sorted(damaged["unreadable_examples"]) == ["00_T-shirt_top/garbage.jpg", "01_trouser/truncated.jpg"]
-    assert damaged["top1"] == clean["top1"]
+    assert_accuracies_agree(damaged, clean)   # the skipped files shift the images into other batches
 
 
 def test_max_images_spreads_over_all_classes(sets, vit):

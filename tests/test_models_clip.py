@@ -38,14 +38,14 @@ def embeddings(model, images, tokens):
 def test_configs_registered_and_tokenizers():
     names = set(open_clip.list_models())
     assert {TINY, "CRATE-alpha-CLIPA-B-16", "CRATE-alpha-CLIPA-L-14", "CRATE-alpha-CLIPA-H-14"} <= names
-    # the CLIP-BPE towers trained from scratch keep their earlier configs under CRATE-alpha-CLIP-*
+    # the CLIP-BPE text towers trained from scratch have their configs under CRATE-alpha-CLIP-*
     assert {"CRATE-alpha-CLIP-B-16", "CRATE-alpha-CLIP-L-14", "CRATE-alpha-CLIP-H-14"} <= names
     assert open_clip.get_tokenizer("CRATE-alpha-CLIP-L-14")(["a photo of a cat"]).shape == (1, 32)
     assert open_clip.get_tokenizer("CRATE-alpha-CLIP-B-16")(["a cat"]).shape == (1, 77)
     cfg = open_clip.get_model_config("CRATE-alpha-CLIP-H-14")
     assert cfg["embed_dim"] == 1024 and cfg["text_cfg"] == {"context_length": 32, "vocab_size": 49408,
                                                             "width": 1024, "heads": 16, "layers": 24}
-    for size in ("B-16", "L-14", "H-14"):   # the paper's CLIPA text tower (issue 8)
+    for size in ("B-16", "L-14", "H-14"):   # the paper's CLIPA text tower
         text = open_clip.get_model_config(f"CRATE-alpha-CLIPA-{size}")["text_cfg"]
         assert text == {"context_length": 32, "vocab_size": 32000, "hf_tokenizer_name": "bert-base-uncased",
                         "tokenizer_kwargs": {"strip_sep_token": True}, "width": 1024, "heads": 16, "layers": 24,

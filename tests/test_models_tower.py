@@ -270,6 +270,7 @@ def test_forward_intermediates_honours_grad_checkpointing(monkeypatch):
     model.set_grad_checkpointing(True)
     checked = model.forward_intermediates(x, intermediates_only=True)[-1].sum()
     checked.backward()
+    # exact: non-reentrant checkpointing runs the same grad-enabled forward (only the saving differs)
     assert len(calls) == len(model.blocks) and torch.equal(plain, checked)
     for n, g in grads.items():
         torch.testing.assert_close(model.get_parameter(n).grad, g, msg=n)
@@ -305,7 +306,7 @@ def test_fx_symbolic_trace_matches_eager(name, size):
     with torch.no_grad():
         for side in (size, size + 16):   # another size: resampled when the graph runs, not fixed at trace time
             x = torch.randn(2, 3, side, side)
-            torch.testing.assert_close(graph(x), model(x), rtol=0, atol=0)
+            torch.testing.assert_close(graph(x), model(x), rtol=0, atol=0)   # exact: the graph calls the same ops
     fixed = torch.fx.symbolic_trace(tiny(name, img_size=size).eval())
     with pytest.raises(ValueError, match="call set_input_size"):
         fixed(torch.randn(1, 3, size + 16, size + 16))

@@ -30,7 +30,7 @@ def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd
     vision_cfg = json.loads((run / "export" / "open_clip_config.json").read_text())["model_cfg"]["vision_cfg"]
     assert (vision_cfg["image_size"], vision_cfg["patch_size"]) == (28, 7)
     assert (run / "training_curve.png").is_file()
-    # issue 10 item 15: no misleading random-init notice (weights are loaded or random by design), and no
+    # no misleading random-init notice (weights are loaded or random by design), and no
     # torch deprecation notices of the collectives DeepSpeed and open_clip's ClipLoss call (one per rank)
     assert "initialized randomly" not in out + err and "is deprecated" not in out + err
     assert "final model on the 40 test images" in out
@@ -47,3 +47,24 @@ def test_a_failed_demo_says_so_and_prints_no_results(fashion_mnist_dir, tmp_path
     out, err = capfd.readouterr()
     assert rc != 0 and "stages.1.warmup_steps: 1000" in err and f"training stopped with exit code {rc}" in err
     assert "zero-shot top-1 on the" not in out and "[demo] plot:" not in out
+
+
+def test_demo_paths_come_from_its_config_and_the_makefile_installs_the_listed_packages():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from crate_clip.train.demo import DEMO_CONFIG, demo_paths
+    from crate_clip.train.run_config import load_run_config
+    from data_pipelines.sources.debian_packages import DEBIAN_PACKAGES
+
+    cfg = load_run_config(DEMO_CONFIG, check_paths=False)
+    assert demo_paths(str(DEMO_CONFIG), None, None) == (
+        Path(cfg.data.sources[0]).resolve(), Path(cfg.eval.evals[0].data).resolve(), Path(cfg.run.output_dir).resolve())
+    assert demo_paths(str(DEMO_CONFIG), "/d", "/r") == (Path("/d/train"), Path("/d/test"), Path("/r"))
+    # the Makefile's DEB_DATA is what the Python list prints (run as a plain script, before any install)
+    root = Path(DEMO_CONFIG).parents[2]
+    printed = subprocess.run([sys.executable, "data_pipelines/sources/debian_packages.py"], cwd=root,
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert printed == list(DEBIAN_PACKAGES.values())
+    assert "DEB_DATA := $(shell $(PYTHON) data_pipelines/sources/debian_packages.py)" in (root / "Makefile").read_text()

@@ -113,7 +113,9 @@ def test_locked_text_forward_matches_the_plain_model_in_fp32(tmp_path):
     plain, locked = _model(), _model()
     lock_text_tower(locked, lock_text=True)
     tokens = torch.randint(1, 500, (3, 16))
-    assert torch.equal(plain.encode_text(tokens), locked.encode_text(tokens))
+    # the locked tower runs under no_grad with its weights as buffers: the same maths, but other kernels may
+    # run than in the grad-enabled forward (last digits apart on a CPU with AVX512-BF16: 0.77103 vs 0.77104)
+    torch.testing.assert_close(locked.encode_text(tokens), plain.encode_text(tokens), rtol=1e-4, atol=1e-4)
 
 
 def test_custom_text_layout_and_shape_errors(tmp_path):

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, resample_patch_embed, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
+from crate_clip.models.image_normalization import IMAGENET_MEAN, IMAGENET_STD
 from crate_clip.models.ista import ISTA
 from crate_clip.models.mssa import MSSA
 from crate_clip.models.pos_embed import resize_image_pos_embed, square_grid
@@ -569,7 +569,7 @@ def _cfg(input_px: int = 224, num_classes: int = 1000, **kwargs) -> Dict:
     # mean/std: ImageNet defaults (the released models' own normalisation is not recorded in the spec).
     return dict(url="", num_classes=num_classes, input_size=(3, input_px, input_px), pool_size=None,
                 crop_pct=0.875, interpolation="bicubic", fixed_input_size=True,
-                mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, first_conv="patch_embed.proj",
+                mean=IMAGENET_MEAN, std=IMAGENET_STD, first_conv="patch_embed.proj",
                 classifier="head" if num_classes else None, **kwargs)
 
 

@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Dict, List
 
 import open_clip
-from open_clip.constants import IMAGENET_MEAN, IMAGENET_STD, OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from timm.models import is_model, register_model
 
 from crate_clip.models import crate_alpha
 from crate_clip.models.open_clip_text_tower import check_text_tower_config
+from crate_clip.models.image_normalization import IMAGENET_MEAN, IMAGENET_STD, OPENAI_MEAN, OPENAI_STD
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
-DEFAULT_PREPROCESS = {"mode": "RGB", "mean": OPENAI_DATASET_MEAN, "std": OPENAI_DATASET_STD,
+DEFAULT_PREPROCESS = {"mode": "RGB", "mean": OPENAI_MEAN, "std": OPENAI_STD,
                       "interpolation": "bicubic", "resize_mode": "shortest", "fill_color": 0}
 # the official CRATE-alpha-CLIPA protocol (torch_inference/eval_in1k.py; main_clip.py normalises the same way)
 CLIPA_PREPROCESS = {**DEFAULT_PREPROCESS, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, "interpolation": "bilinear"}

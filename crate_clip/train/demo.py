@@ -14,17 +14,20 @@ import sys
 import time
 from pathlib import Path
 
+from data_pipelines.sources.debian_packages import DEBIAN_PACKAGES
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo" / "fashion_mnist.yaml"
-DEB_PACKAGE = "dataset-fashion-mnist"
+DEB_PACKAGE = DEBIAN_PACKAGES["fashion_mnist"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The demo's arguments (all optional)."""
     p = argparse.ArgumentParser(prog="crate-clip demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(DEMO_CONFIG), help="run config (default: configs/demo/fashion_mnist.yaml)")
-    p.add_argument("--data-dir", default="data/fashion_mnist", help="where the shards and the eval set are written")
-    p.add_argument("--run-dir", default="runs/fashion_mnist_demo", help="the run's output folder")
+    p.add_argument("--data-dir", help="write the shards to DIR/train and the eval set to DIR/test (default: the "
+                                      "config's data.sources[0] and eval.evals[0].data)")
+    p.add_argument("--run-dir", help="the run's output folder (default: the config's run.output_dir)")
     p.add_argument("--nproc", type=int, default=2, help="training processes (default 2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="run-config override passed to `crate-clip train` (repeatable)")
@@ -58,20 +61,35 @@ def ensure_fashion_mnist() -> Path:
         "or put the four *-ubyte.gz files from the Fashion-MNIST release into ~/.cache/fashion-mnist/")
 
 
-def prepare_data(data_dir: Path, train_images: int | None = None, test_images: int | None = None) -> tuple[Path, Path]:
+def prepare_data(train_dir: Path, test_dir: Path, train_images: int | None = None,
+                 test_images: int | None = None) -> None:
     """Training shards (train split, 60,000 captioned images) and the zero-shot set (test split, 10,000),
     or the first `train_images` / `test_images` of them."""
     from data_pipelines.sources.fashion_mnist import write_fashion_mnist_eval_folder, write_fashion_mnist_shards
 
     source = ensure_fashion_mnist()
-    train_dir, test_dir = data_dir / "train", data_dir / "test"
     t0 = time.perf_counter()
     write_fashion_mnist_shards(train_dir, split="train", samples_per_shard=5_000, source_dir=source,
                                limit=train_images)
     if not (test_dir / "classnames.txt").is_file():
         write_fashion_mnist_eval_folder(test_dir, split="test", source_dir=source, limit=test_images)
     print(f"[demo] data ready in {time.perf_counter() - t0:.0f} s: shards {train_dir}, eval set {test_dir}", flush=True)
-    return train_dir, test_dir
+
+
+def demo_paths(config: str, data_dir: str | None, run_dir: str | None) -> tuple[Path, Path, Path]:
+    """(training shards, zero-shot eval set, run folder), absolute: the config's own paths (relative to the
+    working directory) unless --data-dir / --run-dir are given."""
+    from crate_clip.train.run_config import load_run_config
+
+    cfg = load_run_config(config, check_paths=False)
+    if not (cfg.data.sources and cfg.eval.evals):
+        raise ValueError(f"{config}: the demo writes its data to data.sources[0] and eval.evals[0].data; fix: "
+                         "give both (as configs/demo/fashion_mnist.yaml does)")
+    if data_dir is not None:
+        train_dir, test_dir = Path(data_dir) / "train", Path(data_dir) / "test"
+    else:
+        train_dir, test_dir = Path(cfg.data.sources[0]), Path(cfg.eval.evals[0].data)
+    return train_dir.resolve(), test_dir.resolve(), Path(run_dir or cfg.run.output_dir).resolve()
 
 
 def launch_command(config: str, nproc: int, overrides: list[str], resume: bool, overwrite: bool = False,
@@ -136,10 +154,10 @@ def main(argv=None) -> int:
     """Run the demo end to end; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
-    data_dir, run_dir = Path(args.data_dir).resolve(), Path(args.run_dir).resolve()
     try:
-        train_dir, test_dir = prepare_data(data_dir, args.train_images, args.test_images)
-    except FileNotFoundError as exc:
+        train_dir, test_dir, run_dir = demo_paths(args.config, args.data_dir, args.run_dir)
+        prepare_data(train_dir, test_dir, args.train_images, args.test_images)
+    except (FileNotFoundError, ValueError) as exc:
         print(f"[demo] {exc}", file=sys.stderr)
         return 1
     overrides = [f"run.output_dir={json.dumps(str(run_dir))}", f"data.sources={json.dumps([str(train_dir)])}",
@@ -159,13 +177,13 @@ def main(argv=None) -> int:
               f"{run_dir / 'checkpoints'}; `python -m crate_clip.train.demo --resume` continues from the last one",
               file=sys.stderr)
         return rc
-    probe = linear_probe_final(run_dir, data_dir, test_dir, args.probe_train_images) if results else None
+    probe = linear_probe_final(run_dir, train_dir.parent, test_dir, args.probe_train_images) if results else None
     if probe:
         print(f"[demo] final model on the {results[-1]['n_images']:,} test images: zero-shot top-1 "
               f"{100 * results[-1]['top1']:.2f}%, "
               f"linear probe top-1 {100 * probe['top1']:.2f}% ({probe['n_train']} labelled training images)")
     print(f"[demo] plot: {run_dir / 'training_curve.png'}\n[demo] export: {run_dir / 'export'} "
-          f"(open_clip.create_model_and_transforms('local-dir:{run_dir / 'export'}') after `import crate_clip`)")
+          f"(crate_clip.train.export.load_export('{run_dir / 'export'}'): open_clip's local-dir: loader)")
     print(f"[demo] finished in {time.perf_counter() - t0:.0f} s")
     return 0 if results else 1
 

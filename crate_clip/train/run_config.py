@@ -20,7 +20,7 @@ from crate_clip.models.token_masks import TokenMask
 from data_pipelines.device_decode import Decode
 from data_pipelines.shard_reader import ShardListError, expand_source, is_remote
 from data_pipelines.text_reduction import TextMask
-from data_pipelines.train_stream import StreamConfig
+from data_pipelines.train_stream import StreamConfig, crop_scale_problems
 from eval.registry import EvalSpec
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -36,29 +36,39 @@ class ConfigError(ValueError):
 
 class RunSection(Section):
     """Where the run writes, its seed, and when it gives up on non-finite losses."""
-    name: str = "run"
-    output_dir: str = "runs/run"
-    seed: Int = 0
-    max_nonfinite_in_a_row: Int = Field(5, ge=1, description="a few skipped steps in a row are normal in fp16")
+    name: str = Field("run", description="the run's name")
+    output_dir: str = Field("runs/run", description="where the run writes: checkpoints, metrics, results, plot, "
+                                                   "export")
+    seed: Int = Field(0, description="seed of the initial weights and of the data order (each stage draws its "
+                                     "own stream seed from it)")
+    max_nonfinite_in_a_row: Int = Field(5, ge=1, description="non-finite steps in a row that stop the run (a few "
+                                                             "skipped steps in a row are normal in fp16)")
 
 
 class ModelSection(Section):
     """Which open_clip model config to build (any registered name, e.g. CRATE-alpha-CLIPA-L-14)."""
-    name: str = "CRATE-alpha-CLIPA-tiny"
-    pretrained: Optional[str] = None       # weights file or checkpoint folder for the first stage (resized)
-    tokenizer: Optional[str] = None        # open_clip tokenizer / model name; default: model.name
-    grad_checkpointing: Bool = False
-    attention: AttentionKernel = "auto"
-    compile: Bool = False                  # torch.compile the image and text towers (Module.compile: same keys)
-    # how carried weights' image position embeddings are resized at a stage change (and for the
-    # full-size eval of a low-res stage): 'official_1d' (the CRATE-alpha CLIPA code) or 'grid_2d'
-    pos_embed_resize: Literal[POS_EMBED_RESIZE_MODES] = "grid_2d"
-    bert_vocab: Optional[str] = None       # folder with vocab.txt: BERT tokenizer without the HuggingFace hub
-    # the paper's setup: the text tower (and logit scale) copied from a CLIPA checkpoint and frozen. A weights
-    # file, local-dir:DIR, hf-hub:ORG/REPO or open_clip's MODEL:TAG (e.g. ViT-H-14-CLIPA:datacomp1b)
-    text_pretrained: Optional[str] = None
-    lock_text: Bool = False                # no gradients, no optimizer state, replicated (not ZeRO-partitioned)
-    lock_logit_scale: Bool = False         # the temperature stays as created / copied from text_pretrained
+    name: str = Field("CRATE-alpha-CLIPA-tiny", description="any registered open_clip model name")
+    pretrained: Optional[str] = Field(None, description="weights file or checkpoint folder for the first stage (resized to its shapes)")
+    tokenizer: Optional[str] = Field(None, description="open_clip tokenizer / model name; default: model.name")
+    grad_checkpointing: Bool = Field(False, description="recompute each block in the backward: less activation "
+                                                        "memory, more compute")
+    attention: AttentionKernel = Field("auto", description="scaled_dot_product_attention kernel: auto = math on "
+                                                           "CPU, torch's choice on GPU")
+    compile: Bool = Field(False, description="torch.compile the image and text towers (Module.compile: same keys)")
+    pos_embed_resize: Literal[POS_EMBED_RESIZE_MODES] = Field(
+        "grid_2d", description="how carried weights' image position embeddings are resized at a stage change (and "
+                               "for the full-size eval of a low-res stage): official_1d (the CRATE-alpha CLIPA code) "
+                               "or grid_2d")
+    bert_vocab: Optional[str] = Field(None, description="folder with vocab.txt: the BERT tokenizer without the "
+                                                        "HuggingFace hub")
+    text_pretrained: Optional[str] = Field(None, description="copy the text tower (and logit scale) from a CLIPA "
+                                                             "checkpoint, the paper's setup: a weights file, "
+                                                             "local-dir:DIR, hf-hub:ORG/REPO or open_clip's MODEL:TAG "
+                                                             "(e.g. ViT-H-14-CLIPA:datacomp1b)")
+    lock_text: Bool = Field(False, description="freeze the text tower: no gradients, no optimizer state, "
+                                               "replicated (not ZeRO-partitioned)")
+    lock_logit_scale: Bool = Field(False, description="the temperature stays as created / copied from "
+                                                      "text_pretrained")
 
     def checks(self) -> list[tuple[str, str]]:
         """text_pretrained names a usable source; a locked text tower starts from pretrained weights."""
@@ -75,37 +85,37 @@ class ModelSection(Section):
         return problems
 
 
-def _crop_problem(key: str, scale) -> list[tuple[str, str]]:
-    if scale is None or 0 < scale[0] <= scale[1] <= 1:
-        return []
-    return [(key, f"{list(scale)}; fix: [min, max] with 0 < min <= max <= 1, or remove it")]
-
-
 class StageConfig(Section):
     """One training stage: token budget (image size, text length, masks), batch, samples and LR schedule."""
-    name: str = "stage"
-    image_size: Int = 224
+    name: str = Field("stage", description="the stage's name (checkpoint tags, logs); unique in the run")
+    image_size: Int = Field(224, description="image side in pixels")
     context_length: Int = Field(32, ge=2, description="text tokens, e.g. 32")
-    samples: Int = 0
-    global_batch: Int = Field(256, ge=2, description="a contrastive batch needs >= 2 samples")
-    lr: Float = 1e-3
-    warmup_steps: Int = 0
-    weight_decay: Float = Field(0.2, ge=0)
-    min_lr: Float = 0.0
-    text_mask: TextMask = "truncate"
-    image_mask: TokenMask = "none"
+    samples: Int = Field(0, description="training samples of the stage (rounded down to whole global batches)")
+    global_batch: Int = Field(256, ge=2, description="the contrastive batch over all ranks; a contrastive batch "
+                                                     "needs >= 2 samples")
+    lr: Float = Field(1e-3, description="peak learning rate: linear warm-up to it, then cosine decay to min_lr")
+    warmup_steps: Int = Field(0, description="optimizer steps of linear learning-rate warm-up")
+    weight_decay: Float = Field(0.2, ge=0, description="AdamW's decoupled weight decay of the matrix kernels "
+                                                       "(biases, norms and the like are not decayed)")
+    min_lr: Float = Field(0.0, description="the learning rate the cosine decay ends at, between 0 and lr")
+    text_mask: TextMask = Field("truncate", description="how captions are reduced to context_length (CLIPA)")
+    image_mask: TokenMask = Field("none", description="which patch tokens the image tower drops in training")
     image_mask_ratio: Float = Field(0.0, ge=0, lt=1, description="the share of patch tokens dropped, in [0, 1)")
-    crop_scale: Optional[tuple[Float, Float]] = None  # random-resized-crop area range; default: data.crop_scale
-    # the image tower's patch size from this stage on (default: the previous stage's, else the model config's);
-    # a change resizes the patch kernel at the stage change: pi_resize (FlexiViT) or bilinear (CRATE-alpha paper)
-    patch_size: Optional[Int] = Field(None, ge=1, description="patch side in pixels, up to image_size")
-    patch_resize: Literal["pi_resize", "bilinear"] = "pi_resize"
-    # per-rank micro-batch (an int, or "auto": the planner's largest that fits); None = global_batch / world.
-    # k = global_batch / (micro_batch x world) accumulation steps with exact contrastive gradients
-    micro_batch: Optional[Union[Literal["auto"], Annotated[int, Field(ge=1)]]] = None
-    # where JPEGs are decoded: 'cpu' (loader workers) or 'device' (workers draw the crops and ship the bytes;
-    # batched torchvision decode_jpeg + crop/resize/normalise on the training device; same crops and seeds)
-    decode: Decode = "cpu"
+    crop_scale: Optional[tuple[Float, Float]] = Field(None, description="random-resized-crop area range; default: "
+                                                                        "data.crop_scale")
+    patch_size: Optional[Int] = Field(None, ge=1, description="the image tower's patch side in pixels from this "
+                                                              "stage on, up to image_size (default: the previous "
+                                                              "stage's, else the model config's)")
+    patch_resize: Literal["pi_resize", "bilinear"] = Field("pi_resize", description="how a patch-size change "
+                                                           "resizes the kernel: pi_resize (FlexiViT) or bilinear "
+                                                           "(the CRATE-alpha paper)")
+    micro_batch: Optional[Union[Literal["auto"], Annotated[int, Field(ge=1)]]] = Field(
+        None, description="per-rank micro-batch: an int, or auto (the planner's largest that fits); default "
+                          "global_batch / world. k = global_batch / (micro_batch x world) accumulation steps with "
+                          "exact contrastive gradients")
+    decode: Decode = Field("cpu", description="where JPEGs are decoded: cpu (loader workers) or device (workers draw "
+                                              "the crops and ship the bytes; batched decode + crop/resize/normalise "
+                                              "on the training device; same crops and seeds)")
 
     @property
     def steps(self) -> int:
@@ -114,7 +124,7 @@ class StageConfig(Section):
 
     def checks(self) -> list[tuple[str, str]]:
         """Problems that involve more than one key, each with its fix."""
-        problems = _crop_problem("crop_scale", self.crop_scale)
+        problems = crop_scale_problems("crop_scale", self.crop_scale)
         if self.image_size < 1:
             problems.append(("image_size", f"{self.image_size}; fix: a positive size in pixels (e.g. 84)"))
         if self.samples < self.global_batch:
@@ -138,9 +148,9 @@ class StageConfig(Section):
 
 class OptimizerSection(Section):
     """AdamW with decoupled weight decay (per-stage decay and LR live in the stages)."""
-    betas: list[Float] = [0.9, 0.95]
-    eps: Float = Field(1e-6, gt=0)
-    grad_clip: Float = Field(1.0, ge=0, description="0 = no clipping")
+    betas: list[Float] = Field([0.9, 0.95], description="AdamW's two betas, each in [0, 1)")
+    eps: Float = Field(1e-6, gt=0, description="AdamW's epsilon")
+    grad_clip: Float = Field(1.0, ge=0, description="gradient-norm clipping; 0 = no clipping")
 
     def checks(self) -> list[tuple[str, str]]:
         """Two betas in [0, 1)."""
@@ -151,9 +161,11 @@ class OptimizerSection(Section):
 
 class DeepSpeedSection(Section):
     """ZeRO stage and settings: a JSON/YAML file from configs/deepspeed/ plus inline overrides."""
-    zero_stage: Optional[Int] = None       # default: the file's zero_optimization.stage, else 1
-    config: Optional[str] = None           # e.g. configs/deepspeed/zero2.json (relative: to the run config)
-    overrides: dict[str, Any] = {}
+    zero_stage: Optional[Int] = Field(None, description="0, 1, 2 or 3; default: the file's "
+                                                        "zero_optimization.stage, else 1")
+    config: Optional[str] = Field(None, description="a DeepSpeed JSON / YAML file, e.g. configs/deepspeed/zero2.json "
+                                                    "(relative: to the run config)")
+    overrides: dict[str, Any] = Field({}, description="DeepSpeed config keys merged over the file's")
 
     def checks(self) -> list[tuple[str, str]]:
         """A ZeRO stage DeepSpeed has."""
@@ -164,24 +176,25 @@ class DeepSpeedSection(Section):
 
 class CheckpointSection(Section):
     """Checkpoint cadence (every N steps, plus every stage end) and how many to keep."""
-    every_steps: Int = Field(0, ge=0, description="0 = only at stage ends")
-    keep_last: Int = Field(3, ge=1, description="the newest checkpoint is needed to resume and to export")
+    every_steps: Int = Field(0, ge=0, description="a checkpoint every N steps, and at every stage end; 0 = only "
+                                                  "at stage ends")
+    keep_last: Int = Field(3, ge=1, description="checkpoints kept; the newest is needed to resume and to export")
 
 
 class EvalSection(Section):
     """Evaluations run on all ranks after every stage; low-res stages are also evaluated at full size."""
-    after_each_stage: Bool = True
-    full_image_size: Optional[Int] = Field(None, ge=1, description="a size in pixels; default: the last "
-                                                                   "stage's image size")
-    evals: list[EvalSpec] = []             # each entry: one task of eval/tasks/ with its own settings
+    after_each_stage: Bool = Field(True, description="run the evaluations after every stage")
+    full_image_size: Optional[Int] = Field(None, ge=1, description="the size in pixels a low-res stage is also "
+                                                                   "evaluated at; default: the last stage's")
+    evals: list[EvalSpec] = Field([], description="each entry: one task of eval/tasks/ with its own settings")
 
 
 class LoggingSection(Section):
     """Console progress bar, TensorBoard, metrics.jsonl cadence and the final PNG plot."""
-    every_steps: Int = Field(10, ge=1)
-    progress: Bool = True
-    tensorboard: Bool = True
-    plot: Bool = True
+    every_steps: Int = Field(10, ge=1, description="a metrics.jsonl / TensorBoard row every N steps")
+    progress: Bool = Field(True, description="the console progress bar")
+    tensorboard: Bool = Field(True, description="TensorBoard events in tensorboard/")
+    plot: Bool = Field(True, description="training_curve.png at the end")
     diagnostics_every: Int = Field(0, ge=0, description="white-box coding rate / sparsity per layer every N "
                                    "steps (0 = off)")
     diagnostics_images: Int = Field(64, ge=1, description="probe batch: this many images of eval.evals[0]")
@@ -191,10 +204,11 @@ class RunConfig(Section):
     """A whole run: model, data, stages, optimizer, precision, DeepSpeed, checkpoints, eval, logging."""
     run: RunSection = RunSection()
     model: ModelSection = ModelSection()
-    data: StreamConfig = Field(default_factory=dict, validate_default=True)  # the stream's own schema
-    stages: list[StageConfig] = []
+    data: StreamConfig = Field(default_factory=dict, validate_default=True,
+                               description="the stream's own schema (data_pipelines.train_stream.StreamConfig)")
+    stages: list[StageConfig] = Field([], description="the training stages, in order")
     optimizer: OptimizerSection = OptimizerSection()
-    precision: Precision = "bf16"
+    precision: Precision = Field("bf16", description="bf16 / fp16 / fp32 (on CPU: bf16 or fp32)")
     deepspeed: DeepSpeedSection = DeepSpeedSection()
     checkpoint: CheckpointSection = CheckpointSection()
     eval: EvalSection = EvalSection()

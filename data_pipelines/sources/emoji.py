@@ -8,6 +8,8 @@ from typing import Iterator
 
 from PIL import Image, ImageDraw, ImageFont
 
+from data_pipelines.sources.debian_packages import DEBIAN_PACKAGES
+
 FONT_PATHS = ("/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf", "/usr/share/fonts/noto/NotoColorEmoji.ttf")
 EMOJI_TEST_PATHS = ("/usr/share/unicode/emoji/emoji-test.txt", "/usr/share/unicode-data/emoji/emoji-test.txt")
 NOTO_BITMAP_SIZE = 109  # the only size Noto's CBDT bitmap strikes render at
@@ -15,17 +17,17 @@ TEMPLATES = ("{}", "an emoji of {}", "a picture of {}", "{} icon", "a cartoon of
 _LINE = re.compile(r"^([0-9A-F ]+?)\s*;\s*fully-qualified\s*#\s*\S+\s+E[\d.]+\s+(.+)$")
 
 
-def _first_existing(paths) -> Path:
+def _first_existing(paths, package: str) -> Path:
     """The first of `paths` that exists (FileNotFoundError naming the Debian package otherwise)."""
     for p in paths:
         if Path(p).is_file():
             return Path(p)
-    raise FileNotFoundError(f"none of {paths} exists; install Debian's fonts-noto-color-emoji and unicode-data")
+    raise FileNotFoundError(f"none of {paths} exists; install Debian's {DEBIAN_PACKAGES[package]}")
 
 
 def emoji_names(emoji_test: str | Path | None = None) -> list[tuple[str, str]]:
     """(emoji string, Unicode CLDR name) of every fully-qualified emoji in emoji-test.txt."""
-    path = Path(emoji_test) if emoji_test else _first_existing(EMOJI_TEST_PATHS)
+    path = Path(emoji_test) if emoji_test else _first_existing(EMOJI_TEST_PATHS, "emoji_names")
     out = []
     for line in path.read_text(encoding="utf-8").splitlines():
         m = _LINE.match(line)
@@ -51,7 +53,7 @@ def render_emoji(text: str, font: ImageFont.FreeTypeFont, size: int = 136, backg
 def emoji_samples(limit: int | None = None, size: int = 136, seed: int = 0, font_path=None,
                   emoji_test=None, background=(255, 255, 255, 255)) -> Iterator[dict]:
     """Rendered emoji with captions from their names, for write_shards (images rendered lazily)."""
-    font = ImageFont.truetype(str(font_path or _first_existing(FONT_PATHS)), NOTO_BITMAP_SIZE)
+    font = ImageFont.truetype(str(font_path or _first_existing(FONT_PATHS, "emoji_images")), NOTO_BITMAP_SIZE)
     rng = random.Random(f"emoji-{seed}")
     count = 0
     for i, (text, name) in enumerate(emoji_names(emoji_test)):

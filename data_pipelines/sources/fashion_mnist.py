@@ -11,6 +11,7 @@ import numpy as np
 from PIL import Image
 
 from crate_clip.class_names import FASHION_MNIST_CLASSNAMES as CLASSNAMES
+from data_pipelines.sources.debian_packages import DEBIAN_PACKAGES
 
 SEARCH_DIRS = ("/usr/share/datasets/fashion-mnist", "~/.cache/fashion-mnist", "data/fashion-mnist")
 SPLIT_PREFIX = {"train": "train", "test": "t10k"}
@@ -36,7 +37,7 @@ def find_fashion_mnist(source_dir: str | Path | None = None) -> Path:
         if (d / "t10k-images-idx3-ubyte.gz").is_file() or (d / "t10k-images-idx3-ubyte").is_file():
             return d
     raise FileNotFoundError(f"Fashion-MNIST idx files not found in {', '.join(map(str, candidates))}; install "
-                            "Debian's dataset-fashion-mnist or pass source_dir")
+                            f"Debian's {DEBIAN_PACKAGES['fashion_mnist']} or pass source_dir")
 
 
 def _read_idx(path: Path) -> np.ndarray:

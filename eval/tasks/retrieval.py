@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from eval.eval_datasets import ShardSamples, shard_urls
 from eval.eval_settings import EvalSettings
 from eval.retrieval import retrieval_evaluate
@@ -11,7 +13,7 @@ from eval.retrieval import retrieval_evaluate
 class Settings(EvalSettings):
     """Retrieval settings (only the shared ones)."""
 
-    type: Literal["retrieval"] = "retrieval"
+    type: Literal["retrieval"] = Field("retrieval", description="the task")
 
 
 def run(model, settings: Settings, context) -> dict:

@@ -14,7 +14,7 @@ from eval.zeroshot import zero_shot_evaluate
 class Settings(EvalSettings):
     """Zero-shot classification settings."""
 
-    type: Literal["zeroshot"] = "zeroshot"
+    type: Literal["zeroshot"] = Field("zeroshot", description="the task (an entry without a type is a zeroshot one)")
     dataset: str = Field("imagenet1k", description="imagenet1k | fashion_mnist (built-in class names) | any "
                                                    "name with classnames or classnames.txt beside the data")
     templates: Optional[str] = Field(None, description=f"{' | '.join(BUILTIN_TEMPLATES)} | a file of '{{}}' "
