@@ -297,7 +297,7 @@ def test_compile_fullgraph_and_export_match_eager():
         torch.testing.assert_close(torch.export.export(model, (x,)).module()(x), eager)
 
 
-@pytest.mark.parametrize("name,size", [("crate_alpha_tiny_patch16_224", 32), ("crate_alpha_clipa_w128_d4_h4_p4_28", 28)])
+@pytest.mark.parametrize("name,size", [("crate_alpha_tiny_patch16_224", 32), ("crate_alpha_clipa.w128_d4_h4_p4_28", 28)])
 def test_fx_symbolic_trace_matches_eager(name, size):
     """torch.fx traces the tower: the grid and position-embedding checks are leaf calls run with the graph."""
     model = tiny(name, img_size=size, dynamic_img_size=True).eval()

@@ -1,6 +1,7 @@
 """CRATE / CRATE-alpha image towers (registered with timm on import) and CRATE-alpha CLIP configs (open_clip)."""
 from crate_clip.models.crate_alpha import VARIANTS, CrateAlpha, checkpoint_filter_fn, official_to_timm
-from crate_clip.models.open_clip_configs import preprocess_cfg_for, register_clip_tower, register_open_clip_configs
+from crate_clip.models.clip_tower_names import clip_tower_name, register_clip_tower
+from crate_clip.models.open_clip_configs import preprocess_cfg_for, register_open_clip_configs
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_tokenizers import (TokenizerUnavailableError, bert_text_cfg, bert_tokenizer,
                                                clip_tokenizer, tokenizer_record)
@@ -12,7 +13,7 @@ from crate_clip.models.pos_embed import POS_EMBED_RESIZE_MODES, resize_image_pos
 
 CLIP_MODEL_NAMES = register_open_clip_configs()
 
-__all__ = ["CrateAlpha", "VARIANTS", "checkpoint_filter_fn", "official_to_timm", "register_clip_tower",
+__all__ = ["CrateAlpha", "VARIANTS", "checkpoint_filter_fn", "official_to_timm", "clip_tower_name", "register_clip_tower",
            "register_open_clip_configs", "preprocess_cfg_for", "CheckpointMismatchError", "TokenizerUnavailableError",
            "bert_text_cfg", "bert_tokenizer", "clip_tokenizer", "tokenizer_record", "create_clip",
            "image_tower_param_count", "load_clip_weights", "read_state_dict", "resize_clip_state_dict",
