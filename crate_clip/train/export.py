@@ -167,11 +167,17 @@ def write_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
     os.chmod(path, 0o644)   # readable like the export's other files (the library creates it owner-only)
 
 
-def _staging_dir(out_dir: Path) -> Path:
-    """An empty folder beside `out_dir` to write the export into; `out_dir` must be new or an export."""
-    if out_dir.exists() and not (out_dir / CONFIG_FILE).is_file() and any(out_dir.iterdir()):
+def check_out_dir(out_dir: Path) -> None:
+    """Raise FileExistsError unless `out_dir` is new, empty or an earlier export (which an export replaces)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not (out_dir / CONFIG_FILE).is_file() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"{out_dir}: exists and is not an export (no {CONFIG_FILE}); choose a new folder "
                               f"(an earlier export there is replaced)")
+
+
+def _staging_dir(out_dir: Path) -> Path:
+    """An empty folder beside `out_dir` to write the export into."""
+    check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.with_name(f".{out_dir.name}.writing")
     shutil.rmtree(staging, ignore_errors=True)   # a leftover of an interrupted export
