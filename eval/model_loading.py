@@ -5,6 +5,7 @@ are consolidated to fp32 by crate_clip.checkpoint_io, the one owner of the check
 """
 import json
 import pickle
+import sys
 import zipfile
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, consolida
                                                           is_deepspeed_checkpoint, resolve_checkpoint_tag)
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, quiet_random_init, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
-from crate_clip.models.patch_change import create_clip_at_patch, register_tower_of
+from crate_clip.models.patch_change import checkpoint_input_sizes, create_clip_at_patch, register_tower_of
 from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
 
 LOCAL_DIR = "local-dir:"
@@ -58,7 +59,7 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
                          f"--pretrained (or use local-dir:FOLDER for an exported model with open_clip_config.json)")
     else:
         _check_not_a_missing_path(model)
-        clip, model_name, info = create_clip(model, image_size=image_size, pretrained=pretrained), model, {}
+        clip, model_name, info = _from_weights_file(model, pretrained, image_size), model, {}
     clip = clip.to(device).eval()
     bert_vocab = bert_vocab or _recorded_vocab(info)
     return clip, eval_transform(clip, image_size), eval_tokenizer(model_name, clip, bert_vocab), model_name
@@ -68,6 +69,19 @@ def _recorded_vocab(info: dict) -> str | None:
     # the vocabulary a run was trained with, when it is still where the run found it
     vocab = (info.get("tokenizer") or {}).get("bert_vocab")
     return vocab if vocab and Path(vocab).is_dir() else None
+
+
+def _from_weights_file(model: str, pretrained: str | None, image_size: int | None):
+    """The config `model` holding a weights file, rebuilt at the patch size, image size and context length the
+    file was saved at (a stage or an export may have changed them); `image_size` overrides the file's."""
+    if pretrained is None:
+        return create_clip(model, image_size=image_size)
+    if (Path(pretrained).parent / "open_clip_config.json").is_file():   # the weights of an export
+        print(f"note: {pretrained} is part of an export; evaluating it with --model's preprocessing and tokenizer "
+              f"(--model local-dir:{Path(pretrained).parent} uses the export's own)", file=sys.stderr)
+    state = read_state_dict(pretrained)
+    saved_size, context_length = checkpoint_input_sizes(state)
+    return create_clip_at_patch(model, state, image_size=image_size or saved_size, context_length=context_length)
 
 
 def _check_not_a_missing_path(model: str) -> None:

@@ -87,6 +87,25 @@ def test_stage_change_resizes_the_kernel_and_eval_export_know_the_patch(resize, 
     assert set(got) == set(weights) and all(torch.equal(got[k].reshape(-1), weights[k].float().reshape(-1)) for k in got)
 
 
+def test_eval_of_an_exports_weights_file_rebuilds_at_its_patch_image_size_and_context(tmp_path, capsys):
+    """`crate-clip eval --model CONFIG --pretrained export/open_clip_model.safetensors` of a patch-7, 21 px,
+    16-token export: the model is the export's (rebuilt as saved), and a note names the local-dir: form."""
+    from crate_clip.train.export import WEIGHTS_FILE, export_open_clip, load_export
+    from eval.model_loading import load_eval_model
+
+    torch.manual_seed(0)
+    weights = create_clip_at_patch(TINY, None, 7, image_size=21, context_length=16).state_dict()
+    export_open_clip(weights, TINY, tmp_path / "export", image_size=21, context_length=16)
+    model, _, tokenizer, _ = load_eval_model(TINY, pretrained=str(tmp_path / "export" / WEIGHTS_FILE))
+    assert model.visual.trunk.patch_size == 7 and model.visual.image_size == (21, 21) and model.context_length == 16
+    assert f"--model local-dir:{tmp_path / 'export'}" in capsys.readouterr().err
+    exported, _, exported_tokenizer = load_export(tmp_path / "export")
+    images, texts = torch.randn(2, 3, 21, 21), ["a shirt", "a sneaker"]
+    assert torch.equal(tokenizer(texts), exported_tokenizer(texts))
+    with torch.no_grad():
+        assert torch.equal(model.encode_image(images), exported.encode_image(images))
+
+
 def test_patch_size_keys_are_checked():
     from crate_clip.train.run_config import ConfigError
     with pytest.raises(ConfigError, match=r"stages.1.patch_resize: 'nearest'"):

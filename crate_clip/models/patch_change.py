@@ -7,15 +7,16 @@ its tower by its parameters (`crate_alpha_clipa.w.._d.._h.._p<patch>_<px>`, clip
 resolves after `import crate_clip`.
 """
 from pathlib import Path
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from crate_clip.models.clip_factory import (_image_tower, create_clip, load_clip_weights,
-                                            read_state_dict, strip_module_prefix)
+from crate_clip.models.clip_factory import (IMAGE_POS_KEY, TEXT_POS_KEY, _image_tower, create_clip,
+                                            load_clip_weights, read_state_dict, strip_module_prefix)
 from crate_clip.models.clip_tower_names import parse_clip_tower_name, register_clip_tower
 from crate_clip.models.open_clip_configs import image_patch_size
+from crate_clip.models.pos_embed import square_grid
 
 KERNEL_KEY = "visual.trunk.patch_embed.proj.weight"
 
@@ -24,6 +25,20 @@ def checkpoint_patch_size(state_dict: Dict[str, torch.Tensor]) -> Optional[int]:
     """The image tower's patch size in a CLIP state dict (its conv kernel side), None without one."""
     kernel = state_dict.get(KERNEL_KEY)
     return None if kernel is None or kernel.ndim != 4 else int(kernel.shape[-1])
+
+
+def checkpoint_input_sizes(state_dict: Dict[str, torch.Tensor]) -> Tuple[Optional[int], Optional[int]]:
+    """(image size, context length) a CLIP state dict of ours was saved at: its patch grid x patch size and its
+    text position embedding's length; None where it does not say (another layout, a non-square grid)."""
+    patch, pos = checkpoint_patch_size(state_dict), state_dict.get(IMAGE_POS_KEY)
+    image_size = None
+    if patch is not None and pos is not None and pos.ndim == 3:
+        try:
+            image_size = square_grid(pos.shape[1])[0] * patch
+        except ValueError:
+            pass
+    text = state_dict.get(TEXT_POS_KEY)
+    return image_size, (int(text.shape[0]) if text is not None and text.ndim == 2 else None)
 
 
 def tower_patch_size(model: nn.Module) -> Optional[int]:
