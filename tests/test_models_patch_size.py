@@ -112,3 +112,33 @@ def test_patch_size_keys_are_checked():
         _two_stage_config(7, 4, "nearest")
     with pytest.raises(ConfigError, match=r"stages.0.patch_size: 64"):
         _two_stage_config(64, 4)
+
+
+def test_tower_names_carry_patch_and_size_and_resolve_without_registration():
+    """`crate_alpha_clipa.w.._d.._h.._p<patch>_<px>` builds that tower through timm's own name parsing (the tag
+    goes to one registered architecture); registered variants keep their names where they fit; the underscore
+    form is registered on request; names that are no tower are refused naming the form."""
+    import timm
+    from timm.models import is_model
+
+    from crate_clip.models.clip_tower_names import FORM, parse_clip_tower_name, tower_name_at
+    from crate_clip.models.patch_change import register_tower_of
+
+    for patch, px in ((1, 3), (7, 21), (32, 96)):
+        tower = timm.create_model(f"crate_alpha_clipa.w16_d1_h2_p{patch}_{px}")
+        assert (tower.patch_size, tower.img_size, tower.embed_dim, len(tower.blocks)) == (patch, (px, px), 16, 1)
+        assert tower.patch_embed.proj.bias is None and tower.num_classes == 0   # a CLIP tower
+    assert tower_name_at("crate_alpha_clipa_large_patch14_224", 14, 224) == "crate_alpha_clipa_large_patch14_224"
+    assert tower_name_at("crate_alpha_clipa_large_patch14_224", 14, 84) == "crate_alpha_clipa.w1024_d24_h16_p14_84"
+    assert tower_name_at("crate_alpha_clipa.w128_d4_h4_p4_28", 7, 21) == "crate_alpha_clipa.w128_d4_h4_p7_21"
+    with pytest.raises(ValueError, match="only CRATE-alpha CLIP towers"):
+        tower_name_at("crate_alpha_tiny_patch16_224", 8, 224)   # a classifier (conv bias, head): no CLIP name
+    with pytest.raises(ValueError, match="multiple of heads"):
+        timm.create_model("crate_alpha_clipa.w10_d1_h3_p4_16")
+    with pytest.raises(ValueError, match=FORM.replace(".", r"\.")):
+        parse_clip_tower_name("crate_alpha_clipa.w16_p4")
+    legacy = "crate_alpha_clipa_w16_d1_h2_p5_20"
+    assert parse_clip_tower_name(legacy) == parse_clip_tower_name("crate_alpha_clipa.w16_d1_h2_p5_20")
+    assert not is_model(legacy)
+    register_tower_of({"vision_cfg": {"timm_model_name": legacy}})
+    assert timm.create_model(legacy).patch_size == 5

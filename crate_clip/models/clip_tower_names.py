@@ -10,7 +10,8 @@ has is therefore named by its parameters:
 timm reads `arch.tag` as an architecture and a pretrained tag and hands the tag to the architecture's entry
 point (as `pretrained_cfg`). `crate_alpha_clipa` is registered once, on import, and builds the tower its tag
 names, so every such name resolves in any process that imported crate_clip: nothing is registered per name.
-The underscore form `crate_alpha_clipa_w.._p<patch>_<px>` names the same towers one registered name each
+The untagged `crate_alpha_clipa` is its default tag's tower, CRATE-alpha-CLIPA-B/16's (`.w768_d12_h12_p16_224`),
+as for every timm architecture. The underscore form `crate_alpha_clipa_w.._p<patch>_<px>` names the same towers one registered name each
 (`register_clip_tower`, called for the JSONs of a config folder and by `register_tower_of`).
 """
 import re
@@ -25,6 +26,7 @@ FAMILY = "crate_alpha_clipa"
 _TAG = re.compile(r"^w(\d+)_d(\d+)_h(\d+)_p(\d+)_(\d+)$")
 _UNDERSCORE = re.compile(r"^crate_alpha_clipa_(w\d+_d\d+_h\d+_p\d+_\d+)$")
 FORM = f"{FAMILY}.w<width>_d<depth>_h<heads>_p<patch>_<px>"
+DEFAULT_TAG = "w768_d12_h12_p16_224"
 
 
 def clip_tower_name(width: int, depth: int, heads: int, patch_size: int, image_size: int) -> str:
@@ -80,8 +82,8 @@ def tower_name_at(name: str, patch_size: int, image_size: int) -> str:
 
 def _family_entrypoint(pretrained: bool = False, pretrained_cfg=None, **kwargs):
     """The CRATE-alpha CLIP tower its tag names (`crate_alpha_clipa.w128_d4_h4_p7_28`); no released weights."""
-    tag = pretrained_cfg if isinstance(pretrained_cfg, str) else ""
-    arch = _tag_arch(tag, f"{FAMILY}.{tag}" if tag else FAMILY)
+    tag = pretrained_cfg if isinstance(pretrained_cfg, str) else DEFAULT_TAG
+    arch = _tag_arch(tag, f"{FAMILY}.{tag}")
     if pretrained:
         raise ValueError(f"{FAMILY}.{tag}: parametric towers have no released weights; load a checkpoint instead")
     cfg = {**crate_alpha._cfg(arch["img_size"], num_classes=0), "tag": tag}
@@ -91,7 +93,7 @@ def _family_entrypoint(pretrained: bool = False, pretrained_cfg=None, **kwargs):
 def _register_family() -> None:
     _family_entrypoint.__name__ = _family_entrypoint.__qualname__ = FAMILY
     _family_entrypoint.__module__ = crate_alpha.__name__   # listed with the other CRATE towers
-    crate_alpha.default_cfgs.update(generate_default_cfgs({FAMILY: crate_alpha._cfg(224, num_classes=0)}))
+    crate_alpha.default_cfgs.update(generate_default_cfgs({f"{FAMILY}.{DEFAULT_TAG}": crate_alpha._cfg(224, num_classes=0)}))
     setattr(crate_alpha, FAMILY, register_model(_family_entrypoint))
 
 
