@@ -98,7 +98,7 @@ def _from_local_dir(model: str, image_size: int | None):
     if weights is None:
         raise FileNotFoundError(f"{folder}: no open_clip_model.safetensors / open_clip_pytorch_model.bin weights")
     config = folder / "open_clip_config.json"
-    if config.is_file():   # an export at a changed patch size names a parametric tower: register it with timm
+    if config.is_file():   # an export naming its tower in the underscore form needs it registered with timm
         register_tower_of(json.loads(config.read_text()).get("model_cfg"))
     with quiet_random_init():   # the weights are loaded on the next line
         clip = open_clip.create_model(model, load_weights=False, force_image_size=image_size)
