@@ -138,7 +138,8 @@ def test_import_errors_name_the_keys(tmp_path, small, official):
         load_official_clipa(_save(tmp_path, shape), small)
     some_biases = dict(sd)   # a file missing only some LayerNorm biases is not a layout: they are missing keys
     del some_biases["visual.transformer.resblocks.1.ln_2.bias"]
-    with pytest.raises(CheckpointMismatchError, match=r"missing keys \[visual\.transformer\.resblocks\.1\.ln_2\.bias\]"):
+    with pytest.raises(CheckpointMismatchError, match=r"missing keys \[visual\.transformer\.resblocks\.1\.ln_2\."
+                                                      r"bias\]"):
         load_official_clipa(_save(tmp_path, some_biases), small)
     with pytest.raises(CheckpointMismatchError, match="not the official CRATE-alpha-CLIPA layout"):
         load_official_clipa(_save(tmp_path, create_clip(small).state_dict(), "ours.pt"), small)

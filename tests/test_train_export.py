@@ -138,9 +138,9 @@ def test_exports_load_in_a_fresh_interpreter_with_the_trained_features(bert_conf
         threads = torch.get_num_threads()
         torch.set_num_threads(1)   # the fresh interpreter's: the same kernels give the same bits
         with torch.no_grad():
-            expected[case] = {"pixels": pixels, "tokens": tokenizer(TEXTS), "image_features": model.encode_image(pixels),
-                              "text_features": model.encode_text(tokenizer(TEXTS)), "patch": patch, "px": px,
-                              "mean": list(norm["mean"])}
+            expected[case] = {"pixels": pixels, "tokens": tokenizer(TEXTS), "patch": patch, "px": px,
+                              "image_features": model.encode_image(pixels),
+                              "text_features": model.encode_text(tokenizer(TEXTS)), "mean": list(norm["mean"])}
         torch.set_num_threads(threads)
         procs[case] = _fresh_load(f"local-dir:{out}", tmp_path / f"{case}.png", pixels, tmp_path / f"{case}.out", env)
         if hub_id:

@@ -11,8 +11,9 @@ timm reads `arch.tag` as an architecture and a pretrained tag and hands the tag 
 point (as `pretrained_cfg`). `crate_alpha_clipa` is registered once, on import, and builds the tower its tag
 names, so every such name resolves in any process that imported crate_clip: nothing is registered per name.
 The untagged `crate_alpha_clipa` is its default tag's tower, CRATE-alpha-CLIPA-B/16's (`.w768_d12_h12_p16_224`),
-as for every timm architecture. The underscore form `crate_alpha_clipa_w.._p<patch>_<px>` names the same towers one registered name each
-(`register_clip_tower`, called for the JSONs of a config folder and by `register_tower_of`).
+as for every timm architecture. The underscore form `crate_alpha_clipa_w.._p<patch>_<px>` names the same
+towers, one registered name each (`register_clip_tower`, called for the JSONs of a config folder and by
+`register_tower_of`).
 """
 import re
 from typing import Dict, Optional
@@ -93,7 +94,8 @@ def _family_entrypoint(pretrained: bool = False, pretrained_cfg=None, **kwargs):
 def _register_family() -> None:
     _family_entrypoint.__name__ = _family_entrypoint.__qualname__ = FAMILY
     _family_entrypoint.__module__ = crate_alpha.__name__   # listed with the other CRATE towers
-    crate_alpha.default_cfgs.update(generate_default_cfgs({f"{FAMILY}.{DEFAULT_TAG}": crate_alpha._cfg(224, num_classes=0)}))
+    default = {f"{FAMILY}.{DEFAULT_TAG}": crate_alpha._cfg(224, num_classes=0)}
+    crate_alpha.default_cfgs.update(generate_default_cfgs(default))
     setattr(crate_alpha, FAMILY, register_model(_family_entrypoint))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from copy import deepcopy
 from pathlib import Path
 
@@ -196,6 +197,17 @@ def load_export(out_dir: Path, device: str = "cpu"):
     with quiet_random_init():   # open_clip logs it for local-dir: models although it loads their weights
         model, _, preprocess = open_clip.create_model_and_transforms(spec, device=device)
     return model.eval(), preprocess, open_clip.get_tokenizer(spec)
+
+
+def verify_export(out_dir: Path, state_dict: dict, prog: str) -> int:
+    """Reload the export through open_clip and compare it with `state_dict`; prints the verdict (errors as
+    `prog: error: ...`) and returns the exit code, 0 or 1."""
+    reloaded, _, _ = load_export(out_dir)
+    if not export_state_equal(reloaded, state_dict):
+        print(f"{prog}: error: the export reloaded through open_clip differs", file=sys.stderr)
+        return 1
+    print("verified: open_clip reloads the export with identical weights")
+    return 0
 
 
 def export_state_equal(model: torch.nn.Module, state_dict: dict) -> bool:

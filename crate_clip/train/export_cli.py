@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
     from crate_clip.cli_errors import USER_ERRORS, report_error
     from crate_clip.models import TokenizerUnavailableError
-    from crate_clip.train.export import check_out_dir, export_checkpoint, export_state_equal, load_export
+    from crate_clip.train.export import check_out_dir, export_checkpoint, verify_export
     from crate_clip.train.export_source import export_source
 
     try:
@@ -49,13 +49,7 @@ def main(argv=None) -> int:
     print(f"wrote {out} from {source.tag_dir} (stage {source.info.get('stage_index')}, step "
           f"{source.info.get('step')}, {source.image_size} px); load it with open_clip.create_model_and_transforms("
           f"'local-dir:{out}') after `import crate_clip`")
-    if not args.no_verify:
-        reloaded, _, _ = load_export(out)
-        if not export_state_equal(reloaded, state):
-            print("crate-clip export: error: the export reloaded through open_clip differs", file=sys.stderr)
-            return 1
-        print("verified: open_clip reloads the export with identical weights")
-    return 0
+    return 0 if args.no_verify else verify_export(out, state, "crate-clip export")
 
 
 if __name__ == "__main__":
