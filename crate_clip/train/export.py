@@ -3,7 +3,7 @@
     open_clip_config.json          model_cfg (image tower named so `import crate_clip` alone resolves it, at
                                    the weights' patch size and image size), preprocess_cfg, tokenizer record
     open_clip_model.safetensors    fp32 weights (the file open_clip's hf-hub: loader looks for first)
-    vocab.txt, tokenizer_config.json, ...   a HuggingFace tokenizer's files (CLIPA's BERT), where open_clip's
+    tokenizer.json, tokenizer_config.json   a HuggingFace tokenizer's files (CLIPA's BERT), where open_clip's
                                    `get_tokenizer('local-dir:OUT')` reads them
     README.md                      the model card (exports of a training checkpoint)
 

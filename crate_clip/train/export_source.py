@@ -76,10 +76,10 @@ class ExportSource:
         return {k: list(data[k]) if k in data and tuple(data[k]) != tuple(getattr(defaults, k)) else list(model[k])
                 for k in ("mean", "std")}
 
-    @property
-    def stage_finished(self) -> bool:
-        """True for a stage's last checkpoint (the weights its after-stage evaluations measured)."""
-        return self.info.get("step", 0) >= self.info.get("stage_steps", float("inf"))
+
+def is_stage_end(info: dict) -> bool:
+    """True for the checkpoint info of a stage's last step (the weights its after-stage evaluations measured)."""
+    return info.get("step", 0) >= info.get("stage_steps", float("inf"))
 
 
 def export_source(checkpoint: str | Path, stage: int | None = None, bert_vocab: str | None = None) -> ExportSource:
@@ -124,7 +124,7 @@ def _stage_end(root: Path, stage: int) -> Path:
     ends = {}
     for name in _complete(root):
         info = read_info(root / name)
-        if info.get("stage_index") == stage and info.get("step", 0) >= info.get("stage_steps", float("inf")):
+        if info.get("stage_index") == stage and is_stage_end(info):
             ends[name] = info
     if not ends:
         raise ExportSourceError(f"{root}: no complete final checkpoint of stage {stage} (the run has not finished it, "
@@ -153,8 +153,7 @@ def _vocab(info: dict, bert_vocab: str | None, tag_dir: Path) -> str | None:
 def _results(tag_dir: Path, info: dict) -> list[dict]:
     """results.jsonl rows of the stages whose weights end in this checkpoint (the last row per evaluation)."""
     run_dir = tag_dir.parent.parent
-    stage = info.get("stage_index", 0)
-    finished = info.get("step", 0) >= info.get("stage_steps", float("inf"))
+    stage, finished = info.get("stage_index", 0), is_stage_end(info)
     rows = {}
     for row in read_jsonl(run_dir / RESULTS_FILE):
         if row.get("stage_index", -1) < stage or (finished and row.get("stage_index") == stage):
