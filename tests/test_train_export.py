@@ -1,7 +1,8 @@
 """Exports load wherever open_clip loads models: each export is opened in a fresh interpreter that runs only
 `import crate_clip, open_clip` (`local-dir:`, and `hf-hub:` from a Hugging Face cache laid out as a download
 leaves it), at any patch and image size, with the BPE or the BERT tokenizer, with a trained or a locked text tower;
-its features, tokens and preprocessing are the trained model's. Identical inputs give byte-identical files."""
+its features, tokens and preprocessing are the trained model's. Identical inputs, and two identical runs, give
+byte-identical export files."""
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import torch
 
 import crate_clip  # noqa: F401
 from crate_clip.models import register_open_clip_configs
+from train_fixtures import run_env, tiny_config, tiny_fmnist, write_config  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BERT_VOCAB = REPO_ROOT.parent / "shared" / "bert_base_uncased"
@@ -191,3 +193,27 @@ def test_an_export_never_replaces_a_folder_that_is_not_an_export(tmp_path):
     with pytest.raises(FileExistsError, match="not an export"):
         export_open_clip({}, TINY, tmp_path / "mine", image_size=28, context_length=16)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.slow
+def test_two_identical_runs_give_byte_identical_exports(tiny_fmnist, tmp_path):
+    """The same config trained twice (one process, fp32: the same kernels in the same order) exports the same
+    bytes, model card included: checksums and caches of exports work."""
+    stages = [{"name": "s", "image_size": 16, "patch_size": 8, "context_length": 16, "samples": 16,
+               "global_batch": 8, "lr": 2e-3}]
+    procs = []
+    for name in ("a", "b"):
+        cfg = tiny_config(tmp_path / name, tiny_fmnist, precision="fp32", stages=stages, evals=False,
+                          logging={"tensorboard": False, "plot": False, "progress": False})
+        cfg["data"]["num_workers"] = 0
+        config = write_config(cfg, tmp_path / f"{name}.yaml")
+        procs.append(subprocess.Popen([sys.executable, "-m", "crate_clip.train.cli", "--config", str(config)],
+                                      env=run_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    for proc in procs:
+        log, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, log[-4000:]
+    files = sorted(p.name for p in (tmp_path / "a" / "export").iterdir())
+    assert files == ["README.md", "open_clip_config.json", "open_clip_model.safetensors"]
+    for name in files:
+        assert (tmp_path / "a" / "export" / name).read_bytes() == (tmp_path / "b" / "export" / name).read_bytes(), name
