@@ -1,4 +1,4 @@
-"""The `crate-clip` command: dispatches to the train, eval, shards, demo, inspect and segment sub-commands."""
+"""The `crate-clip` command: dispatches to the sub-commands in SUBCOMMANDS (train, eval, export, shards, ...)."""
 import importlib
 import sys
 
@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "inspect": ("eval.inspect_cli", "white-box maps (attention per head, PCA) and a caption's attention and atoms"),
     "segment": ("eval.segment_cli", "zero-shot segmentation (MaskCut) as PNG overlays + COCO RLE JSON"),
     "convert": ("crate_clip.convert_cli", "released CRATE-alpha-CLIPA weights -> an open_clip local-dir: export"),
+    "export": ("crate_clip.train.export_cli", "a training checkpoint -> an open_clip local-dir: / hf-hub: folder"),
 }
 
 

@@ -10,7 +10,7 @@ import open_clip
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
 from crate_clip.models import (CheckpointMismatchError, TokenizerUnavailableError, clip_tokenizer,
                                load_official_clipa)
-from crate_clip.train.export import export_open_clip, export_state_equal, load_export
+from crate_clip.train.export import check_out_dir, export_open_clip, verify_export
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_model_name(args.model)
-        tokenizer = clip_tokenizer(args.model, bert_vocab=args.bert_vocab)  # fail before the slow part
+        check_out_dir(args.out)   # fail before the slow part
+        tokenizer = clip_tokenizer(args.model, bert_vocab=args.bert_vocab)
         if args.trust_checkpoint:
             print(TRUST_WARNING, file=sys.stderr)
         with trusted_checkpoints(args.trust_checkpoint):
@@ -49,19 +50,13 @@ def main(argv=None) -> int:
         state = model.state_dict()
         export_open_clip(state, args.model, args.out, image_size=model.visual.image_size[0],
                          context_length=model.context_length, bert_vocab=args.bert_vocab)
-    except (CheckpointMismatchError, TokenizerUnavailableError, FileNotFoundError, ValueError) as err:
+    except (CheckpointMismatchError, TokenizerUnavailableError, FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"crate-clip convert: error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {args.out} ({sum(v.numel() for v in state.values()):,} values, tokenizer "
           f"{type(tokenizer).__name__}); load it with open_clip.create_model_and_transforms("
           f"'local-dir:{args.out}') after `import crate_clip`")
-    if not args.no_verify:
-        reloaded, _, _ = load_export(args.out)
-        if not export_state_equal(reloaded, state):
-            print("crate-clip convert: error: the export reloaded through open_clip differs", file=sys.stderr)
-            return 1
-        print("verified: open_clip reloads the export with identical weights")
-    return 0
+    return 0 if args.no_verify else verify_export(args.out, state, "crate-clip convert")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--source-dir", default=None)
     p.add_argument("--limit", type=int, default=None)
 
-    p = sub.add_parser("eval-shards", help="Fashion-MNIST split as classification shards (.jpg + .cls)")
+    p = sub.add_parser("eval-shards", help="Fashion-MNIST split as classification shards (.jpg + .cls) in "
+                                           "CLIP_benchmark's wds/ layout (OUT/<split>/N.tar, classnames, templates)")
     p.add_argument("--out", required=True)
     p.add_argument("--split", default="test", choices=("train", "test"))
     p.add_argument("--source-dir", default=None)

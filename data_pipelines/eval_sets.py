@@ -1,4 +1,13 @@
-"""Evaluation sets: classification shards (`.jpg` + `.cls`) and ImageNet-val-style ImageFolders."""
+"""Evaluation sets: classification shards (`.jpg` + `.cls`) and ImageNet-val-style ImageFolders.
+
+Classification shards are laid out as CLIP_benchmark's `wds/` data sets, so its `--dataset wds/NAME
+--dataset_root OUT` reads them as they are, and `crate-clip eval --data OUT` too:
+
+    OUT/classnames.txt                           one class name per line, in label order
+    OUT/zeroshot_classification_templates.txt    one prompt per line, `{c}` for the class name
+    OUT/<split>/0.tar 1.tar ...                  `<key>.jpg` + `<key>.cls` (the label as ascii digits)
+    OUT/<split>/nshards.txt                      the number of tars
+"""
 from __future__ import annotations
 
 import io
@@ -14,6 +23,9 @@ from webdataset import ShardWriter
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
 
 from .shard_writer import encode_jpeg, sample_key
+
+TEMPLATES_FILE = "zeroshot_classification_templates.txt"
+NSHARDS_FILE = "nshards.txt"
 
 
 def _class_dir_names(classnames) -> list[str]:
@@ -56,10 +68,21 @@ def write_image_folder(labelled: Iterable[tuple], out_dir: str | Path, classname
     return root
 
 
+def write_templates(out_dir: str | Path, templates) -> Path:
+    """zeroshot_classification_templates.txt: one prompt per line, `{c}` where the class name goes ('{}' in ours)."""
+    path = Path(out_dir) / TEMPLATES_FILE
+    atomic_write_text(path, "".join(t.replace("{}", "{c}") + "\n" for t in templates))
+    return path
+
+
 def write_classification_shards(labelled: Iterable[tuple], out_dir: str | Path, classnames,
-                                samples_per_shard: int = 10_000, max_side: int | None = None) -> dict:
-    """(image, label) pairs as tars of `<key>.jpg` + `<key>.cls` (ascii int) with classnames.txt beside them."""
-    out = Path(out_dir)
+                                samples_per_shard: int = 10_000, max_side: int | None = None, *,
+                                split: str = "test", templates=None) -> dict:
+    """(image, label) pairs as a CLIP_benchmark `wds/` data set (module doc): `<split>/N.tar` shards of
+    `<key>.jpg` + `<key>.cls` and nshards.txt, classnames.txt and, given `templates` ('{}' prompts), the
+    zero-shot templates file."""
+    root = Path(out_dir)
+    out = root / split
     out.mkdir(parents=True, exist_ok=True)
     shards, count, writer = [], 0, None
 
@@ -70,7 +93,7 @@ def write_classification_shards(labelled: Iterable[tuple], out_dir: str | Path, 
 
     for img, label in labelled:
         if writer is None:   # opened at the first sample: no samples, no shard
-            writer = ShardWriter(str(out / f".%08d.tar.tmp{os.getpid()}"), maxcount=samples_per_shard,
+            writer = ShardWriter(str(out / f".%d.tar.tmp{os.getpid()}"), maxcount=samples_per_shard,
                                  maxsize=float("inf"), post=publish, verbose=0, mtime=int(time.time()))
         img = img if isinstance(img, Image.Image) else Image.open(io.BytesIO(img))
         jpg, _, _ = encode_jpeg(img, max_side=max_side)
@@ -79,8 +102,10 @@ def write_classification_shards(labelled: Iterable[tuple], out_dir: str | Path, 
         count += 1
     if writer is not None:
         writer.close()
-    write_classnames(out, classnames)
-    pattern = (str(out / f"{{00000000..{len(shards) - 1:08d}}}.tar") if len(shards) > 1
-               else (shards[0] if shards else ""))
-    return {"out_dir": str(out), "shards": shards, "samples": count, "pattern": pattern,
-            "classnames": str(out / "classnames.txt")}
+    atomic_write_text(out / NSHARDS_FILE, f"{len(shards)}\n")
+    write_classnames(root, classnames)
+    if templates is not None:
+        write_templates(root, templates)
+    pattern = str(out / f"{{0..{len(shards) - 1}}}.tar") if len(shards) > 1 else (shards[0] if shards else "")
+    return {"out_dir": str(root), "shards": shards, "samples": count, "pattern": pattern,
+            "classnames": str(root / "classnames.txt")}

@@ -3,15 +3,7 @@ from pathlib import Path
 
 from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
 
-from crate_clip.class_names import FASHION_MNIST_CLASSNAMES
-
-FASHION_MNIST_TEMPLATES = (
-    "a photo of a {}.",
-    "a black and white photo of a {}.",
-    "a low resolution photo of a {}.",
-    "a photo of the {}, a type of clothing.",
-    "a product photo of a {}.",
-)
+from crate_clip.class_names import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES
 BUILTIN_CLASSNAMES = {"imagenet1k": tuple(IMAGENET_CLASSNAMES), "fashion_mnist": FASHION_MNIST_CLASSNAMES}
 BUILTIN_TEMPLATES = {
     "openai": tuple(OPENAI_IMAGENET_TEMPLATES),   # callables: lambda c: f"... {c}."
@@ -21,11 +13,21 @@ BUILTIN_TEMPLATES = {
 }
 DEFAULT_TEMPLATES = {"imagenet1k": "openai", "fashion_mnist": "fashion_mnist"}
 CLASSNAMES_FILE = "classnames.txt"
+TEMPLATES_FILE = "zeroshot_classification_templates.txt"   # CLIP_benchmark's name; `{c}` for the class
 
 
 def read_lines(path: str | Path) -> list[str]:
     """Non-empty stripped lines of a text file."""
     return [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _beside(data: str | Path | None, name: str) -> list[Path]:
+    """Where a data set's own `name` file may be: in the data folder (or a pattern's folder) or its parent."""
+    if data is None:
+        return []
+    root = Path(str(data).split("{")[0])
+    root = root if root.is_dir() else root.parent
+    return [root / name, root.parent / name]
 
 
 def resolve_classnames(dataset: str, data: str | Path | None = None, classnames_file: str | Path | None = None) -> list[str]:
@@ -34,11 +36,7 @@ def resolve_classnames(dataset: str, data: str | Path | None = None, classnames_
         return read_lines(classnames_file)
     if dataset in BUILTIN_CLASSNAMES:
         return list(BUILTIN_CLASSNAMES[dataset])
-    candidates = []
-    if data is not None:
-        root = Path(str(data).split("{")[0])
-        root = root if root.is_dir() else root.parent
-        candidates = [root / CLASSNAMES_FILE, root.parent / CLASSNAMES_FILE]
+    candidates = _beside(data, CLASSNAMES_FILE)
     for path in candidates:
         if path.is_file():
             return read_lines(path)
@@ -47,22 +45,27 @@ def resolve_classnames(dataset: str, data: str | Path | None = None, classnames_
         f"or put {CLASSNAMES_FILE} beside the data (looked at {[str(p) for p in candidates]})")
 
 
-def resolve_templates(templates: str | None, dataset: str) -> list:
-    """Prompt templates by built-in name ('openai', 'simple', ...) or from a file of '{}' lines."""
-    name = templates or DEFAULT_TEMPLATES.get(dataset, "simple")
-    if name in BUILTIN_TEMPLATES:
-        return list(BUILTIN_TEMPLATES[name])
-    path = Path(name)
+def resolve_templates(templates: str | None, dataset: str, data: str | Path | None = None) -> list:
+    """Prompt templates by built-in name ('openai', 'simple', ...) or from a file of '{}' (or CLIP_benchmark's
+    '{c}') lines; by default the data set's own zeroshot_classification_templates.txt beside the data, else the
+    dataset's built-in ones."""
+    if templates is None:
+        own = next((p for p in _beside(data, TEMPLATES_FILE) if p.is_file()), None)
+        templates = str(own) if own else DEFAULT_TEMPLATES.get(dataset, "simple")
+    if templates in BUILTIN_TEMPLATES:
+        return list(BUILTIN_TEMPLATES[templates])
+    path = Path(templates)
     if not path.is_file():
         raise ValueError(f"templates must be one of {sorted(BUILTIN_TEMPLATES)} or a file with one '{{}}' "
-                         f"template per line; {name!r} is neither")
+                         f"template per line; {templates!r} is neither")
     lines = read_lines(path)
-    bad = [t for t in lines if "{}" not in t]
+    bad = [t for t in lines if "{}" not in t and "{c}" not in t]
     if bad or not lines:
-        raise ValueError(f"{path}: every template line needs a '{{}}' for the class name; bad lines: {bad[:3]}")
+        raise ValueError(f"{path}: every template line needs a '{{}}' (or '{{c}}') for the class name; bad lines: "
+                         f"{bad[:3]}")
     return lines
 
 
 def template_text(template, classname: str) -> str:
-    """Apply one template (a '{}' format string or open_clip's callable) to a class name."""
-    return template.format(classname) if isinstance(template, str) else template(classname)
+    """Apply one template (a '{}' or '{c}' format string, or open_clip's callable) to a class name."""
+    return template.format(classname, c=classname) if isinstance(template, str) else template(classname)

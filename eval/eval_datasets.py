@@ -24,6 +24,7 @@ from eval.distributed_batches import rank_slice
 
 IMAGENET_NUM_CLASSES = 1000
 SHARD_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+NSHARDS_FILE = "nshards.txt"   # CLIP_benchmark wds/ data sets: the shard count of a split folder
 # What PIL raises on a corrupt, truncated or oversized file: such images are counted, not fatal.
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
@@ -151,8 +152,30 @@ def _parse_label(raw: str, index_of: dict[str, int], num_classes: int, where: st
     return label
 
 
+def wds_split_pattern(data: str | Path) -> str | None:
+    """The shards of a CLIP_benchmark `wds/` data set (`<root>/<split>/{0..n-1}.tar`, n in nshards.txt) as a brace
+    pattern, for its split folder or its root (split 'test', CLIP_benchmark's default, or the only one); else None."""
+    path = Path(str(data))
+    if not path.is_dir():
+        return None
+    if not (path / NSHARDS_FILE).is_file():
+        splits = sorted(p for p in path.iterdir() if (p / NSHARDS_FILE).is_file())
+        if not splits:
+            return None
+        if len(splits) > 1 and not (path / "test" / NSHARDS_FILE).is_file():
+            raise ValueError(f"{path}: a wds/ data set with the splits {[p.name for p in splits]}; pass one of "
+                             f"their folders as the data")
+        path = path / "test" if len(splits) > 1 else splits[0]
+    text = (path / NSHARDS_FILE).read_text().strip()
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{path / NSHARDS_FILE}: {text!r} is not a number of shards")
+    return str(path / f"{{0..{int(text) - 1}}}.tar")
+
+
 def shard_urls(data: str | Path) -> list[str]:
-    """Shard paths of a local source (folder of .tar files, brace pattern, glob or one .tar), all present."""
+    """Shard paths of a local source (folder of .tar files, brace pattern, glob, one .tar, or a CLIP_benchmark
+    wds/ data set), all present."""
+    data = wds_split_pattern(data) or data
     try:
         urls = expand_source(str(data))
     except ShardListError as err:
@@ -164,9 +187,10 @@ def shard_urls(data: str | Path) -> list[str]:
 
 
 def is_shard_source(data: str | Path) -> bool:
-    """True for a .tar file, a brace pattern, or a folder holding .tar shards."""
+    """True for a .tar file, a brace pattern, a folder holding .tar shards, or a CLIP_benchmark wds/ data set."""
     path = Path(str(data))
-    return str(data).endswith(".tar") or "{" in str(data) or (path.is_dir() and any(path.glob("*.tar")))
+    return (str(data).endswith(".tar") or "{" in str(data) or (path.is_dir() and any(path.glob("*.tar")))
+            or wds_split_pattern(data) is not None)
 
 
 SHARD_INDEX_BITS = 32   # sample index = shard number << 32 | position in the shard (whole-shard reading)

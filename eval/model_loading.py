@@ -7,6 +7,7 @@ an export's weights file is verified against the checksum its open_clip_config.j
 """
 import json
 import pickle
+import sys
 import zipfile
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, consolida
 from crate_clip.checkpoint_io.file_checksums import verify_recorded_checksums
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, quiet_random_init, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
-from crate_clip.models.patch_change import create_clip_at_patch, register_tower_of
+from crate_clip.models.patch_change import checkpoint_input_sizes, create_clip_at_patch, register_tower_of
 from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
 
 LOCAL_DIR = "local-dir:"
@@ -62,7 +63,7 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
                          f"--pretrained (or use local-dir:FOLDER for an exported model with open_clip_config.json)")
     else:
         _check_not_a_missing_path(model)
-        clip, model_name, info = create_clip(model, image_size=image_size, pretrained=pretrained), model, {}
+        clip, model_name, info = _from_weights_file(model, pretrained, image_size), model, {}
     check_finite_weights(clip, pretrained or model)
     clip = clip.to(device).eval()
     bert_vocab = bert_vocab or _recorded_vocab(info)
@@ -92,6 +93,19 @@ def _recorded_vocab(info: dict) -> str | None:
     return vocab if vocab and Path(vocab).is_dir() else None
 
 
+def _from_weights_file(model: str, pretrained: str | None, image_size: int | None):
+    """The config `model` holding a weights file, rebuilt at the patch size, image size and context length the
+    file was saved at (a stage or an export may have changed them); `image_size` overrides the file's."""
+    if pretrained is None:
+        return create_clip(model, image_size=image_size)
+    if (Path(pretrained).parent / "open_clip_config.json").is_file():   # the weights of an export
+        print(f"note: {pretrained} is part of an export; evaluating it with --model's preprocessing and tokenizer "
+              f"(--model local-dir:{Path(pretrained).parent} uses the export's own)", file=sys.stderr)
+    state = read_state_dict(pretrained)
+    saved_size, context_length = checkpoint_input_sizes(state)
+    return create_clip_at_patch(model, state, image_size=image_size or saved_size, context_length=context_length)
+
+
 def _check_not_a_missing_path(model: str) -> None:
     """A --model that looks like a path (model names have no '/') but does not exist: say so."""
     if ("/" in model or model.startswith((".", "~"))) and not model.startswith("hf-hub:") and not Path(model).exists():
@@ -109,7 +123,7 @@ def _from_local_dir(model: str, image_size: int | None):
     if config.is_file():
         recorded = json.loads(config.read_text())
         verify_recorded_checksums(folder, recorded, config)   # when the export recorded them
-        register_tower_of(recorded.get("model_cfg"))   # an export at a changed patch size names a parametric tower
+        register_tower_of(recorded.get("model_cfg"))   # an export naming its tower in the underscore form
     with quiet_random_init():   # the weights are loaded on the next line
         clip = open_clip.create_model(model, load_weights=False, force_image_size=image_size)
     load_clip_weights(clip, read_state_dict(weights), pos_embed_resize="grid_2d")

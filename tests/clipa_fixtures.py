@@ -34,8 +34,9 @@ def write_small_configs(folder) -> tuple:
     return SMALL_NAME, f"{SMALL_NAME}-bert"
 
 
-def random_official_clipa(seed: int = 0, dtype=torch.float64) -> dict:
-    """A random state dict with the released files' keys (Q = K = V copies of U in every image block)."""
+def random_official_clipa(seed: int = 0, dtype=torch.float64, layernorm_bias: bool = True) -> dict:
+    """A random state dict with the released files' keys (Q = K = V copies of U in every image block); without
+    `layernorm_bias`, the layout of a file saved under torch >= 2.1, whose LayerNorms the port built bias-free."""
     s = SMALL
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape, std=0.2: (torch.randn(*shape, generator=g, dtype=torch.float64) * std).to(dtype)  # noqa: E731
@@ -59,13 +60,19 @@ def random_official_clipa(seed: int = 0, dtype=torch.float64) -> dict:
                    p + "attn.out_proj.bias": r(tw), p + "ln_2.weight": 1 + r(tw), p + "ln_2.bias": r(tw),
                    p + "mlp.c_fc.weight": r(4 * tw, tw), p + "mlp.c_fc.bias": r(4 * tw),
                    p + "mlp.c_proj.weight": r(tw, 4 * tw), p + "mlp.c_proj.bias": r(tw)})
-    return sd
+    return sd if layernorm_bias else {k: v for k, v in sd.items() if not _is_layernorm_bias(k)}
+
+
+def _is_layernorm_bias(key: str) -> bool:
+    return key.endswith(".bias") and key.split(".")[-2] in ("ln_1", "ln_2", "ln_post", "ln_final")
 
 
 def _ln(x, sd, key, eps=1e-6):
+    """LayerNorm with the file's weight, and its bias when the file has one (torch's bias=False: none)."""
     mu = x.mean(-1, keepdim=True)
     var = ((x - mu) ** 2).mean(-1, keepdim=True)
-    return (x - mu) / torch.sqrt(var + eps) * sd[key + ".weight"] + sd[key + ".bias"]
+    y = (x - mu) / torch.sqrt(var + eps) * sd[key + ".weight"]
+    return y + sd[key + ".bias"] if key + ".bias" in sd else y
 
 
 def _attention(q, k, v, heads):

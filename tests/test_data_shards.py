@@ -103,7 +103,12 @@ def test_fashion_mnist_shards_and_eval_sets(tmp_path, fashion_mnist_dir):
     cls = write_fashion_mnist_classification_shards(tmp_path / "cls", "test", samples_per_shard=40, limit=100)
     raw, _ = read_all(cls["pattern"])
     assert cls["samples"] == 100 and len(cls["shards"]) == 3 and all(int(s["cls"]) in range(10) for s in raw)
+    # CLIP_benchmark's wds/ layout: <split>/{0..n-1}.tar with nshards.txt, class names and {c} templates at the root
+    assert sorted(p.name for p in (tmp_path / "cls" / "test").iterdir()) == ["0.tar", "1.tar", "2.tar", "nshards.txt"]
+    assert (tmp_path / "cls" / "test" / "nshards.txt").read_text().strip() == "3"
     assert (tmp_path / "cls" / "classnames.txt").read_text().splitlines() == list(CLASSNAMES)
+    templates = (tmp_path / "cls" / "zeroshot_classification_templates.txt").read_text().splitlines()
+    assert templates[0] == "a photo of a {c}." and len(templates) == 5
 
 
 def test_cli_writes_emoji_and_fashion_shards(tmp_path, capsys):

@@ -26,6 +26,26 @@ def test_cli_zeroshot_writes_json_and_uses_the_cache(sets, vit_file, tmp_path, c
     assert (first["cache_hit"], second["cache_hit"]) == (False, True) and second["top1"] == first["top1"]
 
 
+def test_cli_reads_the_clip_benchmark_wds_layout_of_eval_shards(vit_file, fashion_mnist_dir, tmp_path):
+    """`crate-clip shards eval-shards` writes CLIP_benchmark's wds/ layout; `crate-clip eval` reads its root or its
+    split folder, with the data set's own classnames.txt and {c} templates (as CLIP_benchmark reads them)."""
+    from data_pipelines.cli import main as shards_main
+
+    name, weights = vit_file
+    out = tmp_path / "fmnist_wds"
+    assert shards_main(["eval-shards", "--out", str(out), "--limit", "60", "--samples-per-shard", "25",
+                        "--source-dir", str(fashion_mnist_dir)]) == 0
+    base = ["eval", "zeroshot", "--model", name, "--pretrained", str(weights), "--dataset", "fmnist_wds",
+            "--workers", "0", "--no-progress", "--cache-dir", ""]
+    results = []
+    for data, templates in ((out, []), (out / "test", []), (out, ["--templates", "fashion_mnist"])):
+        assert crate_clip_main(base + ["--data", str(data), "--output", str(tmp_path / "r.json")] + templates) == 0
+        results.append(json.loads((tmp_path / "r.json").read_text()))
+    assert results[0]["n_images"] == 60 and results[0]["top1"] > 0.25
+    for key in ("top1", "top5", "mean_per_class", "per_class"):   # the {c} file holds the built-in prompts
+        assert results[0][key] == results[1][key] == results[2][key], key
+
+
 def test_cli_imagenet_on_a_10_class_folder_exits_with_the_reason(sets, vit_file, capsys):
     name, weights = vit_file
     code = crate_clip_main(["eval", "zeroshot", "--model", name, "--pretrained", str(weights),

@@ -13,6 +13,7 @@ import crate_clip  # noqa: F401  (registers the configs)
 from crate_clip.models import (CheckpointMismatchError, bert_text_cfg, clip_tokenizer, create_clip, load_clip_weights,
                                load_official_clipa, load_text_tower, register_open_clip_configs, resize_image_pos_embed,
                                text_tower_keys)
+from crate_clip.models.official_clipa import official_key
 from clipa_fixtures import (SMALL, official_image_forward, official_text_forward, random_official_clipa,
                             write_small_configs)
 
@@ -62,12 +63,30 @@ def test_counts_match_the_released_files(name, released, blocks, width):
     assert text == 336_160_768
     if name.endswith("L-14"):
         assert total == 589_834_241
+        # a released L/14 file has 492 keys; 98 of them LayerNorm biases (absent from a torch >= 2.1 save: 394)
+        keys = [official_key(k) for k in model.state_dict()]
+        assert len(keys) == 492 and sum(k.endswith(".bias") and k.split(".")[-2].startswith("ln_") for k in keys) == 98
     assert released - total == 2 * blocks * width * width   # the two redundant copies of U per image block
 
 
-def test_official_import_equals_float64_reference(small, official):
+@pytest.mark.parametrize("layernorm_bias", [True, False], ids=["torch2.0-layout", "torch2.1-layout-no-ln-bias"])
+def test_official_import_equals_float64_reference(small, official, layernorm_bias, tmp_path, caplog):
+    """Files of either LayerNorm layout (the port's LayerNorms have biases under torch 2.0, none from 2.1 on)
+    compute the independent float64 forward of the official model; the bias-free one is said in one line."""
     sd, path = official
-    model = load_official_clipa(path, small).double().eval()
+    if not layernorm_bias:
+        sd = random_official_clipa(layernorm_bias=False)
+        path = _save(tmp_path, sd, "crate_alpha_CLIPA_small_torch21.pth")
+        assert len(random_official_clipa()) - len(sd) == 2 * (SMALL["depth"] + SMALL["tdepth"]) + 2
+    with caplog.at_level("WARNING"):
+        model = load_official_clipa(path, small).double().eval()
+    said = [r.getMessage() for r in caplog.records if "without LayerNorm biases" in r.getMessage()]
+    assert len(said) == (0 if layernorm_bias else 1)
+    if not layernorm_bias:
+        assert "10 biases set to zero" in said[0] and not model.state_dict()["visual.trunk.norm.bias"].any()
+        text_only = create_clip(small)
+        load_text_tower(text_only, path)   # the frozen-text path reads the same file
+        assert not text_only.state_dict()["ln_final.bias"].any()
     sd = {k: v.float().double() for k, v in sd.items()}   # what the file holds
     g = torch.Generator().manual_seed(1)
     images = torch.randn(3, 3, SMALL["px"], SMALL["px"], generator=g, dtype=torch.float64)
@@ -117,6 +136,11 @@ def test_import_errors_name_the_keys(tmp_path, small, official):
     shape = dict(sd, **{"token_embedding.weight": torch.zeros(60, SMALL["tw"])})
     with pytest.raises(CheckpointMismatchError, match=r"token_embedding\.weight.*\(60, 16\), \(50, 16\)"):
         load_official_clipa(_save(tmp_path, shape), small)
+    some_biases = dict(sd)   # a file missing only some LayerNorm biases is not a layout: they are missing keys
+    del some_biases["visual.transformer.resblocks.1.ln_2.bias"]
+    with pytest.raises(CheckpointMismatchError, match=r"missing keys \[visual\.transformer\.resblocks\.1\.ln_2\."
+                                                      r"bias\]"):
+        load_official_clipa(_save(tmp_path, some_biases), small)
     with pytest.raises(CheckpointMismatchError, match="not the official CRATE-alpha-CLIPA layout"):
         load_official_clipa(_save(tmp_path, create_clip(small).state_dict(), "ours.pt"), small)
 

@@ -87,9 +87,58 @@ def test_stage_change_resizes_the_kernel_and_eval_export_know_the_patch(resize, 
     assert set(got) == set(weights) and all(torch.equal(got[k].reshape(-1), weights[k].float().reshape(-1)) for k in got)
 
 
+def test_eval_of_an_exports_weights_file_rebuilds_at_its_patch_image_size_and_context(tmp_path, capsys):
+    """`crate-clip eval --model CONFIG --pretrained export/open_clip_model.safetensors` of a patch-7, 21 px,
+    16-token export: the model is the export's (rebuilt as saved), and a note names the local-dir: form."""
+    from crate_clip.train.export import WEIGHTS_FILE, export_open_clip, load_export
+    from eval.model_loading import load_eval_model
+
+    torch.manual_seed(0)
+    weights = create_clip_at_patch(TINY, None, 7, image_size=21, context_length=16).state_dict()
+    export_open_clip(weights, TINY, tmp_path / "export", image_size=21, context_length=16)
+    model, _, tokenizer, _ = load_eval_model(TINY, pretrained=str(tmp_path / "export" / WEIGHTS_FILE))
+    assert model.visual.trunk.patch_size == 7 and model.visual.image_size == (21, 21) and model.context_length == 16
+    assert f"--model local-dir:{tmp_path / 'export'}" in capsys.readouterr().err
+    exported, _, exported_tokenizer = load_export(tmp_path / "export")
+    images, texts = torch.randn(2, 3, 21, 21), ["a shirt", "a sneaker"]
+    assert torch.equal(tokenizer(texts), exported_tokenizer(texts))
+    with torch.no_grad():
+        assert torch.equal(model.encode_image(images), exported.encode_image(images))
+
+
 def test_patch_size_keys_are_checked():
     from crate_clip.train.run_config import ConfigError
     with pytest.raises(ConfigError, match=r"stages.1.patch_resize: 'nearest'"):
         _two_stage_config(7, 4, "nearest")
     with pytest.raises(ConfigError, match=r"stages.0.patch_size: 64"):
         _two_stage_config(64, 4)
+
+
+def test_tower_names_carry_patch_and_size_and_resolve_without_registration():
+    """`crate_alpha_clipa.w.._d.._h.._p<patch>_<px>` builds that tower through timm's own name parsing (the tag
+    goes to one registered architecture); registered variants keep their names where they fit; the underscore
+    form is registered on request; names that are no tower are refused naming the form."""
+    import timm
+    from timm.models import is_model
+
+    from crate_clip.models.clip_tower_names import FORM, parse_clip_tower_name, tower_name_at
+    from crate_clip.models.patch_change import register_tower_of
+
+    for patch, px in ((1, 3), (7, 21), (32, 96)):
+        tower = timm.create_model(f"crate_alpha_clipa.w16_d1_h2_p{patch}_{px}")
+        assert (tower.patch_size, tower.img_size, tower.embed_dim, len(tower.blocks)) == (patch, (px, px), 16, 1)
+        assert tower.patch_embed.proj.bias is None and tower.num_classes == 0   # a CLIP tower
+    assert tower_name_at("crate_alpha_clipa_large_patch14_224", 14, 224) == "crate_alpha_clipa_large_patch14_224"
+    assert tower_name_at("crate_alpha_clipa_large_patch14_224", 14, 84) == "crate_alpha_clipa.w1024_d24_h16_p14_84"
+    assert tower_name_at("crate_alpha_clipa.w128_d4_h4_p4_28", 7, 21) == "crate_alpha_clipa.w128_d4_h4_p7_21"
+    with pytest.raises(ValueError, match="only CRATE-alpha CLIP towers"):
+        tower_name_at("crate_alpha_tiny_patch16_224", 8, 224)   # a classifier (conv bias, head): no CLIP name
+    with pytest.raises(ValueError, match="multiple of heads"):
+        timm.create_model("crate_alpha_clipa.w10_d1_h3_p4_16")
+    with pytest.raises(ValueError, match=FORM.replace(".", r"\.")):
+        parse_clip_tower_name("crate_alpha_clipa.w16_p4")
+    legacy = "crate_alpha_clipa_w16_d1_h2_p5_20"
+    assert parse_clip_tower_name(legacy) == parse_clip_tower_name("crate_alpha_clipa.w16_d1_h2_p5_20")
+    assert not is_model(legacy)
+    register_tower_of({"vision_cfg": {"timm_model_name": legacy}})
+    assert timm.create_model(legacy).patch_size == 5

@@ -168,3 +168,28 @@ def test_export_loads_with_open_clip_local_dir(reference_run):
     pixels = preprocess(Image.new("RGB", (40, 30), (128, 128, 128)))   # resized, center-cropped, normalized
     mean, std = torch.tensor(open_clip.OPENAI_DATASET_MEAN), torch.tensor(open_clip.OPENAI_DATASET_STD)
     torch.testing.assert_close(pixels, ((128 / 255 - mean) / std)[:, None, None].expand(3, 28, 28))
+
+
+def test_crate_clip_export_of_any_checkpoint_and_of_the_last_is_the_trainers_export(reference_run, tmp_path):
+    """`crate-clip export` of a mid-run ZeRO-2 checkpoint reloads through open_clip with its consolidated weights;
+    of the run folder (the checkpoint `latest` names: the run's last) it writes the trainer's export byte for byte."""
+    import json
+
+    from crate_clip.cli import main
+    from crate_clip.train.checkpoints import consolidated_state_dict
+    from crate_clip.train.export import export_state_equal, load_export
+
+    assert main(["export", str(reference_run), "--out", str(tmp_path / "final"), "--no-verify"]) == 0
+    files = sorted(p.name for p in (reference_run / "export").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "final").iterdir()) and "README.md" in files
+    for name in files:
+        assert (tmp_path / "final" / name).read_bytes() == (reference_run / "export" / name).read_bytes(), name
+
+    mid = reference_run / "checkpoints" / "stage1-step00000003"
+    assert main(["export", str(mid), "--out", str(tmp_path / "mid")]) == 0   # verifies the reload itself too
+    assert export_state_equal(load_export(tmp_path / "mid")[0], consolidated_state_dict(mid))
+    assert main(["export", str(reference_run / "checkpoints"), "--stage", "0", "--out", str(tmp_path / "s0")]) == 0
+    config = json.loads((tmp_path / "s0" / "open_clip_config.json").read_text())
+    assert config["model_cfg"]["vision_cfg"]["image_size"] == config["preprocess_cfg"]["size"] == 16
+    card = (tmp_path / "s0" / "README.md").read_text()
+    assert "checkpoint `stage0-step00000010`" in card and "stage 1 (full)" not in card and "stage 0 (low)" in card

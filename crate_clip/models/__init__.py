@@ -3,7 +3,8 @@ from a text_cfg with "tower": "crate_alpha") and CRATE-alpha CLIP configs (open_
 from crate_clip.models.crate_alpha import VARIANTS, CrateAlpha, checkpoint_filter_fn, official_to_timm
 from crate_clip.models.crate_text import CrateAlphaText, CrateTextCfg, text_tower_param_count
 from crate_clip.models.open_clip_text_tower import install_text_tower_builder
-from crate_clip.models.open_clip_configs import preprocess_cfg_for, register_clip_tower, register_open_clip_configs
+from crate_clip.models.clip_tower_names import clip_tower_name, register_clip_tower
+from crate_clip.models.open_clip_configs import preprocess_cfg_for, register_open_clip_configs
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_tokenizers import (TokenizerUnavailableError, bert_text_cfg, bert_tokenizer,
                                                clip_tokenizer, tokenizer_record)
@@ -17,7 +18,8 @@ install_text_tower_builder()
 CLIP_MODEL_NAMES = register_open_clip_configs()
 
 __all__ = ["CrateAlpha", "VARIANTS", "CrateAlphaText", "CrateTextCfg", "text_tower_param_count",
-           "install_text_tower_builder", "checkpoint_filter_fn", "official_to_timm", "register_clip_tower",
+           "install_text_tower_builder", "checkpoint_filter_fn", "official_to_timm", "clip_tower_name",
+           "register_clip_tower",
            "register_open_clip_configs", "preprocess_cfg_for", "CheckpointMismatchError", "TokenizerUnavailableError",
            "bert_text_cfg", "bert_tokenizer", "clip_tokenizer", "tokenizer_record", "create_clip",
            "image_tower_param_count", "load_clip_weights", "read_state_dict", "resize_clip_state_dict",

@@ -133,7 +133,7 @@ def patch_grid(img_size: Tuple[int, int], patch_size: int) -> Tuple[int, int]:
     """The patch grid of an (h, w) input (VALID convolution: remainders dropped); smaller than a patch: error."""
     grid = (img_size[0] // patch_size, img_size[1] // patch_size)
     if min(grid) < 1:
-        raise ValueError(f"image size {tuple(img_size)} is smaller than one {patch_size}px patch")
+        raise ValueError(f"image size {(img_size[0], img_size[1])} is smaller than one {patch_size}px patch")
     return grid
 
 
@@ -146,6 +146,13 @@ def pos_embed_for_grid(pos_embed: torch.Tensor, grid: Tuple[int, int], model_gri
         raise ValueError(
             f"the input gives a {grid} patch grid but the position embedding is for {model_grid} "
             f"(img_size={img_size}): call set_input_size(new_size) or build with dynamic_img_size=True")
+    return _resampled_pos_embed(pos_embed, grid, model_grid)
+
+
+@torch.jit.unused
+def _resampled_pos_embed(pos_embed: torch.Tensor, grid: Tuple[int, int], model_grid: Tuple[int, int]) -> torch.Tensor:
+    # TorchScript: a scripted tower runs at its own grid (set_input_size before scripting); resampling per
+    # forward (dynamic_img_size) stays eager, where timm's resampler and the two resize modes live
     return resize_image_pos_embed(pos_embed, grid, model_grid)
 
 
@@ -370,7 +377,7 @@ class CrateAlpha(nn.Module):
     # ----- forward -----
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
         """Patch embedding, class token and position embedding: (B, C, H, W) -> (B, 1 + N, d), grid."""
-        grid = patch_grid(x.shape[-2:], self.patch_size)
+        grid = patch_grid((x.shape[-2], x.shape[-1]), self.patch_size)
         x = self.patch_embed(x)
         pos = pos_embed_for_grid(self.pos_embed, grid, self.grid_size, self.img_size, self.dynamic_img_size)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
@@ -379,10 +386,10 @@ class CrateAlpha(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens after the final LayerNorm: (B, 1 + N_kept, d)."""
         x, grid = self._embed(x)
-        if self.training and self.token_mask != "none":
+        if not torch.jit.is_scripting() and self.training and self.token_mask != "none":   # training only
             x = apply_token_mask(x, self.token_mask, grid, self.token_drop_ratio)
         for blk in self.blocks:
-            if self.grad_checkpointing and torch.is_grad_enabled():
+            if not torch.jit.is_scripting() and self.grad_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(blk, x, use_reentrant=False)
             else:
                 x = blk(x)

@@ -12,7 +12,15 @@ The official module is OpenAI-CLIP-shaped. Image side -> our timm tower inside o
 Text side: open_clip's CLIP text keys are the same names; only `text_projection` differs: the official
 forward is `x @ text_projection.T`, open_clip's `x @ text_projection`, so it is transposed here (the matrix
 is square in the released models, so forgetting it would fail silently).
+
+LayerNorm biases: the port subclasses nn.LayerNorm and calls `super().__init__(shape, eps, elementwise_affine,
+device, dtype)` positionally. Under torch 2.0 (the port's pin) that is what it says; from torch 2.1 on the
+fourth parameter is `bias`, which receives `device=None`: every LayerNorm is built without a bias, and a file
+saved there has no `*ln_*.bias` keys (L/14: 394 keys instead of 492). Both layouts are read: a file without
+any LayerNorm bias gets zeros, which is exactly what a bias-free LayerNorm computes; a file missing only some
+of them is reported as missing keys.
 """
+import logging
 import re
 from typing import Dict, List, Optional
 
@@ -20,7 +28,9 @@ import torch
 
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError, key_list
 
+_logger = logging.getLogger(__name__)
 _BLOCK = re.compile(r"^visual\.transformer\.resblocks\.(\d+)\.(.+)$")
+_LAYERNORM_WEIGHT = re.compile(r"(^|\.)ln_(1|2|post|final)\.weight$")
 _ISTA_KEY = re.compile(r"^visual\.transformer\.resblocks\.\d+\.mlp\.c_(fc|proj)$")
 _BLOCK_KEYS = {"ln_1.weight": "norm1.weight", "ln_1.bias": "norm1.bias", "ln_2.weight": "norm2.weight",
                "ln_2.bias": "norm2.bias", "attn.in_proj_weight": "attn.qkv.weight",
@@ -82,6 +92,19 @@ def _convert_value(key: str, value: torch.Tensor, untied: List[str]) -> torch.Te
     return value
 
 
+def with_layernorm_biases(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The official state dict with zero LayerNorm biases added when it has none at all (a file saved under
+    torch >= 2.1, see the module doc), said in one logged line; otherwise unchanged."""
+    weights = [k for k in state_dict if _LAYERNORM_WEIGHT.search(k)]
+    if not weights or any(k[:-len("weight")] + "bias" in state_dict for k in weights):
+        return state_dict
+    _logger.warning("official CRATE-alpha-CLIPA file without LayerNorm biases (saved under torch >= 2.1, whose "
+                    "LayerNorm(shape, eps, affine, device) builds them without): %d biases set to zero", len(weights))
+    out = dict(state_dict)
+    out.update({k[:-len("weight")] + "bias": torch.zeros_like(state_dict[k]) for k in weights})
+    return out
+
+
 def official_clipa_to_open_clip(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Convert an official CRATE-alpha-CLIPA state dict to our open_clip layout.
 
@@ -90,7 +113,7 @@ def official_clipa_to_open_clip(state_dict: Dict[str, torch.Tensor]) -> Dict[str
     mismatches are found by the loader against the model (named with `official_key`).
     """
     out, unknown, untied = {}, [], []
-    for key, value in state_dict.items():
+    for key, value in with_layernorm_biases(state_dict).items():
         new = _rename(key)
         if new is None:
             unknown.append(key)

@@ -1,8 +1,9 @@
 """Registers the CRATE-alpha CLIP model configs (model_configs/*.json) with open_clip, and their preprocessing.
 
-A JSON may name its image tower parametrically, `crate_alpha_clipa_w{width}_d{depth}_h{heads}_p{patch}_{px}`
-(e.g. the demo's `crate_alpha_clipa_w128_d4_h4_p4_28`): such towers are registered with timm here, so a
-config's tower can be retuned by editing its JSON alone (open_clip passes no tower kwargs to timm).
+A JSON may name its image tower by its parameters, `crate_alpha_clipa.w{width}_d{depth}_h{heads}_p{patch}_{px}`
+(e.g. the demo's `crate_alpha_clipa.w128_d4_h4_p4_28`, see clip_tower_names.py), so a config's tower can be
+retuned by editing its JSON alone (open_clip passes no tower kwargs to timm); the underscore form
+`crate_alpha_clipa_w.._p{patch}_{px}` is registered with timm here.
 
 open_clip takes a built-in config's preprocessing only from a pretrained tag, so `preprocess_cfg_for`
 holds it for our names (create_clip sets it on the model; exports write it): the CLIPA models use
@@ -10,16 +11,14 @@ ImageNet's mean/std in training and evaluation, and the official evaluation's Re
 side; torchvision's default bilinear) + CenterCrop(224). Others keep open_clip's (OpenAI, bicubic).
 """
 import json
-import re
 from pathlib import Path
 from typing import Dict, List
 
 import open_clip
-from timm.models import is_model, register_model
 
-from crate_clip.models import crate_alpha
-from crate_clip.models.open_clip_text_tower import check_text_tower_config
+from crate_clip.models.clip_tower_names import register_clip_tower, tower_arch
 from crate_clip.models.image_normalization import IMAGENET_MEAN, IMAGENET_STD, OPENAI_MEAN, OPENAI_STD
+from crate_clip.models.open_clip_text_tower import check_text_tower_config
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 DEFAULT_PREPROCESS = {"mode": "RGB", "mean": OPENAI_MEAN, "std": OPENAI_STD,
@@ -28,28 +27,6 @@ DEFAULT_PREPROCESS = {"mode": "RGB", "mean": OPENAI_MEAN, "std": OPENAI_STD,
 CLIPA_PREPROCESS = {**DEFAULT_PREPROCESS, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, "interpolation": "bilinear"}
 PREPROCESS_CFGS = {name + suffix: CLIPA_PREPROCESS for suffix in ("", "-crate-text") for name in
                    ("CRATE-alpha-CLIPA-B-16", "CRATE-alpha-CLIPA-L-14", "CRATE-alpha-CLIPA-H-14")}
-_PARAMETRIC = re.compile(r"^crate_alpha_clipa_w(\d+)_d(\d+)_h(\d+)_p(\d+)_(\d+)$")
-
-
-def parse_clip_tower_name(name: str) -> Dict:
-    """Architecture kwargs of a parametric CLIP tower name; ValueError when the name is not parametric."""
-    m = _PARAMETRIC.match(name)
-    if not m:
-        raise ValueError(f"{name!r} is not of the form crate_alpha_clipa_w<width>_d<depth>_h<heads>_p<patch>_<px>")
-    width, depth, heads, patch, px = map(int, m.groups())
-    return dict(embed_dim=width, depth=depth, num_heads=heads, patch_size=patch, img_size=px,
-                **crate_alpha._CLIP_TOWER_ARGS)
-
-
-def register_clip_tower(name: str) -> None:
-    """Register a parametric CLIP tower name with timm (no-op when already registered)."""
-    if is_model(name):
-        return
-    arch = parse_clip_tower_name(name)
-    crate_alpha.default_cfgs.update(
-        crate_alpha.generate_default_cfgs({name: crate_alpha._cfg(arch["img_size"], num_classes=0)}))
-    entry = crate_alpha._make_entrypoint(name, arch)
-    setattr(crate_alpha, name, register_model(entry))
 
 
 def register_open_clip_configs(config_dir: Path = MODEL_CONFIG_DIR) -> List[str]:
@@ -58,8 +35,8 @@ def register_open_clip_configs(config_dir: Path = MODEL_CONFIG_DIR) -> List[str]
     for path in sorted(Path(config_dir).glob("*.json")):
         cfg = json.loads(path.read_text())
         check_text_tower_config(cfg, str(path))
-        tower = cfg.get("vision_cfg", {}).get("timm_model_name", "")
-        if _PARAMETRIC.match(tower):
+        tower = cfg.get("vision_cfg", {}).get("timm_model_name") or ""
+        if tower.startswith("crate_alpha_clipa_w"):
             register_clip_tower(tower)
         names.append(path.stem)
     open_clip.add_model_config(config_dir)
@@ -67,12 +44,10 @@ def register_open_clip_configs(config_dir: Path = MODEL_CONFIG_DIR) -> List[str]
 
 
 def image_patch_size(model_name: str) -> int | None:
-    """The image tower's patch size in pixels from the open_clip config (no model is built); None when
-    the config does not say or the name is not a registered config."""
-    config = open_clip.get_model_config(model_name) or {}
-    patch = config.get("vision_cfg", {}).get("patch_size")
-    if patch is None and _PARAMETRIC.match(config.get("vision_cfg", {}).get("timm_model_name", "")):
-        patch = parse_clip_tower_name(config["vision_cfg"]["timm_model_name"])["patch_size"]
+    """The image tower's patch size in pixels from the open_clip config (no model is built): a CRATE tower's
+    name's, else vision_cfg.patch_size; None when the config does not say or the name is not a registered config."""
+    vision = (open_clip.get_model_config(model_name) or {}).get("vision_cfg", {})
+    patch = (tower_arch(vision.get("timm_model_name") or "") or {}).get("patch_size") or vision.get("patch_size")
     return int(patch) if patch else None
 
 

@@ -2,20 +2,21 @@
 
 The image tower's patch size lives in its weights (the kernel is p x p), so loading adopts the checkpoint's
 patch size first; a stage that sets another one then resizes the kernel (`CrateAlpha.set_patch_size`) and
-the position embedding follows on its grid. An export at a patch size other than its config's names its
-tower parametrically (`crate_alpha_clipa_w.._d.._h.._p<patch>_<px>`), registered with timm by `register_tower_of`.
+the position embedding follows on its grid. An export at a patch or image size other than its config's names
+its tower by its parameters (`crate_alpha_clipa.w.._d.._h.._p<patch>_<px>`, clip_tower_names.py), which timm
+resolves after `import crate_clip`.
 """
 from pathlib import Path
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
-import open_clip
 import torch
 from torch import nn
 
-from crate_clip.models.clip_factory import (_image_tower, create_clip, load_clip_weights,
-                                            read_state_dict, strip_module_prefix)
-from crate_clip.models.crate_alpha import VARIANTS
-from crate_clip.models.open_clip_configs import parse_clip_tower_name, register_clip_tower
+from crate_clip.models.clip_factory import (IMAGE_POS_KEY, TEXT_POS_KEY, _image_tower, create_clip,
+                                            load_clip_weights, read_state_dict, strip_module_prefix)
+from crate_clip.models.clip_tower_names import parse_clip_tower_name, register_clip_tower
+from crate_clip.models.open_clip_configs import image_patch_size
+from crate_clip.models.pos_embed import square_grid
 
 KERNEL_KEY = "visual.trunk.patch_embed.proj.weight"
 
@@ -24,6 +25,20 @@ def checkpoint_patch_size(state_dict: Dict[str, torch.Tensor]) -> Optional[int]:
     """The image tower's patch size in a CLIP state dict (its conv kernel side), None without one."""
     kernel = state_dict.get(KERNEL_KEY)
     return None if kernel is None or kernel.ndim != 4 else int(kernel.shape[-1])
+
+
+def checkpoint_input_sizes(state_dict: Dict[str, torch.Tensor]) -> Tuple[Optional[int], Optional[int]]:
+    """(image size, context length) a CLIP state dict of ours was saved at: its patch grid x patch size and its
+    text position embedding's length; None where it does not say (another layout, a non-square grid)."""
+    patch, pos = checkpoint_patch_size(state_dict), state_dict.get(IMAGE_POS_KEY)
+    image_size = None
+    if patch is not None and pos is not None and pos.ndim == 3:
+        try:
+            image_size = square_grid(pos.shape[1])[0] * patch
+        except ValueError:
+            pass
+    text = state_dict.get(TEXT_POS_KEY)
+    return image_size, (int(text.shape[0]) if text is not None and text.ndim == 2 else None)
 
 
 def tower_patch_size(model: nn.Module) -> Optional[int]:
@@ -52,22 +67,13 @@ def load_clip_weights_at_patch(model: nn.Module, source: Union[str, Path, Dict[s
         trunk.set_patch_size(patch_size, resize)
 
 
-def config_patch_size(model_name: str) -> Optional[int]:
-    """The patch size of a CLIP config's CRATE-alpha tower (None for other towers)."""
-    tower = (open_clip.get_model_config(model_name) or {}).get("vision_cfg", {}).get("timm_model_name") or ""
-    try:
-        return parse_clip_tower_name(tower)["patch_size"]
-    except ValueError:
-        return VARIANTS.get(tower, {}).get("patch_size")
-
-
 def create_clip_at_patch(model_name: str, source=None, patch_size: Optional[int] = None,
                          resize: str = "pi_resize", **create_kwargs) -> nn.Module:
     """create_clip(model_name, pretrained=source, ...) for a checkpoint of any patch size, the tower then
     moved to `patch_size` if given (a fresh kernel of that size when there is no checkpoint)."""
     sd = None if source is None else (read_state_dict(source) if isinstance(source, (str, Path))
                                       else strip_module_prefix(dict(source)))
-    native = config_patch_size(model_name)
+    native = image_patch_size(model_name)
     if (patch_size in (None, native)) and (sd is None or checkpoint_patch_size(sd) in (None, native)):
         return create_clip(model_name, pretrained=sd, **create_kwargs)   # no patch-size change anywhere
     model = create_clip(model_name, **create_kwargs)   # the weights are loaded below
@@ -86,24 +92,10 @@ def set_fresh_patch_size(model: nn.Module, patch_size: int) -> None:
     trunk.set_patch_size(patch_size, "reinit")
 
 
-def tower_name_at_patch(tower_name: str, patch_size: int, image_size: int) -> str:
-    """The parametric timm name of `tower_name`'s architecture at another patch size (registered with timm)."""
-    try:
-        arch = parse_clip_tower_name(tower_name)
-    except ValueError:
-        if tower_name not in VARIANTS:
-            raise ValueError(f"{tower_name!r} is not a CRATE-alpha CLIP tower: no patch-size variant") from None
-        arch = VARIANTS[tower_name]
-    if arch.get("overcomplete_ratio", 4) != 4 or arch.get("patch_embed_type", "conv") != "conv":
-        raise ValueError(f"{tower_name!r}: only CRATE-alpha CLIP towers have parametric names")
-    name = f"crate_alpha_clipa_w{arch['embed_dim']}_d{arch['depth']}_h{arch['num_heads']}_p{patch_size}_{image_size}"
-    register_clip_tower(name)
-    return name
-
-
 def register_tower_of(model_cfg: dict) -> None:
-    """Register a config's parametric image tower with timm (an export at a changed patch size names one)."""
-    name = (model_cfg or {}).get("vision_cfg", {}).get("timm_model_name", "")
+    """Register a config's underscore-form parametric image tower with timm (`crate_alpha_clipa_w.._p7_28`;
+    the `crate_alpha_clipa.w.._p7_28` form and the registered variants need nothing)."""
+    name = (model_cfg or {}).get("vision_cfg", {}).get("timm_model_name") or ""
     try:
         parse_clip_tower_name(name)
     except ValueError:

@@ -9,7 +9,9 @@ stage_evals.py  the evaluations due after each stage (exactly the missing ones o
 run_dir.py      one run per output folder: refuse to mix, or move the earlier run aside (--overwrite)
 checkpoints.py  atomic, durable, resumable DeepSpeed checkpoints with per-rank client state; retention
                 (the layout and consolidation live in crate_clip/checkpoint_io, shared with eval/)
-export.py       open_clip `local-dir:` export (safetensors + open_clip_config.json)
+export.py       open_clip model folders (local-dir:, the hf-hub: layout) of weights or of any checkpoint;
+                export_source.py: what a checkpoint says about its export; model_card.py: its README.md;
+                export_cli.py: `crate-clip export`
 metrics_log.py  progress bar, TensorBoard, metrics.jsonl / results.jsonl, the PNG curve
 cli.py          `crate-clip train`;  demo.py: the README's first command
 """

@@ -23,7 +23,7 @@ import yaml
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_WARNING, checkpoints_trusted
 from crate_clip.models import preprocess_cfg_for, set_image_token_mask, tokenizer_record
-from crate_clip.models.patch_change import checkpoint_patch_size, create_clip_at_patch
+from crate_clip.models.patch_change import create_clip_at_patch
 from crate_clip.train.batch_agreement import agreed_batches
 from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, consolidated_state_dict, read_info,
                                           rng_state, set_rng_state)
@@ -85,7 +85,7 @@ def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: O
             tag_dir, weights, records = run_stage(cfg, i, weights, resume_here, progress, stream_factory, ckpts,
                                                   log, dist)
             evals += records
-        export_dir = _export(cfg, weights, log, dist)
+        export_dir = _export(cfg, tag_dir, weights, log, dist)
         tdist.barrier()
         return {"run_dir": str(cfg.run_dir), "export_dir": str(export_dir) if export_dir else None,
                 "evals": evals, "progress": dataclasses.asdict(progress), "last_checkpoint": str(tag_dir),
@@ -188,16 +188,13 @@ def _evaluations_pending(cfg: RunConfig, info: dict) -> bool:
         missing_evals(cfg, index))
 
 
-def _export(cfg: RunConfig, weights: dict, log: MetricsLog, dist: DistInfo) -> Optional[Path]:
-    """The last stage's weights as an open_clip `local-dir:` model (rank 0)."""
-    from crate_clip.train.export import export_open_clip
+def _export(cfg: RunConfig, tag_dir: Path, weights: dict, log: MetricsLog, dist: DistInfo) -> Optional[Path]:
+    """The last checkpoint as an open_clip model folder (rank 0): what `crate-clip export` writes of it."""
+    from crate_clip.train.export import export_checkpoint
 
     if not dist.is_main:
         return None
-    last = cfg.stages[-1]
-    export_dir = export_open_clip(weights, cfg.model.name, cfg.run_dir / "export",
-                                  image_size=last.image_size, context_length=last.context_length,
-                                  bert_vocab=cfg.model.bert_vocab, patch_size=checkpoint_patch_size(weights))
+    export_dir = export_checkpoint(tag_dir, cfg.run_dir / "export", state=weights)
     log.print(f"exported the final weights to {export_dir} "
               f"(open_clip.create_model_and_transforms('local-dir:{export_dir}') after `import crate_clip`)")
     return export_dir
@@ -240,9 +237,7 @@ def default_stream_factory(cfg: RunConfig, stage: StageConfig, stage_index: int,
     """The stage's webdataset stream (data_pipelines), each rank reading its own shards."""
     from data_pipelines.train_stream import build_train_stream
 
-    # the model's own normalisation unless the run config sets data.mean / data.std
-    normalisation = {k: v for k, v in _normalisation(cfg.model.name).items() if k not in cfg.data.model_fields_set}
-    stream_cfg = cfg.stream_config(stage_index).model_copy(update=normalisation)
+    stream_cfg = cfg.stream_config(stage_index).model_copy(update=_normalisation(cfg))
     return build_train_stream(stream_cfg, image_size=stage.image_size, context_length=stage.context_length,
                               text_mask=stage.text_mask, batch_size=stage.global_batch // dist.world_size,
                               rank=dist.rank, world_size=dist.world_size,
@@ -250,10 +245,11 @@ def default_stream_factory(cfg: RunConfig, stage: StageConfig, stage_index: int,
                               bert_vocab=cfg.model.bert_vocab, decode=stage.decode, device=dist.device)
 
 
-def _normalisation(model_name: str) -> dict:
-    """The model config's image mean/std (ImageNet's for the CLIPA models), so training matches eval."""
-    cfg = preprocess_cfg_for(model_name)
-    return {"mean": tuple(cfg["mean"]), "std": tuple(cfg["std"])}
+def _normalisation(cfg: RunConfig) -> dict:
+    """The image mean/std of the training stream: data.mean / data.std where the run config sets them, else the
+    model config's (ImageNet's for the CLIPA models), so training matches eval; checkpoints record it for exports."""
+    model = preprocess_cfg_for(cfg.model.name)
+    return {k: tuple(getattr(cfg.data, k) if k in cfg.data.model_fields_set else model[k]) for k in ("mean", "std")}
 
 
 def _make_loss(dist: DistInfo):
@@ -368,6 +364,7 @@ def _info(cfg: RunConfig, stage: StageConfig, progress: Progress) -> dict:
             "samples_seen": progress.samples_seen, "nonfinite_skipped": progress.nonfinite_skipped,
             "nonfinite_in_a_row": progress.nonfinite_in_a_row, "logit_scale_shape": [1],
             "precision": cfg.precision, "run_config": cfg.to_dict(),
+            "normalisation": {k: list(v) for k, v in _normalisation(cfg).items()},
             "tokenizer": tokenizer_record(cfg.model.tokenizer or cfg.model.name, cfg.model.bert_vocab)}
 
 

@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 from PIL import Image
 
-from crate_clip.class_names import FASHION_MNIST_CLASSNAMES as CLASSNAMES
+from crate_clip.class_names import FASHION_MNIST_CLASSNAMES as CLASSNAMES, FASHION_MNIST_TEMPLATES
 from data_pipelines.sources.debian_packages import DEBIAN_PACKAGES
 
 SEARCH_DIRS = ("/usr/share/datasets/fashion-mnist", "~/.cache/fashion-mnist", "data/fashion-mnist")
@@ -127,8 +127,9 @@ def write_fashion_mnist_eval_folder(out_dir, split: str = "test", source_dir=Non
 
 def write_fashion_mnist_classification_shards(out_dir, split: str = "test", samples_per_shard: int = 10_000,
                                               source_dir=None, limit: int | None = None) -> dict:
-    """The split as classification shards (`<key>.jpg` + `<key>.cls`) with classnames.txt."""
+    """The split as classification shards (`<key>.jpg` + `<key>.cls`) in CLIP_benchmark's `wds/` layout, with
+    classnames.txt and the zero-shot templates."""
     from ..eval_sets import write_classification_shards
 
     return write_classification_shards(fashion_mnist_labelled(split, source_dir, limit), out_dir, CLASSNAMES,
-                                       samples_per_shard)
+                                       samples_per_shard, split=split, templates=FASHION_MNIST_TEMPLATES)

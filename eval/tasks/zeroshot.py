@@ -5,7 +5,8 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from eval.class_sets import BUILTIN_TEMPLATES, DEFAULT_TEMPLATES, resolve_classnames, resolve_templates
+from eval.class_sets import (BUILTIN_TEMPLATES, DEFAULT_TEMPLATES, TEMPLATES_FILE, resolve_classnames,
+                             resolve_templates)
 from eval.eval_datasets import classification_dataset
 from eval.eval_settings import EvalSettings
 from eval.zeroshot import zero_shot_evaluate
@@ -18,7 +19,8 @@ class Settings(EvalSettings):
     dataset: str = Field("imagenet1k", description="imagenet1k | fashion_mnist (built-in class names) | any "
                                                    "name with classnames or classnames.txt beside the data")
     templates: Optional[str] = Field(None, description=f"{' | '.join(BUILTIN_TEMPLATES)} | a file of '{{}}' "
-                                                       f"lines (default: the dataset's, {DEFAULT_TEMPLATES})")
+                                                       f"or '{{c}}' lines (default: {TEMPLATES_FILE} beside the "
+                                                       f"data, else the dataset's, {DEFAULT_TEMPLATES})")
     classnames: Optional[str] = Field(None, description="file with one class name per line, in label order")
     labels: Optional[str] = Field(None, description="ground truth for a flat val folder (`file label` lines, "
                                                     "one label per line, or Kaggle's LOC_val_solution.csv)")
@@ -27,7 +29,7 @@ class Settings(EvalSettings):
 def run(model, settings: Settings, context) -> dict:
     """Zero-shot metrics of `model` on the settings' data (all ranks call this)."""
     classnames = resolve_classnames(settings.dataset, settings.data, settings.classnames)
-    templates = resolve_templates(settings.templates, settings.dataset)
+    templates = resolve_templates(settings.templates, settings.dataset, settings.data)
     dataset = classification_dataset(settings.data, context.preprocess, dataset=settings.dataset,
                                      num_classes=len(classnames), labels_file=settings.labels, classnames=classnames)
     return zero_shot_evaluate(model, context.tokenizer, dataset, classnames, templates,

@@ -1,0 +1,56 @@
+"""`crate-clip export CHECKPOINT [--stage N] [--out DIR] [--hub-id ORG/NAME]`: any training checkpoint as an
+open_clip model folder (`local-dir:`, and the Hugging Face Hub layout for `huggingface-cli upload`), without
+training further. The trainer's final export is this command on the run's last checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `crate-clip export` argument parser."""
+    p = argparse.ArgumentParser(prog="crate-clip export", description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p.add_argument("checkpoint", type=Path,
+                   help="a run folder, its checkpoints/ folder (the checkpoint `latest` names), or one checkpoint "
+                        "folder such as runs/x/checkpoints/stage0-step00001000")
+    p.add_argument("--stage", type=int, default=None, help="export that stage's last checkpoint instead")
+    p.add_argument("--out", type=Path, default=None,
+                   help="export folder (default: <run folder>/exports/<checkpoint tag>); an earlier export there "
+                        "is replaced")
+    p.add_argument("--hub-id", default=None, metavar="ORG/NAME",
+                   help="the Hugging Face repository the folder will be uploaded to: the model card's snippet "
+                        "names it, and a HuggingFace tokenizer (CLIPA's BERT) is read from it by hf-hub:ORG/NAME")
+    p.add_argument("--bert-vocab", default=None,
+                   help="folder holding the run's vocab.txt, when the one the run recorded has moved")
+    p.add_argument("--no-verify", action="store_true", help="skip reloading the export through open_clip")
+    return p
+
+
+def main(argv=None) -> int:
+    """Run `crate-clip export`; returns the exit code."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    import crate_clip  # noqa: F401  (registers the model configs the checkpoint names)
+    from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
+    from crate_clip.cli_errors import USER_ERRORS, report_error
+    from crate_clip.models import TokenizerUnavailableError
+    from crate_clip.train.export import check_out_dir, export_checkpoint, verify_export
+    from crate_clip.train.export_source import export_source
+
+    try:
+        source = export_source(args.checkpoint, args.stage, args.bert_vocab)
+        out = args.out or source.tag_dir.parent.parent / "exports" / source.tag_dir.name
+        check_out_dir(out)   # before the consolidation, which takes minutes for a large model
+        state = consolidated_state_dict(source.tag_dir)
+        export_checkpoint(source.tag_dir, out, state=state, bert_vocab=args.bert_vocab, hub_id=args.hub_id)
+    except (*USER_ERRORS, TokenizerUnavailableError, FileExistsError) as err:   # one line naming the fix
+        return report_error("crate-clip export", err)
+    print(f"wrote {out} from {source.tag_dir} (stage {source.info.get('stage_index')}, step "
+          f"{source.info.get('step')}, {source.image_size} px); load it with open_clip.create_model_and_transforms("
+          f"'local-dir:{out}') after `import crate_clip`")
+    return 0 if args.no_verify else verify_export(out, state, "crate-clip export")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""What a training checkpoint says about the model to export: which checkpoint, its sizes, tokenizer,
+normalisation, the run's stages and the evaluation results its weights have (results.jsonl).
+
+A checkpoint is named as a user has it at hand: the run folder, its `checkpoints/` folder (the checkpoint
+`latest` names), one `<tag>/` folder, or a stage number (that stage's last checkpoint). Every value comes
+from the checkpoint's crate_clip.json, so an export of it is the same wherever and whenever it is made.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, LATEST_FILE, read_info
+from crate_clip.models import preprocess_cfg_for
+from crate_clip.models.clip_tokenizers import tokenizer_record
+from crate_clip.train.metrics_log import RESULTS_FILE, read_jsonl
+
+
+class ExportSourceError(ValueError):
+    """A checkpoint that cannot be exported; the message names the folder and the fix."""
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    """One complete checkpoint and what its export needs."""
+    tag_dir: Path
+    info: dict
+    bert_vocab: str | None
+    results: list = field(default_factory=list)   # results.jsonl rows of the stages up to this checkpoint
+
+    @property
+    def run_config(self) -> dict:
+        """The run config the checkpoint was trained under (as saved in it)."""
+        return self.info.get("run_config") or {}
+
+    @property
+    def model_name(self) -> str:
+        """The open_clip config name."""
+        return self.info["model_name"]
+
+    @property
+    def image_size(self) -> int:
+        """The stage's image size."""
+        return int(self.info["image_size"])
+
+    @property
+    def context_length(self) -> int:
+        """The stage's text context length."""
+        return int(self.info["context_length"])
+
+    @property
+    def tokenizer_name(self) -> str:
+        """The open_clip name whose tokenizer the run used (model.tokenizer, default the model's)."""
+        return (self.run_config.get("model") or {}).get("tokenizer") or self.model_name
+
+    @property
+    def mean(self) -> list:
+        """The image mean the training stream normalised with."""
+        return self._normalisation()["mean"]
+
+    @property
+    def std(self) -> list:
+        """The image std the training stream normalised with."""
+        return self._normalisation()["std"]
+
+    def _normalisation(self) -> dict:
+        recorded = self.info.get("normalisation")
+        if recorded:
+            return recorded
+        # a checkpoint that does not record it: data.mean / std where they differ from the stream's
+        # defaults (then the run config set them), else the model config's, as the trainer chooses
+        from data_pipelines.train_stream import StreamConfig
+
+        data, model = self.run_config.get("data") or {}, preprocess_cfg_for(self.model_name)
+        defaults = StreamConfig()
+        return {k: list(data[k]) if k in data and tuple(data[k]) != tuple(getattr(defaults, k)) else list(model[k])
+                for k in ("mean", "std")}
+
+
+def is_stage_end(info: dict) -> bool:
+    """True for the checkpoint info of a stage's last step (the weights its after-stage evaluations measured)."""
+    return info.get("step", 0) >= info.get("stage_steps", float("inf"))
+
+
+def export_source(checkpoint: str | Path, stage: int | None = None, bert_vocab: str | None = None) -> ExportSource:
+    """The checkpoint to export: `checkpoint` is a run folder, its checkpoints folder or one tag folder;
+    `stage` picks that stage's last checkpoint. `bert_vocab` stands in for the vocabulary the run recorded."""
+    tag_dir = _tag_dir(Path(checkpoint), stage)
+    info = read_info(tag_dir)
+    if not info or "model_name" not in info:
+        raise ExportSourceError(f"{tag_dir}: {INFO_FILE} missing, unreadable or naming no model (an interrupted "
+                                f"save?); pass a complete checkpoint")
+    vocab = _vocab(info, bert_vocab, tag_dir)
+    return ExportSource(tag_dir, info, vocab, _results(tag_dir, info))
+
+
+def _tag_dir(path: Path, stage: int | None) -> Path:
+    """The tag folder a user's path (and stage) name."""
+    if not path.is_dir():
+        raise ExportSourceError(f"{path}: no such folder (a run folder, its checkpoints/ folder, or one "
+                                f"checkpoint folder)")
+    is_tag = read_info(path) is not None
+    root = path.parent if is_tag else path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if stage is not None:
+        return _stage_end(root, stage)
+    if is_tag:
+        return path
+    if (root / LATEST_FILE).is_file():
+        tag = (root / LATEST_FILE).read_text(errors="replace").strip()
+        if read_info(root / tag) is None:
+            raise ExportSourceError(f"{root / LATEST_FILE} names {tag!r}, which is not a complete checkpoint; "
+                                    f"pass one of {_complete(root) or 'the checkpoint folders'} instead")
+        return root / tag
+    raise ExportSourceError(f"{path}: not a checkpoint (no {INFO_FILE}) and no {LATEST_FILE} file; pass a run folder, "
+                            f"its checkpoints/ folder or one of {_complete(root) or 'its checkpoint folders'}")
+
+
+def _complete(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and read_info(p) is not None) if root.is_dir() else []
+
+
+def _stage_end(root: Path, stage: int) -> Path:
+    """The last checkpoint of stage `stage` among the complete ones in `root`."""
+    ends = {}
+    for name in _complete(root):
+        info = read_info(root / name)
+        if info.get("stage_index") == stage and is_stage_end(info):
+            ends[name] = info
+    if not ends:
+        raise ExportSourceError(f"{root}: no complete final checkpoint of stage {stage} (the run has not finished it, "
+                                f"or it was pruned); complete checkpoints: {_complete(root) or 'none'}")
+    return root / max(ends)
+
+
+def _vocab(info: dict, bert_vocab: str | None, tag_dir: Path) -> str | None:
+    """The BERT vocabulary folder to write the tokenizer from: the given one (which must be the run's), else the
+    one the run recorded, when it is still there."""
+    record = info.get("tokenizer") or {}
+    if bert_vocab is None:
+        recorded = record.get("bert_vocab")
+        if recorded and not Path(recorded).is_dir():
+            raise ExportSourceError(f"{tag_dir}: the run's BERT vocabulary {recorded} is gone; pass the folder "
+                                    f"holding its vocab.txt (--bert-vocab)")
+        return recorded
+    wanted = record.get("vocab_sha1")
+    got = tokenizer_record(info["model_name"], bert_vocab)["vocab_sha1"] if wanted else None
+    if wanted and got != wanted:
+        raise ExportSourceError(f"--bert-vocab {bert_vocab}: not the vocabulary the run trained with "
+                                f"(sha1 {got[:12]} vs {wanted[:12]}); pass that one")
+    return str(Path(bert_vocab))
+
+
+def _results(tag_dir: Path, info: dict) -> list[dict]:
+    """results.jsonl rows of the stages whose weights end in this checkpoint (the last row per evaluation)."""
+    run_dir = tag_dir.parent.parent
+    stage, finished = info.get("stage_index", 0), is_stage_end(info)
+    rows = {}
+    for row in read_jsonl(run_dir / RESULTS_FILE):
+        if row.get("stage_index", -1) < stage or (finished and row.get("stage_index") == stage):
+            rows[(row.get("stage_index"), row.get("eval"), row.get("image_size"))] = row
+    return [rows[k] for k in sorted(rows, key=lambda k: (k[0] or 0, str(k[1]), k[2] or 0))]

@@ -1,0 +1,96 @@
+"""The model card (README.md) of an export: what the model is, how it was trained, what it scored, how to load it.
+
+Hugging Face shows a repository's README.md as its model card and reads the YAML block at its top
+(`library_name: open_clip` links open_clip's loading snippet). Everything comes from the checkpoint and
+results.jsonl, nothing from the clock, so the card of one checkpoint is the same file every time.
+"""
+from __future__ import annotations
+
+from crate_clip.train.export_source import ExportSource
+
+STAGE_COLUMNS = (("name", "stage"), ("image_size", "image px"), ("patch_size", "patch"),
+                 ("context_length", "text tokens"), ("samples", "samples"), ("global_batch", "batch"),
+                 ("lr", "lr"), ("image_mask", "image mask"), ("text_mask", "text mask"))
+
+
+def model_card(source: ExportSource, config: dict, hub_id: str | None = None) -> str:
+    """The README.md of the export of `source` written with `config` (open_clip_config.json's content)."""
+    run = source.run_config
+    vision, text = config["model_cfg"]["vision_cfg"], config["model_cfg"]["text_cfg"]
+    name = (run.get("run") or {}).get("name") or source.model_name
+    info = source.info
+    lines = ["---", "tags:", "- clip", "- crate-alpha", "- crate-clip", "library_name: open_clip",
+             "pipeline_tag: zero-shot-image-classification", "---", "",
+             f"# {name}: {source.model_name} at {vision['image_size']} px",
+             "",
+             "A CLIP model whose image tower is CRATE-alpha (a white-box transformer), trained with crate-clip "
+             "(CLIPA-style stages). Loading it needs `pip install crate-clip` and `import crate_clip`, which "
+             "registers the CRATE-alpha towers with timm.",
+             "", "## Model", "",
+             f"- open_clip config: `{source.model_name}`; image tower `{vision.get('timm_model_name', 'ViT')}` "
+             f"(patch {vision.get('patch_size')} px, {vision['image_size']} px input); text context "
+             f"{text['context_length']} tokens, tokenizer `{text.get('hf_tokenizer_name') or 'CLIP BPE'}`",
+             f"- checkpoint `{source.tag_dir.name}`: stage {info.get('stage_index')} "
+             f"({info.get('stage_name')}), step {info.get('step')} of {info.get('stage_steps')}, "
+             f"{info.get('samples_seen', 0):,} samples seen, {info.get('precision')} training",
+             f"- preprocessing: resize ({config['preprocess_cfg']['resize_mode']}, "
+             f"{config['preprocess_cfg']['interpolation']}) and center crop to {vision['image_size']} px, mean "
+             f"{_numbers(config['preprocess_cfg']['mean'])}, std {_numbers(config['preprocess_cfg']['std'])}",
+             "", "## Training stages", ""]
+    lines += _stage_table(run)
+    lines += ["", "## Data", ""] + _data_lines(run)
+    lines += ["", "## Results", ""] + _result_lines(source, run)
+    lines += ["", "## Usage", ""] + _usage(hub_id)
+    return "\n".join(lines) + "\n"
+
+
+def _numbers(values) -> str:
+    return "(" + ", ".join(f"{float(v):.4g}" for v in values) + ")"
+
+
+def _stage_table(run: dict) -> list[str]:
+    stages = run.get("stages") or []
+    rows = ["| # | " + " | ".join(label for _, label in STAGE_COLUMNS) + " |",
+            "|---" * (len(STAGE_COLUMNS) + 1) + "|"]
+    patch = None
+    for i, stage in enumerate(stages):
+        patch = stage.get("patch_size") or patch   # a stage keeps the patch size set before it
+        values = {**stage, "patch_size": patch or "config's"}
+        rows.append(f"| {i} | " + " | ".join(str(values.get(key, "")) for key, _ in STAGE_COLUMNS) + " |")
+    return rows if stages else ["(the checkpoint records no stages)"]
+
+
+def _data_lines(run: dict) -> list[str]:
+    data = run.get("data") or {}
+    sources = ", ".join(f"`{s}`" for s in data.get("sources") or []) or "(not recorded)"
+    return [f"- shards: {sources} ({data.get('mode', 'resampled')})",
+            f"- random-resized crops of scale {data.get('crop_scale')}; seed {(run.get('run') or {}).get('seed')}"]
+
+
+def _result_lines(source: ExportSource, run: dict) -> list[str]:
+    """One line per evaluation in results.jsonl up to the checkpoint, in the task's own summary words."""
+    from eval.registry import summary_line
+
+    if not source.results:
+        return ["No evaluation results recorded up to this checkpoint."]
+    types = {e.get("name"): e.get("type", "zeroshot") for e in (run.get("eval") or {}).get("evals") or []}
+    lines = []
+    for row in source.results:
+        try:
+            summary = summary_line(row, eval_type=types.get(row.get("eval"), "zeroshot"))
+        except (KeyError, TypeError, ValueError):
+            summary = ", ".join(f"{k} {v}" for k, v in row.items() if isinstance(v, float))
+        lines.append(f"- stage {row.get('stage_index')} ({row.get('stage_name')}), `{row.get('eval')}` at "
+                     f"{row.get('image_size')} px: {summary}")
+    return lines
+
+
+def _usage(hub_id: str | None) -> list[str]:
+    where = f"hf-hub:{hub_id}" if hub_id else "local-dir:PATH/TO/THIS/FOLDER"
+    return ["```python",
+            "import crate_clip  # registers the CRATE-alpha towers with timm",
+            "import open_clip",
+            "",
+            f'model, _, preprocess = open_clip.create_model_and_transforms("{where}")',
+            f'tokenizer = open_clip.get_tokenizer("{where}")',
+            "```"]
