@@ -57,14 +57,14 @@ def train_case(dist, model: str, size: int, tokens: int, batch: int, compile_: b
                steps: int, budget_s: float) -> dict:
     """Build the engine as training does, run warm-up steps, then time `steps` steps (or until the budget)."""
     from crate_clip.train.engine import build_engine, model_dtype
-    from crate_clip.train.planner import count_flops_per_sample
-    from crate_clip.train.stage_loop import _make_loss, build_stage_model
+    from crate_clip.train.stage_loop import _make_loss
+    from crate_clip.train.stage_model import resolve_stage
     from crate_clip.train.throughput import device_peak_tflops
     from crate_clip.train.train_step import train_step
 
     cfg = _cfg(model, size, tokens, batch, compile_, precision)
-    stage = cfg.stages[0]
-    engine = build_engine(build_stage_model(cfg, stage, None), cfg, stage, dist)
+    stage = resolve_stage(cfg, 0, dist.world_size)
+    engine = build_engine(stage.build_model(), cfg, stage, dist)
     loss_fn, dtype = _make_loss(dist), model_dtype(precision)
     images = torch.randn(batch, 3, size, size).pin_memory() if dist.device.startswith("cuda") else \
         torch.randn(batch, 3, size, size)
@@ -81,7 +81,7 @@ def train_case(dist, model: str, size: int, tokens: int, batch: int, compile_: b
         train_step(engine, loss_fn, images, text, dist, dtype)  # ends with one host sync
         times.append(time.perf_counter() - t0)
     step_s = sorted(times)[len(times) // 2]
-    flops = count_flops_per_sample(cfg, stage)[0]
+    flops = stage.counts.flops
     peak = device_peak_tflops(dist.device)
     tflops = batch * flops / step_s / 1e12
     mem = torch.cuda.max_memory_allocated() / 2 ** 30 if dist.device.startswith("cuda") else None

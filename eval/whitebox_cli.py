@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from crate_clip.cli_errors import report_error
 from eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU
 
 USAGE_ERRORS = (ValueError, FileNotFoundError, TypeError)
@@ -164,8 +165,7 @@ def _run(fn, argv, prog) -> int:
         with torch.no_grad():
             return fn(argv)
     except USAGE_ERRORS as exn:
-        print(f"{prog}: error: {exn}", file=sys.stderr)
-        return 2
+        return report_error(prog, exn)
 
 
 def inspect_entry(argv=None) -> int:
