@@ -229,7 +229,6 @@ class CheckpointManager:
         return torch.load(path, weights_only=False)
 
 
-
 def find_resume_point(cfg: RunConfig, ckpts: CheckpointManager, resume: Optional[str]) -> ResumePoint:
     """The checkpoint `resume` names ('latest' or a path), checked against this job; raises ResumeError."""
     if not resume:

@@ -148,8 +148,8 @@ def _evaluate_finished_stage(cfg: RunConfig, i: int, ckpts: CheckpointManager, l
         log.print(f"[warn] stage {i} ({cfg.stages[i].name}): evaluations missing from results.jsonl and its "
                   f"final checkpoint {tag_dir} is gone; they cannot be run")
         return []
-    return evaluate_after_stage(cfg, resolve_stage(cfg, i, dist.world_size, dist.device),
-                                consolidated_state_dict(tag_dir), Progress.from_info(info), log, dist)
+    stage = resolve_stage(cfg, i, dist.world_size)   # for its evaluations: no device micro-batch fit
+    return evaluate_after_stage(cfg, stage, consolidated_state_dict(tag_dir), Progress.from_info(info), log, dist)
 
 
 def _seed_everything(seed: int) -> None:
@@ -309,7 +309,7 @@ def _save(ckpts: CheckpointManager, engine, cfg: RunConfig, stage: ResolvedStage
     info = CheckpointInfo(cfg.model.name, stage.image_size, stage.context_length, tower_patch_size(engine.module),
                           stage.zero_stage, stage.name, stage.steps, cfg.precision, cfg.to_dict(),
                           tokenizer_record(cfg.model.tokenizer or cfg.model.name, cfg.model.bert_vocab),
-                          dataclasses.replace(progress))
+                          progress)
     rank_state = {"stream": stream.state_dict() if hasattr(stream, "state_dict") else None, "rng": rng_state(),
                   "progress": dataclasses.asdict(progress)}
     return ckpts.save(engine, checkpoint_tag(progress.stage_index, progress.step), info.as_dict(), rank_state)
