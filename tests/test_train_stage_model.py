@@ -86,3 +86,11 @@ def test_plan_and_step_meter_report_the_same_flops_for_every_shipped_stage(confi
     if cfg.model.lock_text:   # the paper's recipe: the CLIPA text tower frozen, its backward never runs
         trainable = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lock_text": False})})
         assert plans[0]["flops_per_sample"] < 0.9 * resolve_stage(trainable, 0).counts.flops
+
+
+def test_plan_reports_a_batch_that_does_not_split_over_the_gpus(capsys):
+    demo = str(REPO / "configs" / "demo" / "fashion_mnist.yaml")
+    assert plan_main([demo, "--gpus", "3", "--gpu", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert "stages.0.global_batch: 64 is not divisible by the 3 processes; fix:" in err and "Traceback" not in err
+    assert plan_main([demo, "--gpus", "2"]) == 2 and "--gpu-memory: required" in capsys.readouterr().err

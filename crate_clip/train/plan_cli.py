@@ -7,7 +7,7 @@ import sys
 
 from crate_clip.cli_errors import ConfigError, report_error
 from crate_clip.train.planner import DEFAULT_MFU, GPU_TABLE, format_plan, parse_bytes, plan_run, plans_as_dicts
-from crate_clip.train.run_config import load_run_config
+from crate_clip.train.run_config import check_runtime, load_run_config
 from crate_clip.train.stage_model import resolve_stage
 
 PROG = "crate-clip plan"
@@ -34,9 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def plan_stages(config: str, overrides: list[str], gpus: int) -> list:
     """The run's stages resolved for `gpus` ranks (what training resolves, without a device's micro_batch auto)."""
     cfg = load_run_config(config, overrides, check_paths=False)
-    bad = [f"stages.{i}.global_batch {s.global_batch}" for i, s in enumerate(cfg.stages) if s.global_batch % gpus]
-    if bad:
-        raise ConfigError(f"{', '.join(bad)} not divisible by --gpus {gpus}")
+    check_runtime(cfg, gpus, "cuda")   # the batches must split over the GPUs, as training checks it
     return [resolve_stage(cfg, i, gpus) for i in range(len(cfg.stages))]
 
 

@@ -168,7 +168,9 @@ def tower_blocks(model) -> Optional[tuple]:
     trunk = getattr(visual, "trunk", None)
     image = (trunk, "blocks") if hasattr(trunk, "blocks") else \
         (visual.transformer, "resblocks") if hasattr(getattr(visual, "transformer", None), "resblocks") else None
-    text = (model.transformer, "resblocks") if hasattr(getattr(model, "transformer", None), "resblocks") else None
+    text_tower = getattr(model, "text", model)   # CustomTextCLIP holds its text tower as .text
+    text = (text_tower.transformer, "resblocks") if hasattr(getattr(text_tower, "transformer", None), "resblocks") \
+        else None
     return (image, text) if image and text else None
 
 

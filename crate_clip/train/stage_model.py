@@ -116,6 +116,6 @@ def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str =
 def compile_towers(model: nn.Module) -> None:
     """torch.compile each tower in place (nn.Module.compile keeps the state-dict keys, so checkpoints and
     exports are unchanged); the contrastive loss and DeepSpeed stay eager."""
-    for tower in (getattr(model, "visual", None), getattr(model, "transformer", None)):
+    for tower in (getattr(model, "visual", None), getattr(model, "text", getattr(model, "transformer", None))):
         if tower is not None:
             tower.compile()
