@@ -61,7 +61,6 @@ class WhiteboxProbe:
         self.trunk = find_crate_tower(engine)
         self.images = (_probe_images(cfg, stage.image_size, engine, cfg.logging.diagnostics_images)
                        if dist.is_main else None)
-        self.image_size = stage.image_size
         self.seconds = 0.0
         # ZeRO-3: a plain tower on rank 0 to load the gathered weights into (the engine's hold shards only)
         self.shadow = None
