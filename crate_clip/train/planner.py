@@ -180,9 +180,12 @@ def count_per_sample(model, image_size: int, context_length: int, batch: int = 2
     images = torch.zeros(batch, 3, image_size, image_size, device=device)
     tokens = torch.ones(batch, context_length, dtype=torch.long, device=device)
     seen, hooks = [None, None], []
+
+    def recorder(tower: int):
+        return lambda module, args: seen.__setitem__(tower, int(args[0].shape[1]))   # (batch, tokens, width)
+
     for i, (owner, attr) in enumerate(tower_blocks(model) or ()):
-        record = (lambda i: lambda module, args: seen.__setitem__(i, int(args[0].shape[1])))(i)  # batch-first
-        hooks.append(getattr(owner, attr)[0].register_forward_pre_hook(record))
+        hooks.append(getattr(owner, attr)[0].register_forward_pre_hook(recorder(i)))
     model.train()
     forward = []
     try:
