@@ -76,8 +76,7 @@ class CheckpointInfo:
 
 @dataclass
 class ResumePoint:
-    """Where the run starts: a stage, and the checkpoint inside it to continue from (None: from scratch)."""
-    stage_index: int = 0
+    """Where the run starts: the checkpoint to continue from (None: from scratch) and its progress."""
     tag_dir: Optional[Path] = None
     progress: Progress = field(default_factory=Progress)
     stage_finished: bool = False  # the checkpoint is its stage's last: only evaluations may be left to do
@@ -236,5 +235,4 @@ def find_resume_point(cfg: RunConfig, ckpts: CheckpointManager, resume: Optional
     tag_dir = ckpts.resolve(resume)
     info = ckpts.check_compatible(tag_dir)
     progress = Progress.from_info(info)
-    finished = info["step"] >= cfg.stages[info["stage_index"]].steps
-    return ResumePoint(info["stage_index"], tag_dir, progress, finished)
+    return ResumePoint(tag_dir, progress, progress.step >= cfg.stages[progress.stage_index].steps)

@@ -69,11 +69,12 @@ def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: O
         if start.tag_dir is not None:
             log.print(f"resuming from {start.tag_dir} (stage {progress.stage_index}, step {progress.step}, "
                       f"{progress.samples_seen} samples seen)")
-        for i in range(start.stage_index):  # stages finished before the checkpoint resumed from
+        first = progress.stage_index   # 0, or the stage of the checkpoint resumed from
+        for i in range(first):  # stages finished before the checkpoint resumed from
             evals += _evaluate_finished_stage(cfg, i, ckpts, log, dist)
-        for i in range(start.stage_index, len(cfg.stages)):
+        for i in range(first, len(cfg.stages)):
             stage = resolve_stage(cfg, i, dist.world_size, dist.device)
-            resume_here = start if i == start.stage_index and start.tag_dir is not None else None
+            resume_here = start if i == first and start.tag_dir is not None else None
             tag_dir, weights, records = run_stage(cfg, stage, weights, resume_here, progress, stream_factory, ckpts,
                                                   log, dist)
             evals += records
@@ -124,8 +125,6 @@ def _load_checkpoint(ckpts: CheckpointManager, engine, stage: ResolvedStage, tag
     model (a run config changed since) are a ResumeError naming the first mismatch, not a traceback."""
     try:
         return ckpts.load(engine, tag_dir)[1]
-    except ResumeError:
-        raise
     except RuntimeError as exc:   # torch's load_state_dict under DeepSpeed: "size mismatch for <key>: ..."
         lines = [line.strip() for line in str(exc).splitlines()
                  if line.strip().startswith(("size mismatch", "Missing key", "Unexpected key"))]
