@@ -35,7 +35,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -114,46 +114,17 @@ def all_cases(smoke: bool) -> list[Case]:
 
 # ---------------------------------------------------------------------------------------------- training
 def _cfg(case: Case):
-    """A one-stage run config of the case (the text lock is applied after building, see build_model)."""
+    """A one-stage run config of the case, its text lock included (the stage's model is built without reading
+    model.text_pretrained: random weights, the kernels of the locked tower)."""
     from crate_clip.train.run_config import config_from_dict
+    lock = {"lock_text": case.lock_text, "lock_logit_scale": case.lock_logit_scale,
+            "text_pretrained": "not-read" if case.lock_text else None}
     return config_from_dict({
-        "model": {"name": case.model, "grad_checkpointing": case.grad_checkpointing},
+        "model": {"name": case.model, "grad_checkpointing": case.grad_checkpointing, "compile": case.compile, **lock},
         "data": {"sources": ["unused"]}, "precision": PRECISION, "deepspeed": {"zero_stage": 1},
         "stages": [{"name": f"{case.image_size}px", "image_size": case.image_size, "context_length": case.tokens,
                     "samples": 10 ** 6, "global_batch": case.batch, "lr": 1e-4, "warmup_steps": 1,
                     "image_mask": case.image_mask, "image_mask_ratio": case.image_mask_ratio}]}, check_paths=False)
-
-
-def build_model(case: Case, cfg, device: str = "cpu", compute_dtype=None):
-    """The stage's model as the trainer builds it: the text tower locked (as apply_text_config does after
-    loading text_pretrained: random weights here, the same kernels), then the towers compiled."""
-    from crate_clip.train.stage_loop import build_stage_model, compile_towers
-    from crate_clip.train.text_lock import lock_text_tower
-
-    model = build_stage_model(cfg, cfg.stages[0], None, device=device)
-    if case.lock_text or case.lock_logit_scale:
-        lock_text_tower(model, lock_text=case.lock_text, lock_logit_scale=case.lock_logit_scale,
-                        compute_dtype=compute_dtype)
-    if case.compile and device != "meta":
-        compile_towers(model)
-    return model
-
-
-def count_flops_per_sample(case: Case, batch: int = 2) -> float:
-    """Model FLOPs per sample of one training step (forward + backward) of the model that trains, counted on the
-    meta device: a locked text tower runs its forward under no_grad, so only that is counted for it; gradient
-    checkpointing's recomputation is not (model FLOPs, as MFU counts them)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    plain = replace(case, grad_checkpointing=False)
-    with torch.random.fork_rng(devices=[]):   # the token masks draw from the global generator
-        model = build_model(plain, _cfg(plain), device="meta").train()
-        images = torch.empty(batch, 3, case.image_size, case.image_size, device="meta")
-        tokens = torch.ones(batch, case.tokens, dtype=torch.long, device="meta")
-        with FlopCounterMode(display=False) as counter:
-            image_f, text_f, scale = model(image=images, text=tokens)[:3]
-            (scale * (image_f @ text_f.t())).sum().backward()
-    return counter.get_total_flops() / batch
 
 
 def train_case(dist, case: Case, steps: int, budget_s: float) -> dict:
@@ -161,14 +132,17 @@ def train_case(dist, case: Case, steps: int, budget_s: float) -> dict:
     runs out, but at least MIN_STEPS)."""
     from crate_clip.train.engine import build_engine, model_dtype
     from crate_clip.train.stage_loop import _make_loss
+    from crate_clip.train.stage_model import resolve_stage
     from crate_clip.train.throughput import device_peak_tflops
     from crate_clip.train.train_step import train_step
 
     cuda = dist.device.startswith("cuda")
     cfg = _cfg(case)
+    stage = resolve_stage(cfg, 0, dist.world_size)
     dtype = model_dtype(PRECISION)
-    flops = count_flops_per_sample(case)
-    engine = build_engine(build_model(case, cfg, compute_dtype=dtype), cfg, cfg.stages[0], dist)
+    flops = stage.counts.flops   # the trainer's own count: the step meter and `crate-clip plan` report it too
+    # read_files=False: the locked text tower keeps random weights (same kernels as CLIPA's, no download)
+    engine = build_engine(stage.build_model(read_files=False), cfg, stage, dist)
     loss_fn = _make_loss(dist)
     images = torch.randn(case.batch, 3, case.image_size, case.image_size)
     images = images.pin_memory() if cuda else images

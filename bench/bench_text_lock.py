@@ -46,9 +46,11 @@ def _cfg(zero_stage: int, context: int):
 def _engine(text_cfg: dict, context: int, zero_stage: int, mode: str, dist):
     from crate_clip.models import create_clip
     from crate_clip.train.engine import build_engine
+    from crate_clip.train.stage_model import resolve_stage
     from crate_clip.train.text_lock import is_text_key, lock_text_tower
 
     cfg = _cfg(zero_stage, context)
+    stage = resolve_stage(cfg, 0, dist.world_size)
     torch.manual_seed(0)
     model = create_clip(MODEL, image_size=IMAGE, context_length=context, text_cfg=text_cfg or None)
     if mode == "locked":
@@ -57,14 +59,15 @@ def _engine(text_cfg: dict, context: int, zero_stage: int, mode: str, dist):
         for name, p in model.named_parameters():
             if is_text_key(name) or name == "logit_scale":
                 p.requires_grad_(False)
-    return build_engine(model, cfg, cfg.stages[0], dist)
+    return build_engine(model, cfg, stage, dist)
 
 
 def worker(out: Path) -> None:
     """Footprint per (model, ZeRO stage, mode); step times of trainable vs locked under ZeRO-2."""
     import zero_footprint  # bench/zero_footprint.py
     from crate_clip.train.engine import init_distributed, model_dtype
-    from crate_clip.train.stage_loop import _make_loss, forward_loss, train_step
+    from crate_clip.train.stage_loop import _make_loss
+    from crate_clip.train.train_step import forward_loss, train_step
 
     dist = init_distributed()
     loss_fn, dtype = _make_loss(dist), model_dtype("bf16")

@@ -55,13 +55,16 @@ def worker(out: Path) -> None:
     """Per-rank footprint of ZeRO 0-3 and timed steps at the demo's two stage sizes."""
     import zero_footprint  # bench/zero_footprint.py
     from crate_clip.train.engine import build_engine, init_distributed, model_dtype
-    from crate_clip.train.stage_loop import _make_loss, build_stage_model, forward_loss, train_step
+    from crate_clip.train.stage_loop import _make_loss
+    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.train_step import forward_loss, train_step
 
     dist = init_distributed()
     rows = []
     for zs in (0, 1, 2, 3):
         cfg = _cfg(zs, 16)
-        engine = build_engine(build_stage_model(cfg, cfg.stages[0], None), cfg, cfg.stages[0], dist)
+        stage = resolve_stage(cfg, 0, dist.world_size)
+        engine = build_engine(stage.build_model(), cfg, stage, dist)
         images, tokens = torch.randn(8, 3, 16, 16, dtype=torch.bfloat16), torch.randint(1, 1000, (8, 16))
         loss, _ = forward_loss(engine, _make_loss(dist), images, tokens)
         engine.backward(loss)
@@ -73,7 +76,8 @@ def worker(out: Path) -> None:
     engines, batches, times = {}, {}, {LOW: [], FULL: []}
     for size in (LOW, FULL):
         cfg = _cfg(2, size)
-        engines[size] = build_engine(build_stage_model(cfg, cfg.stages[0], None), cfg, cfg.stages[0], dist)
+        stage = resolve_stage(cfg, 0, dist.world_size)
+        engines[size] = build_engine(stage.build_model(), cfg, stage, dist)
         batches[size] = (torch.randn(BATCH_PER_RANK, 3, size, size), torch.randint(1, 1000, (BATCH_PER_RANK, 16)))
     loss_fn, dtype = _make_loss(dist), model_dtype("bf16")
     for round_ in range(2 + TIMED_STEPS):

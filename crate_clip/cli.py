@@ -2,6 +2,8 @@
 import importlib
 import sys
 
+from crate_clip.cli_errors import USER_ERRORS, pop_debug_flag, report_error, show_exit_code
+
 # sub-command -> module whose main(argv) runs it; imported lazily so `crate-clip shards` does not pay
 # for DeepSpeed's import, and so the packages keep their one direction of imports.
 SUBCOMMANDS = {
@@ -25,8 +27,6 @@ def _usage() -> str:
 
 def main(argv=None) -> int:
     """Run `crate-clip <command> ...`."""
-    from crate_clip.cli_errors import pop_debug_flag
-
     argv = pop_debug_flag(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -35,8 +35,6 @@ def main(argv=None) -> int:
     if name not in SUBCOMMANDS:
         print(f"crate-clip: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    from crate_clip.cli_errors import USER_ERRORS, report_error, show_exit_code
-
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
         code = int(module.main(rest) or 0)

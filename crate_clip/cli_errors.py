@@ -1,24 +1,36 @@
-"""One way for every `crate-clip` command to report a user error: one line, exit code 2, traceback with --debug;
-and, under a launcher that replaces the process's exit code with its own, that code as the last line
-(docs/exit_codes.md)."""
+"""One way for every `crate-clip` command to report a user error: its message, its exit code, a traceback only
+with --debug; and, under a launcher that replaces the process's exit code with its own, that code as the last
+line (docs/exit_codes.md). The bottom layer of the errors: it imports nothing of crate_clip, every package may
+raise these."""
 from __future__ import annotations
 
 import os
 import sys
 
-from crate_clip.models.checkpoint_errors import CheckpointMismatchError
-
-EXIT_USAGE = 2
-# What each exit code of a crate-clip process means (crate_clip/train/cli.py: EXIT_CONFIG, EXIT_NONFINITE,
-# EXIT_RESUME); docs/exit_codes.md says the same for users.
-EXIT_MEANINGS = {1: "unexpected error, see the traceback above", 2: "configuration or input error, see the message above",
-                 3: "training stopped after too many non-finite losses in a row",
-                 4: "the checkpoint cannot be resumed by this job"}
+EXIT_USAGE = EXIT_CONFIG = 2     # a bad command line, config, file or data set
+EXIT_NONFINITE = 3               # training stopped on non-finite losses (the last good state is saved)
+EXIT_RESUME = 4                  # the checkpoint named by --resume cannot be continued by this job
+# What each exit code of a crate-clip process means; docs/exit_codes.md says the same for users.
+EXIT_MEANINGS = {1: "unexpected error, see the traceback above",
+                 EXIT_USAGE: "configuration or input error, see the message above",
+                 EXIT_NONFINITE: "training stopped after too many non-finite losses in a row",
+                 EXIT_RESUME: "the checkpoint cannot be resumed by this job"}
 # Set in the processes torchrun, the DeepSpeed launcher and `accelerate launch` start.
 LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION")
 DEBUG_ENV = "CRATE_CLIP_DEBUG"   # set by `crate-clip --debug ...`; inherited by the ranks a launcher starts
+
+
+class UserError(Exception):
+    """Something the user can fix (the message names the key or file and the fix): reported, not a traceback."""
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(UserError, ValueError):
+    """A run config that cannot be used; the message lists every bad key with its fix."""
+
+
 # Errors that are about the user's input (files, config, data): reported in one line, not as a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, CheckpointMismatchError)
+USER_ERRORS = (UserError, ValueError, FileNotFoundError, NotADirectoryError)
 
 
 def pop_debug_flag(argv: list[str]) -> list[str]:
@@ -33,13 +45,21 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV) == "1"
 
 
-def report_error(prog: str, exc: BaseException, code: int = EXIT_USAGE) -> int:
-    """Print `prog: error: <message>` on one line and return `code`; with --debug re-raise (traceback)."""
+def report_error(prog: str, exc: BaseException, *, once_per_job: bool = False) -> int:
+    """Print the error on stderr and return its exit code; with --debug re-raise it (traceback).
+
+    A ConfigError keeps its lines (one per bad key); any other message is put on one line. Our own errors
+    are sentences naming the key or file and the fix; another library's are marked `error:`. `once_per_job`:
+    every rank of a launched job finds the same error, rank 0 prints it."""
     if debug_enabled():
         raise exc
-    message = " ".join(str(exc).split()) or type(exc).__name__
-    print(f"{prog}: error: {message} (--debug shows the traceback)", file=sys.stderr)
-    return code
+    text = str(exc).strip() or type(exc).__name__
+    text = text if isinstance(exc, ConfigError) else " ".join(text.split())
+    if not isinstance(exc, UserError):
+        text = f"error: {text} (--debug shows the traceback)"
+    if not once_per_job or os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: {text}", file=sys.stderr)
+    return getattr(exc, "exit_code", EXIT_USAGE)
 
 
 def show_exit_code(code: int) -> int:

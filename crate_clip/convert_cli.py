@@ -8,8 +8,8 @@ from pathlib import Path
 import open_clip
 
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
-from crate_clip.models import (CheckpointMismatchError, TokenizerUnavailableError, clip_tokenizer,
-                               load_official_clipa)
+from crate_clip.cli_errors import USER_ERRORS, report_error
+from crate_clip.models import clip_tokenizer, load_official_clipa
 from crate_clip.train.export import check_out_dir, export_open_clip, verify_export
 
 
@@ -50,9 +50,8 @@ def main(argv=None) -> int:
         state = model.state_dict()
         export_open_clip(state, args.model, args.out, image_size=model.visual.image_size[0],
                          context_length=model.context_length, bert_vocab=args.bert_vocab)
-    except (CheckpointMismatchError, TokenizerUnavailableError, FileExistsError, FileNotFoundError, ValueError) as err:
-        print(f"crate-clip convert: error: {err}", file=sys.stderr)
-        return 2
+    except (*USER_ERRORS, FileExistsError) as err:   # the checkpoint, the tokenizer's vocabulary, the output folder
+        return report_error("crate-clip convert", err)
     print(f"wrote {args.out} ({sum(v.numel() for v in state.values()):,} values, tokenizer "
           f"{type(tokenizer).__name__}); load it with open_clip.create_model_and_transforms("
           f"'local-dir:{args.out}') after `import crate_clip`")

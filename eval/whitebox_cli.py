@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
+from crate_clip.cli_errors import report_error
 from eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU
 
 USAGE_ERRORS = (ValueError, FileNotFoundError, TypeError)
@@ -244,8 +245,7 @@ def _run(fn, argv, prog) -> int:
         with torch.no_grad():
             return fn(argv)
     except USAGE_ERRORS as exn:
-        print(f"{prog}: error: {exn}", file=sys.stderr)
-        return 2
+        return report_error(prog, exn)
 
 
 INSPECT_COMMANDS = {"maps": maps_main, "text": text_main}

@@ -25,17 +25,17 @@ def _die() -> None:
 
 def kill_between_evals(config: Path) -> None:
     """Stage 0 trains at low resolution: its own-size eval is recorded, then the kill comes at full size."""
-    import eval.stage_hook as stage_hook
+    import crate_clip.train.stage_evals as stage_evals   # where the trainer calls eval.stage_hook.evaluate_stage
 
     cfg = load_run_config(config)
-    real = stage_hook.evaluate_stage
+    real = stage_evals.evaluate_stage
 
     def evaluate_stage(model, *, image_size, **kwargs):
         if image_size == cfg.full_image_size and image_size != cfg.stages[0].image_size:
             _die()
         return real(model, image_size=image_size, **kwargs)
 
-    stage_hook.evaluate_stage = evaluate_stage
+    stage_evals.evaluate_stage = evaluate_stage
     run_training(cfg)
 
 

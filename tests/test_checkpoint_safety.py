@@ -147,20 +147,20 @@ def test_export_reader_refuses_a_checkpoint_that_pickles_code(poisoned, zs):
 @pytest.mark.slow
 @pytest.mark.parametrize("zs", LAYOUTS)
 def test_model_pretrained_and_text_pretrained_refuse_a_checkpoint_that_pickles_code(poisoned, zs):
+    from crate_clip.models.text_sources import TextTowerError
     from crate_clip.train.run_config import config_from_dict
-    from crate_clip.train.stage_loop import build_stage_model
-    from crate_clip.train.text_lock import TextTowerError
+    from crate_clip.train.stage_model import resolve_stage
 
     run, tag, marker = poisoned[zs]
     sources = [run / "checkpoints", tag] + ([tag / POISONED_FILE[zs]] if "model_states" in POISONED_FILE[zs] else [])
     for source in sources:   # a run's checkpoints, one tag folder, a model-states file itself
         cfg = config_from_dict({"data": {"sources": ["unused"]}, "model": {"pretrained": str(source)},
                                 "stages": _stage()}, check_paths=False)
-        _refused(lambda: build_stage_model(cfg, cfg.stages[0], None), POISONED_FILE[zs])
+        _refused(lambda: resolve_stage(cfg, 0).build_model(), POISONED_FILE[zs])
     text = {"text_pretrained": str(run / "checkpoints"), "lock_text": True}
     cfg = config_from_dict({"data": {"sources": ["unused"]}, "stages": _stage(), "model": text}, check_paths=False)
     with pytest.raises(TextTowerError) as exc:   # a config error naming the key, then the refusal
-        build_stage_model(cfg, cfg.stages[0], None)
+        resolve_stage(cfg, 0).build_model()
     assert str(exc.value).startswith("model.text_pretrained: ")
     _one_line_refusal(str(exc.value), POISONED_FILE[zs])
     assert not marker.exists()

@@ -147,6 +147,7 @@ def test_stage_key_decode_reaches_the_stream(shards):
     from crate_clip.train.engine import DistInfo
     from crate_clip.train.run_config import ConfigError, config_from_dict
     from crate_clip.train.stage_loop import default_stream_factory
+    from crate_clip.train.stage_model import resolve_stage
 
     raw = {"data": {"sources": [str(shards)], "num_workers": 0, "shuffle_buffer": 8},
            "model": {"name": "CRATE-alpha-CLIPA-tiny"},
@@ -156,7 +157,7 @@ def test_stage_key_decode_reaches_the_stream(shards):
         config_from_dict(raw)
     raw["stages"][0]["decode"] = "device"
     cfg = config_from_dict(raw)
-    stream = default_stream_factory(cfg, cfg.stages[0], 0, DistInfo(0, 1, 0, "cpu"))
+    stream = default_stream_factory(cfg, resolve_stage(cfg, 0), DistInfo(0, 1, 0, "cpu"))
     (images, tokens), = _batches(stream, 1)
     assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32 and tokens.shape == (8, 16)
     assert set(stream.decode_counts()) == {FALLBACK, DEVICE_FAILED, SUBSTITUTED}

@@ -93,7 +93,9 @@ def test_retrieval_eval_in_a_run_config_is_evaluated_and_logged(sets, tmp_path, 
     from crate_clip.train.engine import DistInfo
     from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl, write_plot
     from crate_clip.train.run_config import load_run_config
-    from crate_clip.train.stage_loop import Progress, evaluate_after_stage
+    from crate_clip.train.checkpoints import Progress
+    from crate_clip.train.stage_evals import evaluate_after_stage
+    from crate_clip.train.stage_model import resolve_stage
 
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({
@@ -106,7 +108,8 @@ def test_retrieval_eval_in_a_run_config_is_evaluated_and_logged(sets, tmp_path, 
     cfg.run_dir.mkdir()
     log = MetricsLog(cfg.run_dir, enabled=True, progress=False, tensorboard=True)
     weights = shared_crate_tiny().state_dict()
-    records = evaluate_after_stage(cfg, 0, weights, Progress(samples_seen=8), log, DistInfo(0, 1, 0, "cpu"))
+    records = evaluate_after_stage(cfg, resolve_stage(cfg, 0), weights, Progress(samples_seen=8), log,
+                                   DistInfo(0, 1, 0, "cpu"))
     log.close()
     (row,) = read_jsonl(cfg.run_dir / RESULTS_FILE)
     assert records == [row] and row["eval"] == "captions" and row["n_pairs"] == 10 * PER_CLASS

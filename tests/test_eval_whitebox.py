@@ -66,15 +66,17 @@ def test_zero3_shadow_tower_follows_the_stage_patch_size(patch):
     """The probe's plain copy of a ZeRO-3 tower takes the trained tower's weights also after a stage changed
     the patch size (a stage's `patch_size`), and then computes what the trained tower computes."""
     from crate_clip.models import create_clip
-    from crate_clip.train.run_config import StageConfig
+    from crate_clip.train.run_config import config_from_dict
+    from crate_clip.train.stage_model import resolve_stage
     from crate_clip.train.whitebox_log import shadow_tower
     from eval.whitebox import find_crate_tower
 
     torch.manual_seed(0)
     trained = find_crate_tower(create_clip("CRATE-alpha-CLIPA-tiny", image_size=28, context_length=16)).eval()
     trained.set_patch_size(patch)
-    stage = StageConfig(image_size=28, context_length=16, samples=256, patch_size=patch)
-    shadow = shadow_tower("CRATE-alpha-CLIPA-tiny", stage, trained).eval()
+    cfg = config_from_dict({"data": {"sources": ["x"]}, "stages": [
+        {"image_size": 28, "context_length": 16, "samples": 256, "patch_size": patch}]}, check_paths=False)
+    shadow = shadow_tower(resolve_stage(cfg, 0), trained).eval()
     shadow.load_state_dict(trained.state_dict())   # strict: every shape must match
     images = torch.randn(2, 3, 28, 28)
     assert layer_diagnostics(shadow, images) == layer_diagnostics(trained, images)   # exact: same tower, same weights

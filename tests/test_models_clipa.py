@@ -194,15 +194,15 @@ def test_official_1d_resize_is_jax_bilinear_over_the_sequence(old, new):
 @pytest.mark.parametrize("mode", ["official_1d", "grid_2d"])
 def test_stage_change_uses_the_run_configs_mode(mode):
     from crate_clip.train.run_config import config_from_dict
-    from crate_clip.train.stage_loop import build_stage_model
+    from crate_clip.train.stage_model import resolve_stage
 
     stages = [dict(name=n, image_size=px, context_length=8, samples=4, global_batch=2, lr=1e-3)
               for n, px in (("low", 12), ("full", 28))]
     cfg = config_from_dict({"model": {"name": "CRATE-alpha-CLIPA-tiny", "pos_embed_resize": mode},
                             "data": {"sources": ["x"]}, "stages": stages}, check_paths=False)
-    low = build_stage_model(cfg, cfg.stages[0], None)
+    low = resolve_stage(cfg, 0).build_model()
     weights = low.state_dict()
-    full = build_stage_model(cfg, cfg.stages[1], weights)
+    full = resolve_stage(cfg, 1).build_model(weights)
     expected = resize_image_pos_embed(weights["visual.trunk.pos_embed"], (7, 7), (3, 3), mode=mode)
     assert torch.equal(full.visual.trunk.pos_embed.detach(), expected)
 

@@ -63,14 +63,14 @@ def _two_stage_config(patch0, patch1, resize="pi_resize"):
 @pytest.mark.parametrize("resize", ["pi_resize", "bilinear"])
 def test_stage_change_resizes_the_kernel_and_eval_export_know_the_patch(resize, tmp_path):
     from crate_clip.train.export import export_open_clip, load_export
-    from crate_clip.train.stage_loop import build_stage_model
+    from crate_clip.train.stage_model import resolve_stage
 
     cfg = _two_stage_config(7, 4, resize)
-    coarse = build_stage_model(cfg, cfg.stages[0], None).eval()
+    coarse = resolve_stage(cfg, 0).build_model().eval()
     assert coarse.visual.trunk.patch_size == 7 and coarse.visual.trunk.pos_embed.shape[1] == 17
     weights = {k: v.clone() for k, v in coarse.state_dict().items()}
     assert checkpoint_patch_size(weights) == 7 and cfg.patch_size_at(0) == 7 and cfg.patch_size_at(1) == 4
-    fine = build_stage_model(cfg, cfg.stages[1], weights)
+    fine = resolve_stage(cfg, 1).build_model(weights)
     kernel = fine.state_dict()["visual.trunk.patch_embed.proj.weight"]
     torch.testing.assert_close(kernel, resize_patch_kernel(weights["visual.trunk.patch_embed.proj.weight"], 4, resize))
     assert fine.visual.trunk.pos_embed.shape[1] == 50

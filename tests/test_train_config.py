@@ -8,6 +8,7 @@ import yaml
 
 from crate_clip.train.run_config import (ConfigError, apply_override, check_runtime, config_from_dict,
                                          load_run_config)
+from crate_clip.train.stage_model import resolve_stage
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
@@ -108,7 +109,8 @@ def test_overrides():
 
 
 def test_cli_rejects_a_bad_config_before_training(tmp_path, capsys):
-    from crate_clip.train.cli import EXIT_CONFIG, main
+    from crate_clip.cli_errors import EXIT_CONFIG
+    from crate_clip.train.cli import main
 
     path = tmp_path / "bad.yaml"
     raw = _good()
@@ -129,7 +131,7 @@ def test_deepspeed_json_is_derived_from_the_run_config():
         "stage3_param_persistence_threshold": 0}}}
     raw["precision"] = "bf16"
     cfg = config_from_dict(raw, check_paths=False)
-    ds = deepspeed_config(cfg, cfg.stages[1], world_size=4)
+    ds = deepspeed_config(cfg, resolve_stage(cfg, 1, world_size=4))
     assert ds["train_batch_size"] == 64 and ds["train_micro_batch_size_per_gpu"] == 16
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"] and ds["gradient_clipping"] == 1.0
@@ -163,17 +165,15 @@ def test_param_groups_and_schedule():
 def test_stage_model_carries_weights_resizes_and_sets_the_token_mask():
     import torch
 
-    from crate_clip.train.stage_loop import build_stage_model
-
     raw = _good()
     raw["model"] = {"name": "CRATE-alpha-CLIPA-tiny"}
     raw["stages"][0].update(image_size=16, context_length=8, image_mask="block", image_mask_ratio=0.5)
     raw["stages"][1].update(image_size=28, context_length=16, image_mask="random", image_mask_ratio=0.3)
     cfg = config_from_dict(raw, check_paths=False)
-    low = build_stage_model(cfg, cfg.stages[0], None)
+    low = resolve_stage(cfg, 0).build_model()
     assert (low.visual.trunk.token_mask, low.visual.trunk.token_drop_ratio) == ("block", 0.5)
     weights = {k: v.clone() for k, v in low.state_dict().items()}
-    full = build_stage_model(cfg, cfg.stages[1], weights)
+    full = resolve_stage(cfg, 1).build_model(weights)
     assert (full.visual.trunk.token_mask, full.visual.trunk.token_drop_ratio) == ("random", 0.3)
     got = full.state_dict()
     assert weights["visual.trunk.pos_embed"].shape[1] == 17 and got["visual.trunk.pos_embed"].shape[1] == 50
@@ -223,7 +223,8 @@ def test_run_config_round_trips_through_its_saved_yaml():
 
 
 def test_validate_flag_checks_and_exits(tmp_path, capsys):
-    from crate_clip.train.cli import EXIT_CONFIG, main
+    from crate_clip.cli_errors import EXIT_CONFIG
+    from crate_clip.train.cli import main
 
     import tarfile
 
@@ -251,7 +252,7 @@ def _validate(tmp_path, raw) -> tuple[int, str]:
 
 @pytest.mark.parametrize("fault", ["folder without tar", "not a tar", "image smaller than a patch"])
 def test_validate_rejects_what_training_would_crash_on(tmp_path, capsys, monkeypatch, fault):
-    from crate_clip.train.cli import EXIT_CONFIG
+    from crate_clip.cli_errors import EXIT_CONFIG
 
     shards = tmp_path / "shards"
     shards.mkdir()

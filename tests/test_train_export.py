@@ -78,10 +78,10 @@ def _run_config(model: str, patch: int, px: int, lock: bool, mean, text_file: Pa
 
 def _trained(cfg, seed: int):
     """The trainer's stage model, with one optimizer step on a fixed batch (so no weight is its init)."""
-    from crate_clip.train.stage_loop import build_stage_model
+    from crate_clip.train.stage_model import resolve_stage
 
-    stage = cfg.stages[0]
-    model = build_stage_model(cfg, stage, None)
+    stage = resolve_stage(cfg, 0)
+    model = stage.build_model()
     g = torch.Generator().manual_seed(seed)
     images = torch.randn(4, 3, stage.image_size, stage.image_size, generator=g)
     tokens = torch.randint(1, 2000, (4, stage.context_length), generator=g)
@@ -118,7 +118,7 @@ def test_exports_load_in_a_fresh_interpreter_with_the_trained_features(bert_conf
 
     from crate_clip.models import clip_tokenizer
     from crate_clip.train.export import export_open_clip
-    from crate_clip.train.stage_loop import _normalisation
+    from crate_clip.train.stage_model import resolve_stage
     from data_pipelines.image_decode import normalize_batch
 
     text_source = tmp_path / "text.pt"   # the locked case's pretrained text tower
@@ -129,7 +129,8 @@ def test_exports_load_in_a_fresh_interpreter_with_the_trained_features(bert_conf
     for i, (case, (model_name, patch, px, lock, mean)) in enumerate(CASES.items()):
         cfg = _run_config(model_name, patch, px, lock, mean, text_source)
         model = _trained(cfg, seed=i)
-        norm = _normalisation(cfg)
+        stage = resolve_stage(cfg, 0)
+        norm = {"mean": stage.mean, "std": stage.std}   # the training stream's normalisation
         hub_id = HUB_ID if lock else None
         out = export_open_clip(model.state_dict(), model_name, tmp_path / case, image_size=px, context_length=16,
                                mean=norm["mean"], std=norm["std"], bert_vocab=cfg.model.bert_vocab, hub_id=hub_id)

@@ -6,19 +6,20 @@ import sys
 
 import pytest
 
+from crate_clip.train.stage_model import resolve_stage
 from train_fixtures import REPO_ROOT, run_env, tiny_clip_params, tiny_text_params
 
 PEAK_SCRIPT = r"""
 import json, resource, sys, torch
 import crate_clip
-from crate_clip.train.planner import build_plan_model
 from crate_clip.train.run_config import config_from_dict
+from crate_clip.train.stage_model import resolve_stage
 cfg = config_from_dict(json.loads(sys.argv[1]), check_paths=False)
-stage, batch = cfg.stages[0], int(sys.argv[2])
+stage, batch = resolve_stage(cfg, 0), int(sys.argv[2])
 torch.manual_seed(0)
 images = torch.randn(batch, 3, stage.image_size, stage.image_size)
 tokens = torch.randint(1, 1000, (batch, stage.context_length))
-model = build_plan_model(cfg, stage).train()
+model = stage.build_model(read_files=False).train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
@@ -48,6 +49,11 @@ print("PEAK", json.dumps({"delta": peak[0] - base, "lifetime_delta": resource.ge
 """
 
 
+def _meta_model(cfg):
+    """The stage's model as training builds it, shapes only."""
+    return resolve_stage(cfg, 0).build_model(read_files=False, device="meta")
+
+
 def _cfg(image_size=32, batch=128, ckpt=False):
     return {"data": {"sources": ["unused"]}, "precision": "fp32", "deepspeed": {"zero_stage": 1},
             "model": {"name": "CRATE-alpha-CLIPA-tiny", "grad_checkpointing": ckpt},
@@ -68,15 +74,14 @@ def test_state_bytes_follow_the_zero_stage():
 def test_a_locked_text_tower_counts_as_frozen_and_is_held_whole_by_every_rank():
     """text_lock keeps the locked tower's weights as fp32 buffers: the planner counts them (frozen) and gives
     every rank all of them, as ZeRO partitions parameters only."""
-    from crate_clip.train.planner import build_plan_model, locked_buffer_params, state_bytes_per_rank
+    from crate_clip.train.planner import locked_buffer_params, state_bytes_per_rank
     from crate_clip.train.run_config import config_from_dict
 
     raw = _cfg(16)
     raw["model"].update(lock_text=True, text_pretrained="text.pt")
     cfg = config_from_dict(raw, check_paths=False)
-    assert locked_buffer_params(build_plan_model(cfg, cfg.stages[0], device="meta")) == tiny_text_params(16)
-    plain = config_from_dict(_cfg(16), check_paths=False)
-    assert locked_buffer_params(build_plan_model(plain, plain.stages[0], device="meta")) == 0
+    assert locked_buffer_params(_meta_model(cfg)) == tiny_text_params(16)
+    assert locked_buffer_params(_meta_model(config_from_dict(_cfg(16), check_paths=False))) == 0
     assert state_bytes_per_rank(100, 20, "bf16", 3, 4, locked=10)["weights"] == 60 + 40
 
 
@@ -86,7 +91,7 @@ def test_flops_are_counted_and_scale_with_tokens():
 
     small = config_from_dict(_cfg(16), check_paths=False)
     large = config_from_dict(_cfg(32), check_paths=False)
-    m16, m32 = measure_stage(small, small.stages[0]), measure_stage(large, large.stages[0])
+    m16, m32 = measure_stage(resolve_stage(small, 0)), measure_stage(resolve_stage(large, 0))
     assert m16.trainable_params == tiny_clip_params(16, 16) and m16.frozen_params == 0
     assert m32.trainable_params - m16.trainable_params == (8 * 8 - 4 * 4) * 128   # pos-embed rows x width
     # 4x the image tokens: the image tower's FLOPs grow about 4x, the text tower's stay
@@ -103,8 +108,8 @@ def test_depth_cut_trace_matches_the_full_trace():
     from crate_clip.train.planner import measure_stage
     from crate_clip.train.run_config import config_from_dict
 
-    cfg = config_from_dict(_cfg(32, 8), check_paths=False)
-    cut, full = measure_stage(cfg, cfg.stages[0], full_depth=False), measure_stage(cfg, cfg.stages[0], full_depth=True)
+    stage = resolve_stage(config_from_dict(_cfg(32, 8), check_paths=False), 0)
+    cut, full = measure_stage(stage, full_depth=False), measure_stage(stage, full_depth=True)
     for key in ("trainable_params", "frozen_params", "flops_per_sample", "forward_flops_per_sample",
                 "activation_bytes_per_sample", "activation_bytes_per_sample_ckpt", "activation_bytes_fixed"):
         assert getattr(cut, key) == pytest.approx(getattr(full, key), rel=0.01), key
@@ -117,8 +122,7 @@ def test_memory_prediction_matches_the_real_cpu_peak():
     from crate_clip.train.run_config import config_from_dict
 
     raw, batch = _cfg(32, 128), 128
-    cfg = config_from_dict(raw, check_paths=False)
-    m = measure_stage(cfg, cfg.stages[0])
+    m = measure_stage(resolve_stage(config_from_dict(raw, check_paths=False), 0))
     state = state_bytes_per_rank(m.trainable_params, m.frozen_params, "fp32", 0, 1)
     # the process already holds the weights when the baseline is read
     predicted = (state["grads"] + state["optimizer"] + m.activation_bytes_fixed

@@ -1,8 +1,12 @@
 """Two-process training of the tiny CRATE-alpha CLIP on real Fashion-MNIST shards, end to end:
-a run killed with SIGKILL in the middle of a stage and resumed ends exactly like an uninterrupted run;
-the stage transition resizes the position embeddings; the zero-shot hook runs after each stage (at the
-stage's and at the full resolution); the export loads through open_clip's local-dir loader."""
+a run killed with SIGKILL in the middle of a stage and resumed ends exactly like an uninterrupted run (also
+the demo's own config, killed in the stage that inherits its patch size); the stage transition resizes the
+position embeddings; the zero-shot hook runs after each stage (at the stage's and at the full resolution); the
+export loads through open_clip's local-dir loader; the throughput records carry the tokens and FLOPs per sample
+of the model that trains."""
+import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -79,17 +83,15 @@ def reference_run(tmp_path_factory, tiny_fmnist):
     return root / "run"
 
 
-def test_sigkill_mid_stage_then_resume_matches_uninterrupted(reference_run, tiny_fmnist, tmp_path):
-    run_dir = tmp_path / "run"
-    cfg = write_config(tiny_config(run_dir, tiny_fmnist, stages=_masked_stages(), every_steps=CKPT_EVERY),
-                       tmp_path / "run.yaml")
-    proc = subprocess.Popen(_train_cmd(cfg), env=run_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+def _kill_at(cmd: list[str], run_dir: Path, stage: int, step: int) -> list[int]:
+    """Run the job until metrics.jsonl holds `step` of `stage`, then SIGKILL it; returns the steps it logged."""
+    proc = subprocess.Popen(cmd, env=run_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
     try:
         while time.time() < deadline and proc.poll() is None:
-            steps = [r["step"] for r in read_jsonl(metrics) if r["stage_index"] == 0] if metrics.exists() else []
-            if steps and max(steps) >= KILL_AT_STEP:
+            steps = [r["step"] for r in read_jsonl(metrics) if r["stage_index"] == stage] if metrics.exists() else []
+            if steps and max(steps) >= step:
                 _sigkill_job(proc)
                 break
             time.sleep(0.02)
@@ -100,10 +102,17 @@ def test_sigkill_mid_stage_then_resume_matches_uninterrupted(reference_run, tiny
         time.sleep(0.5)
     assert proc.returncode == -signal.SIGKILL
     time.sleep(1.0)
+    assert not (run_dir / "export").exists()
+    return [r["step"] for r in read_jsonl(metrics)]
+
+
+def test_sigkill_mid_stage_then_resume_matches_uninterrupted(reference_run, tiny_fmnist, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = write_config(tiny_config(run_dir, tiny_fmnist, stages=_masked_stages(), every_steps=CKPT_EVERY),
+                       tmp_path / "run.yaml")
+    killed_steps = _kill_at(_train_cmd(cfg), run_dir, 0, KILL_AT_STEP)
     latest = (run_dir / "checkpoints" / "latest").read_text()
     assert latest.startswith("stage0-") and latest != "stage0-step00000010", latest  # killed mid-stage
-    assert not (run_dir / "export").exists()
-    killed_steps = [r["step"] for r in read_jsonl(metrics)]
 
     resumed = run_job(_train_cmd(cfg, "--resume", "latest"), timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
@@ -193,3 +202,78 @@ def test_crate_clip_export_of_any_checkpoint_and_of_the_last_is_the_trainers_exp
     assert config["model_cfg"]["vision_cfg"]["image_size"] == config["preprocess_cfg"]["size"] == 16
     card = (tmp_path / "s0" / "README.md").read_text()
     assert "checkpoint `stage0-step00000010`" in card and "stage 1 (full)" not in card and "stage 0 (low)" in card
+
+
+# ---------------------------------------------------------------- the demo's config, shortened
+DEMO_CONFIG = REPO_ROOT / "configs" / "demo" / "fashion_mnist.yaml"
+DEMO_KILL_AT = 3   # of stage 1's 6 steps: after its step-2 checkpoint, before the stage ends
+
+
+def _demo_cmd(run_dir: Path, data: Path, *extra: str) -> list[str]:
+    """The demo config (stage 0: 21 px at patch 7; stage 1: 28 px, inheriting patch 7) cut to 3 + 6 steps of 32
+    samples on the small data set, a checkpoint every 2 steps, every step logged."""
+    sets = {"run.output_dir": str(run_dir), "data.sources": json.dumps([str(data / "train")]),
+            "data.shuffle_buffer": 100, "eval.evals.0.data": str(data / "test"), "eval.evals.0.batch_size": 100,
+            "stages.0.samples": 96, "stages.1.samples": 192, "stages.0.global_batch": 32,
+            "stages.1.global_batch": 32, "stages.0.warmup_steps": 1, "stages.1.warmup_steps": 1,
+            "checkpoint.every_steps": 2, "logging.every_steps": 1, "logging.progress": "false",
+            "logging.diagnostics_images": 8}
+    return _train_cmd(DEMO_CONFIG, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], *extra)
+
+
+@pytest.fixture(scope="module")
+def demo_reference(tmp_path_factory, tiny_fmnist):
+    """The shortened demo, uninterrupted."""
+    run_dir = tmp_path_factory.mktemp("demo_reference") / "run"
+    proc = run_job(_demo_cmd(run_dir, tiny_fmnist), timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return run_dir
+
+
+def test_demo_killed_in_its_inherited_patch_stage_resumes_bit_for_bit(demo_reference, tiny_fmnist, tmp_path):
+    run_dir = tmp_path / "run"
+    _kill_at(_demo_cmd(run_dir, tiny_fmnist), run_dir, 1, DEMO_KILL_AT)
+    latest = (run_dir / "checkpoints" / "latest").read_text()
+    assert latest.startswith("stage1-") and latest != "stage1-step00000006", latest   # killed mid stage 1
+    assert json.loads((run_dir / "checkpoints" / latest / "crate_clip.json").read_text())["patch_size"] == 7
+    # a run config whose stage 1 has other shapes than the checkpoint: one line naming the first mismatch and the
+    # fix, exit code 4 (torchrun reports it), no traceback of ours; the run folder stays resumable
+    changed = run_job(_demo_cmd(run_dir, tiny_fmnist, "--set", "stages.0.patch_size=4", "--resume", "latest"))
+    lines = [line for line in changed.stderr.splitlines() if line.startswith("crate-clip train: ")]
+    assert lines and all("its weights do not fit stage 1 (fullres)" in line and "size mismatch for "
+                         "visual.trunk.patch_embed.proj.weight" in line and "fix:" in line for line in lines), \
+        changed.stderr[-6000:]
+    assert re.search(r"exitcode\s*:\s*4", changed.stderr) and "crate_clip/train/" not in changed.stderr
+
+    resumed = run_job(_demo_cmd(run_dir, tiny_fmnist, "--resume", "latest"), timeout=400)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
+    assert f"resuming from {run_dir / 'checkpoints' / latest}" in resumed.stdout + resumed.stderr
+    assert _losses(run_dir) == _losses(demo_reference) and len(_losses(run_dir)) == 3 + 6
+    ref, got = _export(demo_reference), _export(run_dir)
+    assert set(ref) == set(got) and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_demo_stages_log_the_tokens_and_flops_of_the_model_that_trains(demo_reference):
+    """Stage 0 runs at 21 px with 7 px patches (9 patches), stage 1 at 28 px with the patch size it inherits
+    (16 patches); each record's FLOPs per sample are what torch's counter counts on that model."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from crate_clip.models.patch_change import create_clip_at_patch
+    from crate_clip.train.train_step import attention_kernel
+
+    rows = read_jsonl(demo_reference / "metrics.jsonl")
+    for stage, size in ((0, 21), (1, 28)):
+        (tokens, flops), = {(r["tokens_per_sample"], r["flops_per_sample"]) for r in rows if r["stage_index"] == stage}
+        assert tokens == 1 + (size // 7) ** 2 + 16   # class token + patches + text tokens
+        model = create_clip_at_patch("CRATE-alpha-CLIPA-tiny", _export(demo_reference), image_size=size,
+                                     context_length=16)
+        assert model.visual.trunk.patch_size == 7
+        images, text = torch.randn(2, 3, size, size), torch.randint(1, 1000, (2, 16))
+        with attention_kernel("auto", "cpu"), FlopCounterMode(display=False) as counter:   # as training on a CPU
+            image_f, text_f, scale = model(image=images, text=text)[:3]
+            logits, labels = scale * image_f @ text_f.t(), torch.arange(2)
+            ((torch.nn.functional.cross_entropy(logits, labels)
+              + torch.nn.functional.cross_entropy(logits.t(), labels)) / 2).backward()
+        assert flops == counter.get_total_flops() / 2
+        assert {r["tokens_per_s"] for r in rows if r["stage_index"] == stage} == {
+            r["samples_per_s_window"] * tokens for r in rows if r["stage_index"] == stage}

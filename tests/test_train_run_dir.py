@@ -95,7 +95,8 @@ def test_kill_between_evaluations_is_finished_on_resume(resumed_run):
 
 
 def test_train_into_a_finished_run_is_refused(resumed_run, capsys):
-    from crate_clip.train.cli import EXIT_CONFIG, main
+    from crate_clip.cli_errors import EXIT_CONFIG
+    from crate_clip.train.cli import main
 
     run_dir = resumed_run["run_dir"]
     before = _snapshot(run_dir)

@@ -80,9 +80,10 @@ def _model(seed=0, **kw):
 
 
 def _text_equal(model, source) -> bool:
-    from crate_clip.train.text_lock import text_tower_keys
+    from crate_clip.models import text_tower_keys
     own = model.state_dict()
-    return all(torch.equal(own[k].reshape(-1), source[k].reshape(-1)) for k in text_tower_keys(model))
+    return all(torch.equal(own[k].reshape(-1), source[k].reshape(-1))
+               for k in text_tower_keys(model, include_logit_scale=False))
 
 
 def test_load_from_file_and_lock(tmp_path):
@@ -119,30 +120,31 @@ def test_locked_text_forward_matches_the_plain_model_in_fp32(tmp_path):
 
 
 def test_custom_text_layout_and_shape_errors(tmp_path):
-    from crate_clip.train.text_lock import TextTowerError, load_text_tower
+    from crate_clip.models.text_sources import TextTowerError, load_pretrained_text_tower
 
     source = _text_source(tmp_path / "text.pt")
     moved = {("text." + k if not k.startswith(("visual.", "logit_")) else k): v for k, v in source.items()}
     model = _model()
-    load_text_tower(model, moved)  # CustomTextCLIP's `text.*` keys map onto CLIP's flat ones
+    load_pretrained_text_tower(model, moved)  # CustomTextCLIP's `text.*` keys map onto CLIP's flat ones
     assert _text_equal(model, source)
     # the released CRATE-alpha-CLIPA layout (x @ text_projection.T): detected and transposed back
     official = {k: v for k, v in source.items() if not k.startswith("visual.")}
     official["text_projection"] = source["text_projection"].t().contiguous()
     official["visual.transformer.resblocks.0.mlp.c_fc"] = torch.zeros(8, 32)
     other = _model(seed=9)
-    load_text_tower(other, official)
+    load_pretrained_text_tower(other, official)
     assert _text_equal(other, source)
     wrong = dict(source, positional_embedding=torch.zeros(32, 64))
     with pytest.raises(TextTowerError, match=r"positional_embedding \(32, 64\) vs \(16, 64\).*context_length"):
-        load_text_tower(model, wrong, where="x.pt")
+        load_pretrained_text_tower(model, wrong, where="x.pt")
     with pytest.raises(TextTowerError, match=r"model.text_pretrained: x.pt lacks the text-tower keys \[ln_final"):
-        load_text_tower(model, {k: v for k, v in source.items() if not k.startswith("ln_final")}, where="x.pt")
+        load_pretrained_text_tower(model, {k: v for k, v in source.items() if not k.startswith("ln_final")},
+                                   where="x.pt")
 
 
 def test_sources_local_dir_and_open_clip_tag(tmp_path):
     from crate_clip.train.export import export_open_clip
-    from crate_clip.train.text_lock import TextTowerError, read_text_source, resolve_text_source
+    from crate_clip.models.text_sources import TextTowerError, read_text_source, resolve_text_source
 
     source = _text_source(tmp_path / "text.pt")
     export_open_clip(source, MODEL, tmp_path / "export", image_size=16, context_length=16)

@@ -21,8 +21,10 @@ import crate_clip  # noqa: E402,F401
 from bench import zero_footprint  # noqa: E402  (test and bench helper, not library code)
 from crate_clip.train.engine import build_engine, init_distributed, model_dtype  # noqa: E402
 from crate_clip.train.run_config import config_from_dict, load_run_config  # noqa: E402
-from crate_clip.train.stage_loop import (_make_loss, build_stage_model, default_stream_factory,  # noqa: E402
-                                         forward_loss, run_training, train_step, NonFiniteLossError)
+from crate_clip.train.stage_loop import (NonFiniteLossError, _make_loss, default_stream_factory,  # noqa: E402
+                                         run_training)
+from crate_clip.train.stage_model import resolve_stage  # noqa: E402
+from crate_clip.train.train_step import forward_loss, train_step  # noqa: E402
 
 ZERO_CASES = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16")]
 
@@ -43,8 +45,8 @@ def zero_probe(out: Path) -> None:
                           "overrides": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}},
             "stages": [{"name": "s", "image_size": 16, "context_length": 16, "samples": 64, "global_batch": 8,
                         "lr": 1e-3, "warmup_steps": 1}]}, check_paths=False)
-        stage = cfg.stages[0]
-        engine = build_engine(build_stage_model(cfg, stage, None), cfg, stage, dist)
+        stage = resolve_stage(cfg, 0, dist.world_size)
+        engine = build_engine(stage.build_model(), cfg, stage, dist)
         loss_fn, dtype = _make_loss(dist), model_dtype(precision)
         images, tokens = _batch(dist.rank, 0)
         loss, _ = forward_loss(engine, loss_fn, images.to(dtype), tokens)
@@ -93,8 +95,8 @@ def lock_probe(out_dir: Path) -> None:
     results = []
     for zs, precision, lock in LOCK_CASES:
         cfg = _lock_cfg(zs, precision, lock, out_dir / "text.pt")
-        stage = cfg.stages[0]
-        model = build_stage_model(cfg, stage, None)
+        stage = resolve_stage(cfg, 0, dist.world_size)
+        model = stage.build_model()
         trained = [n for g in param_groups(model, 0.2) for n in g["names"]]
         engine = build_engine(model, cfg, stage, dist)
         loss_fn, dtype = _make_loss(dist), model_dtype(precision)
@@ -156,8 +158,8 @@ def nonfinite_run(config: Path) -> int:
     cfg = load_run_config(config)
     poison = {3: float("nan"), 7: float("inf"), 8: float("nan"), 9: float("inf")}
 
-    def factory(cfg, stage, index, dist):
-        return PoisonedStream(default_stream_factory(cfg, stage, index, dist), dist.rank, poison)
+    def factory(cfg, stage, dist):
+        return PoisonedStream(default_stream_factory(cfg, stage, dist), dist.rank, poison)
 
     try:
         run_training(cfg, stream_factory=factory)
@@ -228,10 +230,11 @@ def accum_probe(out: Path) -> None:
         runs = {}
         for micro in (8, 2):
             cfg = _one_stage_cfg(zs, "fp32", micro)
-            model = build_stage_model(cfg, cfg.stages[0], None)
+            stage = resolve_stage(cfg, 0, dist.world_size)
+            model = stage.build_model()
             if frozen:
                 _freeze_text(model)
-            engine = build_engine(model, cfg, cfg.stages[0], dist)
+            engine = build_engine(model, cfg, stage, dist)
             grads = {}
             images, tokens = _batch(dist.rank, 0, batch=8)
             torch.manual_seed(77 + dist.rank)  # image token masks: same draws for both k
@@ -259,7 +262,7 @@ def accum_probe(out: Path) -> None:
 def _full_weights_of_fresh(zs: int, dist) -> dict:
     """The initial weights (to show the step moved them)."""
     cfg = _one_stage_cfg(zs, "fp32", 8)
-    return {n: p.detach().clone() for n, p in build_stage_model(cfg, cfg.stages[0], None).named_parameters()}
+    return {n: p.detach().clone() for n, p in resolve_stage(cfg, 0, dist.world_size).build_model().named_parameters()}
 
 
 def gradpoison_probe(out: Path) -> None:
@@ -270,7 +273,8 @@ def gradpoison_probe(out: Path) -> None:
     results = []
     for zs, precision, micro in [(2, "bf16", None), (3, "fp32", None), (1, "fp32", 2)]:
         cfg = _one_stage_cfg(zs, precision, micro, global_batch=8)
-        engine = build_engine(build_stage_model(cfg, cfg.stages[0], None), cfg, cfg.stages[0], dist)
+        stage = resolve_stage(cfg, 0, dist.world_size)
+        engine = build_engine(stage.build_model(), cfg, stage, dist)
         param = dict(engine.module.named_parameters())["visual.head.proj.weight"]
         poison = {"on": False}
         param.register_hook(lambda g: g * float("inf") if poison["on"] and dist.rank == 1 else g)

@@ -1,8 +1,10 @@
 """The error our checkpoint loaders raise, and how they list key names in it."""
 from typing import Iterable
 
+from crate_clip.cli_errors import UserError
 
-class CheckpointMismatchError(RuntimeError):
+
+class CheckpointMismatchError(UserError, RuntimeError):
     """A checkpoint whose keys or shapes do not match the model; the message names them."""
 
 

@@ -17,10 +17,12 @@ from typing import Dict, Optional, Union
 
 import open_clip
 
+from crate_clip.cli_errors import UserError
+
 BERT_TOKENIZER_CONFIG = {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 512}
 
 
-class TokenizerUnavailableError(RuntimeError):
+class TokenizerUnavailableError(UserError, RuntimeError):
     """The model's tokenizer cannot be loaded (no hub, not cached, no local vocabulary); says how to fix it."""
 
 

@@ -1,17 +1,25 @@
 """CLIPA-style multi-stage training under DeepSpeed ZeRO.
 
-run_config.py   typed run config (YAML), `--set` overrides, validation naming key + fix
-optim.py        AdamW parameter groups (no decay: norms, biases, embeddings, D/D1, logit scale), warm-up + cosine
-engine.py       process group, the DeepSpeed JSON derived from the run config, deepspeed.initialize
-stage_loop.py   the run, from the entry point down: where to resume, one stage, its steps (ClipLoss,
-                non-finite guard), checkpoints, export
-stage_evals.py  the evaluations due after each stage (exactly the missing ones on resume)
-run_dir.py      one run per output folder: refuse to mix, or move the earlier run aside (--overwrite)
-checkpoints.py  atomic, durable, resumable DeepSpeed checkpoints with per-rank client state; retention
-                (the layout and consolidation live in crate_clip/checkpoint_io, shared with eval/)
-export.py       open_clip model folders (local-dir:, the hf-hub: layout) of weights or of any checkpoint;
-                export_source.py: what a checkpoint says about its export; model_card.py: its README.md;
-                export_cli.py: `crate-clip export`
-metrics_log.py  progress bar, TensorBoard, metrics.jsonl / results.jsonl, the PNG curve
-cli.py          `crate-clip train`;  demo.py: the README's first command
+Modules from the bottom up (each imports only those above it in this list):
+run_config.py    typed run config (YAML), `--set` overrides, validation naming key + fix
+optim.py         AdamW parameter groups (no decay: norms, biases, embeddings, D/D1, logit scale), warm-up + cosine
+engine.py        process group, the DeepSpeed JSON derived from the run config, deepspeed.initialize
+text_lock.py     a locked text tower (and logit scale): parameters as replicated fp32 buffers
+checkpoints.py   atomic, durable, resumable DeepSpeed checkpoints with per-rank client state; retention; the
+                 records they carry (Progress, CheckpointInfo, ResumePoint); the layout and consolidation live in
+                 crate_clip/checkpoint_io, shared with eval/
+planner.py       memory fit, micro-batch, FLOP and token counts, wall time and GPU-hours of a stage
+stage_model.py   ResolvedStage: a stage resolved once from the run config and the launch; the one model builder
+throughput.py    the step meter: samples/s, tokens/s, TFLOP/s and MFU, data wait
+whitebox_log.py  white-box diagnostics of the image tower during training
+metrics_log.py   progress bar, TensorBoard, metrics.jsonl / results.jsonl, the PNG curve
+stage_evals.py   the evaluations due after each stage (exactly the missing ones on resume)
+run_dir.py       one run per output folder: refuse to mix, or move the earlier run aside (--overwrite)
+train_step.py    one optimizer step: forward, contrastive loss, backward (k micro-batches, exact gradients)
+batch_agreement.py  batches fetched in agreement: a data error on one rank stops every rank with its message
+export_source.py what a checkpoint says about its export;  model_card.py: the export's README.md
+export.py        open_clip model folders (local-dir:, the hf-hub: layout) of weights or of any checkpoint
+stage_loop.py    the run, from the entry point down: where to resume, one stage, its steps, checkpoints, export
+cli.py           `crate-clip train`;  plan_cli.py: `crate-clip plan`;  export_cli.py: `crate-clip export`;
+                 demo.py: the README's first command
 """

@@ -7,6 +7,9 @@ finished, rank 0 writes `crate_clip.json` (which marks a checkpoint complete), r
 (an older `<tag>` is deleted only after that) and then replaces DeepSpeed's `latest` file atomically; so a
 save interrupted at any point (SIGKILL, power loss, full disk) never becomes the one resumed from.
 
+The records a checkpoint carries live here too: the run's Progress, the CheckpointInfo written as
+crate_clip.json, and the ResumePoint a run starts from.
+
 Nothing read on resume runs code: DeepSpeed's files go through the allow-listed reader
 (crate_clip.checkpoint_io.safe_unpickling) and the rank-state files hold only tensors, numbers, strings,
 lists, tuples and dicts, read with weights_only=True and no allow-list at all.
@@ -16,26 +19,78 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from crate_clip.cli_errors import EXIT_RESUME, UserError
 from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_write_text, fsync_tree, replace_dir,
                                                    restore_replaced)
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
                                                             consolidated_state_dict, read_info, read_latest_tag)
 from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, UntrustedCheckpointError, check_checkpoint_folder,
                                                       deepspeed_reads, load_torch_file)
+from crate_clip.train.run_config import RunConfig
 
 # what an earlier crate-clip pickled into its rank-state files: numpy's RNG state as an array
 EARLIER_RANK_STATE_CLASSES = {"numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
                               "numpy.ndarray", "numpy.dtype"}
 
 
-class ResumeError(RuntimeError):
-    """A checkpoint that cannot be resumed from (missing, incomplete, or from another job shape)."""
+class ResumeError(UserError, RuntimeError):
+    """A checkpoint that cannot be resumed from (missing, incomplete, or from another job shape or model)."""
+    exit_code = EXIT_RESUME
+
+
+@dataclass
+class Progress:
+    """Where the run is; saved in every checkpoint (crate_clip.json)."""
+    stage_index: int = 0
+    step: int = 0                  # optimizer steps done in this stage (skipped non-finite steps included)
+    global_step: int = 0
+    samples_seen: int = 0
+    nonfinite_skipped: int = 0
+    nonfinite_in_a_row: int = 0
+
+    @classmethod
+    def from_info(cls, info: dict) -> "Progress":
+        """The progress a checkpoint's crate_clip.json records."""
+        return cls(**{f.name: info[f.name] for f in fields(cls) if f.name in info})
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What crate_clip.json records besides DeepSpeed's files: the model and stage that wrote it, and the progress
+    (eval/ rebuilds the model from it; a resume checks it against the job)."""
+    model_name: str
+    image_size: int
+    context_length: int
+    patch_size: Optional[int]      # the image tower's patch size in this stage (None: not a CRATE-alpha tower)
+    zero_stage: int
+    stage_name: str
+    stage_steps: int
+    precision: str
+    run_config: dict
+    normalisation: dict            # the training stream's image mean / std (an export's preprocessing)
+    tokenizer: dict
+    progress: Progress
+
+    def as_dict(self) -> dict:
+        """The JSON form: the progress's fields at the top level, beside the others."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "progress"},
+                **asdict(self.progress)}
+
+
+@dataclass
+class ResumePoint:
+    """Where the run starts: the checkpoint to continue from (None: from scratch) and its progress."""
+    tag_dir: Optional[Path] = None
+    progress: Progress = field(default_factory=Progress)
+    stage_finished: bool = False  # the checkpoint is its stage's last: only evaluations may be left to do
 
 
 def checkpoint_tag(stage_index: int, step: int) -> str:
@@ -89,8 +144,6 @@ class CheckpointManager:
         """Save on ALL ranks; returns the tag folder once it is complete and `latest` names it. The files go
         to a staging folder swapped in when complete: a checkpoint of the same tag saved before (a resume
         from an earlier checkpoint redoes its steps) stays until the new one is whole."""
-        import torch.distributed as dist
-
         self.root.mkdir(parents=True, exist_ok=True)
         staging = self.root / f".{tag}.saving"
         if self.rank == 0 and staging.exists():  # a leftover of an interrupted save
@@ -209,3 +262,12 @@ def _earlier_rank_state(exc: UntrustedCheckpointError) -> UntrustedCheckpointErr
         f" (a rank-state file written by an earlier crate-clip version, which pickled numpy's RNG state; if the "
         f"run is your own, resume with {TRUST_FLAG}: the checkpoints written from then on need no opt-in)"))
 
+
+def find_resume_point(cfg: RunConfig, ckpts: CheckpointManager, resume: Optional[str]) -> ResumePoint:
+    """The checkpoint `resume` names ('latest' or a path), checked against this job; raises ResumeError."""
+    if not resume:
+        return ResumePoint()
+    tag_dir = ckpts.resolve(resume)
+    info = ckpts.check_compatible(tag_dir)
+    progress = Progress.from_info(info)
+    return ResumePoint(tag_dir, progress, progress.step >= cfg.stages[progress.stage_index].steps)

@@ -6,18 +6,24 @@ WORLD_SIZE, MASTER_ADDR; the DeepSpeed launcher also passes --local_rank, accept
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 
-EXIT_CONFIG, EXIT_NONFINITE, EXIT_RESUME = 2, 3, 4
+import torch.distributed as tdist
+
+from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, TRUST_HELP, UntrustedCheckpointError,
+                                                      trusted_checkpoints)
+from crate_clip.cli_errors import USER_ERRORS, ConfigError, report_error
+from crate_clip.shard_sources import shell_commands
+from crate_clip.train.run_config import load_run_config
+from crate_clip.train.stage_loop import run_training
+
+PROG = "crate-clip train"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `crate-clip train` argument parser."""
-    from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP
-
-    p = argparse.ArgumentParser(prog="crate-clip train", description="Train a CRATE-alpha CLIP from a run config.")
+    p = argparse.ArgumentParser(prog=PROG, description="Train a CRATE-alpha CLIP from a run config.")
     p.add_argument("--config", required=True, help="run config YAML (see configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set stages.0.lr=1e-3 (repeatable)")
@@ -39,16 +45,10 @@ def main(argv=None) -> int:
     # names: torch's deprecation notices (one per rank and collective) say nothing a user can act on
     for old_name in ("all_gather_into_tensor", "torch.distributed.nn.functional.all_gather"):
         warnings.filterwarnings("ignore", message=f".*{old_name}.* is deprecated", category=FutureWarning)
-    from crate_clip.checkpoint_io.safe_unpickling import UntrustedCheckpointError, trusted_checkpoints
-    from crate_clip.shard_sources import shell_commands
-    from crate_clip.train.checkpoints import ResumeError
-    from crate_clip.train.run_config import ConfigError, load_run_config
-
     try:
         cfg = load_run_config(args.config, args.overrides)
-    except ConfigError as exc:
-        _report(exc)
-        return EXIT_CONFIG
+    except ConfigError as exc:   # every rank of a launched job finds it: rank 0 says it
+        return report_error(PROG, exc, once_per_job=True)
     if args.validate:
         print(f"{args.config}: valid ({len(cfg.stages)} stages, "
               f"{sum(s.samples for s in cfg.stages):,} samples)")
@@ -57,41 +57,19 @@ def main(argv=None) -> int:
             print("shell commands this run executes (pipe: sources; a run config is as trusted as a script, "
                   "see docs/safety.md):\n" + "\n".join(f"  {line}" for line in commands))
         return 0
-    from crate_clip.train.run_dir import ExistingRunError
-    from crate_clip.train.stage_loop import NonFiniteLossError, run_training
-
     try:
         with trusted_checkpoints(args.trust_checkpoint):
             summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite)
     except UntrustedCheckpointError as exc:   # every rank reads the same files: rank 0 says it
-        _report(exc)
-        return EXIT_CONFIG
-    except (ConfigError, ExistingRunError) as exc:
-        print(f"crate-clip train: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    except NonFiniteLossError as exc:
-        print(f"crate-clip train: {exc}", file=sys.stderr)
-        return EXIT_NONFINITE
-    except ResumeError as exc:
-        print(f"crate-clip train: {exc}", file=sys.stderr)
-        return EXIT_RESUME
+        return report_error(PROG, exc, once_per_job=True)
+    except USER_ERRORS as exc:   # config, run folder, resume, non-finite losses: a message and their exit code
+        return report_error(PROG, exc)
     finally:
-        _close_process_group()
+        if tdist.is_available() and tdist.is_initialized():
+            tdist.destroy_process_group()
     if summary.get("export_dir"):
         print(f"done in {summary['seconds']:.0f} s; export: {summary['export_dir']}")
     return 0
-
-
-def _report(exc: Exception) -> None:
-    """The error on stderr, once per job: every rank finds the same config error, rank 0 says it."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"crate-clip train: {exc}", file=sys.stderr)
-
-
-def _close_process_group() -> None:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

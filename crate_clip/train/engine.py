@@ -1,7 +1,7 @@
 """The one place that sets up training: process group, model, optimizer, schedule and deepspeed.initialize.
 
 The DeepSpeed JSON is derived from the run config (a ZeRO file from configs/deepspeed/ merged with the
-stage's batch, the precision and the gradient clip). One setting can be given twice: the ZeRO stage, as
+resolved stage's batch and micro-batch, the precision and the gradient clip). One setting can be given twice: the ZeRO stage, as
 `deepspeed.zero_stage` and as the file's `zero_optimization.stage`; the run-config key wins (zero_stage_of).
 """
 from __future__ import annotations
@@ -18,7 +18,10 @@ import torch
 import yaml
 
 from crate_clip.train.optim import build_optimizer, build_schedule
-from crate_clip.train.run_config import RunConfig, StageConfig
+from crate_clip.train.run_config import RunConfig
+
+# DeepSpeed is imported inside the functions that start it: importing it takes about a second and probes the
+# accelerator, which the planner, the config check and the plot writer (importers of this module) never need.
 
 # Sections of a DeepSpeed JSON that the run config owns; a ZeRO file may not set them.
 RUN_OWNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -47,7 +50,7 @@ def _free_port() -> int:
 
 def init_distributed(timeout_s: int = 1800) -> DistInfo:
     """Join the process group set up by deepspeed / torchrun / accelerate launch, or make a 1-process one."""
-    import deepspeed
+    import deepspeed   # lazy: see the top of the module
     import deepspeed.ops
 
     if "RANK" not in os.environ:  # plain `crate-clip train`: a world of one
@@ -95,28 +98,16 @@ def zero_stage_of(cfg: RunConfig) -> int:
     return int(load_zero_file(cfg.deepspeed.config).get("zero_optimization", {}).get("stage", 1))
 
 
-def micro_batch_of(cfg: RunConfig, stage: StageConfig, world_size: int) -> int:
-    """Per-rank micro-batch: stages.N.micro_batch, the planner's choice for "auto", else the whole rank batch."""
-    per_rank = stage.global_batch // world_size
-    if stage.micro_batch is None:
-        return per_rank
-    if stage.micro_batch == "auto":
-        from crate_clip.train.planner import auto_micro_batch
-        return auto_micro_batch(cfg, stage, world_size)
-    return int(stage.micro_batch)
-
-
-def deepspeed_config(cfg: RunConfig, stage: StageConfig, world_size: int) -> dict:
-    """The DeepSpeed JSON for one stage, derived from the run config."""
-    micro = micro_batch_of(cfg, stage, world_size)
+def deepspeed_config(cfg: RunConfig, stage) -> dict:
+    """The DeepSpeed JSON for one stage (a ResolvedStage), derived from the run config."""
     ds = load_zero_file(cfg.deepspeed.config)
     ds = _deep_merge(ds, {
         "train_batch_size": stage.global_batch,
-        "train_micro_batch_size_per_gpu": micro,
+        "train_micro_batch_size_per_gpu": stage.micro_batch,
         # k > 1: train_step's feature cache makes each micro-step's gradient exact (backward without GAS scaling)
-        "gradient_accumulation_steps": stage.global_batch // (micro * world_size),
+        "gradient_accumulation_steps": stage.accumulation_steps,
         "gradient_clipping": cfg.optimizer.grad_clip,
-        "zero_optimization": {"stage": zero_stage_of(cfg)},
+        "zero_optimization": {"stage": stage.zero_stage},
         # check_grad_overflow: a finite loss with a non-finite gradient is skipped (train_step counts it)
         "bf16": {"enabled": cfg.precision == "bf16", "check_grad_overflow": True},
         "fp16": {"enabled": cfg.precision == "fp16", "initial_scale_power": 16, "loss_scale_window": 500},
@@ -137,17 +128,21 @@ def prepare_model_for_deepspeed(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def build_engine(model: torch.nn.Module, cfg: RunConfig, stage: StageConfig, dist: DistInfo):
-    """Wrap `model` for one stage: AdamW groups, warm-up + cosine schedule, deepspeed.initialize -> engine."""
-    import deepspeed
+def build_engine(model: torch.nn.Module, cfg: RunConfig, stage, dist: DistInfo):
+    """Wrap `model` for one stage (a ResolvedStage): AdamW groups, warm-up + cosine schedule, deepspeed.initialize."""
+    import deepspeed   # lazy: see the top of the module
 
+    if dist.world_size != stage.world_size:
+        raise ValueError(f"stage {stage.name} was resolved for {stage.world_size} processes, this job has "
+                         f"{dist.world_size}")
     prepare_model_for_deepspeed(model)
-    optimizer = build_optimizer(model, lr=stage.lr, weight_decay=stage.weight_decay,
+    schedule_keys = stage.config
+    optimizer = build_optimizer(model, lr=schedule_keys.lr, weight_decay=schedule_keys.weight_decay,
                                 betas=cfg.optimizer.betas, eps=cfg.optimizer.eps)
-    schedule = build_schedule(optimizer, total_steps=stage.steps, warmup_steps=stage.warmup_steps,
-                              lr=stage.lr, min_lr=stage.min_lr)
+    schedule = build_schedule(optimizer, total_steps=stage.steps, warmup_steps=schedule_keys.warmup_steps,
+                              lr=schedule_keys.lr, min_lr=schedule_keys.min_lr)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                           config=deepspeed_config(cfg, stage, dist.world_size))
+                                           config=deepspeed_config(cfg, stage))
     return engine
 
 

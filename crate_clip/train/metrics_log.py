@@ -4,19 +4,17 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
+from tqdm import tqdm
+
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
+from crate_clip.train.whitebox_log import draw_whitebox_curves, whitebox_scalars
 
 METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.jsonl"
-# throughput fields of a training record (crate_clip.train.throughput.StepMeter.fields)
-THROUGHPUT_KEYS = ("step_time_s", "data_wait_s", "data_wait_frac", "samples_per_s_window", "tokens_per_s",
-                   "tflops", "tflops_per_gpu", "mfu", "peak_memory_gib_max_rank")
 PLOT_FILE = "training_curve.png"
-# keys of an evaluation record that say where it was taken, not what it measured
-EVAL_RECORD_KEYS = ("stage_index", "image_size", "stage_image_size", "patch_size", "context_length",
-                    "samples_seen", "global_step")
 
 
 class MetricsLog:
@@ -32,6 +30,7 @@ class MetricsLog:
         if enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if tensorboard:
+                # imported only when asked for: TensorBoard's writer pulls in tensorboard and protobuf
                 from torch.utils.tensorboard import SummaryWriter
                 self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
 
@@ -41,7 +40,6 @@ class MetricsLog:
         self._samples_per_step = samples_per_step
         self._t0, self._step0 = time.perf_counter(), done_steps
         if self.enabled and self.use_progress:
-            from tqdm import tqdm
             self._bar = tqdm(total=total_steps, initial=done_steps, desc=stage_name, unit="step",
                              dynamic_ncols=True, mininterval=1.0)
 
@@ -60,11 +58,12 @@ class MetricsLog:
             post.update(self._perf_post)
             self._bar.set_postfix(post, refresh=False)
 
-    def show_throughput(self, perf: dict) -> None:
-        """Keep the latest MFU / TFLOP/s / data-wait figures for the progress bar."""
+    def show_throughput(self, perf) -> None:
+        """Keep the latest MFU / TFLOP/s / data-wait figures (a ThroughputRecord) for the progress bar."""
         keys = (("mfu", "mfu", "{:.0%}"), ("tflops_per_gpu", "TFLOP/s/gpu", "{:.1f}"),
                 ("data_wait_frac", "wait", "{:.0%}"))
-        self._perf_post = {label: fmt.format(perf[k]) for k, label, fmt in keys if perf.get(k) is not None}
+        self._perf_post = {label: fmt.format(getattr(perf, k)) for k, label, fmt in keys
+                           if getattr(perf, k) is not None}
 
     def end_stage(self) -> None:
         """Close the stage's progress bar."""
@@ -82,43 +81,41 @@ class MetricsLog:
             print(text, flush=True)
 
     # ------------------------------------------------------------ files
-    def log_step(self, record: dict) -> None:
-        """Append one training record to metrics.jsonl and its numbers to TensorBoard."""
+    def log_step(self, record: dict, perf) -> None:
+        """Append one training record and its throughput (a ThroughputRecord, whose fields become the row's and
+        TensorBoard's `throughput/*`) to metrics.jsonl, and their numbers to TensorBoard."""
         if not self.enabled:
             return
+        throughput = asdict(perf)
         with open(self.run_dir / METRICS_FILE, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps({**throughput, **record}) + "\n")
         if self._tb is not None:
             x = record["samples_seen"]
-            for key in ("loss", "lr", "logit_scale", "samples_per_s", "nonfinite_skipped", "grad_norm"):
-                if record.get(key) is not None:
-                    self._tb.add_scalar(f"train/{key}", record[key], x)
-            for key in THROUGHPUT_KEYS:
-                if record.get(key) is not None:
-                    self._tb.add_scalar(f"throughput/{key}", record[key], x)
-            for key, value in (record.get("data_skips") or {}).items():
-                self._tb.add_scalar(f"data_skips/{key}", value, x)
-            from crate_clip.train.whitebox_log import whitebox_scalars
-            for tag, value in whitebox_scalars(record).items():
-                self._tb.add_scalar(tag, value, x)
+            scalars = {f"train/{key}": record.get(key) for key in ("loss", "lr", "logit_scale", "samples_per_s",
+                                                                    "nonfinite_skipped", "grad_norm")}
+            scalars.update({f"throughput/{key}": value for key, value in throughput.items()})
+            scalars.update({f"data_skips/{key}": value for key, value in (record.get("data_skips") or {}).items()})
+            scalars.update(whitebox_scalars(record))
+            for tag, value in scalars.items():
+                if value is not None:
+                    self._tb.add_scalar(tag, value, x)
 
-    def log_eval(self, record: dict, summary: str | None = None) -> None:
-        """Append one evaluation result to results.jsonl; every number it holds goes to TensorBoard, and
-        `summary` (the task's one line; default: the numbers) to the console."""
+    def log_eval(self, record, summary: str | None = None) -> None:
+        """Append one evaluation (an EvalRecord) to results.jsonl; every number it measured goes to TensorBoard,
+        and `summary` (the task's one line; default: the numbers) to the console."""
         if not self.enabled:
             return
         with open(self.run_dir / RESULTS_FILE, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        numbers = {k: v for k, v in record.items()
-                   if k not in EVAL_RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            f.write(json.dumps(record.as_dict()) + "\n")
+        numbers = {k: v for k, v in record.results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
-            tag = f"eval/{record['eval']}@{record['image_size']}px"
+            tag = f"eval/{record.eval}@{record.image_size}px"
             for key, value in numbers.items():
-                self._tb.add_scalar(f"{tag}/{key}", value, record["samples_seen"])
+                self._tb.add_scalar(f"{tag}/{key}", value, record.samples_seen)
             self._tb.flush()
         summary = summary or "  ".join(f"{k} {v:.4g}" for k, v in numbers.items())
-        self.print(f"[eval] stage {record['stage_index']} ({record['stage_name']}) {record['eval']} at "
-                   f"{record['image_size']} px: {summary}")
+        self.print(f"[eval] stage {record.stage_index} ({record.stage_name}) {record.eval} at "
+                   f"{record.image_size} px: {summary}")
 
     def close(self) -> None:
         """Flush TensorBoard."""
@@ -173,6 +170,7 @@ def latest_per_step(records: list[dict]) -> list[dict]:
 
 def write_plot(run_dir: Path) -> Path | None:
     """PNG of the loss against samples seen, each stage's zero-shot top-1 marked at its end."""
+    # imported only when a plot is drawn: matplotlib is the slowest import of a run (about half a second)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -184,7 +182,6 @@ def write_plot(run_dir: Path) -> Path | None:
         return None
     whitebox = [r for r in latest_per_step(read_jsonl(run_dir / METRICS_FILE)) if r.get("whitebox")]
     if whitebox:  # per-layer white-box curves under the loss (logging.diagnostics_every)
-        from crate_clip.train.whitebox_log import draw_whitebox_curves
         fig = plt.figure(figsize=(9, 8), dpi=110)
         grid = fig.add_gridspec(2, 2)
         ax = fig.add_subplot(grid[0, :])

@@ -5,7 +5,12 @@ import argparse
 import json
 import sys
 
-from crate_clip.train.planner import DEFAULT_MFU, GPU_TABLE, parse_bytes
+from crate_clip.cli_errors import ConfigError, report_error
+from crate_clip.train.planner import DEFAULT_MFU, GPU_TABLE, format_plan, parse_bytes, plan_run, plans_as_dicts
+from crate_clip.train.run_config import check_runtime, load_run_config
+from crate_clip.train.stage_model import resolve_stage
+
+PROG = "crate-clip plan"
 
 
 def _positive_int(text: str) -> int:
@@ -43,7 +48,7 @@ def _gpu_memory(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `crate-clip plan` argument parser."""
-    p = argparse.ArgumentParser(prog="crate-clip plan",
+    p = argparse.ArgumentParser(prog=PROG,
                                 description="Per stage: parameters, counted FLOPs, per-rank memory, the largest "
                                             "micro-batch that fits, accumulation steps, wall time and GPU-hours.")
     p.add_argument("config", help="run config YAML")
@@ -55,36 +60,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"model FLOPs utilisation assumed for time, in (0, 1] (default: {DEFAULT_MFU})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the activation trace (minutes on a CPU for the largest models): FLOPs, time and "
+                        "GPU-hours at the run config's micro-batch, not checked to fit")
     return p
+
+
+def plan_stages(config: str, overrides: list[str], gpus: int) -> list:
+    """The run's stages resolved for `gpus` ranks (what training resolves, without a device's micro_batch auto)."""
+    cfg = load_run_config(config, overrides, check_paths=False)
+    check_runtime(cfg, gpus, "cuda")   # the batches must split over the GPUs, as training checks it
+    return [resolve_stage(cfg, i, gpus) for i in range(len(cfg.stages))]
 
 
 def main(argv=None) -> int:
     """Run `crate-clip plan`; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from crate_clip.train.engine import zero_stage_of
-    from crate_clip.train.planner import format_plan, plan_run, plans_as_dicts
-    from crate_clip.train.run_config import ConfigError, load_run_config
-
-    try:
-        cfg = load_run_config(args.config, args.overrides, check_paths=False)
-    except ConfigError as exc:
-        print(f"crate-clip plan: {exc}", file=sys.stderr)
-        return 2
     gpu_key = (args.gpu or "").lower()
-    if args.gpu_memory is None and gpu_key not in GPU_TABLE:
-        print("crate-clip plan: --gpu-memory: required unless --gpu names a known GPU "
-              f"({', '.join(GPU_TABLE)})", file=sys.stderr)
-        return 2
+    try:
+        if args.gpu_memory is None and gpu_key not in GPU_TABLE:
+            raise ConfigError(f"--gpu-memory: required unless --gpu names a known GPU ({', '.join(GPU_TABLE)})")
+        stages = plan_stages(args.config, args.overrides, args.gpus)
+    except ConfigError as exc:
+        return report_error(PROG, exc)
     memory = args.gpu_memory or GPU_TABLE[gpu_key][1] * 2 ** 30
-    bad = [f"stages.{i}.global_batch {s.global_batch}" for i, s in enumerate(cfg.stages) if s.global_batch % args.gpus]
-    if bad:
-        print(f"crate-clip plan: {', '.join(bad)} not divisible by --gpus {args.gpus}", file=sys.stderr)
-        return 2
-    plans = plan_run(cfg, args.gpus, memory, args.gpu, args.mfu)
+    plans = plan_run(stages, memory, args.gpu, args.mfu, memory=not args.no_memory)
     if args.json:
         print(json.dumps(plans_as_dicts(plans), indent=1))
     else:
-        print(format_plan(plans, args.gpus, memory, args.gpu, args.mfu, zero_stage_of(cfg), cfg.precision))
+        print(format_plan(plans, args.gpus, memory, args.gpu, args.mfu, stages[0].zero_stage, stages[0].precision))
     return 0
 
 

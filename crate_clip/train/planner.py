@@ -1,8 +1,9 @@
 """Will a run config fit, and how long will it take? Per stage, from counted FLOPs and measured activations.
 
+`stage` is a ResolvedStage (stage_model.py): every model here is the one its build_model() makes.
     parameters        trainable / frozen, from the stage's model
-    FLOPs per sample  counted with torch.utils.flop_counter on a real forward + backward (batch 2, CPU),
-                      token masks and text length as configured
+    FLOPs per sample  `stage.counts`: torch.utils.flop_counter on a meta-device forward + loss + backward of the
+                      stage's model (count_per_sample), the numbers the throughput meter reports too
     state bytes       weights / grads / AdamW state per rank under the ZeRO stage and precision
     activations       bytes per sample measured on CPU (live tensors traced through dispatch, batch 2 and 4,
                       slope = per sample), with and without gradient checkpointing, scaled to the dtype;
@@ -15,6 +16,7 @@ which is what a caching allocator must hold at the peak, less fragmentation (the
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import weakref
@@ -22,7 +24,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from crate_clip.cli_errors import ConfigError
 
 # dense bf16 tensor-core peak (TFLOP/s, no sparsity) and memory (GiB) of known GPUs
 GPU_TABLE = {
@@ -121,8 +128,20 @@ class LiveTensorPeak(TorchDispatchMode):
         return out
 
 
-def _train_pass(model, images, tokens, track_memory: bool) -> tuple[int, float, float]:
-    """(peak live bytes, total FLOPs, forward FLOPs) of one forward + contrastive loss + backward."""
+def _contrastive_step(model, images, tokens, after_forward=None) -> None:
+    """Forward, the contrastive loss (both directions) and backward: one training step's model work."""
+    image_f, text_f, scale = model(image=images, text=tokens)[:3]
+    # a locked text tower computes in the run's precision: its features meet the image's in fp32
+    logits = scale * image_f @ text_f.t().to(image_f.dtype)
+    labels = torch.arange(len(images), device=logits.device)
+    loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+    if after_forward is not None:
+        after_forward()
+    loss.backward()
+
+
+def _peak_bytes(model, images, tokens, track_memory: bool) -> int:
+    """Peak live bytes of one training step (0 without `track_memory`: a warm-up pass)."""
     model.zero_grad(set_to_none=True)
     tracer = LiveTensorPeak() if track_memory else None
     # the trace sees a tensor die with its Python object: the cycle collector running at random moments
@@ -131,37 +150,66 @@ def _train_pass(model, images, tokens, track_memory: bool) -> tuple[int, float, 
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
-        return _traced_pass(model, images, tokens, tracer)
+        with tracer or contextlib.nullcontext():
+            _contrastive_step(model, images, tokens)
     finally:
         if gc_was_on:
             gc.enable()
-
-
-def _traced_pass(model, images, tokens, tracer) -> tuple[int, float, float]:
-    """_train_pass's body."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    import torch.nn.functional as F
-    with FlopCounterMode(display=False) as flops:
-        with (tracer or _null()):
-            image_f, text_f, scale = model(image=images, text=tokens)[:3]
-            # a locked text tower computes in the run's precision: its features meet the image's in fp32
-            logits = scale * image_f @ text_f.t().to(image_f.dtype)
-            labels = torch.arange(len(images))
-            loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
-            forward = flops.get_total_flops()
-            loss.backward()
-    peak = tracer.peak if tracer else 0
     model.zero_grad(set_to_none=True)
-    return peak, float(flops.get_total_flops()), float(forward)
+    return tracer.peak if tracer else 0
 
 
-class _null:
-    def __enter__(self):
-        return self
+# ---------------------------------------------------------------- FLOPs and tokens per sample
+@dataclass(frozen=True)
+class SampleCounts:
+    """Per-sample work of one training step of a model: FLOPs counted by torch.utils.flop_counter, and the
+    tokens each tower runs on, read at its first block."""
+    flops: float                   # forward + contrastive loss + backward (a locked tower's backward does not run)
+    forward_flops: float
+    image_tokens: Optional[int]    # class token + the patches the token mask keeps (None: tower not recognised)
+    text_tokens: Optional[int]
 
-    def __exit__(self, *exc):
-        return False
+    @property
+    def tokens(self) -> Optional[int]:
+        """Image plus text tokens."""
+        return None if self.image_tokens is None or self.text_tokens is None else self.image_tokens + self.text_tokens
+
+
+def tower_blocks(model) -> Optional[tuple]:
+    """((owner, attribute) of the image tower's block list, (owner, attribute) of the text tower's), or None:
+    the repeated blocks a depth cut shortens and whose first one sees each tower's tokens."""
+    visual = getattr(model, "visual", None)
+    trunk = getattr(visual, "trunk", None)
+    image = (trunk, "blocks") if hasattr(trunk, "blocks") else \
+        (visual.transformer, "resblocks") if hasattr(getattr(visual, "transformer", None), "resblocks") else None
+    text_tower = getattr(model, "text", model)   # CustomTextCLIP holds its text tower as .text
+    text = (text_tower.transformer, "resblocks") if hasattr(getattr(text_tower, "transformer", None), "resblocks") \
+        else None
+    return (image, text) if image and text else None
+
+
+def count_per_sample(model, image_size: int, context_length: int, batch: int = 2) -> SampleCounts:
+    """SampleCounts of one training step of `model` (any device, meta included: the counter reads shapes)."""
+    device = next(model.parameters()).device
+    images = torch.zeros(batch, 3, image_size, image_size, device=device)
+    tokens = torch.ones(batch, context_length, dtype=torch.long, device=device)
+    seen, hooks = [None, None], []
+
+    def recorder(tower: int):
+        return lambda module, args: seen.__setitem__(tower, int(args[0].shape[1]))   # (batch, tokens, width)
+
+    for i, (owner, attr) in enumerate(tower_blocks(model) or ()):
+        hooks.append(getattr(owner, attr)[0].register_forward_pre_hook(recorder(i)))
+    model.train()
+    forward = []
+    try:
+        # attention counted as its matmuls (the math kernel): the counter has no formula for fused CPU kernels
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            _contrastive_step(model, images, tokens, lambda: forward.append(counter.get_total_flops()))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return SampleCounts(counter.get_total_flops() / batch, forward[0] / batch, *seen)
 
 
 # ---------------------------------------------------------------- per-stage measurement
@@ -178,33 +226,10 @@ class StageMeasure:
     locked_params: int = 0           # a locked tower's weights, held as fp32 buffers (text_lock)
 
 
-def build_plan_model(cfg, stage, device: str = "cpu"):
-    """The stage's model as training builds it (random init; token mask; locked towers frozen)."""
-    from crate_clip.train import stage_loop
-    pretrained, text, compiled = cfg.model.pretrained, cfg.model.text_pretrained, cfg.model.compile
-    try:
-        # weights do not change the shapes: read no file and no hub tag here (the lock still applies)
-        cfg.model.pretrained = cfg.model.text_pretrained = None
-        cfg.model.compile = False    # the traced passes run eagerly
-        return stage_loop.build_stage_model(cfg, stage, None, device=device)
-    finally:
-        cfg.model.pretrained, cfg.model.text_pretrained, cfg.model.compile = pretrained, text, compiled
-
-
-def _block_lists(model) -> Optional[tuple]:
-    """(image tower's block list's owner, attribute), (text ...): the repeated blocks a depth cut shortens."""
-    visual = getattr(model, "visual", None)
-    trunk = getattr(visual, "trunk", None)
-    image = (trunk, "blocks") if hasattr(trunk, "blocks") else \
-        (visual.transformer, "resblocks") if hasattr(getattr(visual, "transformer", None), "resblocks") else None
-    text = (model.transformer, "resblocks") if hasattr(getattr(model, "transformer", None), "resblocks") else None
-    return (image, text) if image and text else None
-
-
 def _cut_to_cpu(model, depths: tuple) -> torch.nn.Module:
     """A meta-device model with each tower cut to `depths` blocks, made real on the CPU with random values
     (the trace measures sizes, which values do not change)."""
-    for (owner, attr), depth in zip(_block_lists(model), depths):
+    for (owner, attr), depth in zip(tower_blocks(model), depths):
         setattr(owner, attr, getattr(owner, attr)[:depth])
     model = model.to_empty(device="cpu")
     g = torch.Generator().manual_seed(0)
@@ -217,56 +242,59 @@ def _cut_to_cpu(model, depths: tuple) -> torch.nn.Module:
     return model
 
 
-def _trace(model, cfg, stage, batches) -> dict:
-    """Peak live bytes at each batch, gradient checkpointing off and on, and FLOPs (checkpointing off)."""
+def _trace(model, stage, batches) -> dict:
+    """Peak live bytes at each batch, gradient checkpointing off and on."""
     model.train()
     g = torch.Generator().manual_seed(0)
     out = {}
+
+    def inputs(b):
+        return (torch.randn(b, 3, stage.image_size, stage.image_size, generator=g),
+                torch.randint(1, 1000, (b, stage.context_length), generator=g))
+
     for ckpt in (False, True):
-        _set_ckpt(model, ckpt)
+        model.set_grad_checkpointing(ckpt)
         # one untraced pass first in each mode: lazily built state (workspaces, cached masks) is not per-sample
-        _train_pass(model, torch.randn(1, 3, stage.image_size, stage.image_size, generator=g),
-                    torch.randint(1, 1000, (1, stage.context_length), generator=g), track_memory=False)
+        _peak_bytes(model, *inputs(1), track_memory=False)
         for b in batches:
-            images = torch.randn(b, 3, stage.image_size, stage.image_size, generator=g)
-            tokens = torch.randint(1, 1000, (b, stage.context_length), generator=g)
-            peak, flops, fwd = _train_pass(model, images, tokens, track_memory=True)
-            out[f"{'ckpt' if ckpt else 'peak'}{b}"] = peak
-            if not ckpt:
-                out[f"flops{b}"], out[f"fwd{b}"] = flops, fwd
-    _set_ckpt(model, bool(cfg.model.grad_checkpointing))
+            out[f"{'ckpt' if ckpt else 'peak'}{b}"] = _peak_bytes(model, *inputs(b), track_memory=True)
     return out
 
 
 CUT_ABOVE_BLOCKS = 4   # towers this deep or shallower are traced whole (cheaper than three cut traces)
 
 
-def measure_stage(cfg, stage, batches=(2, 4), full_depth: Optional[bool] = None) -> StageMeasure:
-    """Count FLOPs and trace activations of the stage's model at two batch sizes (CPU, fp32); batches of
+def measure_stage(stage, batches=(2, 4), full_depth: Optional[bool] = None, memory: bool = True) -> StageMeasure:
+    """Parameters, the stage's FLOP counts, and activations traced at two batch sizes (CPU, fp32); batches of
     2 and 4 rather than 1 and 2, so that activations, not the parameter gradients, decide where the peak is.
+    `memory=False`: no trace (the activations are NaN), for FLOPs and time alone.
 
     With full_depth False (None: when a tower is deeper than CUT_ABOVE_BLOCKS), the towers are traced cut
-    to 1 and 2 blocks and every quantity is extrapolated linearly in each tower's depth: the blocks of a
-    tower are identical, so each adds the same saved activations and FLOPs (tests/test_train_planner.py
-    checks it against the full trace). L/14 at 224 px then costs seconds on a CPU, not a full fp32 pass."""
-    meta = build_plan_model(cfg, stage, device="meta")
+    to 1 and 2 blocks and the activations are extrapolated linearly in each tower's depth: the blocks of a
+    tower are identical, so each adds the same saved activations (tests/test_train_planner.py checks it
+    against the full trace). L/14 at 224 px then costs seconds on a CPU, not a full fp32 pass."""
+    def build(device):
+        return stage.build_model(read_files=False, device=device, train=False)
+
+    meta = build("meta")
     trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in meta.parameters() if not p.requires_grad)
     locked = locked_buffer_params(meta)
-    lists = _block_lists(meta)
+    lists = tower_blocks(meta)
     depths = tuple(len(getattr(owner, attr)) for owner, attr in lists) if lists else None
     if full_depth is None:
         full_depth = depths is None or max(depths) <= CUT_ABOVE_BLOCKS
-    if full_depth or depths is None:
-        v = _trace(build_plan_model(cfg, stage), cfg, stage, batches)
+    if not memory:
+        v = dict.fromkeys([f"{kind}{b}" for kind in ("peak", "ckpt") for b in batches], math.nan)
+    elif full_depth or depths is None:
+        v = _trace(build("cpu"), stage, batches)
     else:
-        base = _trace(_cut_to_cpu(meta, (1, 1)), cfg, stage, batches)
+        base = _trace(_cut_to_cpu(meta, (1, 1)), stage, batches)
         v = dict(base)
         for tower, depth in enumerate(depths):
             if depth < 2:
                 continue
-            cut = tuple(2 if i == tower else 1 for i in range(2))
-            more = _trace(_cut_to_cpu(build_plan_model(cfg, stage, device="meta"), cut), cfg, stage, batches)
+            more = _trace(_cut_to_cpu(build("meta"), tuple(2 if i == tower else 1 for i in range(2))), stage, batches)
             for key in v:
                 v[key] += (more[key] - base[key]) * (depth - 1)
     b1, b2 = batches
@@ -274,7 +302,8 @@ def measure_stage(cfg, stage, batches=(2, 4), full_depth: Optional[bool] = None)
     per_ckpt = (v[f"ckpt{b2}"] - v[f"ckpt{b1}"]) / (b2 - b1)
     # the trace also holds the fp32 parameter gradients: counted apart, in the per-rank state
     fixed = max(0.0, v[f"peak{b1}"] - per * b1 - 4.0 * trainable)
-    return StageMeasure(trainable, frozen, v[f"flops{b2}"] / b2, v[f"fwd{b2}"] / b2, per, fixed, per_ckpt, locked)
+    counts = stage.counts
+    return StageMeasure(trainable, frozen, counts.flops, counts.forward_flops, per, fixed, per_ckpt, locked)
 
 
 def locked_buffer_params(model) -> int:
@@ -283,10 +312,6 @@ def locked_buffer_params(model) -> int:
     params = {name for name, _ in model.named_parameters()}
     return sum(t.numel() for name, t in model.state_dict(keep_vars=True).items()
                if name not in params and t.is_floating_point())
-
-
-def _set_ckpt(model, on: bool) -> None:
-    model.set_grad_checkpointing(on)
 
 
 # ---------------------------------------------------------------- memory model
@@ -346,13 +371,12 @@ def logits_bytes(micro: int, global_batch: int) -> float:
     return 4 * 4.0 * micro * global_batch
 
 
-def plan_stage(cfg, stage, measure: StageMeasure, gpus: int, gpu_memory: int, zero_stage: int,
-               peak_tflops: Optional[float], mfu: float) -> StagePlan:
-    """Fit the stage on `gpus` ranks of `gpu_memory` bytes; time at `mfu` of `peak_tflops`."""
-    per_rank = stage.global_batch // gpus
-    dtype_scale = 0.5 if cfg.precision in ("bf16", "fp16") else 1.0  # activations measured in fp32
-    state = state_bytes_per_rank(measure.trainable_params, measure.frozen_params, cfg.precision, zero_stage, gpus,
-                                 measure.locked_params)
+def plan_stage(stage, measure: StageMeasure, gpu_memory: int, peak_tflops: Optional[float], mfu: float) -> StagePlan:
+    """Fit the stage on its world size of GPUs with `gpu_memory` bytes each; time at `mfu` of `peak_tflops`."""
+    gpus, per_rank, ckpt_on = stage.world_size, stage.per_rank_batch, bool(stage.model.grad_checkpointing)
+    dtype_scale = 0.5 if stage.precision in ("bf16", "fp16") else 1.0  # activations measured in fp32
+    state = state_bytes_per_rank(measure.trainable_params, measure.frozen_params, stage.precision, stage.zero_stage,
+                                 gpus, measure.locked_params)
     fixed = sum(state.values()) + measure.activation_bytes_fixed * dtype_scale
     budget = gpu_memory * (1 - MEMORY_RESERVE)
     notes = []
@@ -361,20 +385,17 @@ def plan_stage(cfg, stage, measure: StageMeasure, gpus: int, gpu_memory: int, ze
         per = measure.activation_bytes_per_sample_ckpt if ckpt else measure.activation_bytes_per_sample
         return fixed + per * dtype_scale * micro + logits_bytes(micro, stage.global_batch)
 
-    choice = None
-    ckpt_options = [bool(cfg.model.grad_checkpointing)] + ([True] if not cfg.model.grad_checkpointing else [])
-    for ckpt in ckpt_options:
-        for micro in _divisors_desc(per_rank):
-            if peak(micro, ckpt) <= budget:
-                choice = (micro, ckpt)
-                break
-        if choice:
-            break
-    if choice and choice[1] and not cfg.model.grad_checkpointing:
+    if math.isnan(measure.activation_bytes_per_sample):   # memory not measured: the configured micro-batch
+        choice = (stage.micro_batch, ckpt_on)
+        notes.append("memory not measured (--no-memory): the run config's micro-batch, not checked to fit")
+    else:   # the largest micro-batch that fits, with checkpointing only if it must
+        choice = next(((micro, ckpt) for ckpt in [ckpt_on] + ([True] if not ckpt_on else [])
+                       for micro in _divisors_desc(per_rank) if peak(micro, ckpt) <= budget), None)
+    if choice and choice[1] and not ckpt_on:
         notes.append("fits only with model.grad_checkpointing: true")
     if choice is None:
         notes.append("does not fit even at micro-batch 1 with gradient checkpointing: raise the ZeRO stage or GPUs")
-    micro, ckpt = choice if choice else (None, bool(cfg.model.grad_checkpointing))
+    micro, ckpt = choice if choice else (None, ckpt_on)
     k = per_rank // micro if micro else None
     # k > 1 adds the no-grad caching forward; checkpointing adds a second forward in backward
     extra = (measure.forward_flops_per_sample if k and k > 1 else 0.0) + \
@@ -396,33 +417,27 @@ def plan_stage(cfg, stage, measure: StageMeasure, gpus: int, gpu_memory: int, ze
                      stage.decode, notes)
 
 
-def plan_run(cfg, gpus: int, gpu_memory: int, gpu: Optional[str] = None, mfu: float = DEFAULT_MFU,
-             measures: Optional[list] = None) -> list[StagePlan]:
-    """Plan every stage of `cfg` on `gpus` GPUs of `gpu_memory` bytes each."""
-    from crate_clip.train.engine import zero_stage_of
-
-    peak = gpu_peak_tflops(gpu)
-    measures = measures or [measure_stage(cfg, s) for s in cfg.stages]
-    return [plan_stage(cfg, s, m, gpus, gpu_memory, zero_stage_of(cfg), peak, mfu)
-            for s, m in zip(cfg.stages, measures)]
+def plan_run(stages: list, gpu_memory: int, gpu: Optional[str] = None, mfu: float = DEFAULT_MFU,
+             memory: bool = True) -> list[StagePlan]:
+    """Plan every stage (ResolvedStages of one run, resolved for its number of GPUs) on GPUs of `gpu_memory` bytes
+    (`memory=False`: without the activation trace, at the configured micro-batch)."""
+    return [plan_stage(s, measure_stage(s, memory=memory), gpu_memory, gpu_peak_tflops(gpu), mfu) for s in stages]
 
 
-def auto_micro_batch(cfg, stage, world_size: int) -> int:
-    """stages.N.micro_batch: auto -> the planner's largest micro-batch that fits this device's memory
-    (CUDA: the GPU's total memory; CPU: the whole rank batch, no accumulation)."""
-    if not torch.cuda.is_available():
-        return stage.global_batch // world_size
-    from crate_clip.train.engine import zero_stage_of
-    memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    plan = plan_stage(cfg, stage, measure_stage(cfg, stage), world_size, memory, zero_stage_of(cfg), None, DEFAULT_MFU)
+def fit_micro_batch(stage, gpu_memory: int) -> int:
+    """micro_batch auto: the largest per-rank micro-batch whose step fits `gpu_memory` bytes."""
+    plan = plan_stage(stage, measure_stage(stage), gpu_memory, None, DEFAULT_MFU)
     if plan.micro_batch is None:
-        raise RuntimeError(f"stages {stage.name}: micro_batch auto: even 1 sample per rank does not fit in "
-                           f"{memory / 2 ** 30:.0f} GiB; raise deepspeed.zero_stage or enable model.grad_checkpointing")
+        raise ConfigError(f"stages.{stage.index}.micro_batch: auto: even 1 sample per rank does not fit in "
+                          f"{gpu_memory / 2 ** 30:.0f} GiB; fix: raise deepspeed.zero_stage or enable "
+                          "model.grad_checkpointing")
     return plan.micro_batch
 
 
 # ---------------------------------------------------------------- printing
 def _fmt_bytes(n: float) -> str:
+    if math.isnan(n):
+        return "not measured"
     return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
@@ -443,7 +458,8 @@ def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optiona
             f"  per-rank state    weights {_fmt_bytes(p.state_bytes['weights'])}, grads "
             f"{_fmt_bytes(p.state_bytes['grads'])}, optimizer {_fmt_bytes(p.state_bytes['optimizer'])}",
             f"  activations       {_fmt_bytes(p.activation_bytes_per_sample)}/sample "
-            f"({_fmt_bytes(p.activation_bytes_per_sample_ckpt)} with grad checkpointing)",
+            f"({_fmt_bytes(p.activation_bytes_per_sample_ckpt)} with grad checkpointing)"
+            if not math.isnan(p.activation_bytes_per_sample) else "  activations       not measured",
             (f"  micro-batch       {p.micro_batch} per rank, k = {p.accumulation_steps}"
              f"{' (grad checkpointing)' if p.grad_checkpointing else ''}, peak {_fmt_bytes(p.peak_bytes_per_rank)}"
              if p.micro_batch else "  micro-batch       none fits"),
@@ -462,25 +478,3 @@ def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optiona
 def plans_as_dicts(plans: list[StagePlan]) -> list[dict]:
     """JSON-ready form."""
     return [asdict(p) for p in plans]
-
-
-def count_flops_per_sample(cfg, stage, batch: int = 2) -> tuple[float, float]:
-    """(forward + backward, forward) model FLOPs per sample of the stage's model, counted on the meta
-    device (no memory, no compute): token masks and text length as configured."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from crate_clip.models import create_clip, set_image_token_mask
-    # the token masks draw from torch's global generator even on the meta device: the trainer counts at the
-    # start of every stage, also right after a resume restored the generator, so the count must not move it
-    with torch.random.fork_rng(devices=[]):
-        model = create_clip(cfg.model.name, image_size=stage.image_size, context_length=stage.context_length,
-                            device="meta")
-        set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
-        model.train()
-        images = torch.empty(batch, 3, stage.image_size, stage.image_size, device="meta")
-        tokens = torch.ones(batch, stage.context_length, dtype=torch.long, device="meta")
-        with FlopCounterMode(display=False) as counter:
-            image_f, text_f, scale = model(image=images, text=tokens)[:3]
-            forward = counter.get_total_flops()
-            (scale * (image_f @ text_f.t())).sum().backward()
-    return counter.get_total_flops() / batch, forward / batch

@@ -13,9 +13,11 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError
 
+from crate_clip.cli_errors import ConfigError
 from crate_clip.config_schema import Bool, Float, Int, Section, error_lines
 from crate_clip.models.open_clip_configs import image_patch_size
 from crate_clip.models.pos_embed import POS_EMBED_RESIZE_MODES
+from crate_clip.models.text_sources import check_text_source
 from crate_clip.models.token_masks import TokenMask
 from data_pipelines.device_decode import Decode
 from data_pipelines.shard_reader import ShardListError, expand_source, is_remote
@@ -28,10 +30,6 @@ Precision = Literal["bf16", "fp16", "fp32"]
 # faster than the CPU flash kernel's for short sequences), torch's choice on GPU
 AttentionKernel = Literal["auto", "math", "flash", "efficient", "default"]
 PRECISIONS = get_args(Precision)
-
-
-class ConfigError(ValueError):
-    """A run config that cannot be used; the message lists every bad key with its fix."""
 
 
 class RunSection(Section):
@@ -74,7 +72,6 @@ class ModelSection(Section):
         """text_pretrained names a usable source; a locked text tower starts from pretrained weights."""
         problems = []
         if self.text_pretrained:
-            from crate_clip.train.text_lock import check_text_source
             error = check_text_source(self.text_pretrained)
             if error:
                 problems.append(("text_pretrained", error.split(": ", 1)[1]))
@@ -241,12 +238,15 @@ class RunConfig(Section):
                                             "crop_scale": stage.crop_scale or self.data.crop_scale})
 
     def _patch_problems(self) -> list[tuple[str, str]]:
-        """Every image size must hold at least one patch of the model's image tower."""
-        patch = image_patch_size(self.model.name)
-        sizes = [(f"stages.{i}.image_size", s.image_size) for i, s in enumerate(self.stages)]
-        sizes += [("eval.full_image_size", self.eval.full_image_size)] if self.eval.full_image_size else []
+        """Every image size must hold at least one patch of the image tower at that stage's patch size."""
+        native = image_patch_size(self.model.name)
+        sizes = [(f"stages.{i}.image_size", s.image_size, self.patch_size_at(i) or native)
+                 for i, s in enumerate(self.stages)]
+        if self.eval.full_image_size:
+            sizes.append(("eval.full_image_size", self.eval.full_image_size, self.patch_size_at(len(self.stages) - 1)
+                          or native))
         return [(key, f"{size} px is smaller than one {patch} px patch of {self.model.name}; fix: at least "
-                      f"{patch} (a multiple of {patch})") for key, size in sizes if patch and size < patch]
+                      f"{patch} (a multiple of {patch})") for key, size, patch in sizes if patch and size < patch]
 
     def _text_lock_problems(self) -> list[tuple[str, str]]:
         """A locked text tower keeps its position embedding: one context_length in every stage."""

@@ -6,11 +6,13 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from crate_clip.cli_errors import UserError
+
 # what a run writes into run.output_dir; any of them means the folder already holds a run
 RUN_FILES = ("checkpoints", "metrics.jsonl", "results.jsonl", "run_config.yaml", "export", "tensorboard")
 
 
-class ExistingRunError(RuntimeError):
+class ExistingRunError(UserError, RuntimeError):
     """run.output_dir already holds a run, and the command neither resumes it nor moves it aside."""
 
 

@@ -6,48 +6,60 @@ ones on resume, and the stage's final checkpoint is kept (CheckpointManager's `p
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, fields
+from typing import Optional
 
 import torch.distributed as tdist
 
-from crate_clip.models.patch_change import create_clip_at_patch, tower_patch_size
+from crate_clip.models.patch_change import tower_patch_size
+from crate_clip.train.checkpoints import Progress
 from crate_clip.train.engine import DistInfo
 from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl
 from crate_clip.train.run_config import RunConfig
+from crate_clip.train.stage_model import ResolvedStage
+from eval.registry import summary_line
+from eval.stage_hook import evaluate_stage
 
-if TYPE_CHECKING:
-    from crate_clip.train.stage_loop import Progress
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """One evaluation of a stage's weights, a results.jsonl row: where it was taken (the fields) and what it
+    measured (`results`, the task's numbers, lists and names)."""
+    stage_index: int
+    stage_name: str
+    eval: str
+    image_size: int
+    stage_image_size: int
+    patch_size: Optional[int]
+    context_length: int
+    samples_seen: int
+    global_step: int
+    results: dict
+
+    def as_dict(self) -> dict:
+        """The row: the fields, then the results beside them."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "results"}, **self.results}
 
 
-def evaluate_after_stage(cfg: RunConfig, stage_index: int, weights: dict, progress: Progress,
+def evaluate_after_stage(cfg: RunConfig, stage: ResolvedStage, weights: dict, progress: Progress,
                          log: MetricsLog, dist: DistInfo) -> list[dict]:
     """Zero-shot evaluation of the stage's consolidated weights on all ranks (images split across them),
     at the stage's resolution and, after a low-resolution stage, also at the full resolution; evaluations
-    already in results.jsonl are not repeated. The fp32 weights run under autocast in the training precision
-    (bf16 matmuls are several times faster)."""
-    from eval.registry import summary_line
-    from eval.stage_hook import evaluate_stage
-
+    already in results.jsonl are not repeated; returns their rows. The fp32 weights run under autocast in the
+    training precision (bf16 matmuls are several times faster)."""
     spec_types = {e.name: e.type for e in cfg.eval.evals}
-    missing = agreed_missing_evals(cfg, stage_index, dist)
-    stage = cfg.stages[stage_index]
     records = []
-    for size, evals in missing.items():
-        # at the patch size the weights carry (a stage may have changed it)
-        model = create_clip_at_patch(cfg.model.name, weights, image_size=size, context_length=stage.context_length,
-                                     pos_embed_resize=cfg.model.pos_embed_resize)
-        model.to(dist.device).eval()
+    for size, evals in agreed_missing_evals(cfg, stage.index, dist).items():
+        model = stage.build_model(weights, image_size=size, train=False).to(dist.device).eval()
         results = evaluate_stage(model, model_name=cfg.model.name, evals=evals,
                                  image_size=size, device=dist.device, precision=cfg.precision,
                                  cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main,
                                  bert_vocab=cfg.model.bert_vocab)
         for name, res in results.items():
-            record = {"stage_index": stage_index, "stage_name": stage.name, "eval": name, "image_size": size,
-                      "stage_image_size": stage.image_size, "patch_size": tower_patch_size(model),
-                      "context_length": stage.context_length,
-                      "samples_seen": progress.samples_seen, "global_step": progress.global_step,
-                      **{k: v for k, v in res.items() if isinstance(v, (int, float, str, list)) or v is None}}
-            records.append(record)
+            record = EvalRecord(stage.index, stage.name, name, size, stage.image_size, tower_patch_size(model),
+                                stage.context_length, progress.samples_seen, progress.global_step,
+                                {k: v for k, v in res.items() if isinstance(v, (int, float, str, list)) or v is None})
+            records.append(record.as_dict())
             log.log_eval(record, summary_line(res, eval_type=spec_types[name]))
         del model
     return records

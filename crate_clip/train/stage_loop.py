@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -19,38 +18,33 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 import yaml
+from open_clip import ClipLoss
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_WARNING, checkpoints_trusted
-from crate_clip.models import preprocess_cfg_for, set_image_token_mask, tokenizer_record
-from crate_clip.models.patch_change import create_clip_at_patch
+from crate_clip.cli_errors import EXIT_NONFINITE, UserError
+from crate_clip.models import tokenizer_record
+from crate_clip.models.patch_change import tower_patch_size
 from crate_clip.train.batch_agreement import agreed_batches
-from crate_clip.train.checkpoints import (CheckpointManager, checkpoint_tag, consolidated_state_dict, read_info,
+from crate_clip.train.checkpoints import (CheckpointInfo, CheckpointManager, Progress, ResumeError, ResumePoint,
+                                          checkpoint_tag, consolidated_state_dict, find_resume_point, read_info,
                                           rng_state, set_rng_state)
-from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype, zero_stage_of
+from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype
+from crate_clip.train.export import export_checkpoint
 from crate_clip.train.metrics_log import MetricsLog, set_aside_rows_after, write_plot
-from crate_clip.train.run_config import RunConfig, StageConfig, check_runtime
-from crate_clip.train.throughput import StepMeter
-from crate_clip.train.train_step import (MAX_LOGIT_SCALE, StepResult, attention_kernel,  # noqa: F401
-                                         forward_loss, train_step)
-from crate_clip.train.text_lock import apply_text_config
+from crate_clip.train.run_config import RunConfig, check_runtime
 from crate_clip.train.run_dir import check_run_dir, move_run_aside
 from crate_clip.train.stage_evals import agreed_missing_evals, evaluate_after_stage, missing_evals
+from crate_clip.train.stage_model import ResolvedStage, resolve_stage
+from crate_clip.train.throughput import StepMeter
+from crate_clip.train.train_step import train_step
 from crate_clip.train.whitebox_log import WhiteboxProbe
+from data_pipelines.train_stream import build_train_stream
 
-class NonFiniteLossError(RuntimeError):
+
+class NonFiniteLossError(UserError, RuntimeError):
     """Too many non-finite losses in a row; the message names the step and the checkpoint to go back to."""
-
-
-@dataclass
-class Progress:
-    """Where the run is; saved in every checkpoint (crate_clip.json)."""
-    stage_index: int = 0
-    step: int = 0                  # optimizer steps done in this stage (skipped non-finite steps included)
-    global_step: int = 0
-    samples_seen: int = 0
-    nonfinite_skipped: int = 0
-    nonfinite_in_a_row: int = 0
+    exit_code = EXIT_NONFINITE
 
 
 # ---------------------------------------------------------------- the run (entry point)
@@ -78,11 +72,13 @@ def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: O
         if start.tag_dir is not None:
             log.print(f"resuming from {start.tag_dir} (stage {progress.stage_index}, step {progress.step}, "
                       f"{progress.samples_seen} samples seen)")
-        for i in range(start.stage_index):  # stages finished before the checkpoint resumed from
+        first = progress.stage_index   # 0, or the stage of the checkpoint resumed from
+        for i in range(first):  # stages finished before the checkpoint resumed from
             evals += _evaluate_finished_stage(cfg, i, ckpts, log, dist)
-        for i in range(start.stage_index, len(cfg.stages)):
-            resume_here = start if i == start.stage_index and start.tag_dir is not None else None
-            tag_dir, weights, records = run_stage(cfg, i, weights, resume_here, progress, stream_factory, ckpts,
+        for i in range(first, len(cfg.stages)):
+            stage = resolve_stage(cfg, i, dist.world_size, dist.device)
+            resume_here = start if i == first and start.tag_dir is not None else None
+            tag_dir, weights, records = run_stage(cfg, stage, weights, resume_here, progress, stream_factory, ckpts,
                                                   log, dist)
             evals += records
         export_dir = _export(cfg, tag_dir, weights, log, dist)
@@ -98,54 +94,48 @@ def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: O
                 log.print(f"wrote {plot}")
 
 
-# ---------------------------------------------------------------- where do we resume
-@dataclass
-class ResumePoint:
-    """Where the run starts: a stage, and the checkpoint inside it to continue from (None: from scratch)."""
-    stage_index: int = 0
-    tag_dir: Optional[Path] = None
-    progress: Progress = dataclasses.field(default_factory=Progress)
-    stage_finished: bool = False  # the checkpoint is its stage's last: only evaluations may be left to do
-
-
-def find_resume_point(cfg: RunConfig, ckpts: CheckpointManager, resume: Optional[str]) -> ResumePoint:
-    """The checkpoint `resume` names ('latest' or a path), checked against this job; raises ResumeError."""
-    if not resume:
-        return ResumePoint()
-    tag_dir = ckpts.resolve(resume)
-    info = ckpts.check_compatible(tag_dir)
-    progress = Progress(**{k: info[k] for k in dataclasses.asdict(Progress()) if k in info})
-    finished = info["step"] >= cfg.stages[info["stage_index"]].steps
-    return ResumePoint(info["stage_index"], tag_dir, progress, finished)
-
-
 # ---------------------------------------------------------------- one stage
-def run_stage(cfg: RunConfig, i: int, weights: Optional[dict], start: Optional[ResumePoint], progress: Progress,
-              stream_factory: Callable, ckpts: CheckpointManager, log: MetricsLog,
+def run_stage(cfg: RunConfig, stage: ResolvedStage, weights: Optional[dict], start: Optional[ResumePoint],
+              progress: Progress, stream_factory: Callable, ckpts: CheckpointManager, log: MetricsLog,
               dist: DistInfo) -> tuple[Path, dict, list[dict]]:
-    """Train stage `i` (from the previous stage's weights, or on from `start`) and evaluate it;
+    """Train the stage (from the previous stage's weights, or on from `start`) and evaluate it;
     returns (its final checkpoint, its consolidated weights, the evaluation records)."""
     if start is not None and start.stage_finished:
         # the stage had finished before the interruption: only evaluations may be missing
         weights = consolidated_state_dict(start.tag_dir)
-        return start.tag_dir, weights, evaluate_after_stage(cfg, i, weights, progress, log, dist)
-    stage = cfg.stages[i]
-    model = build_stage_model(cfg, stage, weights, resuming=start is not None)
+        return start.tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
+    # resuming: every weight comes from the checkpoint loaded below, the model only needs the stage's shapes
+    model = stage.build_model(weights, read_files=start is None)
     engine = build_engine(model, cfg, stage, dist)
-    _seed_everything(cfg.run.seed * 7919 + 104729 * i + dist.rank)  # token masks differ per rank
-    stream = stream_factory(cfg, stage, i, dist)
+    _seed_everything(cfg.run.seed * 7919 + 104729 * stage.index + dist.rank)  # token masks differ per rank
+    stream = stream_factory(cfg, stage, dist)
     if start is not None:
-        _, rank_state = ckpts.load(engine, start.tag_dir)
+        rank_state = _load_checkpoint(ckpts, engine, stage, start.tag_dir)
         if rank_state.get("stream") is not None:
             stream.load_state_dict(rank_state["stream"])
         set_rng_state(rank_state["rng"])
     else:
-        progress.stage_index, progress.step, progress.nonfinite_in_a_row = i, 0, 0
+        progress.stage_index, progress.step, progress.nonfinite_in_a_row = stage.index, 0, 0
     tag_dir = train_stage(cfg, stage, engine, stream, progress, ckpts, log, dist)
     engine.destroy()
     del engine, model, stream
     weights = consolidated_state_dict(tag_dir)
-    return tag_dir, weights, evaluate_after_stage(cfg, i, weights, progress, log, dist)
+    return tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
+
+
+def _load_checkpoint(ckpts: CheckpointManager, engine, stage: ResolvedStage, tag_dir: Path) -> dict:
+    """Load `tag_dir` into the stage's engine; returns this rank's state. Weights of other shapes than the stage's
+    model (a run config changed since) are a ResumeError naming the first mismatch, not a traceback."""
+    try:
+        return ckpts.load(engine, tag_dir)[1]
+    except RuntimeError as exc:   # torch's load_state_dict under DeepSpeed: "size mismatch for <key>: ..."
+        lines = [line.strip() for line in str(exc).splitlines()
+                 if line.strip().startswith(("size mismatch", "Missing key", "Unexpected key"))]
+        if not lines:
+            raise
+        raise ResumeError(f"{tag_dir}: its weights do not fit stage {stage.index} ({stage.name}) of this run config: "
+                          f"{lines[0]}; fix: resume with the run config that wrote the checkpoint (its "
+                          "crate_clip.json holds it under run_config)") from None
 
 
 def _evaluate_finished_stage(cfg: RunConfig, i: int, ckpts: CheckpointManager, log: MetricsLog,
@@ -160,8 +150,8 @@ def _evaluate_finished_stage(cfg: RunConfig, i: int, ckpts: CheckpointManager, l
         log.print(f"[warn] stage {i} ({cfg.stages[i].name}): evaluations missing from results.jsonl and its "
                   f"final checkpoint {tag_dir} is gone; they cannot be run")
         return []
-    progress = Progress(**{k: info[k] for k in dataclasses.asdict(Progress()) if k in info})
-    return evaluate_after_stage(cfg, i, consolidated_state_dict(tag_dir), progress, log, dist)
+    stage = resolve_stage(cfg, i, dist.world_size)   # for its evaluations: no device micro-batch fit
+    return evaluate_after_stage(cfg, stage, consolidated_state_dict(tag_dir), Progress.from_info(info), log, dist)
 
 
 def _seed_everything(seed: int) -> None:
@@ -190,8 +180,6 @@ def _evaluations_pending(cfg: RunConfig, info: dict) -> bool:
 
 def _export(cfg: RunConfig, tag_dir: Path, weights: dict, log: MetricsLog, dist: DistInfo) -> Optional[Path]:
     """The last checkpoint as an open_clip model folder (rank 0): what `crate-clip export` writes of it."""
-    from crate_clip.train.export import export_checkpoint
-
     if not dist.is_main:
         return None
     export_dir = export_checkpoint(tag_dir, cfg.run_dir / "export", state=weights)
@@ -201,59 +189,18 @@ def _export(cfg: RunConfig, tag_dir: Path, weights: dict, log: MetricsLog, dist:
 
 
 # ---------------------------------------------------------------- building blocks
-def build_stage_model(cfg: RunConfig, stage: StageConfig, weights: Optional[dict],
-                      resuming: bool = False, device: str = "cpu") -> torch.nn.Module:
-    """The model at the stage's image size / context length: from carried weights (position embeddings
-    resized 2-D for the image grid, 1-D for the text), or fresh (plus model.pretrained and
-    model.text_pretrained) for the first; then the text tower / logit scale locked as configured.
-    `resuming`: every weight comes from the checkpoint loaded next, so nothing else is read. `device`: 'meta'
-    for shapes only (the planner)."""
-    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    pretrained = None if resuming else cfg.model.pretrained if weights is None else weights
-    # (the tower's patch size changes here when the stage sets another one: crate_clip/models/patch_change.py)
-    model = create_clip_at_patch(cfg.model.name, pretrained, stage.patch_size, stage.patch_resize,
-                                 image_size=stage.image_size, context_length=stage.context_length,
-                                 pos_embed_resize=cfg.model.pos_embed_resize, device=device)
-    set_image_token_mask(model, stage.image_mask, stage.image_mask_ratio)
-    if cfg.model.grad_checkpointing:
-        model.set_grad_checkpointing(True)
-    apply_text_config(model, text_pretrained=cfg.model.text_pretrained, lock_text=cfg.model.lock_text,
-                      lock_logit_scale=cfg.model.lock_logit_scale, compute_dtype=model_dtype(cfg.precision),
-                      load=weights is None and not resuming)
-    if cfg.model.compile:
-        compile_towers(model)
-    return model
-
-
-def compile_towers(model: torch.nn.Module) -> None:
-    """torch.compile each tower in place (nn.Module.compile keeps the state-dict keys, so checkpoints and
-    exports are unchanged); the contrastive loss and DeepSpeed stay eager."""
-    for tower in (getattr(model, "visual", None), getattr(model, "transformer", None)):
-        if tower is not None:
-            tower.compile()
-
-
-def default_stream_factory(cfg: RunConfig, stage: StageConfig, stage_index: int, dist: DistInfo):
+def default_stream_factory(cfg: RunConfig, stage: ResolvedStage, dist: DistInfo):
     """The stage's webdataset stream (data_pipelines), each rank reading its own shards."""
-    from data_pipelines.train_stream import build_train_stream
-
-    stream_cfg = cfg.stream_config(stage_index).model_copy(update=_normalisation(cfg))
+    stream_cfg = cfg.stream_config(stage.index).model_copy(update={"mean": stage.mean, "std": stage.std})
     return build_train_stream(stream_cfg, image_size=stage.image_size, context_length=stage.context_length,
-                              text_mask=stage.text_mask, batch_size=stage.global_batch // dist.world_size,
+                              text_mask=stage.text_mask, batch_size=stage.per_rank_batch,
                               rank=dist.rank, world_size=dist.world_size,
                               tokenizer_name=cfg.model.tokenizer or cfg.model.name,
                               bert_vocab=cfg.model.bert_vocab, decode=stage.decode, device=dist.device)
 
 
-def _normalisation(cfg: RunConfig) -> dict:
-    """The image mean/std of the training stream: data.mean / data.std where the run config sets them, else the
-    model config's (ImageNet's for the CLIPA models), so training matches eval; checkpoints record it for exports."""
-    model = preprocess_cfg_for(cfg.model.name)
-    return {k: tuple(getattr(cfg.data, k) if k in cfg.data.model_fields_set else model[k]) for k in ("mean", "std")}
-
-
-def _make_loss(dist: DistInfo):
-    from open_clip import ClipLoss
+def _make_loss(dist: DistInfo) -> ClipLoss:
+    """open_clip's contrastive loss across the ranks."""
     # local loss + gathered features (with grad): each rank's logits are (B_local x B_global), the only
     # setting whose memory does not grow with the square of the global batch
     return ClipLoss(local_loss=True, gather_with_grad=True, cache_labels=True,
@@ -279,7 +226,7 @@ def _rng_untouched(dist: DistInfo):
     return torch.random.fork_rng(devices=[torch.device(dist.device)] if dist.device.startswith("cuda") else [])
 
 
-def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Progress,
+def train_stage(cfg: RunConfig, stage: ResolvedStage, engine, stream, progress: Progress,
                 ckpts: CheckpointManager, log: MetricsLog, dist: DistInfo) -> Path:
     """Run the stage's remaining steps; returns the folder of its final checkpoint."""
     loss_fn = _make_loss(dist)
@@ -290,7 +237,7 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
                     progress.step, stage.global_batch)
     every_log, every_ckpt = cfg.logging.every_steps, cfg.checkpoint.every_steps
     with _rng_untouched(dist):
-        meter = StepMeter(cfg, stage, dist)
+        meter = StepMeter(stage, dist, cfg.data.num_workers)
         probe = WhiteboxProbe.for_stage(cfg, stage, engine, dist, log)  # None unless logging.diagnostics_every
     while progress.step < stage.steps:
         meter.begin()
@@ -324,12 +271,12 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
             with _rng_untouched(dist):
                 measured = probe.measure()
         if progress.step % every_log == 0 or last or loss is None or measured is not None:
-            perf = meter.fields()
+            perf = meter.record()
             warning = meter.data_wait_warning(perf)
             if warning:
                 log.print(warning)
             log.show_throughput(perf)
-            log.log_step({**perf, "stage_index": progress.stage_index, "stage_name": stage.name, "step": progress.step,
+            log.log_step({"stage_index": progress.stage_index, "stage_name": stage.name, "step": progress.step,
                           "global_step": progress.global_step, "samples_seen": progress.samples_seen,
                           "image_size": stage.image_size, "loss": loss, "lr": lr, "logit_scale": scale,
                           "grad_norm": result.grad_norm, "skipped": result.skipped,
@@ -337,7 +284,7 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
                           "nonfinite_skipped": progress.nonfinite_skipped,
                           "data_skips": _summed_counters(stream, dist), "time": time.time(), **(measured or {}),
                           **({"data_decode": _summed_counters(stream, dist, "decode_counts")}
-                             if stage.decode == "device" else {})})
+                             if stage.decode == "device" else {})}, perf)
         if progress.nonfinite_in_a_row >= cfg.run.max_nonfinite_in_a_row:
             # the skipped steps left the weights untouched: this checkpoint holds the last good state
             tag_dir = _save(ckpts, engine, cfg, stage, progress, stream)
@@ -356,23 +303,16 @@ def train_stage(cfg: RunConfig, stage: StageConfig, engine, stream, progress: Pr
 
 
 # ---------------------------------------------------------------- checkpoints
-def _info(cfg: RunConfig, stage: StageConfig, progress: Progress) -> dict:
-    return {"model_name": cfg.model.name, "image_size": stage.image_size, "context_length": stage.context_length,
-            "patch_size": cfg.patch_size_at(progress.stage_index),
-            "zero_stage": zero_stage_of(cfg), "stage_index": progress.stage_index, "stage_name": stage.name,
-            "step": progress.step, "stage_steps": stage.steps, "global_step": progress.global_step,
-            "samples_seen": progress.samples_seen, "nonfinite_skipped": progress.nonfinite_skipped,
-            "nonfinite_in_a_row": progress.nonfinite_in_a_row, "logit_scale_shape": [1],
-            "precision": cfg.precision, "run_config": cfg.to_dict(),
-            "normalisation": {k: list(v) for k, v in _normalisation(cfg).items()},
-            "tokenizer": tokenizer_record(cfg.model.tokenizer or cfg.model.name, cfg.model.bert_vocab)}
-
-
-def _save(ckpts: CheckpointManager, engine, cfg: RunConfig, stage: StageConfig, progress: Progress, stream) -> Path:
+def _save(ckpts: CheckpointManager, engine, cfg: RunConfig, stage: ResolvedStage, progress: Progress,
+          stream) -> Path:
+    info = CheckpointInfo(cfg.model.name, stage.image_size, stage.context_length, tower_patch_size(engine.module),
+                          stage.zero_stage, stage.name, stage.steps, cfg.precision, cfg.to_dict(),
+                          {"mean": list(stage.mean), "std": list(stage.std)},
+                          tokenizer_record(cfg.model.tokenizer or cfg.model.name, cfg.model.bert_vocab),
+                          progress)
     rank_state = {"stream": stream.state_dict() if hasattr(stream, "state_dict") else None, "rng": rng_state(),
                   "progress": dataclasses.asdict(progress)}
-    return ckpts.save(engine, checkpoint_tag(progress.stage_index, progress.step),
-                      _info(cfg, stage, progress), rank_state)
+    return ckpts.save(engine, checkpoint_tag(progress.stage_index, progress.step), info.as_dict(), rank_state)
 
 
 def _first_batch_of_epoch(batches, cfg: RunConfig):

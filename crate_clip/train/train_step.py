@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as tdist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 MAX_LOGIT_SCALE = 100.0  # CLIP's cap on exp(logit_scale)
 
@@ -41,8 +42,6 @@ class StepResult:
 
 def attention_kernel(name: str, device: str):
     """Context choosing scaled_dot_product_attention's kernel for the forward (the backward follows it)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     if name == "auto":
         name = "math" if device == "cpu" else "default"
     if name == "default":

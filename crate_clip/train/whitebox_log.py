@@ -13,17 +13,16 @@ from typing import Optional
 
 import torch
 
-from crate_clip.train.engine import zero_stage_of
+from eval.class_sets import resolve_classnames
+from eval.eval_datasets import ShardSamples, classification_dataset, subset_indices
+from eval.model_loading import eval_transform
+from eval.whitebox import find_crate_tower, layer_diagnostics
 
 WHITEBOX_KEY = "whitebox"
 
 
 def _probe_images(cfg, image_size: int, model, count: int) -> torch.Tensor:
     """The first eval set's images, `count` of them spread evenly, preprocessed at `image_size`."""
-    from eval.class_sets import resolve_classnames
-    from eval.eval_datasets import ShardSamples, classification_dataset, subset_indices
-    from eval.model_loading import eval_transform
-
     spec = cfg.eval.evals[0]
     dataset = getattr(spec, "dataset", "custom")
     names = resolve_classnames(dataset, spec.data, getattr(spec, "classnames", None))
@@ -43,42 +42,34 @@ def _probe_images(cfg, image_size: int, model, count: int) -> torch.Tensor:
     return torch.stack(images)
 
 
-def shadow_tower(model_name: str, stage, trunk):
-    """A plain CRATE-alpha tower shaped like `trunk` (the engine's, whose ZeRO-3 parameters are shards): built at
-    the stage's image size and at the trunk's current patch size, which a stage's `patch_size` may have changed
-    (an attribute, so it is right even while the weights are partitioned)."""
-    from crate_clip.models.patch_change import create_clip_at_patch
-    from eval.whitebox import find_crate_tower
-
-    plain = create_clip_at_patch(model_name, patch_size=trunk.patch_size, image_size=stage.image_size,
-                                 context_length=stage.context_length)
-    return find_crate_tower(plain)
+def shadow_tower(stage, trunk):
+    """A plain CRATE-alpha tower shaped like `trunk` (the engine's, whose ZeRO-3 parameters are shards): the
+    stage's model's tower (ResolvedStage.build_model), at the trunk's patch size (an attribute, right even while
+    the weights are partitioned)."""
+    tower = find_crate_tower(stage.build_model(read_files=False, train=False))
+    tower.set_patch_size(trunk.patch_size)   # the same unless the weights came at another patch size
+    return tower
 
 
 class WhiteboxProbe:
     """Computes and logs the diagnostics of one stage's tower on a fixed probe batch."""
 
     def __init__(self, cfg, stage, engine, dist):
-        from eval.whitebox import find_crate_tower
-
         self.every = cfg.logging.diagnostics_every
         self.dist = dist
-        self.zero3 = zero_stage_of(cfg) == 3
+        self.zero3 = stage.zero_stage == 3
         self.trunk = find_crate_tower(engine)
         self.images = (_probe_images(cfg, stage.image_size, engine, cfg.logging.diagnostics_images)
                        if dist.is_main else None)
-        self.image_size = stage.image_size
         self.seconds = 0.0
         # ZeRO-3: a plain tower on rank 0 to load the gathered weights into (the engine's hold shards only)
         self.shadow = None
         if self.zero3 and dist.is_main:
-            self.shadow = shadow_tower(cfg.model.name, stage, self.trunk).to(dist.device)
+            self.shadow = shadow_tower(stage, self.trunk).to(dist.device)
 
     @classmethod
     def for_stage(cls, cfg, stage, engine, dist, log) -> Optional["WhiteboxProbe"]:
         """The stage's probe, or None when diagnostics are off or the tower is not CRATE-alpha (said once)."""
-        from eval.whitebox import find_crate_tower
-
         if not cfg.logging.diagnostics_every:
             return None
         if find_crate_tower(engine) is None:
@@ -89,6 +80,8 @@ class WhiteboxProbe:
     def _tower(self):
         if not self.zero3:
             return self.trunk
+        # imported here: this module is also loaded to draw plots from metrics files, where DeepSpeed (a second to
+        # import) has no use
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(self.trunk.parameters()), modifier_rank=None):
@@ -102,8 +95,6 @@ class WhiteboxProbe:
 
     def measure(self) -> dict:
         """{'whitebox': per-layer diagnostics} on rank 0 ({} elsewhere); all ranks must call it under ZeRO-3."""
-        from eval.whitebox import layer_diagnostics
-
         t0 = time.perf_counter()
         tower = self._tower()  # a collective under ZeRO-3
         if not self.dist.is_main:

@@ -1,0 +1,121 @@
+"""One training stage resolved once from the run config and the launch, and the one builder of its model.
+
+A stage's settings come from several places: its own keys, a patch size set by an earlier stage, the model
+section (weights to start from, text lock, checkpointing, compile), the DeepSpeed section (ZeRO stage), the
+data section (normalisation) and the launch (world size; the device for micro_batch: auto). resolve_stage()
+decides them once, when the stage starts, into a frozen ResolvedStage. Its build_model() is the only place a
+stage's model is built: for training, for the stage's evaluations, for the white-box probe's copy of the tower,
+and for the planner and the throughput meter, which both read `counts`: FLOPs and tokens per sample counted on
+a copy of that model, so they agree with each other and with the model that trains.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+from torch import nn
+
+from crate_clip.models import preprocess_cfg_for, set_image_token_mask
+from crate_clip.models.patch_change import create_clip_at_patch
+from crate_clip.train import planner
+from crate_clip.train.engine import model_dtype, zero_stage_of
+from crate_clip.train.run_config import ModelSection, RunConfig, StageConfig
+from crate_clip.train.text_lock import apply_text_config
+
+
+@dataclass(frozen=True)
+class ResolvedStage:
+    """Everything one stage needs, decided once by resolve_stage(); build_model() builds its model."""
+    index: int
+    name: str
+    config: StageConfig            # the stage's keys as written: schedule (lr, warm-up, decay) and crop range
+    model: ModelSection            # model name, weights to start from, text lock, kernel, checkpointing, compile
+    seed: int                      # run.seed: the same initial weights on every rank
+    image_size: int
+    patch_size: Optional[int]      # set by this or an earlier stage; None: the weights' own (fresh: the config's)
+    patch_resize: str
+    context_length: int
+    text_mask: str
+    image_mask: str
+    image_mask_ratio: float
+    global_batch: int
+    world_size: int
+    micro_batch: int               # per rank
+    steps: int
+    zero_stage: int
+    precision: str
+    mean: tuple[float, ...]        # image normalisation of the training stream
+    std: tuple[float, ...]
+    decode: str
+
+    @property
+    def per_rank_batch(self) -> int:
+        """Samples one rank takes per optimizer step."""
+        return self.global_batch // self.world_size
+
+    @property
+    def accumulation_steps(self) -> int:
+        """k: micro-batches per optimizer step and rank."""
+        return self.per_rank_batch // self.micro_batch
+
+    def build_model(self, weights: Optional[dict] = None, *, read_files: bool = True, image_size: Optional[int] = None,
+                    device: str = "cpu", train: bool = True) -> nn.Module:
+        """The stage's model: from `weights` (position embeddings resized 2-D for the image grid, 1-D for the text;
+        the patch kernel moved to this stage's patch size), or fresh (plus model.pretrained and model.text_pretrained
+        when `read_files`); with the stage's token mask and text lock. `read_files=False`: shapes and initial values
+        only (a resumed stage loads every weight next; the counts need no file). `image_size`: the same weights at
+        another resolution (the full-size evaluation). `train`: gradient checkpointing and compile as configured.
+        `device='meta'` builds shapes only."""
+        torch.manual_seed(self.seed)   # identical initial weights on every rank
+        start = weights if weights is not None else self.model.pretrained if read_files else None
+        model = create_clip_at_patch(self.model.name, start, self.patch_size, self.patch_resize,
+                                     image_size=image_size or self.image_size, context_length=self.context_length,
+                                     pos_embed_resize=self.model.pos_embed_resize, device=device)
+        set_image_token_mask(model, self.image_mask, self.image_mask_ratio)
+        apply_text_config(model, text_pretrained=self.model.text_pretrained, lock_text=self.model.lock_text,
+                          lock_logit_scale=self.model.lock_logit_scale, compute_dtype=model_dtype(self.precision),
+                          load=weights is None and read_files)
+        if train and self.model.grad_checkpointing:
+            model.set_grad_checkpointing(True)
+        if train and self.model.compile:
+            compile_towers(model)
+        return model
+
+    @functools.cached_property
+    def counts(self) -> planner.SampleCounts:
+        """FLOPs and tokens per sample of one training step of the stage's model, counted on a meta-device copy
+        (no memory, no compute): token mask, text length and text lock as configured; checkpointing's
+        recomputation and the accumulation's extra forward are not model FLOPs and are not counted."""
+        # the token mask draws from torch's global generator even on the meta device: a count must not move it
+        with torch.random.fork_rng(devices=[]):
+            model = self.build_model(read_files=False, device="meta", train=False)
+            return planner.count_per_sample(model, self.image_size, self.context_length)
+
+
+def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str = "cpu") -> ResolvedStage:
+    """Stage `index` of `cfg` for a job of `world_size` processes on `device` (CUDA: micro_batch auto is the
+    planner's largest that fits this GPU; elsewhere the whole rank batch)."""
+    s = cfg.stages[index]
+    norm = {k: tuple(getattr(cfg.data, k) if k in cfg.data.model_fields_set else preprocess_cfg_for(cfg.model.name)[k])
+            for k in ("mean", "std")}   # the model's own normalisation unless the run config sets data.mean/std
+    stage = ResolvedStage(
+        index=index, name=s.name, config=s, model=cfg.model, seed=cfg.run.seed, image_size=s.image_size,
+        patch_size=cfg.patch_size_at(index), patch_resize=s.patch_resize, context_length=s.context_length,
+        text_mask=s.text_mask, image_mask=s.image_mask, image_mask_ratio=s.image_mask_ratio,
+        global_batch=s.global_batch, world_size=world_size,
+        micro_batch=s.micro_batch if isinstance(s.micro_batch, int) else s.global_batch // world_size,
+        steps=s.steps, zero_stage=zero_stage_of(cfg), precision=cfg.precision, decode=s.decode, **norm)
+    if s.micro_batch == "auto" and device.startswith("cuda"):
+        memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        stage = replace(stage, micro_batch=planner.fit_micro_batch(stage, memory))
+    return stage
+
+
+def compile_towers(model: nn.Module) -> None:
+    """torch.compile each tower in place (nn.Module.compile keeps the state-dict keys, so checkpoints and
+    exports are unchanged); the contrastive loss and DeepSpeed stay eager."""
+    for tower in (getattr(model, "visual", None), getattr(model, "text", getattr(model, "transformer", None))):
+        if tower is not None:
+            tower.compile()

@@ -1,0 +1,96 @@
+"""One resolved stage, one model builder: the stage's settings are decided once (a patch size set by an earlier
+stage included), and the planner and the step meter count FLOPs and tokens on the model the stage builds, so
+they report the same numbers for every shipped config; a locked text tower's backward is counted by neither."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from crate_clip.models import create_clip
+from crate_clip.train.engine import DistInfo
+from crate_clip.train.planner import measure_stage
+from crate_clip.train.plan_cli import main as plan_main
+from crate_clip.train.run_config import config_from_dict, load_run_config
+from crate_clip.train.stage_model import resolve_stage
+from crate_clip.train.throughput import StepMeter
+from crate_clip.train.train_step import attention_kernel
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "configs").rglob("*.yaml"))
+TINY = "CRATE-alpha-CLIPA-tiny"
+PLAN_GPUS = 8
+
+
+def _cfg(**model):
+    return config_from_dict({
+        "data": {"sources": ["unused"]}, "precision": "fp32", "model": {"name": TINY, **model},
+        "stages": [{"name": "low", "image_size": 21, "patch_size": 7, "context_length": 16, "samples": 32,
+                    "global_batch": 16},
+                   {"name": "full", "image_size": 28, "context_length": 16, "samples": 32, "global_batch": 16}]},
+        check_paths=False)
+
+
+def _counted(model, image_size: int, context_length: int = 16, batch: int = 2) -> float:
+    """FLOPs per sample of one training step of `model` as training runs it on a CPU (the math attention kernel):
+    forward, contrastive loss, backward."""
+    images, tokens = torch.randn(batch, 3, image_size, image_size), torch.randint(1, 1000, (batch, context_length))
+    with attention_kernel("auto", "cpu"), FlopCounterMode(display=False) as counter:
+        image_f, text_f, scale = model(image=images, text=tokens)[:3]
+        logits = scale * image_f @ text_f.t()
+        labels = torch.arange(batch)
+        ((torch.nn.functional.cross_entropy(logits, labels)
+          + torch.nn.functional.cross_entropy(logits.t(), labels)) / 2).backward()
+    return counter.get_total_flops() / batch
+
+
+def test_a_stage_inherits_the_patch_size_and_resolves_once():
+    cfg = _cfg()
+    low, full = resolve_stage(cfg, 0, world_size=2), resolve_stage(cfg, 1, world_size=2)
+    assert (low.patch_size, full.patch_size) == (7, 7)
+    assert full.build_model().visual.trunk.patch_size == 7   # also fresh, as a resumed stage builds it
+    assert (full.micro_batch, full.accumulation_steps, full.zero_stage) == (8, 1, 1)
+    assert (low.counts.image_tokens, full.counts.image_tokens, full.counts.text_tokens) == (1 + 9, 1 + 16, 16)
+    with pytest.raises(AttributeError):
+        full.image_size = 32   # frozen: resolved once
+
+
+def test_locked_text_tower_meter_flops_equal_planner_flops():
+    """The planner and the meter both leave out the backward of a locked text tower (it runs under no_grad),
+    and count what a model whose text weights need no gradient counts."""
+    locked = resolve_stage(_cfg(lock_text=True, lock_logit_scale=True, text_pretrained="text.pt"), 0)
+    meter = StepMeter(locked, DistInfo(0, 1, 0, "cpu"))
+    assert meter.counts.flops == measure_stage(locked, memory=False).flops_per_sample
+    torch.manual_seed(0)
+    frozen = create_clip(TINY, image_size=21, context_length=16)
+    frozen.visual.trunk.set_patch_size(7, "reinit")
+    for name, p in frozen.named_parameters():
+        p.requires_grad_(name.startswith("visual."))
+    assert meter.counts.flops == _counted(frozen, 21)
+    trainable = resolve_stage(_cfg(), 0).counts
+    assert meter.counts.flops < trainable.flops and meter.counts.forward_flops == trainable.forward_flops
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_plan_and_step_meter_report_the_same_flops_for_every_shipped_stage(config, capsys):
+    # --no-memory: the activation trace (minutes on a CPU for H/14) does not touch the FLOP count
+    assert plan_main([str(config), "--gpus", str(PLAN_GPUS), "--gpu", "h100", "--json", "--no-memory"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    cfg = load_run_config(config, check_paths=False)
+    assert len(plans) == len(cfg.stages)
+    for i, plan in enumerate(plans):
+        meter = StepMeter(resolve_stage(cfg, i, PLAN_GPUS), DistInfo(0, PLAN_GPUS, 0, "cpu"))
+        assert plan["flops_per_sample"] == meter.record().flops_per_sample, (config.name, i)
+    if cfg.model.lock_text:   # the paper's recipe: the CLIPA text tower frozen, its backward never runs
+        trainable = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lock_text": False})})
+        assert plans[0]["flops_per_sample"] < 0.9 * resolve_stage(trainable, 0).counts.flops
+
+
+def test_plan_reports_a_batch_that_does_not_split_over_the_gpus(capsys):
+    demo = str(REPO / "configs" / "demo" / "fashion_mnist.yaml")
+    assert plan_main([demo, "--gpus", "3", "--gpu", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert "stages.0.global_batch: 64 is not divisible by the 3 processes; fix:" in err and "Traceback" not in err
+    assert plan_main([demo, "--gpus", "2"]) == 2 and "--gpu-memory: required" in capsys.readouterr().err
