@@ -8,7 +8,7 @@ from crate_clip.cli_errors import USER_ERRORS, pop_debug_flag, report_error, sho
 # for DeepSpeed's import, and so the packages keep their one direction of imports.
 SUBCOMMANDS = {
     "train": ("crate_clip.train.cli", "train a CRATE-alpha CLIP from a run config (YAML)"),
-    "eval": ("eval.cli", "zero-shot classification and retrieval evaluation"),
+    "eval": ("eval.cli", "zero-shot classification, retrieval and linear-probe evaluation"),
     "shards": ("data_pipelines.cli", "write DataComp-layout webdataset shards from local data"),
     "plan": ("crate_clip.train.plan_cli", "per-stage memory fit, micro-batch, FLOPs and GPU-hours of a run config"),
     "demo": ("crate_clip.train.demo", "the embedded Fashion-MNIST demo (the README's first command)"),

@@ -20,24 +20,33 @@ from eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU
 USAGE_ERRORS = (ValueError, FileNotFoundError, TypeError)
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _source_args(p: argparse.ArgumentParser) -> None:
+    """The options naming the model to load (every inspect / segment command)."""
     p.add_argument("--model", required=True, help="open_clip model name, local-dir:FOLDER, or a DeepSpeed checkpoint")
     p.add_argument("--pretrained", help="weights file or DeepSpeed checkpoint for --model NAME (none: random init)")
-    p.add_argument("--image-size", type=int, help="square input size (position embeddings resized)")
-    p.add_argument("--layer", type=int, default=-1, help="block index (negative: from the end; default the last)")
-    p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
 
 
-def _load(args):
+def _model_args(p: argparse.ArgumentParser) -> None:
+    _source_args(p)
+    p.add_argument("--image-size", type=int, help="square input size (position embeddings resized)")
+    p.add_argument("--layer", type=int, default=-1, help="block index (negative: from the end; default the last)")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+
+
+def _load_model(args, **options):
+    """(model, transform, tokenizer, name) of --model / --pretrained, read as --trust-checkpoint allows."""
     from eval.model_loading import load_eval_model
 
     torch.manual_seed(0)  # a random-init tower (no --pretrained) is the same on every call
     if args.trust_checkpoint:
         print(TRUST_WARNING, file=sys.stderr)
     with trusted_checkpoints(args.trust_checkpoint):
-        clip = load_eval_model(args.model, args.pretrained, args.image_size)[0]
-    return clip.float().eval()
+        return load_eval_model(args.model, args.pretrained, **options)
+
+
+def _load(args):
+    return _load_model(args, image_size=args.image_size)[0].float().eval()
 
 
 def patch_grid(clip) -> tuple[int, int]:
@@ -128,21 +137,18 @@ def maps_main(argv) -> int:
 def text_main(argv) -> int:
     """`crate-clip inspect text CAPTION`: per-head attention over the words and the most active dictionary atoms per
     token, at one block of a CRATE-alpha text tower; per-block coding rate and code sparsity of the caption."""
-    from eval.model_loading import load_eval_model
     from eval.whitebox_text import draw_attention, format_inspection, inspect_caption
 
     p = argparse.ArgumentParser(prog="crate-clip inspect text", description=text_main.__doc__)
     p.add_argument("caption")
-    p.add_argument("--model", required=True, help="open_clip model name, local-dir:FOLDER, or a DeepSpeed checkpoint")
-    p.add_argument("--pretrained", help="weights file or DeepSpeed checkpoint for --model NAME (none: random init)")
+    _source_args(p)
     p.add_argument("--bert-vocab", help="folder with vocab.txt for a BERT-tokenized model (offline)")
     p.add_argument("--layer", type=int, default=-1, help="block index (negative: from the end; default the last)")
     p.add_argument("--atoms", type=int, default=5, help="dictionary atoms shown per token (default 5)")
     p.add_argument("--json", action="store_true", help="print the inspection as JSON instead of tables")
     p.add_argument("--out", type=Path, help="also draw the attention heatmaps into this folder (PNG)")
     args = p.parse_args(argv)
-    torch.manual_seed(0)  # a random-init tower (no --pretrained) is the same on every call
-    clip, _, tokenizer, _ = load_eval_model(args.model, args.pretrained, bert_vocab=args.bert_vocab)
+    clip, _, tokenizer, _ = _load_model(args, bert_vocab=args.bert_vocab)
     ins = inspect_caption(clip.float().eval(), tokenizer, args.caption, args.layer, args.atoms)
     print(json.dumps(ins.__dict__) if args.json else format_inspection(ins))
     if args.out is not None:

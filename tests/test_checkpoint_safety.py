@@ -137,10 +137,15 @@ def test_eval_refuses_a_checkpoint_that_pickles_code(poisoned, zs, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zs", LAYOUTS)
-def test_export_reader_refuses_a_checkpoint_that_pickles_code(poisoned, zs):
+def test_export_reader_refuses_a_checkpoint_that_pickles_code(poisoned, zs, tmp_path, capsys):
+    from crate_clip.cli import main
+
     run, tag, marker = poisoned[zs]
     _refused(lambda: consolidate_deepspeed_checkpoint(run / "checkpoints"), POISONED_FILE[zs])
     _refused(lambda: consolidated_state_dict(tag), POISONED_FILE[zs])
+    code = main(["export", str(tag), "--out", str(tmp_path / "export"), "--no-verify"])   # the command itself
+    assert code == 2 and not (tmp_path / "export").exists()
+    _one_line_refusal(capsys.readouterr().err, POISONED_FILE[zs])
     assert not marker.exists()
 
 

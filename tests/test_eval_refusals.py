@@ -173,8 +173,18 @@ def _overwrite_tensor_bytes(weights, key: str, byte: int, count: int) -> None:
     weights.write_bytes(bytes(data))
 
 
+def _record_checksum(export_dir) -> None:
+    """Record the weights file's checksum as it is now (as a writer that saved these weights would)."""
+    from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, file_checksum
+
+    weights, config = export_dir / "open_clip_model.safetensors", export_dir / "open_clip_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), CHECKSUMS_KEY: {weights.name: file_checksum(weights)}}))
+
+
 def test_an_export_with_non_finite_weights_is_refused_naming_the_tensor(export_dir, sets, capsys):
+    # weights that were NaN when written: their checksum matches, the finiteness check still refuses them
     _overwrite_tensor_bytes(export_dir / "open_clip_model.safetensors", "visual.trunk.patch_embed.proj.weight", 0xFF, 64)
+    _record_checksum(export_dir)
     code = crate_clip_main(["eval", "zeroshot", "--model", f"local-dir:{export_dir}", "--data", str(sets["folder"]),
                             "--dataset", "fashion_mnist", "--no-progress", "--cache-dir", ""])
     err = _one_line_error(capsys)
@@ -189,13 +199,20 @@ def test_an_export_is_verified_against_the_checksum_its_config_records(export_di
     from eval.model_loading import load_eval_model
 
     weights, config = export_dir / "open_clip_model.safetensors", export_dir / "open_clip_config.json"
-    load_eval_model(f"local-dir:{export_dir}")   # no checksum recorded: not checked
-    recorded = {**json.loads(config.read_text()), CHECKSUMS_KEY: {weights.name: file_checksum(weights)}}
-    config.write_text(json.dumps(recorded))
+    assert json.loads(config.read_text())[CHECKSUMS_KEY] == {weights.name: file_checksum(weights)}   # the writer's
     load_eval_model(f"local-dir:{export_dir}")
     _overwrite_tensor_bytes(weights, "logit_scale", 0x40, 1)   # a finite, plausible, different value
     with pytest.raises(ChecksumMismatchError, match=rf"{weights}: sha256 differs from the one {config} records"):
         load_eval_model(f"local-dir:{export_dir}")
     weights.write_bytes(weights.read_bytes()[:-4])
     with pytest.raises(ChecksumMismatchError, match=r"bytes where .* records"):
+        load_eval_model(f"local-dir:{export_dir}")
+    from crate_clip.train.export import load_export
+    with pytest.raises(ChecksumMismatchError):   # the convenience loader verifies too
+        load_export(export_dir)
+    unrecorded = json.loads(config.read_text())
+    del unrecorded[CHECKSUMS_KEY]
+    config.write_text(json.dumps(unrecorded))   # an export of an earlier version: nothing to verify against
+    from crate_clip.models.weights_files import CorruptWeightsError
+    with pytest.raises(CorruptWeightsError, match="corrupt or truncated weights file"):   # still caught, later
         load_eval_model(f"local-dir:{export_dir}")

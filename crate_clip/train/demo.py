@@ -173,9 +173,10 @@ def main(argv=None) -> int:
     results = summarize(run_dir)
     if rc != 0:
         # say what failed and what was kept; no plot or export lines for files a failed run did not write
-        print(f"[demo] training stopped with exit code {rc} (the error is above); checkpoints saved so far are in "
-              f"{run_dir / 'checkpoints'}; `python -m crate_clip.train.demo --resume` continues from the last one",
-              file=sys.stderr)
+        saved = sorted(p.name for p in (run_dir / "checkpoints").glob("stage*-step*") if p.is_dir())
+        kept = (f"the last checkpoint saved is {run_dir / 'checkpoints' / saved[-1]}; `python -m crate_clip.train.demo "
+                f"--resume` continues from it" if saved else "no checkpoint was saved")
+        print(f"[demo] training stopped with exit code {rc} (the error is above); {kept}", file=sys.stderr)
         return rc
     probe = linear_probe_final(run_dir, train_dir.parent, test_dir, args.probe_train_images) if results else None
     if probe:
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
               f"{100 * results[-1]['top1']:.2f}%, "
               f"linear probe top-1 {100 * probe['top1']:.2f}% ({probe['n_train']} labelled training images)")
     print(f"[demo] plot: {run_dir / 'training_curve.png'}\n[demo] export: {run_dir / 'export'} "
-          f"(crate_clip.train.export.load_export('{run_dir / 'export'}'): open_clip's local-dir: loader)")
+          f"(open_clip.create_model_and_transforms('local-dir:{run_dir / 'export'}') after `import crate_clip`)")
     print(f"[demo] finished in {time.perf_counter() - t0:.0f} s")
     return 0 if results else 1
 

@@ -25,6 +25,7 @@ import open_clip
 import torch
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text, fsync_tree, replace_dir
+from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, file_checksum, verify_recorded_checksums
 from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
 from crate_clip.models import clip_tokenizer, preprocess_cfg_for, tokenizer_record
 from crate_clip.models.clip_factory import quiet_random_init
@@ -105,6 +106,8 @@ def write_export(state_dict: dict, config: dict, out_dir: Path, *, tokenizer_nam
             tokenizer.save_pretrained(str(staging))
         metadata = {"format": "pt", "model_name": config["model_name"]}
         atomic_write(staging / WEIGHTS_FILE, lambda tmp: write_safetensors(fp32_weights(state_dict), tmp, metadata))
+        # loaders verify the weights against this record (a copy cut short or changed after writing is refused)
+        config = {**config, CHECKSUMS_KEY: {WEIGHTS_FILE: file_checksum(staging / WEIGHTS_FILE)}}
         atomic_write_text(staging / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
         if model_card is not None:
             atomic_write_text(staging / CARD_FILE, model_card)
@@ -191,8 +194,10 @@ def load_export(out_dir: Path, device: str = "cpu"):
     import crate_clip  # noqa: F401  (registers the CRATE-alpha towers with timm)
     from crate_clip.models.patch_change import register_tower_of
 
+    config = json.loads((Path(out_dir) / CONFIG_FILE).read_text())
+    verify_recorded_checksums(out_dir, config, Path(out_dir) / CONFIG_FILE)
     # exports that name their tower in the underscore form need it registered first
-    register_tower_of(json.loads((Path(out_dir) / CONFIG_FILE).read_text()).get("model_cfg"))
+    register_tower_of(config.get("model_cfg"))
     spec = f"local-dir:{Path(out_dir).resolve()}"
     with quiet_random_init():   # open_clip logs it for local-dir: models although it loads their weights
         model, _, preprocess = open_clip.create_model_and_transforms(spec, device=device)

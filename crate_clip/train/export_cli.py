@@ -8,6 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The `crate-clip export` argument parser."""
@@ -25,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bert-vocab", default=None,
                    help="folder holding the run's vocab.txt, when the one the run recorded has moved")
     p.add_argument("--no-verify", action="store_true", help="skip reloading the export through open_clip")
+    p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
     return p
 
 
@@ -42,7 +45,10 @@ def main(argv=None) -> int:
         source = export_source(args.checkpoint, args.stage, args.bert_vocab)
         out = args.out or source.tag_dir.parent.parent / "exports" / source.tag_dir.name
         check_out_dir(out)   # before the consolidation, which takes minutes for a large model
-        state = consolidated_state_dict(source.tag_dir)
+        if args.trust_checkpoint:
+            print(TRUST_WARNING, file=sys.stderr)
+        with trusted_checkpoints(args.trust_checkpoint):
+            state = consolidated_state_dict(source.tag_dir)
         export_checkpoint(source.tag_dir, out, state=state, bert_vocab=args.bert_vocab, hub_id=args.hub_id)
     except (*USER_ERRORS, TokenizerUnavailableError, FileExistsError) as err:   # one line naming the fix
         return report_error("crate-clip export", err)

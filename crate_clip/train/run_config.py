@@ -60,8 +60,9 @@ class ModelSection(Section):
     bert_vocab: Optional[str] = Field(None, description="folder with vocab.txt: the BERT tokenizer without the "
                                                         "HuggingFace hub")
     text_pretrained: Optional[str] = Field(None, description="copy the text tower (and logit scale) from a CLIPA "
-                                                             "checkpoint, the paper's setup: a weights file, "
-                                                             "local-dir:DIR, hf-hub:ORG/REPO or open_clip's MODEL:TAG "
+                                                             "checkpoint, the paper's setup: a weights file, a "
+                                                             "checkpoint folder, local-dir:DIR, hf-hub:ORG/REPO or "
+                                                             "open_clip's MODEL:TAG "
                                                              "(e.g. ViT-H-14-CLIPA:datacomp1b)")
     lock_text: Bool = Field(False, description="freeze the text tower: no gradients, no optimizer state, "
                                                "replicated (not ZeRO-partitioned)")
