@@ -50,8 +50,9 @@ def main(argv=None) -> int:
     except ConfigError as exc:   # every rank of a launched job finds it: rank 0 says it
         return report_error(PROG, exc, once_per_job=True)
     if args.validate:
-        print(f"{args.config}: valid ({len(cfg.stages)} stages, "
-              f"{sum(s.samples for s in cfg.stages):,} samples)")
+        print(f"{args.config}: valid ({len(cfg.stages)} stages, {sum(s.steps for s in cfg.stages):,} steps, "
+              f"{sum(s.trained_samples for s in cfg.stages):,} samples)")
+        print("\n".join(f"  {line}" for line in cfg.training_plan()))
         commands = shell_commands(cfg.data.sources)
         if commands:   # a run config is as trusted as a script: say what it will run
             print("shell commands this run executes (pipe: sources; a run config is as trusted as a script, "

@@ -69,6 +69,8 @@ def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: O
     try:
         if checkpoints_trusted():
             log.print(TRUST_WARNING)
+        for note in cfg.rounding_notes():   # the steps and samples --validate prints
+            log.print(f"[note] {note}")
         if start.tag_dir is not None:
             log.print(f"resuming from {start.tag_dir} (stage {progress.stage_index}, step {progress.step}, "
                       f"{progress.samples_seen} samples seen)")
