@@ -21,6 +21,8 @@ EXIT_MEANINGS = {1: "unexpected error, see the traceback above",
                  EXIT_NO_SPACE: "no space left on the device the run writes to"}
 # Set in the processes torchrun, the DeepSpeed launcher and `accelerate launch` start.
 LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION")
+# read as the process starts: a one-process `crate-clip train` sets RANK and LOCAL_RANK itself later
+STARTED_BY_LAUNCHER = any(k in os.environ for k in LAUNCHER_ENV)
 DEBUG_ENV = "CRATE_CLIP_DEBUG"   # set by `crate-clip --debug ...`; inherited by the ranks a launcher starts
 
 
@@ -70,7 +72,7 @@ def report_error(prog: str, exc: BaseException, *, once_per_job: bool = False) -
 def show_exit_code(code: int) -> int:
     """Under a launcher, print `crate-clip: exit code N (meaning)` as rank 0's last line (torchrun and `accelerate
     launch` exit 1 for any failing process); returns `code`."""
-    if code and any(k in os.environ for k in LAUNCHER_ENV) and os.environ.get("RANK", "0") == "0":
+    if code and STARTED_BY_LAUNCHER and os.environ.get("RANK", "0") == "0":
         meaning = EXIT_MEANINGS.get(code, "see docs/exit_codes.md")
         print(f"crate-clip: exit code {code} ({meaning}); the launcher may report its own code (torchrun and "
               f"accelerate launch: 1)", file=sys.stderr, flush=True)

@@ -1,9 +1,13 @@
-"""One-process training runs cut short at a precise point by an injected SIGKILL (not collected by pytest).
+"""One-process training runs cut short at a precise point by an injected fault (not collected by pytest).
 
     run_dir_workers.py kill_between_evals CONFIG          killed as the full-size eval of stage 0 starts
     run_dir_workers.py kill_in_save CONFIG TAG RESUME     resumed from RESUME, killed once DeepSpeed has
                                                           written the files of checkpoint TAG (before the
                                                           checkpoint is complete)
+    run_dir_workers.py no_space TAG ARGS...               `crate-clip train ARGS` on a disk that is full for the
+                                                          files of checkpoint TAG and for the plot
+    run_dir_workers.py train_twice ARGS1 -- ARGS2         `crate-clip train` twice in one process; prints the two
+                                                          exit codes as JSON
 """
 from __future__ import annotations
 
@@ -56,7 +60,42 @@ def kill_in_save(config: Path, tag: str, resume: str) -> None:
     run_training(load_run_config(config), resume=resume)
 
 
+def no_space(tag: str, *args: str) -> None:
+    """Every file opened for writing in checkpoint TAG's staging folder, and the plot's temporary file, is
+    /dev/full, where the kernel answers each write with ENOSPC: the disk is full for them."""
+    import builtins
+
+    from crate_clip.train.cli import main
+
+    real_open = builtins.open
+
+    def open_on_a_full_disk(file, mode="r", *rest, **kwargs):
+        name = str(file)
+        if any(c in mode for c in "wax") and (f".{tag}.saving" in name or ".training_curve.png.tmp" in name):
+            os.symlink("/dev/full", name)
+        return real_open(file, mode, *rest, **kwargs)
+
+    builtins.open = open_on_a_full_disk
+    sys.exit(main(list(args)))
+
+
+def train_twice(*args: str) -> None:
+    """Two `crate-clip train` commands in one process (one start-up for two refusals)."""
+    import json
+
+    from crate_clip.train.cli import main
+
+    cut = args.index("--")
+    codes = []
+    for argv in (args[:cut], args[cut + 1:]):
+        codes.append(main(list(argv)))
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+            os.environ.pop(key, None)   # the one-process world of the first command
+    print(json.dumps(codes), flush=True)
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
-    {"kill_between_evals": kill_between_evals, "kill_in_save": kill_in_save}[mode](*args)
+    {"kill_between_evals": kill_between_evals, "kill_in_save": kill_in_save, "no_space": no_space,
+     "train_twice": train_twice}[mode](*args)
     sys.exit(0)

@@ -6,8 +6,8 @@ folder. crate_clip.json itself is not listed (it holds the record; a damaged one
 
 The hashing is shared by the ranks that wrote the files: `share_of` gives each rank about 1/world of the bytes
 (largest file first to the least-loaded rank), so a save or a resume hashes no more per rank than it writes or
-reads. sha256 runs at 0.6-2 GB/s per core (BENCHMARKS.md): for a B/16 checkpoint (about 2.1 GB, ZeRO-1 on 8 ranks)
-well under a second per rank, read back from the page cache the save just filled.
+reads, right after the save wrote it (from the page cache). What that costs for a B/16 checkpoint, against
+writing it: bench/bench_checkpoint_checksums.py, BENCHMARKS.md.
 """
 from __future__ import annotations
 
