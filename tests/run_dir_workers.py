@@ -4,8 +4,8 @@
     run_dir_workers.py kill_in_save CONFIG TAG RESUME     resumed from RESUME, killed once DeepSpeed has
                                                           written the files of checkpoint TAG (before the
                                                           checkpoint is complete)
-    run_dir_workers.py no_space TAG ARGS...               `crate-clip train ARGS` on a disk that is full for the
-                                                          files of checkpoint TAG and for the plot
+    run_dir_workers.py no_space TAG ARGS...               `crate-clip train ARGS` on a disk that is full for
+                                                          checkpoint TAG's DeepSpeed files and for the plot
     run_dir_workers.py train_twice ARGS1 -- ARGS2         `crate-clip train` twice in one process; prints the two
                                                           exit codes as JSON
 """
@@ -61,21 +61,30 @@ def kill_in_save(config: Path, tag: str, resume: str) -> None:
 
 
 def no_space(tag: str, *args: str) -> None:
-    """Every file opened for writing in checkpoint TAG's staging folder, and the plot's temporary file, is
-    /dev/full, where the kernel answers each write with ENOSPC: the disk is full for them."""
+    """Checkpoint TAG's DeepSpeed files and the plot are /dev/full, where the kernel answers every write with
+    ENOSPC, whichever layer writes them (torch's C++ writer or Python's): the disk is full for them."""
     import builtins
 
     from crate_clip.train.cli import main
 
-    real_open = builtins.open
+    def full(path: str) -> None:
+        if not os.path.lexists(path):
+            os.symlink("/dev/full", path)
 
-    def open_on_a_full_disk(file, mode="r", *rest, **kwargs):
-        name = str(file)
-        if any(c in mode for c in "wax") and (f".{tag}.saving" in name or ".training_curve.png.tmp" in name):
-            os.symlink("/dev/full", name)
+    real_makedirs, real_open = os.makedirs, builtins.open
+
+    def makedirs(name, *rest, **kwargs):   # DeepSpeed makes the staging folder before writing into it
+        real_makedirs(name, *rest, **kwargs)
+        if str(name).endswith(f".{tag}.saving"):
+            for file in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+                full(os.path.join(name, file))
+
+    def open_on_a_full_disk(file, mode="r", *rest, **kwargs):   # matplotlib writes the plot through Python
+        if any(c in mode for c in "wax") and "training_curve.png" in os.path.basename(str(file)):
+            full(str(file))
         return real_open(file, mode, *rest, **kwargs)
 
-    builtins.open = open_on_a_full_disk
+    os.makedirs, builtins.open = makedirs, open_on_a_full_disk
     sys.exit(main(list(args)))
 
 

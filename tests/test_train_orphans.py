@@ -16,8 +16,8 @@ from train_fixtures import (REPO_ROOT, read_jsonl, run_env, run_job, tiny_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
-STAGE = {"name": "low", "image_size": 16, "context_length": 16, "samples": 96, "global_batch": 16, "lr": 2e-3,
-         "warmup_steps": 1}   # 6 steps, a checkpoint every 2
+STAGE = {"name": "low", "image_size": 16, "context_length": 16, "samples": 160, "global_batch": 16, "lr": 2e-3,
+         "warmup_steps": 1}   # 10 steps, a checkpoint every 2
 
 
 def _children(pid: int) -> list[int]:
@@ -28,11 +28,12 @@ def _children(pid: int) -> list[int]:
 
 def test_sigkill_of_the_launcher_stops_its_workers_and_the_run_resumes(tiny_fmnist, tmp_path):
     from crate_clip.train.process_info import is_running
-    from crate_clip.train.run_lock import lock_path
 
     run_dir = tmp_path / "run"
-    config = write_config(tiny_config(run_dir, tiny_fmnist, precision="fp32", stages=[STAGE], every_steps=2,
-                                      evals=False, logging={"tensorboard": False, "plot": False}), tmp_path / "run.yaml")
+    lock = tmp_path / "run.lock"   # crate_clip.train.run_lock.lock_path(run_dir)
+    cfg = tiny_config(run_dir, tiny_fmnist, precision="fp32", stages=[STAGE], every_steps=2, evals=False,
+                      logging={"tensorboard": False, "plot": False})
+    config = write_config(cfg, tmp_path / "run.yaml")
     cmd = torchrun_cmd(2, "--config", str(config), module="crate_clip.train.cli")
     with open(tmp_path / "killed.log", "w") as log:
         launcher = subprocess.Popen(cmd, env=run_env(), cwd=REPO_ROOT, stdout=log, stderr=log, start_new_session=True)
@@ -55,18 +56,18 @@ def test_sigkill_of_the_launcher_stops_its_workers_and_the_run_resumes(tiny_fmni
             for pid in workers if "workers" in locals() else []:
                 if is_running(pid):
                     os.kill(pid, signal.SIGKILL)
-    assert stopped_after < 5, f"workers ran on for {stopped_after:.1f} s after their launcher was killed"
+    assert stopped_after < 3, f"workers ran on for {stopped_after:.1f} s after their launcher was killed"
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
-    assert max(steps) < 6 and not (run_dir / "export").exists()   # they did not train on unsupervised
-    holder = lock_path(run_dir).read_text()   # rank 0 died holding it: stale now
+    assert max(steps) < 10 and not (run_dir / "export").exists()   # they did not train on unsupervised
+    holder = lock.read_text()   # rank 0 died holding it: stale now
     latest = (run_dir / "checkpoints" / "latest").read_text()
-    assert latest in ("stage0-step00000002", "stage0-step00000004")
+    assert latest in ("stage0-step00000002", "stage0-step00000004", "stage0-step00000006")
 
     resumed = run_job(torchrun_cmd(2, "--config", str(config), "--resume", "latest", module="crate_clip.train.cli"))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
     out = resumed.stdout + resumed.stderr
     rank0 = next(pid for pid in workers if f'"pid": {pid},' in holder)
-    assert f"took over the stale lock {lock_path(run_dir)} of PID {rank0} on this host" in out
+    assert f"took over the stale lock {lock} of PID {rank0} on this host" in out
     assert "(no longer running)" in out and f"resuming from {run_dir / 'checkpoints' / latest}" in out
-    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 7))
-    assert (run_dir / "export" / "open_clip_model.safetensors").is_file() and not lock_path(run_dir).exists()
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 11))
+    assert (run_dir / "export" / "open_clip_model.safetensors").is_file() and not lock.exists()

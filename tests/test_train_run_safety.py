@@ -225,6 +225,8 @@ def test_an_explicit_damaged_checkpoint_is_an_error_and_each_kind_of_damage_is_f
         manager, newest)
     (newest / "crate_clip.json").write_text('{"stage_index": 0, "st')   # a damaged record: said, not skipped
     assert manager.resolve("latest") == before
+    with pytest.raises(ResumeError, match=r"not a complete checkpoint \(its crate_clip.json does not parse: damaged\)"):
+        manager.resolve(str(newest))
     capsys.readouterr()
     assert intact_checkpoint(manager, before, "latest") == before
     assert capsys.readouterr().out == (f"[warn] {TAGS[6]} is damaged (crate_clip.json does not parse); resuming from "

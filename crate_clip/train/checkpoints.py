@@ -250,8 +250,10 @@ class CheckpointManager:
             other = CheckpointManager(path, self.keep_last, self.rank, self.world_size)
             return other.resolve("latest")
         if read_info(path) is None:
-            raise ResumeError(f"--resume {resume}: not a complete checkpoint (no {INFO_FILE}: missing or an "
-                              "interrupted save); fix: pass a checkpoint folder or 'latest'")
+            what = (f"its {INFO_FILE} does not parse: damaged" if (path / INFO_FILE).is_file() else
+                    f"no {INFO_FILE}: missing or an interrupted save")
+            raise ResumeError(f"--resume {resume}: not a complete checkpoint ({what}); fix: pass a checkpoint folder "
+                              "or 'latest'")
         return path
 
     # ------------------------------------------------------------ load

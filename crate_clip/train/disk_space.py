@@ -46,7 +46,8 @@ def to_free(needed: int, folder: Path) -> str:
 
 def no_space_in_save(root: Path, tag: str, last_complete: Optional[str], needed: int) -> NoSpaceError:
     """The error of a checkpoint save that ran out of space (its partial files already removed)."""
-    last = f"the last complete checkpoint is {last_complete}" if last_complete else "there is no complete checkpoint yet"
+    last = (f"the last complete checkpoint is {last_complete}" if last_complete else
+            "there is no complete checkpoint yet")
     return NoSpaceError(f"no space left on {root} while saving {tag}; {last}; {to_free(needed, root)} there and "
                         f"resume (--resume latest)")
 

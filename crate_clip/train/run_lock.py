@@ -148,6 +148,8 @@ class RunLock:
     def release(self) -> None:
         """Stop the heartbeat and remove the lock file, if it is still this process's."""
         self._stop.set()
+        if self._thread.is_alive():   # a beat in progress must not find the file gone and take that for a takeover
+            self._thread.join()
         current = _read_holder(self.path)
         if current is not None and current.token == self.holder.token:
             self.path.unlink(missing_ok=True)
