@@ -33,6 +33,7 @@ def test_sigkill_of_the_launcher_stops_its_workers_and_the_run_resumes(tiny_fmni
     lock = tmp_path / "run.lock"   # crate_clip.train.run_lock.lock_path(run_dir)
     cfg = tiny_config(run_dir, tiny_fmnist, precision="fp32", stages=[STAGE], every_steps=2, evals=False,
                       logging={"tensorboard": False, "plot": False})
+    cfg["data"]["num_workers"] = 0   # the loader in the trainer: no worker process to start
     config = write_config(cfg, tmp_path / "run.yaml")
     cmd = torchrun_cmd(2, "--config", str(config), module="crate_clip.train.cli")
     with open(tmp_path / "killed.log", "w") as log:

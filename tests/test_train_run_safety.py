@@ -38,6 +38,7 @@ TAGS = [f"stage0-step{s:08d}" for s in range(7)]
 def _config(run_dir: Path, test_dir: Path, data: Path) -> dict:
     cfg = tiny_config(run_dir, data, precision="fp32", stages=[STAGE], every_steps=1,
                       logging={"tensorboard": False, "plot": False})
+    cfg["data"]["num_workers"] = 0   # the loader in the trainer: no worker process to start
     cfg["checkpoint"]["keep_last"] = 4
     cfg["eval"]["evals"][0].update(data=str(test_dir), max_images=50)
     return cfg
