@@ -3,7 +3,8 @@ rank finishes DeepSpeed's save in lock-step (it holds barriers) and then all sto
 
 torch.save given a path writes through its own C++ file layer, which reports a full disk as
 "unexpected pos ..." without the errno. Given a Python file object it writes through Python's I/O, where a full
-disk is an OSError with errno ENOSPC (EDQUOT for a quota); the save speed is the same (both go to the page cache).
+disk is an OSError with errno ENOSPC (EDQUOT for a quota), at about the same speed (BENCHMARKS.md, checkpoint
+checksums).
 So `recorded_writes` gives DeepSpeed's engine a checkpoint engine whose `save` opens the file itself
 (atomic_files.torch_save_to_file, which crate-clip's own files are written with too).
 """

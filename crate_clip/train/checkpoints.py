@@ -3,9 +3,12 @@
 Layout (crate_clip.checkpoint_io, shared with eval/): `<run_dir>/checkpoints/<tag>/` holds DeepSpeed's files
 (written by all ranks), one `train_state_rank<r>.pt` per rank (data-stream position, RNG states), and
 `crate_clip.json`. A save writes all of them into `.<tag>.saving/`, fsyncs them, and only after every rank
-finished, rank 0 writes `crate_clip.json` (which marks a checkpoint complete), renames the folder to `<tag>`
-(an older `<tag>` is deleted only after that) and then replaces DeepSpeed's `latest` file atomically; so a
-save interrupted at any point (SIGKILL, power loss, full disk) never becomes the one resumed from.
+finished, rank 0 writes `crate_clip.json` (which marks a checkpoint complete, and records the size and sha256 of
+every file: checkpoint_io/checkpoint_manifest.py), renames the folder to `<tag>` (an older `<tag>` is deleted only
+after that) and then replaces DeepSpeed's `latest` file atomically; so a save interrupted at any point (SIGKILL,
+power loss) never becomes the one resumed from. A write that fails on a full disk stops every rank together,
+with the partial save removed (checkpoint_io/write_failures.py); a resume verifies the checksums
+(intact_checkpoints.py).
 
 The records a checkpoint carries live here too: the run's Progress, the CheckpointInfo written as
 crate_clip.json, and the ResumePoint a run starts from.
