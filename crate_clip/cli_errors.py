@@ -10,13 +10,19 @@ import sys
 EXIT_USAGE = EXIT_CONFIG = 2     # a bad command line, config, file or data set
 EXIT_NONFINITE = 3               # training stopped on non-finite losses (the last good state is saved)
 EXIT_RESUME = 4                  # the checkpoint named by --resume cannot be continued by this job
+EXIT_LOCKED = 5                  # the run folder is in use by another training run
+EXIT_NO_SPACE = 6                # the disk filled up while a run wrote (the last complete checkpoint is kept)
 # What each exit code of a crate-clip process means; docs/exit_codes.md says the same for users.
 EXIT_MEANINGS = {1: "unexpected error, see the traceback above",
                  EXIT_USAGE: "configuration or input error, see the message above",
                  EXIT_NONFINITE: "training stopped after too many non-finite losses in a row",
-                 EXIT_RESUME: "the checkpoint cannot be resumed by this job"}
+                 EXIT_RESUME: "the checkpoint cannot be resumed by this job",
+                 EXIT_LOCKED: "the run folder is in use by another training run",
+                 EXIT_NO_SPACE: "no space left on the device the run writes to"}
 # Set in the processes torchrun, the DeepSpeed launcher and `accelerate launch` start.
 LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION")
+# read as the process starts: a one-process `crate-clip train` sets RANK and LOCAL_RANK itself later
+STARTED_BY_LAUNCHER = any(k in os.environ for k in LAUNCHER_ENV)
 DEBUG_ENV = "CRATE_CLIP_DEBUG"   # set by `crate-clip --debug ...`; inherited by the ranks a launcher starts
 
 
@@ -49,14 +55,15 @@ def report_error(prog: str, exc: BaseException, *, once_per_job: bool = False) -
     """Print the error on stderr and return its exit code; with --debug re-raise it (traceback).
 
     A ConfigError keeps its lines (one per bad key); any other message is put on one line. Our own errors
-    are sentences naming the key or file and the fix; another library's are marked `error:`. `once_per_job`:
-    every rank of a launched job finds the same error, rank 0 prints it."""
+    are sentences naming the key or file and the fix; another library's are marked `error:`. `once_per_job` (or
+    the error's own `once_per_job` attribute): every rank of a launched job finds the same error, rank 0 prints it."""
     if debug_enabled():
         raise exc
     text = str(exc).strip() or type(exc).__name__
     text = text if isinstance(exc, ConfigError) else " ".join(text.split())
     if not isinstance(exc, UserError):
         text = f"error: {text} (--debug shows the traceback)"
+    once_per_job = once_per_job or getattr(exc, "once_per_job", False)
     if not once_per_job or os.environ.get("RANK", "0") == "0":
         print(f"{prog}: {text}", file=sys.stderr)
     return getattr(exc, "exit_code", EXIT_USAGE)
@@ -65,7 +72,7 @@ def report_error(prog: str, exc: BaseException, *, once_per_job: bool = False) -
 def show_exit_code(code: int) -> int:
     """Under a launcher, print `crate-clip: exit code N (meaning)` as rank 0's last line (torchrun and `accelerate
     launch` exit 1 for any failing process); returns `code`."""
-    if code and any(k in os.environ for k in LAUNCHER_ENV) and os.environ.get("RANK", "0") == "0":
+    if code and STARTED_BY_LAUNCHER and os.environ.get("RANK", "0") == "0":
         meaning = EXIT_MEANINGS.get(code, "see docs/exit_codes.md")
         print(f"crate-clip: exit code {code} ({meaning}); the launcher may report its own code (torchrun and "
               f"accelerate launch: 1)", file=sys.stderr, flush=True)

@@ -67,6 +67,13 @@ def run_task(model, settings: dict | EvalSettings, context: EvalContext) -> dict
     return TASKS[settings.type].run(model, settings, context)
 
 
+def data_problems(settings: EvalSettings) -> list[tuple[str, str]]:
+    """What the declared evaluation's files lack (key, problem with the fix), found before any model exists:
+    the task's own `data_problems`, none for a task without one."""
+    check = getattr(TASKS[settings.type], "data_problems", None)
+    return check(settings) if check else []
+
+
 def summary_line(metrics: dict, *, eval_type: str) -> str:
     """The task's one-line summary of its metrics."""
     return TASKS[eval_type].summary(metrics)

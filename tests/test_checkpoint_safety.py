@@ -99,7 +99,21 @@ def _poisoned_run(trained, zs: int, root: Path, name: str = POISONED_FILE[0]) ->
     tag = _copy_mid_stage(trained[zs][1], run)
     marker = root / f"marker-{run.name}"
     poison(tag / name, marker)
+    _record_checksum(tag, name)
     return run, tag, marker
+
+
+def _record_checksum(tag: Path, name: str) -> None:
+    """Record the poisoned file's size and sha256 in crate_clip.json as its writer would have: the checksums catch
+    damage, not a file from elsewhere whose record was rewritten too (the allow-list refuses that one)."""
+    import json
+
+    from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, file_checksum
+
+    info_path = tag / "crate_clip.json"
+    info = json.loads(info_path.read_text())
+    info[CHECKSUMS_KEY][name] = file_checksum(tag / name)
+    info_path.write_text(json.dumps(info))
 
 
 @pytest.fixture(scope="module")

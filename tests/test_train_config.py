@@ -236,7 +236,9 @@ def test_validate_flag_checks_and_exits(tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(raw))
     assert main(["--config", str(path), "--validate"]) == 0
-    assert "valid (2 stages, 1,280 samples)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "valid (2 stages, 20 steps, 1,280 samples)" in out
+    assert "stage 0 (pre): 84 px, 8 tokens, 16 steps x 64 = 1,024 samples" in out
     assert main(["--config", str(path), "--validate", "--set", "stages.0.text_mask=nouns"]) == EXIT_CONFIG
     assert "stages.0.text_mask: 'nouns' is not one of" in capsys.readouterr().err
 
@@ -277,3 +279,52 @@ def test_validate_rejects_what_training_would_crash_on(tmp_path, capsys, monkeyp
     assert expected in err and "Traceback" not in err
     monkeypatch.setenv("RANK", "1")   # under torchrun only rank 0 prints it; every rank exits with 2
     assert _validate(tmp_path, raw)[0] == EXIT_CONFIG and capsys.readouterr().err == ""
+
+
+def _shards(tmp_path) -> str:
+    import tarfile
+
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "00000000.tar", "w") as tar:
+        tar.add(__file__, arcname="0000.txt")
+    return str(tmp_path / "shards")
+
+
+def test_samples_that_are_not_whole_batches_are_rounded_as_validate_says(tmp_path, capsys):
+    """2,500 samples in batches of 64: --validate says the stage trains 39 steps = 2,496 samples, the numbers the
+    trainer's resolved stage has, and says that they were rounded down."""
+    raw = _good()
+    raw["data"]["sources"] = [_shards(tmp_path)]
+    raw["stages"][0].update(samples=2500, global_batch=64)
+    code, path = _validate(tmp_path, raw)
+    out = capsys.readouterr().out
+    assert code == 0 and "valid (2 stages, 43 steps, 2,752 samples)" in out
+    assert "stage 0 (pre): 84 px, 8 tokens, 39 steps x 64 = 2,496 samples" in out
+    assert ("stages.0.samples: 2,500 is not a multiple of global_batch 64: the stage trains 39 steps = 2,496 "
+            "samples (rounded down); set samples to 2,496 or 2,560") in out
+    stage = resolve_stage(load_run_config(path), 0)
+    assert (stage.steps, stage.steps * stage.global_batch) == (39, 2496)   # what training runs and counts
+    assert "rounded down" not in "\n".join(load_run_config(path, ["stages.0.samples=2496"]).training_plan())
+
+
+def test_validate_catches_an_eval_without_class_names(tmp_path, capsys):
+    """An eval entry of a dataset without built-in class names needs classnames.txt beside its data (or a
+    classnames file): found by --validate (and at config load), one line naming the key."""
+    from crate_clip.cli_errors import EXIT_CONFIG
+
+    raw = _good()
+    raw["data"]["sources"] = [_shards(tmp_path)]
+    (tmp_path / "val" / "a").mkdir(parents=True)
+    raw["eval"] = {"evals": [{"name": "mine", "dataset": "mystery", "data": str(tmp_path / "val")}]}
+    code, _ = _validate(tmp_path, raw)
+    err = capsys.readouterr().err
+    assert code == EXIT_CONFIG and "Traceback" not in err
+    problem = [line.strip() for line in err.splitlines()[1:]]
+    assert len(problem) == 1 and problem[0].startswith("eval.evals.0.dataset: 'mystery' has no built-in class "
+                                                       "names") and "fix: set classnames: FILE" in problem[0]
+    raw["eval"]["evals"][0]["classnames"] = str(tmp_path / "names.txt")
+    assert _validate(tmp_path, raw)[0] == EXIT_CONFIG
+    assert "eval.evals.0.classnames: " in capsys.readouterr().err
+    (tmp_path / "val" / "classnames.txt").write_text("a\n")
+    del raw["eval"]["evals"][0]["classnames"]
+    assert _validate(tmp_path, raw)[0] == 0

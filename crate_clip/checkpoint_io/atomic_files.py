@@ -65,9 +65,16 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
+def torch_save_to_file(obj, path: str | Path, **kwargs) -> None:
+    """torch.save through a Python file object: given a path, torch writes through its own C++ layer, which
+    reports a full disk as "unexpected pos ..."; through Python's I/O it is OSError(ENOSPC)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f, **kwargs)
+
+
 def atomic_torch_save(obj, path: Path) -> None:
     """torch.save atomically and durably."""
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    atomic_write(path, lambda tmp: torch_save_to_file(obj, tmp))
 
 
 def replaced_name(path: Path) -> Path:

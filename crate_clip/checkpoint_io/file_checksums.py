@@ -31,17 +31,25 @@ def file_checksum(path: str | Path) -> dict:
     return {"bytes": Path(path).stat().st_size, "sha256": file_sha256(path)}
 
 
-def verify_file_checksum(path: str | Path, expected: dict, recorded_in: str | Path) -> None:
-    """ChecksumMismatchError when `path` is missing or its size or sha256 differs from `expected`."""
+def checksum_problem(path: str | Path, expected: dict, recorded_in: str | Path) -> str | None:
+    """How `path` differs from `expected` (missing, another size, another sha256), None when it does not."""
     path = Path(path)
-    fix = "it was changed or damaged after it was written: copy or export it again"
     if not path.is_file():
-        raise ChecksumMismatchError(f"{path}: missing, but {recorded_in} records its checksum; {fix}")
+        return f"missing, but {recorded_in} records its checksum"
     size = path.stat().st_size
     if "bytes" in expected and size != expected["bytes"]:
-        raise ChecksumMismatchError(f"{path}: {size:,} bytes where {recorded_in} records {expected['bytes']:,}; {fix}")
+        return f"{size:,} bytes where {recorded_in} records {expected['bytes']:,}"
     if "sha256" in expected and file_sha256(path) != expected["sha256"]:
-        raise ChecksumMismatchError(f"{path}: sha256 differs from the one {recorded_in} records; {fix}")
+        return f"sha256 differs from the one {recorded_in} records"
+    return None
+
+
+def verify_file_checksum(path: str | Path, expected: dict, recorded_in: str | Path) -> None:
+    """ChecksumMismatchError when `path` is missing or its size or sha256 differs from `expected`."""
+    problem = checksum_problem(path, expected, recorded_in)
+    if problem:
+        raise ChecksumMismatchError(f"{path}: {problem}; it was changed or damaged after it was written: copy or "
+                                    "export it again")
 
 
 def verify_recorded_checksums(folder: str | Path, config: dict, recorded_in: str | Path) -> int:

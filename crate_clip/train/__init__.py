@@ -3,11 +3,15 @@
 Modules from the bottom up (each imports only those above it in this list):
 run_config.py    typed run config (YAML), `--set` overrides, validation naming key + fix
 optim.py         AdamW parameter groups (no decay: norms, biases, embeddings, D/D1, logit scale), warm-up + cosine
+process_info.py  what /proc says of a process (parent, start time, zombie): a live process from a gone one
+launcher_watch.py  a process whose launcher (torchrun, deepspeed, accelerate launch) is killed stops
 engine.py        process group, the DeepSpeed JSON derived from the run config, deepspeed.initialize
 text_lock.py     a locked text tower (and logit scale): parameters as replicated fp32 buffers
-checkpoints.py   atomic, durable, resumable DeepSpeed checkpoints with per-rank client state; retention; the
-                 records they carry (Progress, CheckpointInfo, ResumePoint); the layout and consolidation live in
-                 crate_clip/checkpoint_io, shared with eval/
+disk_space.py    a full disk said in one line (what to free, the last complete checkpoint); the check before a resume
+checkpoints.py   atomic, durable, resumable DeepSpeed checkpoints with per-rank client state and file checksums;
+                 retention; the records they carry (Progress, CheckpointInfo, ResumePoint); the layout and
+                 consolidation live in crate_clip/checkpoint_io, shared with eval/
+intact_checkpoints.py  a resume verifies its checkpoint and takes the newest intact one, naming the damaged
 planner.py       memory fit, micro-batch, FLOP and token counts, wall time and GPU-hours of a stage
 stage_model.py   ResolvedStage: a stage resolved once from the run config and the launch; the one model builder
 throughput.py    the step meter: samples/s, tokens/s, TFLOP/s and MFU, data wait
@@ -15,6 +19,7 @@ whitebox_log.py  white-box diagnostics of the image tower during training
 metrics_log.py   progress bar, TensorBoard, metrics.jsonl / results.jsonl, the PNG curve
 stage_evals.py   the evaluations due after each stage (exactly the missing ones on resume)
 run_dir.py       one run per output folder: refuse to mix, or move the earlier run aside (--overwrite)
+run_lock.py      one writer per run folder: the lock rank 0 holds for the run's life
 train_step.py    one optimizer step: forward, contrastive loss, backward (k micro-batches, exact gradients)
 batch_agreement.py  batches fetched in agreement: a data error on one rank stops every rank with its message
 export_source.py what a checkpoint says about its export;  model_card.py: the export's README.md

@@ -3,9 +3,12 @@
 Layout (crate_clip.checkpoint_io, shared with eval/): `<run_dir>/checkpoints/<tag>/` holds DeepSpeed's files
 (written by all ranks), one `train_state_rank<r>.pt` per rank (data-stream position, RNG states), and
 `crate_clip.json`. A save writes all of them into `.<tag>.saving/`, fsyncs them, and only after every rank
-finished, rank 0 writes `crate_clip.json` (which marks a checkpoint complete), renames the folder to `<tag>`
-(an older `<tag>` is deleted only after that) and then replaces DeepSpeed's `latest` file atomically; so a
-save interrupted at any point (SIGKILL, power loss, full disk) never becomes the one resumed from.
+finished, rank 0 writes `crate_clip.json` (which marks a checkpoint complete, and records the size and sha256 of
+every file: checkpoint_io/checkpoint_manifest.py), renames the folder to `<tag>` (an older `<tag>` is deleted only
+after that) and then replaces DeepSpeed's `latest` file atomically; so a save interrupted at any point (SIGKILL,
+power loss) never becomes the one resumed from. A write that fails on a full disk stops every rank together,
+with the partial save removed (checkpoint_io/write_failures.py); a resume verifies the checksums
+(intact_checkpoints.py).
 
 The records a checkpoint carries live here too: the run's Progress, the CheckpointInfo written as
 crate_clip.json, and the ResumePoint a run starts from.
@@ -30,15 +33,23 @@ import torch.distributed as dist
 from crate_clip.cli_errors import EXIT_RESUME, UserError
 from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_write_text, fsync_tree, replace_dir,
                                                    restore_replaced)
+from crate_clip.checkpoint_io.checkpoint_manifest import checksum_share
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
                                                             consolidated_state_dict, read_info, read_latest_tag)
+from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY
 from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, UntrustedCheckpointError, check_checkpoint_folder,
                                                       deepspeed_reads, load_torch_file)
+from crate_clip.checkpoint_io.write_failures import WriteFailures, is_no_space, recorded_writes
+from crate_clip.train.disk_space import checkpoint_bytes, no_space_in_save
 from crate_clip.train.run_config import RunConfig
 
 # what an earlier crate-clip pickled into its rank-state files: numpy's RNG state as an array
 EARLIER_RANK_STATE_CLASSES = {"numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
                               "numpy.ndarray", "numpy.dtype"}
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint save failed (other than for a full disk) on some rank; raised on every rank."""
 
 
 class ResumeError(UserError, RuntimeError):
@@ -149,15 +160,45 @@ class CheckpointManager:
         if self.rank == 0 and staging.exists():  # a leftover of an interrupted save
             shutil.rmtree(staging)
         dist.barrier()
-        engine.save_checkpoint(str(self.root), tag=staging.name, client_state={"crate_clip": info},
-                               save_latest=False)
-        atomic_torch_save(rank_state, rank_state_path(staging, self.rank))
-        fsync_tree(staging)  # on disk, not only in the page cache, before anything calls it complete
-        dist.barrier()  # every rank's files are durable before the checkpoint is declared complete
+        with recorded_writes(engine) as writes:   # a full disk on any rank: all finish DeepSpeed's save, then stop
+            engine.save_checkpoint(str(self.root), tag=staging.name, client_state={"crate_clip": info},
+                                   save_latest=False)
+            path = rank_state_path(staging, self.rank)
+            writes.run(path, lambda: atomic_torch_save(rank_state, path))
+            writes.run(staging, lambda: fsync_tree(staging))  # on disk, not only in the page cache
+        self._stop_if_a_write_failed(writes, staging, tag)  # every rank's files are durable past this point
+        checksums = self._agreed_checksums(staging)
+        writes = WriteFailures()
         if self.rank == 0:
-            self.commit(staging, tag, {**info, "world_size": self.world_size})
-        dist.barrier()
+            writes.run(staging, lambda: self.commit(staging, tag, {**info, "world_size": self.world_size,
+                                                                    CHECKSUMS_KEY: checksums}))
+        self._stop_if_a_write_failed(writes, staging, tag)
         return self.root / tag
+
+    def _stop_if_a_write_failed(self, writes: WriteFailures, staging: Path, tag: str) -> None:
+        """Collective: when a write of this save failed on any rank, remove the partial save and raise the same
+        error on every rank (NoSpaceError for a full disk, naming the last complete checkpoint)."""
+        failures = [None] * self.world_size
+        dist.all_gather_object(failures, writes.first and (str(writes.first[0]), writes.first[1]))
+        failed = [(rank, f) for rank, f in enumerate(failures) if f is not None]
+        if not failed:
+            return
+        last = self.latest_tag()
+        needed = checkpoint_bytes(self.root / last) if last else checkpoint_bytes(staging)
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)   # it holds the space
+        dist.barrier()
+        rank, (path, exc) = failed[0]
+        if any(is_no_space(e) for _, (_, e) in failed):
+            raise no_space_in_save(self.root, tag, last, needed) from exc
+        raise CheckpointWriteError(f"saving checkpoint {tag} failed on rank {rank} writing {path}: {exc}; its partial "
+                                   f"files are removed, the last complete checkpoint is {last}") from exc
+
+    def _agreed_checksums(self, staging: Path) -> dict:
+        """Collective: the size and sha256 of every file of the save, each rank hashing its share."""
+        shares = [None] * self.world_size
+        dist.all_gather_object(shares, checksum_share(staging, self.rank, self.world_size))
+        return dict(sorted(item for share in shares for item in share.items()))
 
     def commit(self, staging: Path, tag: str, info: dict) -> None:
         """Rank 0, once every rank's files in `staging` are durable: mark it complete, swap it in as `tag`,
@@ -212,8 +253,10 @@ class CheckpointManager:
             other = CheckpointManager(path, self.keep_last, self.rank, self.world_size)
             return other.resolve("latest")
         if read_info(path) is None:
-            raise ResumeError(f"--resume {resume}: not a complete checkpoint (no {INFO_FILE}: missing or an "
-                              "interrupted save); fix: pass a checkpoint folder or 'latest'")
+            what = (f"its {INFO_FILE} does not parse: damaged" if (path / INFO_FILE).is_file() else
+                    f"no {INFO_FILE}: missing or an interrupted save")
+            raise ResumeError(f"--resume {resume}: not a complete checkpoint ({what}); fix: pass a checkpoint folder "
+                              "or 'latest'")
         return path
 
     # ------------------------------------------------------------ load

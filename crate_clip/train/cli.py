@@ -13,8 +13,11 @@ import torch.distributed as tdist
 
 from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, TRUST_HELP, UntrustedCheckpointError,
                                                       trusted_checkpoints)
-from crate_clip.cli_errors import USER_ERRORS, ConfigError, report_error
+from crate_clip.checkpoint_io.write_failures import is_no_space
+from crate_clip.cli_errors import USER_ERRORS, ConfigError, report_error, show_exit_code
 from crate_clip.shard_sources import shell_commands
+from crate_clip.train.disk_space import no_space_while_writing
+from crate_clip.train.launcher_watch import watch_launcher
 from crate_clip.train.run_config import load_run_config
 from crate_clip.train.stage_loop import run_training
 
@@ -41,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Run `crate-clip train`; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    watch_launcher()   # under torchrun / deepspeed / accelerate: stop when the launcher is gone
     # DeepSpeed 0.19 and open_clip's ClipLoss (gather_with_grad) still call torch collectives under their old
     # names: torch's deprecation notices (one per rank and collective) say nothing a user can act on
     for old_name in ("all_gather_into_tensor", "torch.distributed.nn.functional.all_gather"):
@@ -50,8 +54,9 @@ def main(argv=None) -> int:
     except ConfigError as exc:   # every rank of a launched job finds it: rank 0 says it
         return report_error(PROG, exc, once_per_job=True)
     if args.validate:
-        print(f"{args.config}: valid ({len(cfg.stages)} stages, "
-              f"{sum(s.samples for s in cfg.stages):,} samples)")
+        print(f"{args.config}: valid ({len(cfg.stages)} stages, {sum(s.steps for s in cfg.stages):,} steps, "
+              f"{sum(s.trained_samples for s in cfg.stages):,} samples)")
+        print("\n".join(f"  {line}" for line in cfg.training_plan()))
         commands = shell_commands(cfg.data.sources)
         if commands:   # a run config is as trusted as a script: say what it will run
             print("shell commands this run executes (pipe: sources; a run config is as trusted as a script, "
@@ -64,6 +69,10 @@ def main(argv=None) -> int:
         return report_error(PROG, exc, once_per_job=True)
     except USER_ERRORS as exc:   # config, run folder, resume, non-finite losses: a message and their exit code
         return report_error(PROG, exc)
+    except Exception as exc:   # a full disk outside a checkpoint save (metrics, run_config.yaml, the export)
+        if not is_no_space(exc):
+            raise
+        return report_error(PROG, no_space_while_writing(exc, cfg.run_dir))
     finally:
         if tdist.is_available() and tdist.is_initialized():
             tdist.destroy_process_group()
@@ -72,5 +81,5 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":   # `python -m crate_clip.train.cli`, what torchrun and the demo start
+    sys.exit(show_exit_code(main()))

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from crate_clip.train.launcher_watch import watch_launcher
 from crate_clip.train.optim import build_optimizer, build_schedule
 from crate_clip.train.run_config import RunConfig
 
@@ -53,6 +54,7 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     import deepspeed   # lazy: see the top of the module
     import deepspeed.ops
 
+    watch_launcher()   # a process whose launcher is killed stops (before anything below starts threads)
     if "RANK" not in os.environ:  # plain `crate-clip train`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

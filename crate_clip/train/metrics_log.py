@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from crate_clip.checkpoint_io.atomic_files import atomic_write_text
+from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text
 from crate_clip.train.whitebox_log import draw_whitebox_curves, whitebox_scalars
 
 METRICS_FILE = "metrics.jsonl"
@@ -141,23 +141,52 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def set_aside_rows_after(run_dir: Path, global_step: int) -> int:
     """Move the metrics.jsonl / results.jsonl rows written after `global_step` (by a segment that was cut short
-    and is now redone from its checkpoint) to metrics.superseded.jsonl / results.superseded.jsonl, so every
-    reader sees one row per step and nothing is lost; returns how many rows moved."""
+    and is now redone from its checkpoint) to metrics.superseded.jsonl / results.superseded.jsonl, and lines that
+    are not a whole row (a kill in the middle of a write tears the last one) to metrics.torn.txt /
+    results.torn.txt, so every reader sees one row per step, the next row starts on a line of its own, and nothing
+    is lost; returns how many rows and fragments moved."""
     moved = 0
     for name in (METRICS_FILE, RESULTS_FILE):
         path = Path(run_dir) / name
-        rows = read_jsonl(path)
+        rows, torn, ends_a_line = _rows_and_fragments(path)
         later = [r for r in rows if r.get("global_step", 0) > global_step]
-        if not later:
+        if not (later or torn) and ends_a_line:
             continue
-        with open(path.with_name(path.stem + ".superseded.jsonl"), "a") as f:  # first: a kill loses nothing
-            f.write("".join(json.dumps(r) + "\n" for r in later))
-            f.flush()
-            os.fsync(f.fileno())
+        # first the copies (a kill loses nothing), then the file rewritten with the rows kept
+        _append_durably(path.with_name(path.stem + ".superseded.jsonl"), "".join(json.dumps(r) + "\n" for r in later))
+        _append_durably(path.with_name(path.stem + ".torn.txt"), "".join(line + "\n" for line in torn))
         kept = [r for r in rows if r.get("global_step", 0) <= global_step]
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
-        moved += len(later)
+        moved += len(later) + len(torn)
     return moved
+
+
+def _rows_and_fragments(path: Path) -> tuple[list[dict], list[str], bool]:
+    """The rows of a JSONL file, its lines that are not a JSON row (a whole row cut short only of its newline is a
+    row), and whether the file ends with a newline (the next row appended starts a line of its own)."""
+    if not path.is_file():
+        return [], [], True
+    text = path.read_text(encoding="utf-8", errors="replace")
+    rows, torn = [], []
+    for line in text.split("\n"):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif line.strip():
+            torn.append(line)
+    return rows, torn, text.endswith("\n") or not text
+
+
+def _append_durably(path: Path, text: str) -> None:
+    if not text:
+        return
+    with open(path, "a") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def latest_per_step(records: list[dict]) -> list[dict]:
@@ -209,6 +238,8 @@ def write_plot(run_dir: Path) -> Path | None:
     ax.set_title(run_dir.name)
     fig.tight_layout()
     out = run_dir / PLOT_FILE
-    fig.savefig(out)
-    plt.close(fig)
+    try:   # write-then-rename: a full disk leaves the earlier plot (or none), never a 0-byte file
+        atomic_write(out, lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
     return out

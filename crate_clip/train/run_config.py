@@ -23,7 +23,7 @@ from data_pipelines.device_decode import Decode
 from data_pipelines.shard_reader import ShardListError, expand_source, is_remote
 from data_pipelines.text_reduction import TextMask
 from data_pipelines.train_stream import StreamConfig, crop_scale_problems
-from eval.registry import EvalSpec
+from eval.registry import EvalSpec, data_problems
 
 Precision = Literal["bf16", "fp16", "fp32"]
 # scaled_dot_product_attention kernel: 'auto' = the math kernel on CPU (its backward is several times
@@ -88,7 +88,8 @@ class StageConfig(Section):
     name: str = Field("stage", description="the stage's name (checkpoint tags, logs); unique in the run")
     image_size: Int = Field(224, description="image side in pixels")
     context_length: Int = Field(32, ge=2, description="text tokens, e.g. 32")
-    samples: Int = Field(0, description="training samples of the stage (rounded down to whole global batches)")
+    samples: Int = Field(0, description="training samples of the stage (rounded down to whole global batches, "
+                                        "said by --validate and at the start of training)")
     global_batch: Int = Field(256, ge=2, description="the contrastive batch over all ranks; a contrastive batch "
                                                      "needs >= 2 samples")
     lr: Float = Field(1e-3, description="peak learning rate: linear warm-up to it, then cosine decay to min_lr")
@@ -119,6 +120,20 @@ class StageConfig(Section):
     def steps(self) -> int:
         """Optimizer steps in this stage (samples rounded down to whole global batches)."""
         return self.samples // self.global_batch
+
+    @property
+    def trained_samples(self) -> int:
+        """The samples the stage trains: its steps times global_batch (what progress.samples_seen counts)."""
+        return self.steps * self.global_batch
+
+    def rounding_note(self, key: str) -> Optional[str]:
+        """The line that says samples were rounded down to whole global batches (None when they are whole)."""
+        if self.samples % self.global_batch == 0:
+            return None
+        return (f"{key}.samples: {self.samples:,} is not a multiple of global_batch {self.global_batch:,}: the "
+                f"stage trains {self.steps:,} steps = {self.trained_samples:,} samples (rounded down); set samples "
+                f"to {self.trained_samples:,} or {self.trained_samples + self.global_batch:,} to have the config "
+                "say so")
 
     def checks(self) -> list[tuple[str, str]]:
         """Problems that involve more than one key, each with its fix."""
@@ -259,6 +274,17 @@ class RunConfig(Section):
                  "checkpoint's, e.g. 32), or model.lock_text: false")
                 for i, s in enumerate(self.stages) if s.context_length != first]
 
+    def training_plan(self) -> list[str]:
+        """What training will do, stage by stage: the steps and samples it runs (StageConfig.steps and
+        trained_samples, the numbers the trainer counts), then a line for each stage whose samples are rounded."""
+        lines = [f"stage {i} ({s.name}): {s.image_size} px, {s.context_length} tokens, {s.steps:,} steps x "
+                 f"{s.global_batch:,} = {s.trained_samples:,} samples" for i, s in enumerate(self.stages)]
+        return lines + self.rounding_notes()
+
+    def rounding_notes(self) -> list[str]:
+        """A line for each stage whose samples are not whole global batches (they are rounded down)."""
+        return [note for i, s in enumerate(self.stages) if (note := s.rounding_note(f"stages.{i}"))]
+
     def to_dict(self) -> dict:
         """Plain-dict form (for the copy saved in the run folder and in checkpoints)."""
         return self.model_dump(mode="json", exclude={"data": {"seed"}})  # set per stage from run.seed
@@ -329,6 +355,8 @@ def _check_paths(cfg: RunConfig, base_dir: Path) -> list[str]:
         if e.data and not resolve_path(e.data, base_dir).exists():
             errors.append(f"eval.evals.{i}.data: {e.data!r} does not exist; fix: build the evaluation set "
                           "first (crate-clip shards ...) or correct the path")
+        else:
+            errors += [f"eval.evals.{i}.{key}: {problem}" for key, problem in data_problems(e)]
     return errors
 
 
@@ -369,6 +397,8 @@ def _resolve_paths(cfg: RunConfig, base_dir: Path) -> None:
     cfg.data.sources = [s if is_remote(s) else str(resolve_path(s, base_dir)) for s in cfg.data.sources]
     for e in cfg.eval.evals:
         e.data = str(resolve_path(e.data, base_dir)) if e.data else e.data
+        if getattr(e, "classnames", None):
+            e.classnames = str(resolve_path(e.classnames, base_dir))
     if cfg.deepspeed.config:
         cfg.deepspeed.config = str(resolve_path(cfg.deepspeed.config, base_dir))
     if cfg.model.pretrained:

@@ -11,14 +11,23 @@ from typing import Optional
 
 import torch.distributed as tdist
 
+from crate_clip.cli_errors import UserError
 from crate_clip.models.patch_change import tower_patch_size
-from crate_clip.train.checkpoints import Progress
+from crate_clip.train.checkpoints import Progress, checkpoint_tag
 from crate_clip.train.engine import DistInfo
 from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl
 from crate_clip.train.run_config import RunConfig
 from crate_clip.train.stage_model import ResolvedStage
+from eval.model_loading import check_finite_weights
 from eval.registry import summary_line
 from eval.stage_hook import evaluate_stage
+
+
+class EvalRefusedError(UserError, RuntimeError):
+    """A stage's evaluation refused its result (unreadable images, class folders that match no class name, weights
+    holding NaN/inf) or could not read its data. The stage's final checkpoint is kept (its evaluations are
+    pending), so a resume runs exactly the missing ones."""
+    once_per_job = True   # every rank raises it (lock-step evaluation, the same data and weights): rank 0 says it
 
 
 @dataclass(frozen=True)
@@ -51,10 +60,17 @@ def evaluate_after_stage(cfg: RunConfig, stage: ResolvedStage, weights: dict, pr
     records = []
     for size, evals in agreed_missing_evals(cfg, stage.index, dist).items():
         model = stage.build_model(weights, image_size=size, train=False).to(dist.device).eval()
-        results = evaluate_stage(model, model_name=cfg.model.name, evals=evals,
-                                 image_size=size, device=dist.device, precision=cfg.precision,
-                                 cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main,
-                                 bert_vocab=cfg.model.bert_vocab)
+        try:
+            check_finite_weights(model, f"stage {stage.index} ({stage.name})")
+            results = evaluate_stage(model, model_name=cfg.model.name, evals=evals,
+                                     image_size=size, device=dist.device, precision=cfg.precision,
+                                     cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main,
+                                     bert_vocab=cfg.model.bert_vocab)
+        except (ValueError, FileNotFoundError) as exc:   # the evaluations' refusals and data errors
+            raise EvalRefusedError(
+                f"stage {stage.index} ({stage.name}) evaluation at {size} px: {exc}. The stage's final checkpoint "
+                f"{checkpoint_tag(stage.index, stage.steps)} is kept; once this is fixed, --resume latest runs the "
+                "missing evaluations") from exc
         for name, res in results.items():
             record = EvalRecord(stage.index, stage.name, name, size, stage.image_size, tower_patch_size(model),
                                 stage.context_length, progress.samples_seen, progress.global_step,

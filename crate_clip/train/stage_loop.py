@@ -29,11 +29,14 @@ from crate_clip.train.batch_agreement import agreed_batches
 from crate_clip.train.checkpoints import (CheckpointInfo, CheckpointManager, Progress, ResumeError, ResumePoint,
                                           checkpoint_tag, consolidated_state_dict, find_resume_point, read_info,
                                           rng_state, set_rng_state)
+from crate_clip.train.disk_space import check_space_for_next_save
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype
 from crate_clip.train.export import export_checkpoint
-from crate_clip.train.metrics_log import MetricsLog, set_aside_rows_after, write_plot
+from crate_clip.train.intact_checkpoints import intact_checkpoint
+from crate_clip.train.metrics_log import PLOT_FILE, MetricsLog, set_aside_rows_after, write_plot
 from crate_clip.train.run_config import RunConfig, check_runtime
 from crate_clip.train.run_dir import check_run_dir, move_run_aside
+from crate_clip.train.run_lock import run_folder_lock
 from crate_clip.train.stage_evals import agreed_missing_evals, evaluate_after_stage, missing_evals
 from crate_clip.train.stage_model import ResolvedStage, resolve_stage
 from crate_clip.train.throughput import StepMeter
@@ -51,14 +54,25 @@ class NonFiniteLossError(UserError, RuntimeError):
 def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: Optional[Callable] = None,
                  dist: Optional[DistInfo] = None, overwrite: bool = False) -> dict:
     """Train all stages of `cfg` (resuming from `resume`: 'latest' or a checkpoint path; with `overwrite`, an
-    earlier run in the output folder is moved aside first); returns a summary."""
-    earlier_run = check_run_dir(cfg.run_dir, resume, overwrite)  # before anything is written, on every rank
+    earlier run in the output folder is moved aside first); returns a summary. One job at a time writes into a
+    run folder: its rank 0 holds the folder's lock (run_lock.py) for the whole run."""
+    check_run_dir(cfg.run_dir, resume, overwrite)  # before anything is written, on every rank
     dist = dist or init_distributed()
+    with run_folder_lock(cfg.run_dir, dist):
+        return _run_holding_the_folder(cfg, resume, stream_factory, dist, overwrite)
+
+
+def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factory: Optional[Callable],
+                            dist: DistInfo, overwrite: bool) -> dict:
+    """run_training, once this job is the run folder's one writer."""
+    earlier_run = check_run_dir(cfg.run_dir, resume, overwrite)  # again: a run may have ended in the meantime
     check_runtime(cfg, dist.world_size, "cuda" if dist.device.startswith("cuda") else "cpu")
     stream_factory = stream_factory or default_stream_factory
     ckpts = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size,
                               protect=lambda info: _evaluations_pending(cfg, info))
-    start = find_resume_point(cfg, ckpts, resume)  # validated before anything is written
+    start = find_resume_point(cfg, ckpts, _intact(ckpts, resume))  # validated before anything is written
+    if start.tag_dir is not None:   # every rank: the run's file system
+        check_space_for_next_save(ckpts.root, start.tag_dir)
     tdist.barrier()  # every rank has read the folder before rank 0 changes it
     if dist.is_main:
         _prepare_run_dir(cfg, start, moved_aside=earlier_run and overwrite)
@@ -69,6 +83,8 @@ def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: O
     try:
         if checkpoints_trusted():
             log.print(TRUST_WARNING)
+        for note in cfg.rounding_notes():   # the steps and samples --validate prints
+            log.print(f"[note] {note}")
         if start.tag_dir is not None:
             log.print(f"resuming from {start.tag_dir} (stage {progress.stage_index}, step {progress.step}, "
                       f"{progress.samples_seen} samples seen)")
@@ -89,9 +105,23 @@ def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: O
     finally:
         log.close()
         if dist.is_main and cfg.logging.plot:
-            plot = write_plot(cfg.run_dir)
-            if plot:
-                log.print(f"wrote {plot}")
+            _plot(cfg, log)
+
+
+def _intact(ckpts: CheckpointManager, resume: Optional[str]) -> Optional[str]:
+    """The checkpoint `resume` names, or for 'latest' the newest intact one (intact_checkpoints.py)."""
+    return resume and str(intact_checkpoint(ckpts, ckpts.resolve(resume), resume))
+
+
+def _plot(cfg: RunConfig, log: MetricsLog) -> None:
+    """The training curve; a failure to write it (a full disk) is a warning, not an error hiding the run's own."""
+    try:
+        plot = write_plot(cfg.run_dir)
+    except OSError as exc:
+        log.print(f"[warn] {cfg.run_dir / PLOT_FILE} not written: {exc}")
+        return
+    if plot:
+        log.print(f"wrote {plot}")
 
 
 # ---------------------------------------------------------------- one stage

@@ -28,7 +28,7 @@ def _probe_images(cfg, image_size: int, model, count: int) -> torch.Tensor:
     names = resolve_classnames(dataset, spec.data, getattr(spec, "classnames", None))
     data = classification_dataset(spec.data, eval_transform(getattr(model, "module", model), image_size),
                                   dataset=dataset, num_classes=len(names),
-                                  labels_file=getattr(spec, "labels", None))
+                                  labels_file=getattr(spec, "labels", None), classnames=names)
     if isinstance(data, ShardSamples):
         images = []
         for item in data:

@@ -1,12 +1,13 @@
 """Zero-shot classification: top-1, top-5 and mean per-class accuracy against prompt-built class embeddings."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import Field
 
-from eval.class_sets import (BUILTIN_TEMPLATES, DEFAULT_TEMPLATES, TEMPLATES_FILE, resolve_classnames,
-                             resolve_templates)
+from eval.class_sets import (BUILTIN_CLASSNAMES, BUILTIN_TEMPLATES, CLASSNAMES_FILE, DEFAULT_TEMPLATES,
+                             TEMPLATES_FILE, resolve_classnames, resolve_templates)
 from eval.eval_datasets import classification_dataset
 from eval.eval_settings import EvalSettings
 from eval.zeroshot import zero_shot_evaluate
@@ -34,6 +35,24 @@ def run(model, settings: Settings, context) -> dict:
                                      num_classes=len(classnames), labels_file=settings.labels, classnames=classnames)
     return zero_shot_evaluate(model, context.tokenizer, dataset, classnames, templates,
                               cache_dir=context.cache_dir, **context.loop_args(settings))
+
+
+def data_problems(settings: Settings) -> list[tuple[str, str]]:
+    """The class names must come from somewhere: a `classnames` file that exists, a built-in set, or
+    classnames.txt beside the data."""
+    if settings.classnames:
+        if Path(settings.classnames).is_file():
+            return []
+        return [("classnames", f"{settings.classnames!r} does not exist; fix: a file with one class name per "
+                               "line, in label order")]
+    try:
+        resolve_classnames(settings.dataset, settings.data)
+    except FileNotFoundError:
+        return [("dataset", f"{settings.dataset!r} has no built-in class names ({', '.join(BUILTIN_CLASSNAMES)}) "
+                            f"and there is no {CLASSNAMES_FILE} beside {settings.data!r}; fix: set classnames: "
+                            f"FILE (one class name per line, in label order), put {CLASSNAMES_FILE} beside the "
+                            "data, or use a built-in dataset name")]
+    return []
 
 
 def summary(metrics: dict) -> str:

@@ -1,0 +1,88 @@
+"""A checkpoint save whose writes fail (a full disk, a quota) on some ranks: recorded instead of raised, so every
+rank finishes DeepSpeed's save in lock-step (it holds barriers) and then all stop together with the same message.
+
+torch.save given a path writes through its own C++ file layer, which reports a full disk as
+"unexpected pos ..." without the errno. Given a Python file object it writes through Python's I/O, where a full
+disk is an OSError with errno ENOSPC (EDQUOT for a quota), at about the same speed (BENCHMARKS.md, checkpoint
+checksums).
+So `recorded_writes` gives DeepSpeed's engine a checkpoint engine whose `save` opens the file itself
+(atomic_files.torch_save_to_file, which crate-clip's own files are written with too).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from crate_clip.checkpoint_io.atomic_files import torch_save_to_file
+
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """True for a full disk or an exhausted quota (the error itself or one it was raised from)."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@dataclass
+class WriteFailures:
+    """The first write that failed on this rank during one save: (file, error)."""
+    failures: list = field(default_factory=list)
+
+    def run(self, path: str | Path, write: Callable[[], None]) -> None:
+        """Call `write()` (which writes `path`), recording an OSError instead of raising it; after a first failure
+        the save is lost anyway: nothing more is written."""
+        if self.failures:
+            return
+        try:
+            write()
+        except OSError as exc:
+            self.failures.append((Path(path), exc))
+
+    @property
+    def first(self) -> tuple | None:
+        """(file, error) of the first failure, None when every write succeeded."""
+        return self.failures[0] if self.failures else None
+
+
+class _RecordingCheckpointEngine:
+    """DeepSpeed's TorchCheckpointEngine with `save` writing through a Python file object and recording (not
+    raising) a failed write; everything else is the wrapped engine's."""
+
+    def __init__(self, inner, record: WriteFailures):
+        self._inner, self._record = inner, record
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def save(self, state_dict, path: str) -> None:
+        """Write one DeepSpeed file; a failure is recorded and its partial file removed."""
+        serialization = getattr(self._inner, "zipfile_serialization", True)
+        self._record.run(path, lambda: torch_save_to_file(state_dict, path,
+                                                          _use_new_zipfile_serialization=serialization))
+        if self._record.first:
+            with contextlib.suppress(OSError):
+                Path(path).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def recorded_writes(engine) -> Iterator[WriteFailures]:
+    """For the body, DeepSpeed's file writes of `engine` record their failures in the WriteFailures yielded (use
+    its `run` for other writes). Other checkpoint engines (decoupled, fast-writer) are left as they are: their
+    failures raise."""
+    record = WriteFailures()
+    inner = getattr(engine, "checkpoint_engine", None)
+    wrap = type(inner).__name__ == "TorchCheckpointEngine"
+    if wrap:
+        engine.checkpoint_engine = _RecordingCheckpointEngine(inner, record)
+    try:
+        yield record
+    finally:
+        if wrap:
+            engine.checkpoint_engine = inner

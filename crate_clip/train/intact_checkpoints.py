@@ -1,0 +1,81 @@
+"""Resume only from a checkpoint whose files are the ones its save wrote.
+
+Every save records the size and sha256 of its files in crate_clip.json (checkpoint_io/checkpoint_manifest.py). A
+resume verifies the checkpoint it is about to load, the ranks sharing the hashing. `--resume latest` (or a run's
+checkpoints folder) takes the newest intact checkpoint and says in one line which newer ones are damaged (a file
+missing, truncated or changed; a crate_clip.json that does not parse); `--resume <tag folder>` of a damaged
+checkpoint is an error: another one is never taken silently. A checkpoint of an earlier version, which records no
+checksums, is not verified.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as tdist
+
+from crate_clip.checkpoint_io.checkpoint_manifest import damage_in_share
+from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, read_info
+from crate_clip.train.checkpoints import CheckpointManager, ResumeError
+
+_TAG = re.compile(r"^stage(\d+)-step(\d+)$")
+
+
+def checkpoint_damage(ckpts: CheckpointManager, tag_dir: Path) -> list[str]:
+    """What differs from the record in `tag_dir`'s crate_clip.json, one phrase per file, the same list on every rank
+    (each hashes its share; a collective when the job has several processes)."""
+    info = read_info(tag_dir)
+    if info is None:
+        return [f"{INFO_FILE} is missing or does not parse"]
+    if ckpts.world_size == 1 or not tdist.is_initialized():
+        return damage_in_share(tag_dir, info, 0, 1)
+    mine = damage_in_share(tag_dir, info, ckpts.rank, ckpts.world_size)
+    shares = [None] * ckpts.world_size
+    tdist.all_gather_object(shares, mine)
+    return sorted(problem for share in shares for problem in share)
+
+
+def _damaged_infos_after(root: Path, tag_dir: Path) -> list[str]:
+    """Checkpoint folders newer than `tag_dir` (by their stage-step tag) whose crate_clip.json is present but does
+    not parse: a damaged record, not an interrupted save (those have none and are named `.<tag>.saving`)."""
+    chosen = _TAG.match(tag_dir.name)
+    newer = []
+    for path in sorted(root.iterdir()):
+        match = _TAG.match(path.name)
+        if (match and chosen and tuple(map(int, match.groups())) > tuple(map(int, chosen.groups()))
+                and (path / INFO_FILE).is_file() and read_info(path) is None):
+            newer.append(f"{path.name} is damaged ({INFO_FILE} does not parse)")
+    return newer
+
+
+def intact_checkpoint(ckpts: CheckpointManager, tag_dir: Path, resume: str) -> Path:
+    """The checkpoint to resume from: `tag_dir` when intact; for --resume latest (or a checkpoints folder) the
+    newest intact one at or before it, said in one line on rank 0; raises ResumeError for a damaged explicit tag
+    folder or when no checkpoint is intact."""
+    explicit = resume != "latest" and Path(resume).resolve() == tag_dir.resolve()
+    root = tag_dir.parent
+    damaged = _damaged_infos_after(root, tag_dir)
+    manager = ckpts if root == ckpts.root else CheckpointManager(root, ckpts.keep_last, ckpts.rank, ckpts.world_size)
+    candidates = [root / t for t in manager.complete_tags()]
+    candidates = [tag_dir] + [c for c in reversed(candidates) if c != tag_dir and _older(c, tag_dir)]
+    for candidate in candidates:
+        problems = checkpoint_damage(manager, candidate)
+        if not problems:
+            if damaged and ckpts.rank == 0:
+                print(f"[warn] {'; '.join(damaged)}; resuming from {candidate.name}, the newest intact checkpoint in "
+                      f"{root}", flush=True)
+            return candidate
+        if explicit:
+            raise ResumeError(f"--resume {resume}: the checkpoint is damaged ({'; '.join(problems)}); fix: resume "
+                              f"with --resume latest (the newest intact checkpoint of the run) or pass an earlier "
+                              f"checkpoint folder")
+        damaged.append(f"{candidate.name} is damaged ({'; '.join(problems)})")
+    raise ResumeError(f"--resume {resume}: no intact checkpoint in {root}: {'; '.join(damaged)}; fix: start over "
+                      "with --overwrite (the run is moved aside) or restore the checkpoints from a copy")
+
+
+def _older(candidate: Path, than: Path) -> bool:
+    """True when `candidate` was saved before `than` (by global step, the order complete_tags sorts in)."""
+    a, b = read_info(candidate) or {}, read_info(than) or {}
+    return a.get("global_step", 0) < b.get("global_step", 0)
