@@ -89,7 +89,7 @@ def run_env() -> dict:
 def run_job(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     """Run a launched job to completion (output captured; shown on failure by the caller). A job whose worker
     aborted (SIGABRT from C++ destructors at interpreter exit: "terminate called without an active exception",
-    seen in ~1 of 20 runs of two train_workers probes, which now skip that teardown) runs once more, with a
+    seen in ~1 of 20 runs of two train_workers probes, which skip that teardown) runs once more, with a
     warning in pytest's summary that carries the crash."""
     proc = subprocess.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 and "SIGABRT" in proc.stderr:

@@ -141,7 +141,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def set_aside_rows_after(run_dir: Path, global_step: int) -> int:
     """Move the metrics.jsonl / results.jsonl rows written after `global_step` (by a segment that was cut short
-    and is now redone from its checkpoint) to metrics.superseded.jsonl / results.superseded.jsonl, and lines that
+    and is redone from its checkpoint) to metrics.superseded.jsonl / results.superseded.jsonl, and lines that
     are not a whole row (a kill in the middle of a write tears the last one) to metrics.torn.txt /
     results.torn.txt, so every reader sees one row per step, the next row starts on a line of its own, and nothing
     is lost; returns how many rows and fragments moved."""
