@@ -6,6 +6,8 @@ Layout (crate_clip.checkpoint_io, shared with eval/): `<run_dir>/checkpoints/<ta
 finished, rank 0 writes `crate_clip.json` (which marks a checkpoint complete), renames the folder to `<tag>`
 (an older `<tag>` is deleted only after that) and then replaces DeepSpeed's `latest` file atomically; so a
 save interrupted at any point (SIGKILL, power loss, full disk) never becomes the one resumed from.
+Rank 0 also writes the table of all canonical data streams into it (`stream_table.json`: a resume at
+another world size continues the sample order from it, elastic_resume.py).
 
 The records a checkpoint carries live here too: the run's Progress, the CheckpointInfo written as
 crate_clip.json, and the ResumePoint a run starts from.
@@ -140,10 +142,11 @@ class CheckpointManager:
         self.protect = protect or (lambda info: False)  # info -> True: never pruned (yet)
 
     # ------------------------------------------------------------ save
-    def save(self, engine, tag: str, info: dict, rank_state: dict) -> Path:
+    def save(self, engine, tag: str, info: dict, rank_state: dict, shared_files: Optional[dict] = None) -> Path:
         """Save on ALL ranks; returns the tag folder once it is complete and `latest` names it. The files go
         to a staging folder swapped in when complete: a checkpoint of the same tag saved before (a resume
-        from an earlier checkpoint redoes its steps) stays until the new one is whole."""
+        from an earlier checkpoint redoes its steps) stays until the new one is whole. `shared_files`
+        (name -> text): files of the whole job that rank 0 writes into it (the stream-state table)."""
         self.root.mkdir(parents=True, exist_ok=True)
         staging = self.root / f".{tag}.saving"
         if self.rank == 0 and staging.exists():  # a leftover of an interrupted save
@@ -152,6 +155,8 @@ class CheckpointManager:
         engine.save_checkpoint(str(self.root), tag=staging.name, client_state={"crate_clip": info},
                                save_latest=False)
         atomic_torch_save(rank_state, rank_state_path(staging, self.rank))
+        for name, text in (shared_files or {}).items() if self.rank == 0 else ():
+            atomic_write_text(staging / name, text)
         fsync_tree(staging)  # on disk, not only in the page cache, before anything calls it complete
         dist.barrier()  # every rank's files are durable before the checkpoint is declared complete
         if self.rank == 0:
@@ -228,8 +233,8 @@ class CheckpointManager:
         return info, self.load_rank_state(tag_dir)
 
     def check_compatible(self, tag_dir: Path) -> dict:
-        """The checkpoint's info; raises ResumeError when it was written by a job of another size, and
-        UntrustedCheckpointError when one of its files needs a class outside the allow-list."""
+        """The checkpoint's info; raises ResumeError when it is incomplete, and UntrustedCheckpointError when one of
+        its files needs a class outside the allow-list (another world size or ZeRO stage: elastic_resume.py)."""
         info = read_info(tag_dir)
         if info is None:
             raise ResumeError(f"{tag_dir}: incomplete checkpoint (no {INFO_FILE})")
@@ -237,10 +242,6 @@ class CheckpointManager:
             check_checkpoint_folder(tag_dir)   # every file, on every rank: all ranks refuse alike
         except UntrustedCheckpointError as exc:
             raise _earlier_rank_state(exc) from None
-        if info.get("world_size", self.world_size) != self.world_size:
-            raise ResumeError(f"{tag_dir}: written by {info['world_size']} processes, this job has "
-                              f"{self.world_size}; fix: relaunch with {info['world_size']} processes (the "
-                              "data-stream positions are per rank)")
         return info
 
     def load_rank_state(self, tag_dir: Path) -> dict:

@@ -98,8 +98,9 @@ def zero_stage_of(cfg: RunConfig) -> int:
     return int(load_zero_file(cfg.deepspeed.config).get("zero_optimization", {}).get("stage", 1))
 
 
-def deepspeed_config(cfg: RunConfig, stage) -> dict:
-    """The DeepSpeed JSON for one stage (a ResolvedStage), derived from the run config."""
+def deepspeed_config(cfg: RunConfig, stage, load_universal: bool = False) -> dict:
+    """The DeepSpeed JSON for one stage (a ResolvedStage), derived from the run config (`load_universal`: the
+    engine will load a universal checkpoint, elastic_resume.py)."""
     ds = load_zero_file(cfg.deepspeed.config)
     ds = _deep_merge(ds, {
         "train_batch_size": stage.global_batch,
@@ -115,6 +116,7 @@ def deepspeed_config(cfg: RunConfig, stage) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10 ** 12,
         "wall_clock_breakdown": False,
+        **({"checkpoint": {"load_universal": True}} if load_universal else {}),
     })
     return _deep_merge(ds, cfg.deepspeed.overrides)
 
@@ -128,8 +130,9 @@ def prepare_model_for_deepspeed(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def build_engine(model: torch.nn.Module, cfg: RunConfig, stage, dist: DistInfo):
-    """Wrap `model` for one stage (a ResolvedStage): AdamW groups, warm-up + cosine schedule, deepspeed.initialize."""
+def build_engine(model: torch.nn.Module, cfg: RunConfig, stage, dist: DistInfo, load_universal: bool = False):
+    """Wrap `model` for one stage (a ResolvedStage): AdamW groups, warm-up + cosine schedule, deepspeed.initialize
+    (`load_universal`: for a checkpoint of another world size or ZeRO stage, elastic_resume.py)."""
     import deepspeed   # lazy: see the top of the module
 
     if dist.world_size != stage.world_size:
@@ -142,7 +145,7 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, stage, dist: DistInfo):
     schedule = build_schedule(optimizer, total_steps=stage.steps, warmup_steps=schedule_keys.warmup_steps,
                               lr=schedule_keys.lr, min_lr=schedule_keys.min_lr)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                           config=deepspeed_config(cfg, stage))
+                                           config=deepspeed_config(cfg, stage, load_universal))
     return engine
 
 
