@@ -129,6 +129,37 @@ def settle_canonical_streams(cfg: RunConfig, world_size: int, tag_dir: Optional[
     return count
 
 
+def checkpoint_of(path: Path) -> Path:
+    """The checkpoint a run folder, a checkpoints folder (its `latest`) or a tag folder names; ResumeError if none."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    tag = CheckpointManager(path, 1, 0, 1).latest_tag() if read_info(path) is None else None
+    tag_dir = path / tag if tag else path
+    if read_info(tag_dir) is None:
+        raise ResumeError(f"{path}: no complete checkpoint (crate_clip.json) there; fix: pass a run folder, its "
+                          "checkpoints folder or one checkpoint folder")
+    return tag_dir
+
+
+def resume_summary(tag_dir: Path, cfg: RunConfig, world_size: int) -> dict:
+    """How a job of `world_size` processes with run config `cfg` would continue checkpoint `tag_dir` (its JSON files
+    only); the launch's own checks, as one-line errors."""
+    from crate_clip.train.engine import zero_stage_of
+
+    info = read_info(tag_dir)
+    stage = int(info.get("stage_index", 0))
+    streams = settle_canonical_streams(cfg, world_size, tag_dir, stage)
+    zero_stage = zero_stage_of(cfg)
+    universal = needs_universal(tag_dir, world_size, zero_stage)
+    converted = (Path(tag_dir) / UNIVERSAL_DIR / CONVERTED_FILE).is_file()
+    return {"checkpoint": str(tag_dir), "stage_index": stage, "stage_name": info.get("stage_name"),
+            "step": info.get("step"), "stage_steps": info.get("stage_steps"), "global_step": info.get("global_step"),
+            "written_by": info.get("world_size"), "written_zero_stage": info.get("zero_stage"),
+            "world_size": world_size, "zero_stage": zero_stage, "canonical_streams": streams,
+            "universal": ("converted" if converted else "converted by rank 0 at the resume") if universal else "none"}
+
+
 # ---------------------------------------------------------------- the stream-state table
 def gather_stream_table(stream, rank: int, world_size: int) -> Optional[dict]:
     """Rank 0: the table of all canonical streams of this step (merge of every rank's stream state); other ranks
@@ -251,10 +282,16 @@ def _loadable_by_any_stage(folder: Path) -> None:
     """Complete a converted folder so that the ZeRO 1/2 and the ZeRO-3 loader both read it (gap 1 above): the
     model-states file under both names, the optimizer settings and step in both loaders' places, a step file per
     parameter, and every state file in the form both read ({"param": tensor})."""
+    import deepspeed
+    from deepspeed.checkpoint.constants import PARAM
+
     present = [name for name in MODEL_STATES_FILES if (folder / name).is_file()]
     for name in MODEL_STATES_FILES:
-        if name not in present:
-            os.link(folder / present[0], folder / name)   # the same file under the other loader's name
+        if name not in present:   # the same file under the other loader's name
+            try:
+                os.link(folder / present[0], folder / name)
+            except OSError:   # a file system without hard links
+                shutil.copy2(folder / present[0], folder / name)
     zero = folder / "zero"
     optim = load_torch_file(zero / "optimizer_state.pt")
     if "optimizer_state_dict" in optim:   # a ZeRO-3 source: one step for all parameters
@@ -262,9 +299,6 @@ def _loadable_by_any_stage(folder: Path) -> None:
     else:                                 # a ZeRO 1/2 source: a step file per parameter, all equal
         step = load_torch_file(next(zero.glob("*/step.pt")))
         optim["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": optim["param_groups"]}
-    import deepspeed
-    from deepspeed.checkpoint.constants import PARAM
-
     optim.setdefault("ds_version", deepspeed.__version__)   # the ZeRO 1/2 loader asserts it
     torch.save(optim, zero / "optimizer_state.pt")
     for param in (p for p in zero.iterdir() if (p / "exp_avg.pt").is_file()):
@@ -312,7 +346,7 @@ def _unshare_step_counts(engine) -> None:
 
 def _restore_buffers(engine, folder: Path) -> None:
     """The saved buffers (a locked text tower, text_lock.py) into the model: the universal load skips them."""
-    module = load_torch_file(folder / MODEL_STATES_FILES[0])["module"]
+    module = load_torch_file(folder / MODEL_STATES_FILES[0], mmap=True)["module"]   # only the buffers are read
     with torch.no_grad():
         for name, buffer in engine.module.named_buffers():
             if name in module:

@@ -62,6 +62,8 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     if device == "cpu":
         # Otherwise DeepSpeed compiles its shared-memory collective op with g++ (about a minute per run).
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        _init_on_this_restarts_keys("nccl" if device == "cuda" else "gloo", timedelta(seconds=timeout_s))
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False,
                                timeout=timedelta(seconds=timeout_s))
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -69,6 +71,20 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     return DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
+
+
+def _init_on_this_restarts_keys(backend: str, timeout: timedelta) -> None:
+    """The process group of a torchrun worker, on keys of its own restart: torchrun's agent keeps one store for all
+    restarts (--max-restarts), and the addresses the killed workers left in it would be read by the new ones (gloo
+    then fails with 'Connection refused' to a dead process). DeepSpeed adopts the group made here."""
+    import torch.distributed as tdist
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                 is_master=False, timeout=timeout)
+    store = tdist.PrefixStore(f"/crate_clip/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
+    device = {"device_id": torch.device("cuda", int(os.environ["LOCAL_RANK"]))} if backend == "nccl" else {}
+    tdist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **device)
 
 
 def _deep_merge(base: dict, extra: dict) -> dict:
