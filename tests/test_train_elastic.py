@@ -167,6 +167,24 @@ def test_resume_auto_takes_the_newest_complete_checkpoint_or_starts(references, 
         resolve_auto(tmp_path, CheckpointManager(tmp_path / "none", 3, 0, 1), "auto")
 
 
+def test_which_checkpoints_need_the_universal_form(tmp_path):
+    """Another world size or ZeRO stage with partitioned optimizer states: universal; ZeRO-0 (nothing partitioned):
+    DeepSpeed's plain load at any world size; a change to or from ZeRO-0: refused in one line."""
+    from crate_clip.train.checkpoints import ResumeError
+    from crate_clip.train.elastic_resume import needs_universal
+
+    (tmp_path / "crate_clip.json").write_text(json.dumps({"world_size": 2, "zero_stage": 0}))
+    assert not needs_universal(tmp_path, 2, 0) and not needs_universal(tmp_path, 1, 0)
+    with pytest.raises(ResumeError, match="written under ZeRO stage 0 by 2 processes; this job runs ZeRO stage 2 on 1"):
+        needs_universal(tmp_path, 1, 2)
+    (tmp_path / "crate_clip.json").write_text(json.dumps({"world_size": 2, "zero_stage": 2}))
+    (tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    assert not needs_universal(tmp_path, 2, 2)
+    assert needs_universal(tmp_path, 4, 2) and needs_universal(tmp_path, 2, 3) and needs_universal(tmp_path, 1, 1)
+    with pytest.raises(ResumeError, match="fix: deepspeed.zero_stage: 2"):
+        needs_universal(tmp_path, 1, 0)
+
+
 def test_a_job_the_canonical_streams_do_not_fit_is_refused_in_one_line(references, tmp_path):
     from crate_clip.cli_errors import report_error
     from crate_clip.train.checkpoints import ResumeError
