@@ -29,7 +29,7 @@ from report import machine_line, markdown_table, write_section  # noqa: E402
 WORKER = ROOT / "tests" / "elastic_workers.py"
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 # (label, model, image size, context length): the tiny model, and CRATE-alpha-B/16 with open_clip's 12-layer
-# text tower (CRATE-alpha-CLIP-B-16: 150 M trainable parameters) at a small image size: the load is timed, not steps
+# text tower (CRATE-alpha-CLIP-B-16: 136 M trainable parameters) at a small image size: the load is timed, not steps
 MODELS = [("tiny", "CRATE-alpha-CLIPA-tiny", 16, 16), ("B/16 image tower", "CRATE-alpha-CLIP-B-16", 32, 16)]
 BATCH, CANONICAL = 16, 8
 KEY_STEPS = 50
@@ -71,6 +71,12 @@ def _resume(root: Path, config: Path, run: str, tag: str, name: str, nproc: int)
     return json.loads((root / f"{name}.out" / "state_loaded.json").read_text())
 
 
+def _parameter_count(model: str, image_size: int, context: int) -> int:
+    import crate_clip  # noqa: F401  (registers the model configs)
+    from crate_clip.models import create_clip
+    return sum(p.numel() for p in create_clip(model, image_size=image_size, context_length=context).parameters())
+
+
 def resume_times(root: Path, data: Path) -> list[list[str]]:
     """Per model: a 2-process run of 3 steps; its step-2 checkpoint resumed at 2 processes (the baseline), then at
     1 (conversion + load), then at 1 again (the converted folder: load only)."""
@@ -84,11 +90,12 @@ def resume_times(root: Path, data: Path) -> list[list[str]]:
         first = _resume(root, config, f"time-{model}", tag, f"time-{model}-at1", 1)
         again = _resume(root, config, f"time-{model}", tag, f"time-{model}-at1-again", 1)
         exact = all(r["tensors"] == saved["tensors"] and r["steps"] == saved["steps"] for r in (same, first, again))
-        base = same["load_seconds"]
+        base, values = same["load_seconds"], _parameter_count(model, size, context)
         for what, record in (("2 -> 2 processes (same size, DeepSpeed's plain load)", same),
                              ("2 -> 1: conversion to universal + load", first),
                              ("2 -> 1 again: load of the converted folder", again)):
-            rows.append([label, f"{len(saved['tensors']) // 3}", what, f"{record['load_seconds']:.1f}",
+            rows.append([label, f"{values / 1e6:.1f} M in {len(saved['tensors']) // 3}", what,
+                         f"{record['load_seconds']:.1f}",
                          f"{record['load_seconds'] / base:.1f}x", "yes" if exact else "NO"])
     return rows
 
@@ -144,7 +151,7 @@ def main() -> int:
         "B/16 image tower: CRATE-alpha-CLIP-B-16 (CRATE-alpha B/16 image tower and a 12-layer text tower, all "
         "trained) at 32 px. `exact`: every parameter's fp32 weights and AdamW moments and the step counts after "
         "the load have the sha256 of the saved ones.",
-        markdown_table(["model", "parameters", "resume", "seconds", "vs same size", "exact"], times),
+        markdown_table(["model", "parameters (tensors)", "resume", "seconds", "vs same size", "exact"], times),
         f"Global-batch keys (webdataset `__key__`) of the {KEY_STEPS} training steps after a resume at step 4 of "
         "an uninterrupted 2-process run of the tiny model (the trainer's stream, the stream-state table of the "
         "checkpoint split for the new size; 1 and 4 processes load the universal checkpoint), and the largest "

@@ -60,12 +60,14 @@ def engine_state(engine) -> dict:
         # groups have no state yet; linking again lets safe_get_full_optimizer_state read every group
         optimizer._hp_optimizer_states_linked = False
         optimizer._lazy_init_hp_params_optimizer_state()
+    base = getattr(optimizer, "optimizer", optimizer)
     tensors = {}
     for name, param in engine.module.named_parameters():
-        tensors[f"{name}:fp32"] = _digest(safe_get_full_fp32_param(param))
+        full = safe_get_full_fp32_param(param)   # None without ZeRO: the parameter and its state are whole
+        tensors[f"{name}:fp32"] = _digest(param if full is None else full)
         for key in ("exp_avg", "exp_avg_sq"):
-            tensors[f"{name}:{key}"] = _digest(safe_get_full_optimizer_state(param, key))
-    base = getattr(optimizer, "optimizer", optimizer)
+            state = base.state[param][key] if full is None else safe_get_full_optimizer_state(param, key)
+            tensors[f"{name}:{key}"] = _digest(state)
     buffers = {}
     for name, buffer in engine.module.named_buffers():
         owner, _, attr = name.rpartition(".")

@@ -243,9 +243,9 @@ def test_torchrun_restarts_a_killed_rank_and_ends_with_the_uninterrupted_export(
     cmd[at:at] = ["--max-restarts", "1"]
     proc = subprocess.Popen(cmd, env=run_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-    killed, deadline = None, time.time() + 300
+    killed, deadline, metrics = None, time.time() + 300, run_dir / "metrics.jsonl"
     while killed is None and time.time() < deadline and proc.poll() is None:
-        steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
+        steps = [r["step"] for r in read_jsonl(metrics)] if metrics.exists() else []
         if steps and max(steps) >= EVERY + 2:   # after the step-4 checkpoint, mid-stage
             killed = _worker_pid(proc.pid, 1)
             os.kill(killed, signal.SIGKILL)
