@@ -23,8 +23,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
 
+from elastic_workers import global_batches, losses  # noqa: E402
 from report import machine_line, markdown_table, write_section  # noqa: E402
+from train_fixtures import run_env, torchrun_cmd  # noqa: E402
 
 WORKER = ROOT / "tests" / "elastic_workers.py"
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
@@ -52,9 +55,6 @@ def _config(root: Path, name: str, data: Path, model: str, image_size: int, cont
 
 def _launch(nproc: int, config: Path, out: Path, *extra: str) -> float:
     """One torchrun job of the worker; returns its wall seconds."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from train_fixtures import run_env, torchrun_cmd
-
     cmd = [str(WORKER) if c.endswith("train_workers.py") else c for c in torchrun_cmd(nproc, str(config), str(out),
                                                                                        *extra)]
     start = time.perf_counter()
@@ -100,30 +100,19 @@ def resume_times(root: Path, data: Path) -> list[list[str]]:
     return rows
 
 
-def _global_batches(out: Path, world: int) -> dict:
-    ranks = [{(r["epoch"], r["batch"]): r["keys"] for r in map(json.loads, (out / f"keys_rank{k}.jsonl").open())}
-             for k in range(world)]
-    steps = set.intersection(*(set(r) for r in ranks))
-    return {step: [key for r in ranks for key in r[step]] for step in sorted(steps)}
-
-
-def _losses(run_dir: Path) -> dict:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").open())}
-
-
 def key_sequences(root: Path, data: Path) -> list[list[str]]:
     """The uninterrupted 2-process run of 4 + 50 steps; its step-4 checkpoint resumed at 1, 2 and 4 processes."""
     _, model, size, context = MODELS[0]
     tag = "stage0-step00000004"
     config = _config(root, "keys", data, model, size, context, steps=4 + KEY_STEPS, every=4)
     _launch(2, config, root / "keys.out")
-    ref, ref_losses = _global_batches(root / "keys.out", 2), _losses(root / "keys")
+    ref, ref_losses = global_batches(root / "keys.out", 2), losses(root / "keys")
     rows = []
     for nproc in (1, 2, 4):
         _resume(root, config, "keys", tag, f"keys-at{nproc}", nproc)
-        got, losses = _global_batches(root / f"keys-at{nproc}.out", nproc), _losses(root / f"keys-at{nproc}")
+        got, got_losses = global_batches(root / f"keys-at{nproc}.out", nproc), losses(root / f"keys-at{nproc}")
         same = sum(ref[step] == keys for step, keys in got.items())
-        worst = max(abs(loss - ref_losses[s]) / abs(ref_losses[s]) for s, loss in losses.items())
+        worst = max(abs(loss - ref_losses[s]) / abs(ref_losses[s]) for s, loss in got_losses.items())
         rows.append([str(nproc), f"{same} / {len(got)}", "identical" if same == len(got) == KEY_STEPS else "DIFFERS",
                      f"{worst:.1e}"])
     return rows

@@ -8,7 +8,8 @@ Observed, not changed: every rank appends the __key__s of each batch it takes to
 after a checkpoint is loaded (a resume) the engine's state is written to OUT_DIR/state_loaded.json, and after
 the save of checkpoint TAG to OUT_DIR/state_saved.json: sha256 of every parameter's full fp32 master value and
 AdamW moments, the step counts, the optimizer groups' settings, the lr, the schedule position, DeepSpeed's
-global step, and the buffers (a locked text tower), plus the seconds the load took.
+global step, and the buffers (a locked text tower), plus the seconds the load took. global_batches and losses
+read these records back.
 """
 from __future__ import annotations
 
@@ -81,6 +82,20 @@ def engine_state(engine) -> dict:
                        for g in base.param_groups],
             "lr": engine.get_lr(), "schedule_step": engine.lr_scheduler.last_epoch,
             "global_steps": engine.global_steps}
+
+
+def global_batches(out: Path, world: int) -> dict:
+    """(epoch, batch in epoch) -> the global batch's sample keys recorded in OUT_DIR: the ranks' batches in rank
+    order, for the batches every rank took."""
+    ranks = [{(r["epoch"], r["batch"]): r["keys"] for r in map(json.loads, (out / f"keys_rank{k}.jsonl").open())}
+             for k in range(world)]
+    steps = set.intersection(*(set(r) for r in ranks))
+    return {step: [key for r in ranks for key in r[step]] for step in sorted(steps)}
+
+
+def losses(run_dir: Path) -> dict:
+    """Global step -> training loss, from a run folder's metrics.jsonl."""
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").open())}
 
 
 def main() -> int:

@@ -9,6 +9,10 @@ Each resumes from its step-4 checkpoint at 1 and at 4 processes. Exact: the fp32
 step counts, optimizer-group settings, lr and schedule position, the locked text tower's buffers right after the
 load, and the sample keys of the 20 global batches after it (across the epoch end). Within tolerance: the
 losses of those steps (the same fp32 math, summed in another order over another number of ranks).
+Also: a conversion cut short is redone and the converted weights are zero_to_fp32's; --resume auto starts, takes
+the newest complete checkpoint, passes over a half-written save, re-exports a finished run; a job that does not
+fit is refused in one line; `crate-clip plan --resume`; and a torchrun --max-restarts 1 job whose rank 1 is
+SIGKILLed mid-stage ends with the uninterrupted run's export, byte for byte.
 """
 from __future__ import annotations
 
@@ -18,12 +22,14 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from elastic_workers import global_batches, losses
 from train_fixtures import REPO_ROOT, read_jsonl, run_env, run_job, tiny_config, torchrun_cmd, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -71,18 +77,6 @@ def references(tmp_path_factory, fashion_mnist_dir):
     return root
 
 
-def _global_batches(out: Path, world: int) -> dict:
-    """(epoch, batch in epoch) -> the global batch's sample keys: the ranks' batches in rank order."""
-    ranks = [{(r["epoch"], r["batch"]): r["keys"] for r in read_jsonl(out / f"keys_rank{k}.jsonl")}
-             for k in range(world)]
-    steps = set.intersection(*(set(r) for r in ranks))
-    return {step: [key for r in ranks for key in r[step]] for step in sorted(steps)}
-
-
-def _losses(run_dir: Path) -> dict:
-    return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")}
-
-
 @pytest.mark.parametrize("run, nproc, zero_stage, workers", [
     ("zero2", 1, 2, 0), ("zero2", 4, 3, 0),   # ZeRO 2 -> 3 on more processes
     ("zero3", 1, 3, 2), ("zero3", 4, 2, 0),   # loader workers 0 -> 2; ZeRO 3 -> 2
@@ -106,12 +100,12 @@ def test_resume_at_another_world_size_continues_exactly(references, run, nproc, 
         assert loaded[key] == saved[key], key
     assert saved["steps"] == [4.0] and [g["weight_decay"] for g in saved["groups"]] == [0.2, 0.0]
 
-    ref, got = _global_batches(ref_out, 2), _global_batches(references / f"{name}.out", nproc)
+    ref, got = global_batches(ref_out, 2), global_batches(references / f"{name}.out", nproc)
     assert len(got) == STEPS - 4 and all(ref[step] == keys for step, keys in got.items())
     assert {epoch for epoch, _ in got} == ({0} if run == "zero2" else {0, 1})   # epoch mode: across the epoch end
-    ref_losses, losses = _losses(references / run), _losses(references / name)
-    assert sorted(losses) == list(range(5, STEPS + 1))
-    for step, loss in losses.items():
+    ref_losses, got_losses = losses(references / run), losses(references / name)
+    assert sorted(got_losses) == list(range(5, STEPS + 1))
+    for step, loss in got_losses.items():
         assert loss == pytest.approx(ref_losses[step], rel=LOSS_RTOL), step
 
 
@@ -165,6 +159,17 @@ def test_resume_auto_takes_the_newest_complete_checkpoint_or_starts(references, 
     (tmp_path / "export").mkdir()   # evaluations or an export without any checkpoint: not a run cut short
     with pytest.raises(ExistingRunError, match="holds export but no complete checkpoint.*fix: --overwrite"):
         resolve_auto(tmp_path, CheckpointManager(tmp_path / "none", 3, 0, 1), "auto")
+
+
+def test_resume_auto_on_a_finished_run_exports_it_again_identically(references):
+    """The finished 2-process run, relaunched with --resume auto in one process: nothing to train, exit 0."""
+    export = references / "zero2" / "export" / "open_clip_model.safetensors"
+    before = export.read_bytes()
+    proc = run_job([sys.executable, "-m", "crate_clip.train.cli", "--config", str(references / "zero2.yaml"),
+                    "--resume", "auto"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert f"resuming from {references / 'zero2' / 'checkpoints' / 'stage0-step00000024'}" in proc.stdout
+    assert export.read_bytes() == before
 
 
 def test_which_checkpoints_need_the_universal_form(tmp_path):

@@ -228,8 +228,10 @@ def load_resume_state(ckpts: CheckpointManager, engine, tag_dir: Path, rank: int
         load_universal(engine, tag_dir)
     else:   # ZeRO-0: nothing is partitioned, DeepSpeed's plain load fits any world size
         with deepspeed_reads(tag_dir):
-            engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True,
-                                   load_lr_scheduler_states=True)
+            load_path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+        if load_path is None:
+            raise ResumeError(f"DeepSpeed could not load the checkpoint {tag_dir}")
     saved_world = int(info.get("world_size", world_size))
     if saved_world == world_size:   # only the ZeRO stage changed: the ranks' own states still fit
         return ckpts.load_rank_state(tag_dir)
