@@ -3,7 +3,7 @@ conversion + load) against a resume at the same size, for the tiny model and a B
 global-batch sample keys of the 50 steps after a resume at 1, 2 and 4 processes against the uninterrupted run.
 Writes the `elastic-resume` section of BENCHMARKS.md.
 
-    .venv/bin/python bench/bench_elastic_resume.py            # ~10 min on 2 cores
+    .venv/bin/python bench/bench_elastic_resume.py            # ~9 min on 2 cores, 18 GB in /tmp
 
 Every run is the real trainer (crate_clip.train.stage_loop.run_training under torchrun) through
 tests/elastic_workers.py, which records each batch's keys, the engine state after a load and the load's seconds.
@@ -118,6 +118,30 @@ def key_sequences(root: Path, data: Path) -> list[list[str]]:
     return rows
 
 
+def section(times: list[list[str]], keys: list[list[str]]) -> str:
+    """The BENCHMARKS.md section of the two tables."""
+    return "\n\n".join([
+        "## Elastic resume (`bench/bench_elastic_resume.py`)",
+        "Command: `PYTHONPATH=. .venv/bin/python bench/bench_elastic_resume.py` (about 9 min on 2 shared cores, "
+        "18 GB of checkpoints in a temporary folder).",
+        f"One-stage ZeRO-2 fp32 runs on Fashion-MNIST shards, global batch {BATCH}, {CANONICAL} canonical streams, "
+        "2 processes (gloo, one thread each). Resume time: the seconds `_load_checkpoint` takes in the resumed job "
+        "(engine already built), on rank 0; baseline: the resume of the same checkpoint at the same size. "
+        "B/16 image tower: CRATE-alpha-CLIP-B-16 (CRATE-alpha B/16 image tower and a 12-layer text tower, all "
+        "trained) at 32 px. `exact`: every parameter's fp32 weights and AdamW moments and the step counts after "
+        "the load have the sha256 of the saved ones. The conversion is paid once per checkpoint; the later load of "
+        "the converted folder runs in one process, while the two processes of the same-size load share the 2 "
+        "cores.",
+        markdown_table(["model", "parameters (tensors)", "resume", "seconds", "vs same size", "exact"], times),
+        f"Global-batch keys (webdataset `__key__`) of the {KEY_STEPS} training steps after a resume at step 4 of "
+        "an uninterrupted 2-process run of the tiny model (the trainer's stream, the stream-state table of the "
+        "checkpoint split for the new size; 1 and 4 processes load the universal checkpoint), and the largest "
+        "relative difference of their losses (fp32; the same math summed in another order):",
+        markdown_table(["processes after the resume", "steps with identical keys", "sequence", "max loss rel. diff"],
+                       keys),
+        machine_line() + " (2 cores shared with other jobs: compare ratios, not absolute times)"])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--keep", default=None, help="run in this folder and keep it (default: a temporary one)")
@@ -132,22 +156,7 @@ def main() -> int:
             write_fashion_mnist_shards(data, split="train", samples_per_shard=64, limit=512,
                                        source_dir=FASHION_MNIST)
         times, keys = resume_times(root, data), key_sequences(root, data)
-    text = "\n\n".join([
-        "## Elastic resume (`bench/bench_elastic_resume.py`)",
-        f"One-stage ZeRO-2 fp32 runs on Fashion-MNIST shards, global batch {BATCH}, {CANONICAL} canonical streams, "
-        "2 processes (gloo, one thread each). Resume time: the seconds `_load_checkpoint` takes in the resumed job "
-        "(engine already built), on rank 0; baseline: the resume of the same checkpoint at the same size. "
-        "B/16 image tower: CRATE-alpha-CLIP-B-16 (CRATE-alpha B/16 image tower and a 12-layer text tower, all "
-        "trained) at 32 px. `exact`: every parameter's fp32 weights and AdamW moments and the step counts after "
-        "the load have the sha256 of the saved ones.",
-        markdown_table(["model", "parameters (tensors)", "resume", "seconds", "vs same size", "exact"], times),
-        f"Global-batch keys (webdataset `__key__`) of the {KEY_STEPS} training steps after a resume at step 4 of "
-        "an uninterrupted 2-process run of the tiny model (the trainer's stream, the stream-state table of the "
-        "checkpoint split for the new size; 1 and 4 processes load the universal checkpoint), and the largest "
-        "relative difference of their losses (fp32; the same math summed in another order):",
-        markdown_table(["processes after the resume", "steps with identical keys", "sequence", "max loss rel. diff"],
-                       keys),
-        machine_line() + " (2 cores shared with other jobs: compare ratios, not absolute times)"])
+    text = section(times, keys)
     write_section("elastic-resume", text)
     print(text)
     return 0
