@@ -115,8 +115,8 @@ def test_rejected_resume_leaves_run_config_alone(resumed_run):
 
     run_dir = resumed_run["run_dir"]
     before = (run_dir / "run_config.yaml").read_bytes()
-    cfg = load_run_config(resumed_run["config"], ["run.seed=5"])
-    with pytest.raises(ResumeError, match="written by 1 processes, this job has 2"):
+    cfg = load_run_config(resumed_run["config"], ["run.seed=5", "data.canonical_streams=2"])
+    with pytest.raises(ResumeError, match=r"written with data\.canonical_streams=1 .* the run config sets 2"):
         # checked before any collective, so a world of two is safe to claim in this process
         run_training(cfg, resume="latest", dist=DistInfo(rank=0, world_size=2, local_rank=0, device="cpu"))
     assert (run_dir / "run_config.yaml").read_bytes() == before

@@ -20,6 +20,8 @@ metrics_log.py   progress bar, TensorBoard, metrics.jsonl / results.jsonl, the P
 stage_evals.py   the evaluations due after each stage (exactly the missing ones on resume)
 run_dir.py       one run per output folder: refuse to mix, or move the earlier run aside (--overwrite)
 run_lock.py      one writer per run folder: the lock rank 0 holds for the run's life
+elastic_resume.py  resume at another world size or ZeRO stage (DeepSpeed's universal checkpoint, the
+                 stream-state table), --resume auto
 train_step.py    one optimizer step: forward, contrastive loss, backward (k micro-batches, exact gradients)
 batch_agreement.py  batches fetched in agreement: a data error on one rank stops every rank with its message
 export_source.py what a checkpoint says about its export;  model_card.py: the export's README.md

@@ -8,7 +8,8 @@ every file: checkpoint_io/checkpoint_manifest.py), renames the folder to `<tag>`
 after that) and then replaces DeepSpeed's `latest` file atomically; so a save interrupted at any point (SIGKILL,
 power loss) never becomes the one resumed from. A write that fails on a full disk stops every rank together,
 with the partial save removed (checkpoint_io/write_failures.py); a resume verifies the checksums
-(intact_checkpoints.py).
+(intact_checkpoints.py). Rank 0 also writes the table of all canonical data streams into it (`stream_table.json`:
+a resume at another world size continues the sample order from it, elastic_resume.py).
 
 The records a checkpoint carries live here too: the run's Progress, the CheckpointInfo written as
 crate_clip.json, and the ResumePoint a run starts from.
@@ -151,10 +152,11 @@ class CheckpointManager:
         self.protect = protect or (lambda info: False)  # info -> True: never pruned (yet)
 
     # ------------------------------------------------------------ save
-    def save(self, engine, tag: str, info: dict, rank_state: dict) -> Path:
+    def save(self, engine, tag: str, info: dict, rank_state: dict, shared_files: Optional[dict] = None) -> Path:
         """Save on ALL ranks; returns the tag folder once it is complete and `latest` names it. The files go
         to a staging folder swapped in when complete: a checkpoint of the same tag saved before (a resume
-        from an earlier checkpoint redoes its steps) stays until the new one is whole."""
+        from an earlier checkpoint redoes its steps) stays until the new one is whole. `shared_files`
+        (name -> text): files of the whole job that rank 0 writes into it (the stream-state table)."""
         self.root.mkdir(parents=True, exist_ok=True)
         staging = self.root / f".{tag}.saving"
         if self.rank == 0 and staging.exists():  # a leftover of an interrupted save
@@ -165,6 +167,8 @@ class CheckpointManager:
                                    save_latest=False)
             path = rank_state_path(staging, self.rank)
             writes.run(path, lambda: atomic_torch_save(rank_state, path))
+            for name, text in (shared_files or {}).items() if self.rank == 0 else ():
+                writes.run(staging / name, lambda: atomic_write_text(staging / name, text))
             writes.run(staging, lambda: fsync_tree(staging))  # on disk, not only in the page cache
         self._stop_if_a_write_failed(writes, staging, tag)  # every rank's files are durable past this point
         checksums = self._agreed_checksums(staging)
@@ -271,8 +275,8 @@ class CheckpointManager:
         return info, self.load_rank_state(tag_dir)
 
     def check_compatible(self, tag_dir: Path) -> dict:
-        """The checkpoint's info; raises ResumeError when it was written by a job of another size, and
-        UntrustedCheckpointError when one of its files needs a class outside the allow-list."""
+        """The checkpoint's info; raises ResumeError when it is incomplete, and UntrustedCheckpointError when one of
+        its files needs a class outside the allow-list (another world size or ZeRO stage: elastic_resume.py)."""
         info = read_info(tag_dir)
         if info is None:
             raise ResumeError(f"{tag_dir}: incomplete checkpoint (no {INFO_FILE})")
@@ -280,10 +284,6 @@ class CheckpointManager:
             check_checkpoint_folder(tag_dir)   # every file, on every rank: all ranks refuse alike
         except UntrustedCheckpointError as exc:
             raise _earlier_rank_state(exc) from None
-        if info.get("world_size", self.world_size) != self.world_size:
-            raise ResumeError(f"{tag_dir}: written by {info['world_size']} processes, this job has "
-                              f"{self.world_size}; fix: relaunch with {info['world_size']} processes (the "
-                              "data-stream positions are per rank)")
         return info
 
     def load_rank_state(self, tag_dir: Path) -> dict:

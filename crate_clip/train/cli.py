@@ -1,4 +1,4 @@
-"""`crate-clip train --config X [--set a.b=v ...] [--resume latest|PATH]`: one entry for every launcher.
+"""`crate-clip train --config X [--set a.b=v ...] [--resume latest|auto|PATH]`: one entry for every launcher.
 
 Runs as it is in one process, or under `deepspeed`, `torchrun` or `accelerate launch` (they set RANK,
 WORLD_SIZE, MASTER_ADDR; the DeepSpeed launcher also passes --local_rank, accepted and ignored here).
@@ -30,8 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="run config YAML (see configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set stages.0.lr=1e-3 (repeatable)")
-    p.add_argument("--resume", default=None, metavar="latest|PATH",
-                   help="continue from the newest complete checkpoint of the run, or from a checkpoint folder")
+    p.add_argument("--resume", default=None, metavar="latest|auto|PATH",
+                   help="continue from the newest complete checkpoint of the run, or from a checkpoint folder; auto: "
+                        "the newest complete checkpoint if there is one, else start (for restarts and requeues)")
     p.add_argument("--overwrite", action="store_true",
                    help="run.output_dir holds an earlier run: move it to <output_dir>.previous and start over")
     p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)

@@ -64,6 +64,8 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     if device == "cpu":
         # Otherwise DeepSpeed compiles its shared-memory collective op with g++ (about a minute per run).
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        _init_on_this_restarts_keys("nccl" if device == "cuda" else "gloo", timedelta(seconds=timeout_s))
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False,
                                timeout=timedelta(seconds=timeout_s))
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -71,6 +73,20 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     return DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
+
+
+def _init_on_this_restarts_keys(backend: str, timeout: timedelta) -> None:
+    """The process group of a torchrun worker, on keys of its own restart: torchrun's agent keeps one store for all
+    restarts (--max-restarts), and the addresses the killed workers left in it would be read by the new ones (gloo
+    then fails with 'Connection refused' to a dead process). DeepSpeed adopts the group made here."""
+    import torch.distributed as tdist
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                 is_master=False, timeout=timeout)
+    store = tdist.PrefixStore(f"/crate_clip/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
+    device = {"device_id": torch.device("cuda", int(os.environ["LOCAL_RANK"]))} if backend == "nccl" else {}
+    tdist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **device)
 
 
 def _deep_merge(base: dict, extra: dict) -> dict:
@@ -100,8 +116,9 @@ def zero_stage_of(cfg: RunConfig) -> int:
     return int(load_zero_file(cfg.deepspeed.config).get("zero_optimization", {}).get("stage", 1))
 
 
-def deepspeed_config(cfg: RunConfig, stage) -> dict:
-    """The DeepSpeed JSON for one stage (a ResolvedStage), derived from the run config."""
+def deepspeed_config(cfg: RunConfig, stage, load_universal: bool = False) -> dict:
+    """The DeepSpeed JSON for one stage (a ResolvedStage), derived from the run config (`load_universal`: the
+    engine will load a universal checkpoint, elastic_resume.py)."""
     ds = load_zero_file(cfg.deepspeed.config)
     ds = _deep_merge(ds, {
         "train_batch_size": stage.global_batch,
@@ -117,6 +134,7 @@ def deepspeed_config(cfg: RunConfig, stage) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10 ** 12,
         "wall_clock_breakdown": False,
+        **({"checkpoint": {"load_universal": True}} if load_universal else {}),
     })
     return _deep_merge(ds, cfg.deepspeed.overrides)
 
@@ -130,8 +148,9 @@ def prepare_model_for_deepspeed(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def build_engine(model: torch.nn.Module, cfg: RunConfig, stage, dist: DistInfo):
-    """Wrap `model` for one stage (a ResolvedStage): AdamW groups, warm-up + cosine schedule, deepspeed.initialize."""
+def build_engine(model: torch.nn.Module, cfg: RunConfig, stage, dist: DistInfo, load_universal: bool = False):
+    """Wrap `model` for one stage (a ResolvedStage): AdamW groups, warm-up + cosine schedule, deepspeed.initialize
+    (`load_universal`: for a checkpoint of another world size or ZeRO stage, elastic_resume.py)."""
     import deepspeed   # lazy: see the top of the module
 
     if dist.world_size != stage.world_size:
@@ -144,7 +163,7 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, stage, dist: DistInfo):
     schedule = build_schedule(optimizer, total_steps=stage.steps, warmup_steps=schedule_keys.warmup_steps,
                               lr=schedule_keys.lr, min_lr=schedule_keys.min_lr)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                           config=deepspeed_config(cfg, stage))
+                                           config=deepspeed_config(cfg, stage, load_universal))
     return engine
 
 

@@ -1,4 +1,5 @@
-"""`crate-clip plan CONFIG --gpus N --gpu-memory 80GiB [--gpu h100] [--mfu 0.4] [--json]`: fit and time a run."""
+"""`crate-clip plan CONFIG --gpus N --gpu-memory 80GiB [--gpu h100] [--mfu 0.4] [--json]`: fit and time a run;
+`crate-clip plan --resume RUN_DIR --gpus N ...`: the same for the rest of a run in progress, resumed on N GPUs."""
 from __future__ import annotations
 
 import argparse
@@ -6,8 +7,10 @@ import json
 import sys
 
 from crate_clip.cli_errors import ConfigError, report_error
+from crate_clip.train.checkpoints import ResumeError
+from crate_clip.train.elastic_resume import checkpoint_of, resume_summary
 from crate_clip.train.planner import DEFAULT_MFU, GPU_TABLE, format_plan, parse_bytes, plan_run, plans_as_dicts
-from crate_clip.train.run_config import check_runtime, load_run_config
+from crate_clip.train.run_config import apply_override, check_runtime, config_from_dict, load_run_config
 from crate_clip.train.stage_model import resolve_stage
 
 PROG = "crate-clip plan"
@@ -51,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG,
                                 description="Per stage: parameters, counted FLOPs, per-rank memory, the largest "
                                             "micro-batch that fits, accumulation steps, wall time and GPU-hours.")
-    p.add_argument("config", help="run config YAML")
+    p.add_argument("config", nargs="?", default=None,
+                   help="run config YAML (with --resume: default the checkpoint's own run config)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR|CHECKPOINT",
+                   help="plan the rest of a run in progress as it would resume on --gpus GPUs: its newest complete "
+                        "checkpoint (or the one named), read from its JSON files")
     p.add_argument("--gpus", type=_positive_int, required=True, help="number of GPUs (ranks), at least 1")
     p.add_argument("--gpu-memory", type=_gpu_memory, default=None,
                    help="memory per GPU, e.g. 80GiB, 141G, 512MiB (default: the --gpu's)")
@@ -73,6 +80,30 @@ def plan_stages(config: str, overrides: list[str], gpus: int) -> list:
     return [resolve_stage(cfg, i, gpus) for i in range(len(cfg.stages))]
 
 
+def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int) -> tuple[dict, list]:
+    """(how the run in progress would resume on `gpus` ranks, its remaining stages resolved for them)."""
+    tag_dir = checkpoint_of(resume)
+    if config is not None:
+        cfg = load_run_config(config, overrides, check_paths=False)
+    else:
+        raw = json.loads((tag_dir / "crate_clip.json").read_text())["run_config"]
+        for assignment in overrides:
+            apply_override(raw, assignment)
+        cfg = config_from_dict(raw, check_paths=False, source_path=f"{tag_dir}/crate_clip.json")
+    check_runtime(cfg, gpus, "cuda")
+    summary = resume_summary(tag_dir, cfg, gpus)
+    return summary, [resolve_stage(cfg, i, gpus) for i in range(summary["stage_index"], len(cfg.stages))]
+
+
+def format_resume(s: dict) -> str:
+    """The lines `crate-clip plan --resume` prints above the plan."""
+    return (f"resume: {s['checkpoint']} (stage {s['stage_index']} {s['stage_name']}, step {s['step']} of "
+            f"{s['stage_steps']}, global step {s['global_step']}; written by {s['written_by']} processes under "
+            f"ZeRO-{s['written_zero_stage']})\n"
+            f"  on {s['world_size']} GPUs: ZeRO-{s['zero_stage']}, canonical streams {s['canonical_streams']} "
+            f"({s['canonical_streams'] // s['world_size']} per rank), DeepSpeed universal checkpoint: {s['universal']}")
+
+
 def main(argv=None) -> int:
     """Run `crate-clip plan`; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -80,15 +111,23 @@ def main(argv=None) -> int:
     try:
         if args.gpu_memory is None and gpu_key not in GPU_TABLE:
             raise ConfigError(f"--gpu-memory: required unless --gpu names a known GPU ({', '.join(GPU_TABLE)})")
-        stages = plan_stages(args.config, args.overrides, args.gpus)
-    except ConfigError as exc:
+        if args.config is None and args.resume is None:
+            raise ConfigError("give a run config, or --resume RUN_DIR for a run in progress")
+        summary = None
+        if args.resume is not None:
+            summary, stages = plan_resume(args.resume, args.config, args.overrides, args.gpus)
+        else:
+            stages = plan_stages(args.config, args.overrides, args.gpus)
+    except (ConfigError, ResumeError) as exc:
         return report_error(PROG, exc)
     memory = args.gpu_memory or GPU_TABLE[gpu_key][1] * 2 ** 30
     plans = plan_run(stages, memory, args.gpu, args.mfu, memory=not args.no_memory)
     if args.json:
-        print(json.dumps(plans_as_dicts(plans), indent=1))
+        rows = plans_as_dicts(plans)
+        print(json.dumps({"resume": summary, "stages": rows} if summary else rows, indent=1))
     else:
-        print(format_plan(plans, args.gpus, memory, args.gpu, args.mfu, stages[0].zero_stage, stages[0].precision))
+        print((format_resume(summary) + "\n" if summary else "")
+              + format_plan(plans, args.gpus, memory, args.gpu, args.mfu, stages[0].zero_stage, stages[0].precision))
     return 0
 
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import time
 from pathlib import Path
@@ -30,6 +31,8 @@ from crate_clip.train.checkpoints import (CheckpointInfo, CheckpointManager, Pro
                                           checkpoint_tag, consolidated_state_dict, find_resume_point, read_info,
                                           rng_state, set_rng_state)
 from crate_clip.train.disk_space import check_space_for_next_save
+from crate_clip.train.elastic_resume import (STREAM_TABLE, gather_stream_table, load_resume_state, needs_universal,
+                                             resolve_auto, resume_seed, settle_canonical_streams)
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype
 from crate_clip.train.export import export_checkpoint
 from crate_clip.train.intact_checkpoints import intact_checkpoint
@@ -70,12 +73,14 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
     stream_factory = stream_factory or default_stream_factory
     ckpts = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size,
                               protect=lambda info: _evaluations_pending(cfg, info))
-    start = find_resume_point(cfg, ckpts, _intact(ckpts, resume))  # validated before anything is written
+    start = find_resume_point(cfg, ckpts, _intact(ckpts, resolve_auto(cfg.run_dir, ckpts, resume)))  # before any write
+    settle_canonical_streams(cfg, dist.world_size, start.tag_dir, start.progress.stage_index)  # run_config.yaml
     if start.tag_dir is not None:   # every rank: the run's file system
         check_space_for_next_save(ckpts.root, start.tag_dir)
     tdist.barrier()  # every rank has read the folder before rank 0 changes it
     if dist.is_main:
-        _prepare_run_dir(cfg, start, moved_aside=earlier_run and overwrite)
+        _prepare_run_dir(cfg, start, moved_aside=earlier_run and overwrite,
+                         restarted=bool(earlier_run) and not overwrite and start.tag_dir is None)
     log = MetricsLog(cfg.run_dir, enabled=dist.is_main, progress=cfg.logging.progress,
                      tensorboard=cfg.logging.tensorboard)
     progress, weights, evals, tag_dir = start.progress, None, [], start.tag_dir
@@ -136,14 +141,19 @@ def run_stage(cfg: RunConfig, stage: ResolvedStage, weights: Optional[dict], sta
         return start.tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
     # resuming: every weight comes from the checkpoint loaded below, the model only needs the stage's shapes
     model = stage.build_model(weights, read_files=start is None)
-    engine = build_engine(model, cfg, stage, dist)
+    # another world size or ZeRO stage: DeepSpeed's universal checkpoint (elastic_resume.py)
+    universal = start is not None and needs_universal(start.tag_dir, dist.world_size, stage.zero_stage)
+    engine = build_engine(model, cfg, stage, dist, load_universal=universal)
     _seed_everything(cfg.run.seed * 7919 + 104729 * stage.index + dist.rank)  # token masks differ per rank
     stream = stream_factory(cfg, stage, dist)
     if start is not None:
-        rank_state = _load_checkpoint(ckpts, engine, stage, start.tag_dir)
+        rank_state = _load_checkpoint(ckpts, engine, stage, start.tag_dir, dist, universal)
         if rank_state.get("stream") is not None:
             stream.load_state_dict(rank_state["stream"])
-        set_rng_state(rank_state["rng"])
+        if rank_state.get("rng") is not None:
+            set_rng_state(rank_state["rng"])
+        else:   # another world size: the saved generators belong to ranks this job does not have
+            _seed_everything(resume_seed(cfg.run.seed, stage.index, progress.global_step, dist.rank))
     else:
         progress.stage_index, progress.step, progress.nonfinite_in_a_row = stage.index, 0, 0
     tag_dir = train_stage(cfg, stage, engine, stream, progress, ckpts, log, dist)
@@ -153,11 +163,12 @@ def run_stage(cfg: RunConfig, stage: ResolvedStage, weights: Optional[dict], sta
     return tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
 
 
-def _load_checkpoint(ckpts: CheckpointManager, engine, stage: ResolvedStage, tag_dir: Path) -> dict:
+def _load_checkpoint(ckpts: CheckpointManager, engine, stage: ResolvedStage, tag_dir: Path, dist: DistInfo,
+                     universal: bool) -> dict:
     """Load `tag_dir` into the stage's engine; returns this rank's state. Weights of other shapes than the stage's
     model (a run config changed since) are a ResumeError naming the first mismatch, not a traceback."""
     try:
-        return ckpts.load(engine, tag_dir)[1]
+        return load_resume_state(ckpts, engine, tag_dir, dist.rank, dist.world_size, universal)
     except RuntimeError as exc:   # torch's load_state_dict under DeepSpeed: "size mismatch for <key>: ..."
         lines = [line.strip() for line in str(exc).splitlines()
                  if line.strip().startswith(("size mismatch", "Missing key", "Unexpected key"))]
@@ -190,12 +201,13 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _prepare_run_dir(cfg: RunConfig, start: ResumePoint, moved_aside: bool) -> None:
+def _prepare_run_dir(cfg: RunConfig, start: ResumePoint, moved_aside: bool, restarted: bool = False) -> None:
     """Rank 0, once the command is validated: move an earlier run aside (--overwrite), set aside the rows a
-    cut-short segment logged after the checkpoint resumed from, write run_config.yaml."""
+    cut-short segment logged after the checkpoint resumed from (`restarted`: --resume auto starts over a run
+    cut short before its first checkpoint: all its rows), write run_config.yaml."""
     if moved_aside:
         print(f"the earlier run in {cfg.run_dir} is moved to {move_run_aside(cfg.run_dir)}", flush=True)
-    if start.tag_dir is not None:
+    if start.tag_dir is not None or restarted:
         set_aside_rows_after(cfg.run_dir, start.progress.global_step)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(cfg.run_dir / "run_config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -342,7 +354,9 @@ def _save(ckpts: CheckpointManager, engine, cfg: RunConfig, stage: ResolvedStage
                           progress)
     rank_state = {"stream": stream.state_dict() if hasattr(stream, "state_dict") else None, "rng": rng_state(),
                   "progress": dataclasses.asdict(progress)}
-    return ckpts.save(engine, checkpoint_tag(progress.stage_index, progress.step), info.as_dict(), rank_state)
+    table = gather_stream_table(stream, ckpts.rank, ckpts.world_size)   # every rank: a collective
+    return ckpts.save(engine, checkpoint_tag(progress.stage_index, progress.step), info.as_dict(), rank_state,
+                      shared_files={STREAM_TABLE: json.dumps(table)} if table else None)
 
 
 def _first_batch_of_epoch(batches, cfg: RunConfig):
