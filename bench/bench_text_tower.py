@@ -7,12 +7,14 @@ Demo arms (the demo recipe, configs/demo/fashion_mnist.yaml, run one after the o
 per arm: zero-shot top-1 after each stage, the demo's linear probe, training samples/s per stage, and the text
 tower's per-layer coding rate and sparsity over training (the white-box probe, logging.diagnostics_every).
 
-Step time: the text towers of CRATE-alpha-CLIPA-L-14 (CLIPA's transformer, 1024/24/16) and of
+Step time (--steptime): the text towers of CRATE-alpha-CLIPA-L-14 (CLIPA's transformer, 1024/24/16) and of
 CRATE-alpha-CLIPA-L-14-crate-text (CRATE-alpha, 1024/24/16) alone, forward + backward of batch 8 x 32 tokens in one
-process, steps of the two alternated in the same run; the ratio of their medians.
+process, steps of the two alternated in the same run; the ratio of their medians. Beside it, the three demo arms'
+whole CLIPs at the demo's stage-1 shape, one step each alternated in one process (their samples/s in the demo runs
+depend on what else loads the shared machine while each runs).
 
     python bench/bench_text_tower.py --steptime [--steps 5]       # ~3 min on 2 idle cores
-    python bench/bench_text_tower.py --demo [--fraction 1.0] [--data-dir DIR]   # three demo runs, ~15-25 min
+    python bench/bench_text_tower.py --demo [--fraction 1.0] [--data-dir DIR]   # three demo runs, ~5-16 min each
     python bench/bench_text_tower.py --write                      # the `text-tower` section of BENCHMARKS.md
 Each part keeps its numbers in bench/out/text_tower/*.json; --write assembles what is there.
 """
@@ -40,6 +42,7 @@ ARM_LABELS = {"transformer": "transformer text (demo)", "crate_params": "CRATE-�
               "crate_flops": "CRATE-α text, equal text FLOPs"}
 STEP_TOWERS = {"transformer": "CRATE-alpha-CLIPA-L-14", "crate": "CRATE-alpha-CLIPA-L-14-crate-text"}
 STEP_BATCH, STEP_TOKENS = 8, 32
+DEMO_STEP_BATCH = 32   # one demo process's share of the global batch of 64
 
 
 # ------------------------------------------------------------------ the text towers alone
@@ -100,6 +103,41 @@ def steptime(steps: int) -> dict:
             "params": {k: sum(p.numel() for p in t.parameters()) for k, t in towers.items()},
             "flops": {k: text_flops(t, STEP_TOKENS) for k, t in towers.items()},
             "threads": torch.get_num_threads(), "load": [min(load), max(load)], "steps": steps}
+
+
+def demo_steptime(steps: int) -> dict:
+    """Median training-step seconds (forward, CLIP loss, backward) of the three demo arms' whole CLIPs at the
+    demo's full-resolution stage shape (28 px at patch 7, 16 tokens, one process's batch of 32), on one thread as
+    each demo process runs, the arms alternated; ratios to the transformer arm."""
+    from open_clip.loss import ClipLoss
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from crate_clip.models import create_clip
+    from eval.whitebox import find_crate_tower
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    models = {arm: create_clip(name, image_size=28, context_length=16).train() for arm, name in ARMS.items()}
+    for model in models.values():
+        find_crate_tower(model).set_patch_size(7)
+    images = torch.randn(DEMO_STEP_BATCH, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+    ids = _tokens(models["transformer"], DEMO_STEP_BATCH, 16)
+    loss_fn, times = ClipLoss(), {arm: [] for arm in models}
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            for round_ in range(1 + steps):   # round 0 warms up
+                for arm, model in models.items():
+                    t0 = time.perf_counter()
+                    model.zero_grad(set_to_none=True)
+                    loss_fn(*model(images, ids)[:3]).backward()
+                    if round_:
+                        times[arm].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return {"median_s": median, "ratio": {k: v / median["transformer"] for k, v in median.items()},
+            "batch": DEMO_STEP_BATCH, "steps": steps}
 
 
 # ------------------------------------------------------------------ the demo arms
@@ -244,7 +282,19 @@ def steptime_markdown(s: dict) -> list[str]:
                             f"median step ({STEP_BATCH} x {STEP_TOKENS} tokens)"], rows), "",
             f"**CRATE-α / transformer step time: {s['ratio']:.2f}x** (FLOPs {s['flops']['crate'] / s['flops']['transformer']:.2f}x); "
             f"{s['steps']} alternated steps each after one warm-up, {s['threads']} torch threads, load average "
-            f"{s['load'][0]:.1f}-{s['load'][1]:.1f} during the steps."]
+            f"{s['load'][0]:.1f}-{s['load'][1]:.1f} during the steps."] + demo_steptime_markdown(s.get("demo_arms"))
+
+
+def demo_steptime_markdown(d: dict | None) -> list[str]:
+    """The demo arms' step-time ratios (a load-independent view of their samples/s)."""
+    if not d:
+        return []
+    ratios = ", ".join(f"{ARM_LABELS[arm]} {d['ratio'][arm]:.2f}x ({d['median_s'][arm] * 1e3:.0f} ms)"
+                       for arm in ARMS if arm != "transformer")
+    return ["", f"**The demo arms' whole CLIPs, one training step each, alternated in one process** (28 px at patch "
+            f"7, 16 tokens, batch {d['batch']} = one demo process's share, one thread as each demo process runs, "
+            f"forward + CLIP loss + backward, median of {d['steps']}): step time against the transformer text arm "
+            f"({d['median_s']['transformer'] * 1e3:.0f} ms): {ratios}."]
 
 
 def write(note: str) -> str:
@@ -288,7 +338,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     if args.steptime:
-        result = steptime(args.steps)
+        result = {**steptime(args.steps), "demo_arms": demo_steptime(4 * args.steps)}
         (OUT / "steptime.json").write_text(json.dumps(result, indent=1))
         print(json.dumps(result, indent=1))
     if args.demo:
