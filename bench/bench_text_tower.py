@@ -224,6 +224,10 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.2f}%"
 
 
+def _load(load: dict) -> str:
+    return f"{load['mean']:.1f} ({load['min']:.1f}-{load['max']:.1f})"
+
+
 def _zeroshot(arm: dict, stage: int, size: int):
     return next((r["top1"] for r in arm["zeroshot"] if (r["stage_index"], r["image_size"]) == (stage, size)), None)
 
@@ -251,10 +255,11 @@ def demo_markdown(d: dict) -> list[str]:
                      _pct(_zeroshot(a, 1, 28)), _pct(a["linear_probe_top1"]),
                      " / ".join(f"{a['flops_per_sample'][s] / 1e6:.0f}" for s in sorted(a["flops_per_sample"])),
                      " / ".join(f"{a['samples_per_s'][s]:.0f}" for s in sorted(a["samples_per_s"])),
-                     f"{a['wall_seconds']:.0f}", f"{a['load']['mean']:.1f} ({a['load']['min']:.1f}-{a['load']['max']:.1f})"])
+                     f"{a['wall_seconds']:.0f}", _load(a["load"])])
     lines = [markdown_table(["arm", "model", "text params (as trained, 16 tokens)", "text MFLOP / sample (fwd+bwd)",
                              "zero-shot after stage 0 (21 px)", "stage 0 at 28 px", "after stage 1 (28 px)",
-                             "linear probe", "CLIP train MFLOP / sample (stage 0 / 1)", "samples/s (stage 0 / 1)", "wall s", "load average (min-max)"], rows)]
+                             "linear probe", "CLIP train MFLOP / sample (stage 0 / 1)", "samples/s (stage 0 / 1)",
+                             "wall s", "load average (min-max)"], rows)]
     captions = next((a["whitebox_text"][0]["probe_captions"] for a in arms.values() if a["whitebox_text"]), 0)
     lines += ["", f"Text tower diagnostics over training (the white-box probe on {captions} class-name prompts of the "
               "eval set, each over its own tokens; per layer: coding rate R^c / normalised L0 of the ISTA code; the "
@@ -280,7 +285,8 @@ def steptime_markdown(s: dict) -> list[str]:
              f"{s['median_s'][kind] * 1e3:.0f} ms"] for kind in ("transformer", "crate")]
     return [markdown_table(["text tower", "config", "parameters", "GFLOP / sample (fwd+bwd)",
                             f"median step ({STEP_BATCH} x {STEP_TOKENS} tokens)"], rows), "",
-            f"**CRATE-α / transformer step time: {s['ratio']:.2f}x** (FLOPs {s['flops']['crate'] / s['flops']['transformer']:.2f}x); "
+            f"**CRATE-α / transformer step time: {s['ratio']:.2f}x** "
+            f"(FLOPs {s['flops']['crate'] / s['flops']['transformer']:.2f}x); "
             f"{s['steps']} alternated steps each after one warm-up, {s['threads']} torch threads, load average "
             f"{s['load'][0]:.1f}-{s['load'][1]:.1f} during the steps."] + demo_steptime_markdown(s.get("demo_arms"))
 
