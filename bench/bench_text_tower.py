@@ -281,12 +281,16 @@ def steptime_markdown(s: dict) -> list[str]:
     """The step-time comparison."""
     from report import markdown_table
 
+    rounds = [c / t for c, t in zip(s["times_s"]["crate"], s["times_s"]["transformer"])]
+
     rows = [[kind, f"`{STEP_TOWERS[kind]}`", f"{s['params'][kind]:,}", f"{s['flops'][kind] / 1e9:.1f}",
-             f"{s['median_s'][kind] * 1e3:.0f} ms"] for kind in ("transformer", "crate")]
+             f"{s['median_s'][kind]:.1f} s", f"{min(s['times_s'][kind]):.1f}-{max(s['times_s'][kind]):.1f} s"]
+            for kind in ("transformer", "crate")]
     return [markdown_table(["text tower", "config", "parameters", "GFLOP / sample (fwd+bwd)",
-                            f"median step ({STEP_BATCH} x {STEP_TOKENS} tokens)"], rows), "",
+                            f"median step ({STEP_BATCH} x {STEP_TOKENS} tokens)", "step range"], rows), "",
             f"**CRATE-α / transformer step time: {s['ratio']:.2f}x** "
-            f"(FLOPs {s['flops']['crate'] / s['flops']['transformer']:.2f}x); "
+            f"(FLOPs {s['flops']['crate'] / s['flops']['transformer']:.2f}x; the ratio within each round of the "
+            f"alternation ranged {min(rounds):.2f}-{max(rounds):.2f}); "
             f"{s['steps']} alternated steps each after one warm-up, {s['threads']} torch threads, load average "
             f"{s['load'][0]:.1f}-{s['load'][1]:.1f} during the steps."] + demo_steptime_markdown(s.get("demo_arms"))
 
