@@ -1,6 +1,6 @@
 """Runs of the embedded demo for the benchmarks (`python -m crate_clip.train.demo` in a subprocess, its console
 in `<run-dir>.log`) and what their own metrics.jsonl says about their time: each stage's training seconds and
-the seconds the white-box probe took inside them."""
+the seconds the white-box probe took inside them (all probed towers)."""
 import json
 import subprocess
 import sys
@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from crate_clip.train.whitebox_log import TOWER_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo" / "fashion_mnist.yaml"
@@ -61,9 +63,10 @@ def stage_times(run_dir: Path) -> dict:
         first, last = recs[0], recs[-1]
         batch = (last["samples_seen"] - first["samples_seen"]) / max(last["step"] - first["step"], 1)
         train += last["step"] * batch / last["samples_per_s"]
-        measured = [r["whitebox"] for r in recs if r.get("whitebox")]
-        probe += measured[-1]["seconds_total"] if measured else 0.0
+        for key in TOWER_KEYS:   # each probed tower keeps its own running total
+            measured = [r[key] for r in recs if r.get(key)]
+            probe += measured[-1]["seconds_total"] if measured else 0.0
     return {"training_seconds": train, "probe_seconds": probe,
             "probe_share": probe / train if train else None,
-            "measurements": sum(1 for r in records if r.get("whitebox")),
+            "measurements": sum(1 for r in records if any(r.get(key) for key in TOWER_KEYS)),
             "samples": records[-1]["samples_seen"] if records else 0}

@@ -2,8 +2,9 @@
 dictionary atoms (columns of D) each token's ISTA code uses, and per-layer coding rate and sparsity.
 
 The attention rows and the codes are the tower's own (`forward_intermediates` with `return_attn` /
-`return_sparse_codes`); coding rate and code sparsity are eval.whitebox's definitions, restricted to the caption's
-tokens (padding left out, except the pooled position when pooling reads a padding slot, as CLIPA's 'last' does).
+`return_sparse_codes`); coding rate and code sparsity are eval.whitebox's definitions, restricted to each caption's
+tokens (padding left out, except the pooled position when pooling reads a padding slot, as CLIPA's 'last' does):
+`caption_token_mask`. `text_layer_diagnostics` gives them per block for a batch of captions (the training probe).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eval.whitebox import coding_rate, zero_fraction
+from eval.whitebox import EPS2, block_diagnostics, coding_rate, zero_fraction
 
 PAD_ID = 0   # open_clip's CLIP BPE and the BERT tokenizers both pad with 0
 _SHORT = {"<start_of_text>": "<sot>", "<end_of_text>": "<eot>"}   # CLIP BPE's special tokens, for narrow tables
@@ -56,19 +57,47 @@ def token_strings(tokenizer, ids: list[int]) -> list[str]:
     return [str(i) for i in ids]
 
 
-def _shown_positions(ids: torch.Tensor, pooled: int) -> list[int]:
-    keep = [i for i, t in enumerate(ids.tolist()) if t != PAD_ID]
-    return sorted(set(keep) | {pooled})
+def pooled_positions(tower, ids: torch.Tensor) -> torch.Tensor:
+    """(B,) the position each caption's feature is pooled from, by the tower's pool_type."""
+    batch, length = ids.shape
+    if tower.pool_type == "argmax":
+        return ids.argmax(dim=-1)
+    if tower.pool_type == "eos":
+        return (ids == tower.eos_id).int().argmax(dim=-1)
+    return torch.full((batch,), 0 if tower.pool_type == "first" else length - 1, dtype=torch.long, device=ids.device)
+
+
+def caption_token_mask(tower, ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) True at each caption's tokens: everything but padding, plus the pooled position (a padding slot
+    under CLIPA's 'last' pooling, which the feature is read from)."""
+    mask = ids != PAD_ID
+    mask[torch.arange(ids.shape[0], device=ids.device), pooled_positions(tower, ids)] = True
+    return mask
+
+
+@torch.no_grad()
+def text_layer_diagnostics(clip: torch.nn.Module, ids: torch.Tensor, eps2: float = EPS2) -> dict:
+    """Per-block coding rate and sparsity of tokenized captions `ids` (B, L) through a CRATE-alpha text tower, each
+    caption over its own tokens (caption_token_mask); the image tower's block_diagnostics."""
+    tower = _text_tower(clip)
+    ids = ids.to(tower.token_embedding.weight.device)   # a locked tower holds buffers, not parameters
+    out = tower.forward_intermediates(ids, intermediates_only=True, return_sparse_codes=True, return_projections=True)
+    return block_diagnostics(out["text_projections"], out["text_sparse_codes"], caption_token_mask(tower, ids), eps2)
+
+
+def _text_tower(clip: torch.nn.Module):
+    tower = find_crate_text_tower(clip)
+    if tower is None:
+        raise TypeError(f"{type(getattr(clip, 'module', clip)).__name__} has no CRATE-alpha text tower: it needs a "
+                        f"model whose text_cfg has \"tower\": \"crate_alpha\"")
+    return tower
 
 
 @torch.no_grad()
 def inspect_caption(clip: torch.nn.Module, tokenizer, caption: str, layer: int = -1,
                     top_atoms: int = 5) -> TextInspection:
     """Attention and sparse codes of `caption` at block `layer` (negative: from the end) of the text tower."""
-    tower = find_crate_text_tower(clip)
-    if tower is None:
-        raise TypeError(f"{type(getattr(clip, 'module', clip)).__name__} has no CRATE-alpha text tower: "
-                        f"`inspect text` needs a model whose text_cfg has \"tower\": \"crate_alpha\"")
+    tower = _text_tower(clip)
     depth = len(tower.transformer.resblocks)
     index = layer if layer >= 0 else depth + layer
     if not 0 <= index < depth:
@@ -77,9 +106,9 @@ def inspect_caption(clip: torch.nn.Module, tokenizer, caption: str, layer: int =
     ids = tokenizer([caption]).to(device)
     out = tower.forward_intermediates(ids, intermediates_only=True, return_attn=True, return_sparse_codes=True,
                                       return_projections=True)
-    pooled = _pooled_position(tower, ids[0])
-    shown = _shown_positions(ids[0], pooled)
-    idx = torch.tensor(shown, device=device)
+    pooled = int(pooled_positions(tower, ids)[0])
+    idx = caption_token_mask(tower, ids)[0].nonzero().flatten()
+    shown = idx.tolist()
     attn = out["text_attn"][index][0][:, idx]                     # (h, shown, L)
     padding = (attn.sum(-1) - attn[:, :, idx].sum(-1)).clamp_min(0)   # mass on the positions not shown
     attention = torch.cat([attn[:, :, idx], padding.unsqueeze(-1)], dim=-1)
@@ -93,15 +122,6 @@ def inspect_caption(clip: torch.nn.Module, tokenizer, caption: str, layer: int =
         active_atoms=(code != 0).sum(-1).tolist(), code_dim=code.shape[-1],
         coding_rate=[float(coding_rate(p[:, :, idx])[0]) for p in out["text_projections"]],
         zero_fraction=[float(zero_fraction(c[:, idx])[0]) for c in out["text_sparse_codes"]])
-
-
-def _pooled_position(tower, ids: torch.Tensor) -> int:
-    L = ids.shape[0]
-    if tower.pool_type == "argmax":
-        return int(ids.argmax())
-    if tower.pool_type == "eos":
-        return int((ids == tower.eos_id).int().argmax())
-    return 0 if tower.pool_type == "first" else L - 1
 
 
 def format_inspection(ins: TextInspection) -> str:

@@ -47,3 +47,13 @@ def vit_file(vit, tmp_path):
     path = tmp_path / "vit.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
     return name, path
+
+
+@pytest.fixture(scope="session")
+def both_crate_run(tmp_path_factory, fashion_mnist_dir):
+    """(run folder, config file, data folder) of the tiny both-CRATE CLIP's 2-process ZeRO-3 run, trained once per
+    session for the text-tower and white-box tests (train_fixtures.both_crate_config)."""
+    from train_fixtures import train_both_crate, write_tiny_fmnist
+    root = tmp_path_factory.mktemp("both_crate")
+    data = write_tiny_fmnist(root / "data", fashion_mnist_dir)
+    return (*train_both_crate(root, data), data)

@@ -132,3 +132,14 @@ def test_stream_reports_pos_source(monkeypatch):
     expected = "wordnet" if find_wordnet_dir() else "builtin"
     assert select_pos_tagger("auto").source == expected
     assert TextReducer(8, "syntax", TOK).pos_source == expected
+
+
+@pytest.mark.parametrize("model", ["CRATE-alpha-CLIPA-tiny", "CRATE-alpha-CLIPA-tiny-crate-text"])
+def test_masks_follow_the_tokenizer_whatever_the_text_tower(model):
+    """The training stream tokenizes with the model config's tokenizer: CLIP's BPE for a transformer and for a
+    CRATE-alpha text tower alike, so every reduction mask applies to either tower the same way."""
+    from data_pipelines.train_stream import _tokenizer
+
+    for mask in ("truncate", "random", "block", "syntax"):
+        ours, reference = TextReducer(16, mask, _tokenizer(model)), TextReducer(16, mask, TOK)
+        assert np.array_equal(ours(LONG, random.Random(1)), reference(LONG, random.Random(1))), mask

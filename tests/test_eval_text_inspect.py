@@ -70,3 +70,24 @@ def test_cli_json_and_errors(capsys, tmp_path):
     assert "no CRATE-alpha text tower" in capsys.readouterr().err
     assert inspect_main(["text", CAPTION, "--model", TINY_TEXT, "--layer", "5"]) == 2
     assert "has 2 blocks" in capsys.readouterr().err
+
+
+def test_text_layer_diagnostics_are_the_per_caption_numbers_averaged(tiny):
+    """The training probe's per-block numbers over a batch of captions of different lengths: the mean and std of
+    what `inspect text` reports for each caption over its own tokens."""
+    from eval.whitebox_text import text_layer_diagnostics
+
+    tokenizer = open_clip.get_tokenizer(TINY_TEXT)
+    captions = [CAPTION, "a bag", "a photo of a pair of trousers, folded"]
+    d = text_layer_diagnostics(tiny, tokenizer(captions))
+    single = [inspect_caption(tiny, tokenizer, c) for c in captions]
+    # rel 1e-5: the float32 forward of a batch of 3 and of one caption run matmuls of other shapes
+    for block in range(2):
+        rates = torch.tensor([s.coding_rate[block] for s in single], dtype=torch.float64)
+        zeros = torch.tensor([s.zero_fraction[block] for s in single], dtype=torch.float64)
+        assert d["coding_rate"][block] == pytest.approx(float(rates.mean()), rel=1e-5)
+        assert d["coding_rate_std"][block] == pytest.approx(float(rates.std(unbiased=False)), rel=1e-5)
+        assert d["zero_fraction"][block] == pytest.approx(float(zeros.mean()), abs=1e-6)
+        assert d["l0"][block] == pytest.approx(1 - d["zero_fraction"][block])
+    with pytest.raises(TypeError, match="no CRATE-alpha text tower"):
+        text_layer_diagnostics(create_clip("CRATE-alpha-CLIPA-tiny"), tokenizer(captions))

@@ -36,6 +36,21 @@ def test_zero_fraction_counts():
     assert zero_fraction(codes).tolist() == pytest.approx([0.5, 18 / 20])
 
 
+def test_masked_coding_rate_and_sparsity_count_only_the_kept_tokens():
+    """A mask (a caption's own tokens) gives each sample the numbers of its kept tokens alone, N included."""
+    torch.manual_seed(0)
+    z, codes = torch.randn(3, 2, 9, 4, dtype=torch.float64), torch.relu(torch.randn(3, 9, 6))
+    mask = torch.zeros(3, 9, dtype=torch.bool)
+    for b, kept in enumerate(([0, 1, 2], [0, 3, 4, 5, 8], list(range(9)))):
+        mask[b, kept] = True
+    rates, zeros = coding_rate(z, mask=mask), zero_fraction(codes, mask=mask)
+    for b in range(3):
+        kept = mask[b]
+        torch.testing.assert_close(rates[b], coding_rate(z[b:b + 1, :, kept])[0], rtol=1e-12, atol=0)
+        assert zeros[b] == pytest.approx(float(zero_fraction(codes[b:b + 1, kept])[0]), abs=1e-7)
+    assert torch.equal(coding_rate(z, mask=torch.ones(3, 9, dtype=torch.bool)), coding_rate(z))
+
+
 def test_layer_diagnostics_on_a_tower():
     torch.manual_seed(0)
     tower = CrateAlpha(img_size=16, patch_size=4, embed_dim=32, depth=3, num_heads=4, num_classes=0).eval()
@@ -68,7 +83,7 @@ def test_zero3_shadow_tower_follows_the_stage_patch_size(patch):
     from crate_clip.models import create_clip
     from crate_clip.train.run_config import config_from_dict
     from crate_clip.train.stage_model import resolve_stage
-    from crate_clip.train.whitebox_log import shadow_tower
+    from crate_clip.train.whitebox_log import shadow_towers
     from eval.whitebox import find_crate_tower
 
     torch.manual_seed(0)
@@ -76,7 +91,7 @@ def test_zero3_shadow_tower_follows_the_stage_patch_size(patch):
     trained.set_patch_size(patch)
     cfg = config_from_dict({"data": {"sources": ["x"]}, "stages": [
         {"image_size": 28, "context_length": 16, "samples": 256, "patch_size": patch}]}, check_paths=False)
-    shadow = shadow_tower(resolve_stage(cfg, 0), trained).eval()
+    shadow = shadow_towers(resolve_stage(cfg, 0), trained, None)[0].eval()
     shadow.load_state_dict(trained.state_dict())   # strict: every shape must match
     images = torch.randn(2, 3, 28, 28)
     assert layer_diagnostics(shadow, images) == layer_diagnostics(trained, images)   # exact: same tower, same weights

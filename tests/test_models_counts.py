@@ -83,6 +83,7 @@ def test_ablation_ladder_counts():
 
 CRATE_TEXT_COUNTS = {  # docs/text_tower.md: (text tower with projection, whole CLIP incl. logit_scale)
     "CRATE-alpha-CLIPA-tiny-crate-text": (3_254_912, 3_941_633),
+    "CRATE-alpha-CLIPA-tiny-crate-text-w52": (2_632_136, 3_318_857),
     "CRATE-alpha-CLIPA-B-16-crate-text": (285_607_936, 357_953_537),
     "CRATE-alpha-CLIPA-L-14-crate-text": (285_607_936, 539_281_409),
     "CRATE-alpha-CLIPA-H-14-crate-text": (285_607_936, 812_455_937),

@@ -1,5 +1,5 @@
-"""Exact contrastive gradient accumulation (feature cache) on 2 ranks under ZeRO 1/2/3, and the skip of a
-step whose loss is finite but whose gradient is not."""
+"""Exact contrastive gradient accumulation (feature cache) on 2 ranks under ZeRO 1/2/3 (also with a CRATE-alpha text
+tower), and the skip of a step whose loss is finite but whose gradient is not."""
 import json
 import math
 
@@ -28,9 +28,10 @@ def gradpoison(tmp_path_factory):
 
 
 def test_k4_equals_k1_gradients_and_weights(accum):
-    assert len(accum) == 8  # 4 cases x 2 ranks
+    assert len(accum) == 10  # 5 cases x 2 ranks
+    assert {r["model"] for r in accum} == {"CRATE-alpha-CLIPA-tiny", "CRATE-alpha-CLIPA-tiny-crate-text"}
     for row in accum:
-        case = f"ZeRO-{row['zero_stage']} frozen_text={row['frozen_text']} rank {row['rank']}"
+        case = f"{row['model']} ZeRO-{row['zero_stage']} frozen_text={row['frozen_text']} rank {row['rank']}"
         assert row["k"] == [1, 4], case
         assert row["n_grads"][0] == row["n_grads"][1] > 0, case
         assert row["grad_max_abs"] > 1e-4, case  # real gradients, not zeros

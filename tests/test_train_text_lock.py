@@ -9,6 +9,7 @@ import torch
 from train_fixtures import run_job, tiny_config, tiny_fmnist, torchrun_cmd, write_config  # noqa: F401
 
 MODEL = "CRATE-alpha-CLIPA-tiny"
+CRATE_TEXT = "CRATE-alpha-CLIPA-tiny-crate-text"
 
 
 def _text_source(path, seed=123):
@@ -140,6 +141,31 @@ def test_custom_text_layout_and_shape_errors(tmp_path):
     with pytest.raises(TextTowerError, match=r"model.text_pretrained: x.pt lacks the text-tower keys \[ln_final"):
         load_pretrained_text_tower(model, {k: v for k, v in source.items() if not k.startswith("ln_final")},
                                    where="x.pt")
+
+
+def test_a_crate_alpha_text_tower_loads_from_its_own_kind_and_locks(tmp_path):
+    """A CRATE-alpha text tower takes model.text_pretrained from a *-crate-text checkpoint (exactly) and locks like
+    the transformer; a checkpoint with the other kind of text tower is refused naming both kinds, either way."""
+    from crate_clip.models import create_clip
+    from crate_clip.models.text_sources import TextTowerError, load_pretrained_text_tower
+    from crate_clip.train.text_lock import apply_text_config, frozen_names
+
+    torch.manual_seed(123)
+    crate = create_clip(CRATE_TEXT, image_size=16, context_length=16)
+    torch.save(crate.state_dict(), tmp_path / "crate_text.pt")
+    torch.manual_seed(0)
+    model = create_clip(CRATE_TEXT, image_size=16, context_length=16)
+    names = apply_text_config(model, text_pretrained=str(tmp_path / "crate_text.pt"), lock_text=True,
+                              lock_logit_scale=True, compute_dtype=None)
+    assert _text_equal(model, crate.state_dict()) and set(names) == set(frozen_names(model))
+    assert "text.transformer.resblocks.1.ista.D1" in names and "logit_scale" in names
+    assert all(n.startswith("visual.") for n, _ in model.named_parameters())
+    image_f, text_f, _ = model(image=torch.randn(2, 3, 16, 16), text=torch.randint(1, 500, (2, 16)))
+    assert image_f.requires_grad and not text_f.requires_grad
+    with pytest.raises(TextTowerError, match="CRATE-alpha text tower and the checkpoint a transformer one"):
+        load_pretrained_text_tower(model, _text_source(tmp_path / "text.pt"))
+    with pytest.raises(TextTowerError, match="transformer text tower and the checkpoint a CRATE-alpha one"):
+        load_pretrained_text_tower(_model(), crate.state_dict())
 
 
 def test_sources_local_dir_and_open_clip_tag(tmp_path):

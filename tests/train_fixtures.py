@@ -15,16 +15,21 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "train_workers.py"
 
 
-@pytest.fixture(scope="session")
-def tiny_fmnist(tmp_path_factory, fashion_mnist_dir):
-    """1,200 real Fashion-MNIST training pairs in 3 shards and 200 test images as an ImageFolder."""
+def write_tiny_fmnist(root: Path, fashion_mnist_dir: Path) -> Path:
+    """1,200 real Fashion-MNIST training pairs in 3 shards (root/train) and 200 test images as an ImageFolder
+    (root/test); returns root."""
     from data_pipelines.sources.fashion_mnist import write_fashion_mnist_eval_folder, write_fashion_mnist_shards
 
-    root = tmp_path_factory.mktemp("fmnist")
     write_fashion_mnist_shards(root / "train", split="train", samples_per_shard=400, limit=1200,
                                source_dir=fashion_mnist_dir)
     write_fashion_mnist_eval_folder(root / "test", split="test", limit=200, source_dir=fashion_mnist_dir)
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_fmnist(tmp_path_factory, fashion_mnist_dir):
+    """write_tiny_fmnist, once per test module that imports it."""
+    return write_tiny_fmnist(tmp_path_factory.mktemp("fmnist"), fashion_mnist_dir)
 
 
 def default_stages() -> list[dict]:
@@ -60,6 +65,34 @@ def tiny_config(run_dir: Path, data: Path, *, zero_stage: int = 2, precision: st
         else:
             cfg[key] = value
     return cfg
+
+
+BOTH_CRATE = "CRATE-alpha-CLIPA-tiny-crate-text"
+BOTH_CRATE_STAGES = [   # 6 steps at 16 px, 8 tokens, random text mask; then 3 at 28 px, 16 tokens, k = 2 per rank
+    {"name": "low", "image_size": 16, "context_length": 8, "text_mask": "random", "samples": 96, "global_batch": 16,
+     "lr": 2e-3, "warmup_steps": 1},
+    {"name": "full", "image_size": 28, "context_length": 16, "text_mask": "block", "samples": 48, "global_batch": 16,
+     "micro_batch": 4, "lr": 2e-4, "warmup_steps": 1},
+]
+
+
+def both_crate_config(run_dir: Path, data: Path) -> dict:
+    """The tiny both-CRATE CLIP (CRATE-alpha image and text towers) in two ZeRO-3 fp32 stages with text token
+    reduction, a context-length change, accumulation, gradient checkpointing, a checkpoint every 2 steps and
+    white-box diagnostics every 2 steps on 8 probe images / captions."""
+    return tiny_config(run_dir, data, zero_stage=3, precision="fp32", stages=BOTH_CRATE_STAGES, every_steps=2,
+                       model={"name": BOTH_CRATE, "grad_checkpointing": True},
+                       logging={"every_steps": 1, "progress": False, "tensorboard": True, "diagnostics_every": 2,
+                                "diagnostics_images": 8})
+
+
+def train_both_crate(root: Path, data: Path) -> tuple[Path, Path]:
+    """both_crate_config trained uninterrupted by 2 processes into root/run: (run folder, config file). The
+    session's run is conftest.py's `both_crate_run`."""
+    config = write_config(both_crate_config(root / "run", data), root / "run.yaml")
+    proc = run_job(torchrun_cmd(2, "--config", str(config), module="crate_clip.train.cli"), timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return root / "run", config
 
 
 def write_config(cfg: dict, path: Path) -> Path:

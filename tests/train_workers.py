@@ -169,13 +169,15 @@ def nonfinite_run(config: Path) -> int:
     return 0
 
 
-ACCUM_CASES = [(1, False), (2, False), (3, False), (2, True)]  # (ZeRO stage, text tower frozen)
+TINY, CRATE_TEXT = "CRATE-alpha-CLIPA-tiny", "CRATE-alpha-CLIPA-tiny-crate-text"
+# (ZeRO stage, text tower frozen, model): the last with a CRATE-alpha text tower
+ACCUM_CASES = [(1, False, TINY), (2, False, TINY), (3, False, TINY), (2, True, TINY), (3, False, CRATE_TEXT)]
 TEXT_FREE = ("logit_scale", "logit_bias")
 
 
-def _one_stage_cfg(zs: int, precision: str, micro=None, global_batch: int = 16):
+def _one_stage_cfg(zs: int, precision: str, micro=None, global_batch: int = 16, model: str = TINY):
     return config_from_dict({
-        "data": {"sources": ["unused"]}, "precision": precision,
+        "model": {"name": model}, "data": {"sources": ["unused"]}, "precision": precision,
         "deepspeed": {"zero_stage": zs,
                       "overrides": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}},
         "stages": [{"name": "s", "image_size": 16, "context_length": 16, "samples": 4 * global_batch,
@@ -226,10 +228,10 @@ def accum_probe(out: Path) -> None:
     dist = init_distributed()
     loss_fn = _make_loss(dist)
     results = []
-    for zs, frozen in ACCUM_CASES:
+    for zs, frozen, model_name in ACCUM_CASES:
         runs = {}
         for micro in (8, 2):
-            cfg = _one_stage_cfg(zs, "fp32", micro)
+            cfg = _one_stage_cfg(zs, "fp32", micro, model=model_name)
             stage = resolve_stage(cfg, 0, dist.world_size)
             model = stage.build_model()
             if frozen:
@@ -246,8 +248,8 @@ def accum_probe(out: Path) -> None:
             engine.destroy()
         g_diff, g_scale = _max_diff(runs[8]["grads"], runs[2]["grads"])
         w_diff, _ = _max_diff(runs[8]["weights"], runs[2]["weights"])
-        w_moved, _ = _max_diff(runs[8]["weights"], _full_weights_of_fresh(zs, dist))
-        results.append({"rank": dist.rank, "zero_stage": zs, "frozen_text": frozen,
+        w_moved, _ = _max_diff(runs[8]["weights"], _full_weights_of_fresh(zs, dist, model_name))
+        results.append({"rank": dist.rank, "zero_stage": zs, "frozen_text": frozen, "model": model_name,
                         "k": [runs[8]["k"], runs[2]["k"]], "loss": [runs[8]["loss"], runs[2]["loss"]],
                         "grad_norm": [runs[8]["grad_norm"], runs[2]["grad_norm"]],
                         "n_grads": [runs[8]["n_grads"], runs[2]["n_grads"]],
@@ -259,9 +261,9 @@ def accum_probe(out: Path) -> None:
         out.write_text(json.dumps([r for rank_results in gathered for r in rank_results], indent=1))
 
 
-def _full_weights_of_fresh(zs: int, dist) -> dict:
+def _full_weights_of_fresh(zs: int, dist, model: str) -> dict:
     """The initial weights (to show the step moved them)."""
-    cfg = _one_stage_cfg(zs, "fp32", 8)
+    cfg = _one_stage_cfg(zs, "fp32", 8, model=model)
     return {n: p.detach().clone() for n, p in resolve_stage(cfg, 0, dist.world_size).build_model().named_parameters()}
 
 

@@ -19,6 +19,7 @@ from crate_clip.cli_errors import ConfigError
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_factory import read_state_dict
 from crate_clip.models.clipa_import import load_text_tower
+from crate_clip.models.crate_text import CrateAlphaText
 
 KEY = "model.text_pretrained"
 LOCAL_DIR = "local-dir:"
@@ -106,5 +107,20 @@ def load_pretrained_text_tower(model: nn.Module, source: dict, *, where: str = "
     except CheckpointMismatchError as exc:
         fix = ("make model.name's text_cfg (width, layers, heads, vocab_size, context_length, embed_dim) and every "
                "stage's context_length match the checkpoint" if "shape" in str(exc) else
-               "give a CLIP checkpoint whose text tower matches model.name's text_cfg")
+               _tower_kind_fix(model, source) or "give a CLIP checkpoint whose text tower matches model.name's text_cfg")
         raise TextTowerError(f"{key}: {exc}; fix: {fix}") from None
+
+
+def _tower_kind_fix(model: nn.Module, source: dict) -> Optional[str]:
+    """The fix when the model's text tower and the checkpoint's are of different kinds (CRATE-alpha or transformer),
+    None when they are of the same kind."""
+    ours = any(isinstance(m, CrateAlphaText) for m in getattr(model, "module", model).modules())
+    theirs = any(k.endswith(".ista.D") and not k.startswith("visual.") for k in source)
+    if ours == theirs:
+        return None
+    if ours:
+        return ("model.name has a CRATE-alpha text tower and the checkpoint a transformer one (as every released "
+                "CLIPA checkpoint): give the export or a checkpoint of a *-crate-text run, or a model.name with a "
+                "transformer text tower")
+    return ("model.name has a transformer text tower and the checkpoint a CRATE-alpha one: give a checkpoint with a "
+            "transformer text tower (e.g. ViT-H-14-CLIPA:datacomp1b), or the checkpoint's *-crate-text model.name")

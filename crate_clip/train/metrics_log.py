@@ -10,7 +10,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text
-from crate_clip.train.whitebox_log import draw_whitebox_curves, whitebox_scalars
+from crate_clip.train.whitebox_log import draw_whitebox_curves, whitebox_keys, whitebox_scalars
 
 METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.jsonl"
@@ -198,7 +198,8 @@ def latest_per_step(records: list[dict]) -> list[dict]:
 
 
 def write_plot(run_dir: Path) -> Path | None:
-    """PNG of the loss against samples seen, each stage's zero-shot top-1 marked at its end."""
+    """PNG of the loss against samples seen, each stage's zero-shot top-1 marked at its end; below it, the white-box
+    curves of each CRATE-alpha tower the run probed."""
     # imported only when a plot is drawn: matplotlib is the slowest import of a run (about half a second)
     import matplotlib
     matplotlib.use("Agg")
@@ -209,12 +210,14 @@ def write_plot(run_dir: Path) -> Path | None:
     results = [r for r in read_jsonl(run_dir / RESULTS_FILE) if r.get("top1") is not None]  # classification
     if not steps:
         return None
-    whitebox = [r for r in latest_per_step(read_jsonl(run_dir / METRICS_FILE)) if r.get("whitebox")]
-    if whitebox:  # per-layer white-box curves under the loss (logging.diagnostics_every)
-        fig = plt.figure(figsize=(9, 8), dpi=110)
-        grid = fig.add_gridspec(2, 2)
+    records = latest_per_step(read_jsonl(run_dir / METRICS_FILE))
+    towers = whitebox_keys(records)
+    if towers:  # per-layer white-box curves of each CRATE-alpha tower under the loss (logging.diagnostics_every)
+        fig = plt.figure(figsize=(9, 4.5 + 3.5 * len(towers)), dpi=110)
+        grid = fig.add_gridspec(1 + len(towers), 2)
         ax = fig.add_subplot(grid[0, :])
-        draw_whitebox_curves(whitebox, [fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])])
+        for row, key in enumerate(towers, start=1):
+            draw_whitebox_curves(records, [fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1])], key=key)
     else:
         fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     ax.plot([r["samples_seen"] for r in steps], [r["loss"] for r in steps], lw=1, color="tab:blue")

@@ -210,7 +210,8 @@ class LoggingSection(Section):
     plot: Bool = Field(True, description="training_curve.png at the end")
     diagnostics_every: Int = Field(0, ge=0, description="white-box coding rate / sparsity per layer every N "
                                    "steps (0 = off)")
-    diagnostics_images: Int = Field(64, ge=1, description="probe batch: this many images of eval.evals[0]")
+    diagnostics_images: Int = Field(64, ge=1, description="probe batch: this many images of eval.evals[0] (and as "
+                                    "many of its class-name prompts for a CRATE-alpha text tower)")
 
 
 class RunConfig(Section):
