@@ -37,6 +37,7 @@ from crate_clip.train.process_info import is_running, process_start
 
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 600.0
+NAME_WAIT_S = 2.0   # how long a lock just created may take to name its holder (create, then write and fsync)
 
 
 class RunLockedError(UserError, RuntimeError):
@@ -94,6 +95,15 @@ def _read_holder(path: Path) -> Optional[LockHolder]:
         return LockHolder(**json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError):
         return None
+
+
+def _holder_once_named(path: Path) -> Optional[LockHolder]:
+    """The holder of a lock file, waiting up to NAME_WAIT_S for one created a moment ago to name it: a second
+    trainer started together with the first finds the file between its creation and its write."""
+    deadline = time.monotonic() + NAME_WAIT_S
+    while (holder := _read_holder(path)) is None and path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return holder
 
 
 def _age_s(path: Path) -> float:
@@ -175,7 +185,7 @@ def _create(path: Path, holder: LockHolder) -> bool:
 def _take_over_if_stale(path: Path, run_dir: Path) -> Optional[str]:
     """Remove the lock at `path` when its holder is gone (the line that says so); raise RunLockedError naming a live
     one."""
-    holder = _read_holder(path)
+    holder = _holder_once_named(path)
     try:
         age = _age_s(path)
     except FileNotFoundError:   # released meanwhile
