@@ -323,9 +323,11 @@ def write(note: str) -> str:
                   "text tower alone at 16 tokens. samples/s from each stage's start to its end (the white-box probe "
                   "included, evaluation excluded).", ""] + demo_markdown(d) + [""]
     if (OUT / "steptime.json").is_file():
-        lines += ["**Step time of a CLIPA L/14-sized text tower** (`python bench/bench_text_tower.py --steptime`: "
-                  "each text tower alone, one process, forward + backward, SDPA math kernel):", ""]
-        lines += steptime_markdown(json.loads((OUT / "steptime.json").read_text())) + [""]
+        s = json.loads((OUT / "steptime.json").read_text())
+        lines += [f"**Step time of a CLIPA L/14-sized text tower** (`python bench/bench_text_tower.py --steptime "
+                  f"--steps {s['steps']}`: each text tower alone, one process, forward + backward, SDPA math kernel):",
+                  ""]
+        lines += steptime_markdown(s) + [""]
     if note:
         lines += [note]
     text = "\n".join(lines).rstrip()
