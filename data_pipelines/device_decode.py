@@ -97,6 +97,8 @@ class DeviceJpegBatch:
     @classmethod
     def join(cls, parts: list["DeviceJpegBatch"]) -> "DeviceJpegBatch":
         """One batch of several workers' parts, in order (one device decode for all of them)."""
+        if len(parts) == 1:
+            return parts[0]
         spans, boxes, pixels, at, base = [], [], {}, 0, 0
         for part in parts:
             spans += [None if s is None else (s[0] + at, s[1] + at) for s in part.spans]

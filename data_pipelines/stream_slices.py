@@ -32,9 +32,8 @@ MAX_EMPTY_GROUPS = 50
 
 @dataclass
 class SliceSpec:
-    """What a worker needs to turn raw samples into slices."""
+    """What a worker needs to turn raw samples into slices (the slice size comes from the StreamLayout)."""
 
-    slice_size: int
     image_size: int
     crop_scale: tuple
     crop_ratio: tuple
@@ -110,12 +109,13 @@ def collate(images: list, tokens: list, spec: SliceSpec):
 
 
 def stream_slices(plan: ShardPlan, spec: SliceSpec, reducer: TextReducer, stream: int, position: dict,
-                  step: int, end_step: Optional[int]) -> Iterator[tuple]:
-    """(images, tokens, meta) slices of canonical stream `stream` from `position`, numbered from `step`, up to
-    `end_step` (None: until its data ends), then one end report (None, None, meta); images and tokens are
-    lists of decoded samples, collated by the caller with the other streams' slices of the step.
+                  step: int, end_step: Optional[int], slice_size: int) -> Iterator[tuple]:
+    """(images, tokens, meta) slices of `slice_size` samples of canonical stream `stream` from `position`,
+    numbered from `step`, up to `end_step` (None: until its data ends), then one end report (None, None, meta);
+    images and tokens are lists of decoded samples, collated by the caller with the other streams' slices of
+    the step.
 
-    meta: stream, step, the samples' __key__s and the position after the slice. In epoch mode the position
+    meta: stream, the samples' __key__s and the position after the slice. In epoch mode the position
     also holds the usable samples of every shard read in full ("read", the real size the next epoch is
     dealt with) and of the current group so far ("usable", so a resumed stream measures it exactly)."""
     group, offset = position["group"], position["offset"]
@@ -125,7 +125,7 @@ def stream_slices(plan: ShardPlan, spec: SliceSpec, reducer: TextReducer, stream
     empty_groups = 0
 
     def meta(**extra) -> dict:
-        return {"stream": stream, "step": step, "position": {"group": group, "offset": offset, "skips": dict(skips),
+        return {"stream": stream, "position": {"group": group, "offset": offset, "skips": dict(skips),
                                                               "read": dict(read), "usable": dict(usable)}, **extra}
 
     while end_step is None or step < end_step:
@@ -151,7 +151,7 @@ def stream_slices(plan: ShardPlan, spec: SliceSpec, reducer: TextReducer, stream
             images.append(item[0])
             tokens.append(item[1])
             keys.append(raw["__key__"])
-            if len(images) == spec.slice_size:
+            if len(images) == slice_size:
                 yield images, tokens, meta(keys=keys)
                 images, tokens, keys = [], [], []
                 step += 1
@@ -188,8 +188,8 @@ class StreamsDataset(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         worker = info.id if info is not None else 0
-        active = [stream_slices(self.plan, self.spec, self.reducer, c, self.positions[c], self.step, self.end_step)
-                  for c in self.layout.worker_streams(worker)]
+        active = [stream_slices(self.plan, self.spec, self.reducer, c, self.positions[c], self.step, self.end_step,
+                                self.layout.slice_size) for c in self.layout.worker_streams(worker)]
         step = self.step
         # info: this worker's slice metas of the step (stream order) and the end reports of streams that
         # ended at it; images None once every stream has ended (the worker's last item).
@@ -203,7 +203,7 @@ class StreamsDataset(IterableDataset):
                     continue
                 images += got_images
                 tokens += got_tokens
-                slices.append({**meta, "count": len(got_images)})
+                slices.append(meta)
             chunk = collate(images, tokens, self.spec) if images else (None, None)
             yield (*chunk, {"worker": worker, "step": step, "slices": slices, "ended": ended})
             step += 1

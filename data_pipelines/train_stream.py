@@ -254,8 +254,7 @@ class TrainStream:
         self._keys = [key for meta in metas for key in meta["keys"]]
         images, tokens = [p[0] for p in parts], _join([p[1] for p in parts])
         if isinstance(images[0], DeviceJpegBatch):
-            joined = images[0] if len(images) == 1 else DeviceJpegBatch.join(images)
-            return joined.to_images(self.device, tokens, self._decode_main)
+            return DeviceJpegBatch.join(images).to_images(self.device, tokens, self._decode_main)
         return _join(images, self.device), tokens
 
     def _next_epoch(self) -> None:
@@ -333,7 +332,6 @@ class TrainStream:
                                 self.cfg.num_workers, " (recorded in the checkpoint)")
         _check_epoch_shards(self.plan.mode, len(self.plan.all_shards), streams)
         self.layout, self.plan.streams = layout, streams
-        self.spec.slice_size = self.layout.slice_size
         self._positions = {c: fresh_position() for c in self.layout.local_streams}
 
     def _load_without_streams(self, state: dict) -> None:
@@ -428,7 +426,7 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
     reducer = TextReducer(context_length, text_mask, tokenizer, pos_source=cfg.pos_source)
     plan = ShardPlan(shards_by_source, list(cfg.weights or [1.0] * len(cfg.sources)), sizes, cfg.mode, cfg.seed,
                      epoch, streams, cfg.shards_per_group, overflow=epoch_mode and cfg.drop_last)
-    spec = SliceSpec(layout.slice_size, image_size, tuple(cfg.crop_scale), tuple(cfg.crop_ratio), tuple(cfg.mean),
+    spec = SliceSpec(image_size, tuple(cfg.crop_scale), tuple(cfg.crop_ratio), tuple(cfg.mean),
                      tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, cfg.shuffle_buffer, cfg.drop_last,
                      decode)
     return TrainStream(cfg, plan, spec, layout, reducer, num_samples, context_length, text_mask, device)
