@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from open_clip.transformer import text_global_pool
 
-from eval.whitebox import EPS2, block_diagnostics, coding_rate, zero_fraction
+from eval.whitebox import EPS2, block_diagnostics
 
 PAD_ID = 0   # open_clip's CLIP BPE and the BERT tokenizers both pad with 0
 _SHORT = {"<start_of_text>": "<sot>", "<end_of_text>": "<eot>"}   # CLIP BPE's special tokens, for narrow tables
@@ -58,13 +59,10 @@ def token_strings(tokenizer, ids: list[int]) -> list[str]:
 
 
 def pooled_positions(tower, ids: torch.Tensor) -> torch.Tensor:
-    """(B,) the position each caption's feature is pooled from, by the tower's pool_type."""
-    batch, length = ids.shape
-    if tower.pool_type == "argmax":
-        return ids.argmax(dim=-1)
-    if tower.pool_type == "eos":
-        return (ids == tower.eos_id).int().argmax(dim=-1)
-    return torch.full((batch,), 0 if tower.pool_type == "first" else length - 1, dtype=torch.long, device=ids.device)
+    """(B,) the position each caption's feature is pooled from: open_clip's text_global_pool (the tower's own
+    pooling) applied to the positions."""
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return text_global_pool(positions, ids, tower.pool_type, eos_token_id=tower.eos_id)
 
 
 def caption_token_mask(tower, ids: torch.Tensor) -> torch.Tensor:
@@ -102,16 +100,18 @@ def inspect_caption(clip: torch.nn.Module, tokenizer, caption: str, layer: int =
     index = layer if layer >= 0 else depth + layer
     if not 0 <= index < depth:
         raise ValueError(f"--layer {layer}: the text tower has {depth} blocks")
-    device = next(tower.parameters()).device
-    ids = tokenizer([caption]).to(device)
+    ids = tokenizer([caption]).to(tower.token_embedding.weight.device)   # a locked tower holds buffers
     out = tower.forward_intermediates(ids, intermediates_only=True, return_attn=True, return_sparse_codes=True,
                                       return_projections=True)
     pooled = int(pooled_positions(tower, ids)[0])
-    idx = caption_token_mask(tower, ids)[0].nonzero().flatten()
+    mask = caption_token_mask(tower, ids)
+    idx = mask[0].nonzero().flatten()
     shown = idx.tolist()
     attn = out["text_attn"][index][0][:, idx]                     # (h, shown, L)
-    padding = (attn.sum(-1) - attn[:, :, idx].sum(-1)).clamp_min(0)   # mass on the positions not shown
-    attention = torch.cat([attn[:, :, idx], padding.unsqueeze(-1)], dim=-1)
+    shown_attn = attn[:, :, idx]                                  # (h, shown, shown)
+    padding = (attn.sum(-1) - shown_attn.sum(-1)).clamp_min(0)    # mass on the positions not shown
+    attention = torch.cat([shown_attn, padding.unsqueeze(-1)], dim=-1)
+    per_block = block_diagnostics(out["text_projections"], out["text_sparse_codes"], mask)
     code = out["text_sparse_codes"][index][0][idx]                # (shown, C*d)
     values, atoms = code.topk(min(top_atoms, code.shape[-1]), dim=-1)
     return TextInspection(
@@ -120,8 +120,7 @@ def inspect_caption(clip: torch.nn.Module, tokenizer, caption: str, layer: int =
         attention=attention.float().cpu().tolist(),
         atoms=[[(int(a), float(v)) for a, v in zip(row_a, row_v) if v > 0] for row_a, row_v in zip(atoms, values)],
         active_atoms=(code != 0).sum(-1).tolist(), code_dim=code.shape[-1],
-        coding_rate=[float(coding_rate(p[:, :, idx])[0]) for p in out["text_projections"]],
-        zero_fraction=[float(zero_fraction(c[:, idx])[0]) for c in out["text_sparse_codes"]])
+        coding_rate=per_block["coding_rate"], zero_fraction=per_block["zero_fraction"])
 
 
 def format_inspection(ins: TextInspection) -> str:

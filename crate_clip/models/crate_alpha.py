@@ -126,6 +126,24 @@ class CrateBlock(nn.Module):
         return x, attn, code
 
 
+def blocks_with_extras(blocks, x: torch.Tensor, take_indices, return_attn: bool, return_projections: bool,
+                       checkpointing: bool) -> Tuple[torch.Tensor, list]:
+    """`x` through `blocks` (both towers' forward_intermediates); returns the last output and, per block whose index
+    is in `take_indices`, (its output, attention or None, ISTA code, MSSA projections of its input or None)."""
+    taken = []
+    for i, blk in enumerate(blocks):
+        proj = None
+        if return_projections and i in take_indices:  # one extra d x d matmul: analysis only
+            proj = blk.attn.project(blk.norm1(x))
+        if checkpointing:
+            x, attn, code = checkpoint(blk.forward_with_extras, x, return_attn, use_reentrant=False)
+        else:
+            x, attn, code = blk.forward_with_extras(x, return_attn)
+        if i in take_indices:
+            taken.append((x, attn, code, proj))
+    return x, taken
+
+
 # ----- an input's patch grid and its position embedding -----
 # Module-level and fx-wrapped: a torch.fx trace (symbolic_trace, timm's create_feature_extractor) records each as
 # one call, so their Python checks on the input's size run when the traced graph runs, not while tracing.
@@ -440,31 +458,24 @@ class CrateAlpha(nn.Module):
         B = x.shape[0]
         x, (gh, gw) = self._embed(x)
         blocks = self.blocks if not stop_early else self.blocks[:max_index + 1]
-        intermediates, attns, codes, projs = [], [], [], []
-        for i, blk in enumerate(blocks):
-            if return_projections and i in take_indices:  # one extra d x d matmul: analysis only
-                projs.append(blk.attn.project(blk.norm1(x)))
-            if self.grad_checkpointing and torch.is_grad_enabled():   # as forward_features does
-                x, attn, code = checkpoint(blk.forward_with_extras, x, return_attn, use_reentrant=False)
-            else:
-                x, attn, code = blk.forward_with_extras(x, return_attn)
-            if i in take_indices:
-                y = self.norm(x) if norm else x
-                prefix, spatial = y[:, :1], y[:, 1:]
-                if output_fmt == "NCHW":
-                    spatial = spatial.reshape(B, gh, gw, -1).permute(0, 3, 1, 2).contiguous()
-                intermediates.append((spatial, prefix) if return_prefix_tokens else spatial)
-                attns.append(attn)
-                codes.append(code)
+        x, taken = blocks_with_extras(blocks, x, take_indices, return_attn, return_projections,
+                                      self.grad_checkpointing and torch.is_grad_enabled())  # as forward_features does
+        intermediates = []
+        for y, _, _, _ in taken:
+            y = self.norm(y) if norm else y
+            prefix, spatial = y[:, :1], y[:, 1:]
+            if output_fmt == "NCHW":
+                spatial = spatial.reshape(B, gh, gw, -1).permute(0, 3, 1, 2).contiguous()
+            intermediates.append((spatial, prefix) if return_prefix_tokens else spatial)
         final = None if intermediates_only else self.norm(x)
         if return_attn or return_sparse_codes or return_projections:
             out = {"intermediates": intermediates}
             if return_projections:
-                out["projections"] = projs
+                out["projections"] = [proj for _, _, _, proj in taken]
             if return_attn:
-                out["attn"] = attns
+                out["attn"] = [attn for _, attn, _, _ in taken]
             if return_sparse_codes:
-                out["sparse_codes"] = codes
+                out["sparse_codes"] = [code for _, _, code, _ in taken]
             if not intermediates_only:
                 out["final"] = final
             return out

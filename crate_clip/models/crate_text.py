@@ -16,7 +16,7 @@ from timm.models._features import feature_take_indices
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from crate_clip.models.crate_alpha import CrateBlock
+from crate_clip.models.crate_alpha import CrateBlock, blocks_with_extras
 
 TOWER_NAME = "crate_alpha"
 POOL_TYPES = ("argmax", "last", "first", "eos")
@@ -201,22 +201,13 @@ class CrateAlphaText(nn.Module):
         blocks = self.transformer.resblocks
         take_indices, max_index = feature_take_indices(len(blocks), indices)
         x = self._embed(text)
-        out = {"text_intermediates": []}
-        extras = {"text_attn": return_attn, "text_sparse_codes": return_sparse_codes,
-                  "text_projections": return_projections}
-        out.update({k: [] for k, asked in extras.items() if asked})
-        for i, blk in enumerate(blocks[:max_index + 1] if stop_early else blocks):
-            if return_projections and i in take_indices:  # one extra d x d matmul: analysis only
-                out["text_projections"].append(blk.attn.project(blk.norm1(x)))
-            if self.transformer.checkpointing_active():
-                x, attn, code = checkpoint(blk.forward_with_extras, x, return_attn, use_reentrant=False)
-            else:
-                x, attn, code = blk.forward_with_extras(x, return_attn)
-            if i in take_indices:
-                out["text_intermediates"].append(self.ln_final(x) if normalize_intermediates else x)
-                for key, value in (("text_attn", attn), ("text_sparse_codes", code)):
-                    if key in out:
-                        out[key].append(value)
+        x, taken = blocks_with_extras(blocks[:max_index + 1] if stop_early else blocks, x, take_indices, return_attn,
+                                      return_projections, self.transformer.checkpointing_active())
+        out = {"text_intermediates": [self.ln_final(y) if normalize_intermediates else y for y, _, _, _ in taken]}
+        for key, asked, position in (("text_attn", return_attn, 1), ("text_sparse_codes", return_sparse_codes, 2),
+                                     ("text_projections", return_projections, 3)):
+            if asked:
+                out[key] = [record[position] for record in taken]
         if not intermediates_only:
             out["text_features"] = self._pool_and_project(self.ln_final(x), text)
         return out
