@@ -14,7 +14,7 @@ import braceexpand
 
 PIPE = "pipe:"
 STATS_PROBES = 8   # remote shards whose _stats.json is read to estimate the data set size (shard_reader.py)
-REMOTE_PREFIXES = ("pipe:", "http://", "https://", "gs://", "ais://", "sftp://", "hf://")
+REMOTE_PREFIXES = (PIPE, "http://", "https://", "gs://", "ais://", "sftp://", "hf://")
 
 
 class ShardListError(ValueError):
@@ -26,9 +26,19 @@ def is_remote(url: str) -> bool:
     return url.startswith(REMOTE_PREFIXES)
 
 
+def stats_url(shard: str) -> str:
+    """Where a shard's `_stats.json` is read from (img2dataset's layout): the same path, URL or command."""
+    return shard.replace(".tar", "_stats.json", 1)
+
+
+def _resolved(source: str) -> str:
+    """A source with `~` and environment variables expanded."""
+    return os.path.expandvars(os.path.expanduser(str(source)))
+
+
 def expand_source(source: str) -> list[str]:
     """Shard URLs named by one source: brace pattern, directory, glob, file, URL or pipe: command."""
-    source = os.path.expandvars(os.path.expanduser(str(source)))
+    source = _resolved(source)
     if is_remote(source):
         return list(braceexpand.braceexpand(source))
     path = Path(source)
@@ -50,12 +60,11 @@ def shell_commands(sources: list[str], key: str = "data.sources") -> list[str]:
     expands to), and the commands that read their shards' `_stats.json` for the data-set size."""
     lines = []
     for i, source in enumerate(sources):
-        source = os.path.expandvars(os.path.expanduser(str(source)))
+        source = _resolved(source)
         if not source.startswith(PIPE):
             continue
         count = len(list(braceexpand.braceexpand(source)))
-        command = source[len(PIPE):]
-        lines.append(f"{key}.{i}: {command}   ({count:,} command{'s' if count > 1 else ''}, one per shard)")
-        lines.append(f"{key}.{i}: {command.replace('.tar', '_stats.json', 1)}   (up to {min(count, STATS_PROBES)} "
+        lines.append(f"{key}.{i}: {source[len(PIPE):]}   ({count:,} command{'s' if count > 1 else ''}, one per shard)")
+        lines.append(f"{key}.{i}: {stats_url(source)[len(PIPE):]}   (up to {min(count, STATS_PROBES)} "
                      "of these, for the shards' sample counts)")
     return lines

@@ -17,8 +17,8 @@ from typing import Iterator
 from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext, tar_file_iterator
 
-from crate_clip.shard_sources import (REMOTE_PREFIXES, STATS_PROBES, ShardListError, expand_source,  # noqa: F401
-                                     is_remote)
+from crate_clip.shard_sources import (PIPE, REMOTE_PREFIXES, STATS_PROBES, ShardListError,  # noqa: F401
+                                     expand_source, is_remote, stats_url)
 
 SKIP_REASONS = ("truncated_tar", "unreadable_shard", "undecodable_image", "zero_size_image",
                 "decompression_bomb", "missing_image", "missing_caption", "empty_caption",
@@ -65,12 +65,12 @@ def local_shard_size(shard: str, sizes_cache: dict) -> int | None:
 
 def remote_shard_size(shard: str, timeout: float = 60.0) -> int | None:
     """Samples in a remote shard, read from its _stats.json through the same command/URL; None if unknown."""
-    stats_url = shard.replace(".tar", "_stats.json", 1)
+    url = stats_url(shard)
     try:
-        if stats_url.startswith("pipe:"):
-            raw = subprocess.run(stats_url[5:], shell=True, capture_output=True, timeout=timeout, check=True).stdout
+        if url.startswith(PIPE):
+            raw = subprocess.run(url[len(PIPE):], shell=True, capture_output=True, timeout=timeout, check=True).stdout
         else:
-            with gopen(stats_url) as f:
+            with gopen(url) as f:
                 raw = f.read()
         return int(json.loads(raw)["successes"])
     except Exception:  # a missing stats file just means "unknown"
