@@ -43,11 +43,28 @@ def read_latest_tag(checkpoints: Path) -> str | None:
     return tag if tag and "/" not in tag and tag not in (".", "..") else None
 
 
-def newest_complete_tag(checkpoints: Path) -> str | None:
-    """The complete checkpoint (crate_clip.json present) with the highest global step in `checkpoints`."""
+def complete_tags_in(checkpoints: Path) -> list[str]:
+    """The complete checkpoints (crate_clip.json present) in `checkpoints`, oldest first (by global step)."""
+    if not Path(checkpoints).is_dir():
+        return []
     found = [(info.get("global_step", 0), p.name) for p in Path(checkpoints).iterdir()
              if p.is_dir() and not p.name.startswith(".") and (info := read_info(p)) is not None]
-    return max(found)[1] if found else None
+    return [name for _, name in sorted(found)]
+
+
+def newest_complete_tag(checkpoints: Path) -> str | None:
+    """The complete checkpoint with the highest global step in `checkpoints`."""
+    complete = complete_tags_in(checkpoints)
+    return complete[-1] if complete else None
+
+
+def latest_complete_tag(checkpoints: Path) -> str | None:
+    """The tag `latest` names, if that checkpoint is complete; else the newest complete one (a garbled `latest`
+    counts as missing)."""
+    tag = read_latest_tag(checkpoints)
+    if tag is not None and read_info(Path(checkpoints) / tag) is not None:
+        return tag
+    return newest_complete_tag(checkpoints)
 
 
 def _is_tag_dir(path: Path) -> bool:

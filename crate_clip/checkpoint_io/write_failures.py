@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 from crate_clip.checkpoint_io.atomic_files import torch_save_to_file
 
@@ -32,23 +32,19 @@ def is_no_space(exc: BaseException) -> bool:
 
 @dataclass
 class WriteFailures:
-    """The first write that failed on this rank during one save: (file, error)."""
-    failures: list = field(default_factory=list)
+    """The first write that failed on this rank during one save: `first` = (file, error), None while every write
+    succeeded."""
+    first: Optional[tuple] = None
 
     def run(self, path: str | Path, write: Callable[[], None]) -> None:
         """Call `write()` (which writes `path`), recording an OSError instead of raising it; after a first failure
         the save is lost anyway: nothing more is written."""
-        if self.failures:
+        if self.first:
             return
         try:
             write()
         except OSError as exc:
-            self.failures.append((Path(path), exc))
-
-    @property
-    def first(self) -> tuple | None:
-        """(file, error) of the first failure, None when every write succeeded."""
-        return self.failures[0] if self.failures else None
+            self.first = (Path(path), exc)
 
 
 class _RecordingCheckpointEngine:

@@ -36,7 +36,8 @@ from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_wri
                                                    restore_replaced)
 from crate_clip.checkpoint_io.checkpoint_manifest import checksum_share
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
-                                                            consolidated_state_dict, read_info, read_latest_tag)
+                                                            complete_tags_in, consolidated_state_dict,
+                                                            latest_complete_tag, read_info)
 from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY
 from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, UntrustedCheckpointError, check_checkpoint_folder,
                                                       deepspeed_reads, load_torch_file)
@@ -228,19 +229,11 @@ class CheckpointManager:
     # ------------------------------------------------------------ find
     def complete_tags(self) -> list[str]:
         """Complete checkpoints, oldest first (by global step)."""
-        if not self.root.is_dir():
-            return []
-        found = [(info.get("global_step", 0), p.name) for p in self.root.iterdir()
-                 if p.is_dir() and not p.name.startswith(".") and (info := read_info(p)) is not None]
-        return [name for _, name in sorted(found)]
+        return complete_tags_in(self.root)
 
     def latest_tag(self) -> str | None:
         """The tag `latest` names, if that checkpoint is complete; else the newest complete one."""
-        tag = read_latest_tag(self.root)   # a garbled `latest` counts as missing
-        if tag is not None and read_info(self.root / tag) is not None:
-            return tag
-        complete = self.complete_tags()
-        return complete[-1] if complete else None
+        return latest_complete_tag(self.root)
 
     def resolve(self, resume: str) -> Path:
         """`latest` -> newest complete checkpoint of this run; else a tag folder or a checkpoints folder."""
@@ -264,15 +257,14 @@ class CheckpointManager:
         return path
 
     # ------------------------------------------------------------ load
-    def load(self, engine, tag_dir: Path) -> tuple[dict, dict]:
-        """Load DeepSpeed states into `engine` (all ranks); returns (info, this rank's client state)."""
-        info = self.check_compatible(tag_dir)
+    @staticmethod
+    def load_engine_states(engine, tag_dir: Path) -> None:
+        """DeepSpeed's plain load of `tag_dir` into `engine` (all ranks): weights, optimizer and LR scheduler."""
         with deepspeed_reads(tag_dir):   # DeepSpeed's own torch.load calls pass weights_only=False
             load_path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
             raise ResumeError(f"DeepSpeed could not load the checkpoint {tag_dir}")
-        return info, self.load_rank_state(tag_dir)
 
     def check_compatible(self, tag_dir: Path) -> dict:
         """The checkpoint's info; raises ResumeError when it is incomplete, and UntrustedCheckpointError when one of

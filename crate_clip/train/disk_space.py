@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from crate_clip.checkpoint_io.checkpoint_manifest import checkpoint_files
-from crate_clip.checkpoint_io.deepspeed_checkpoints import newest_complete_tag, read_info, read_latest_tag
+from crate_clip.checkpoint_io.deepspeed_checkpoints import latest_complete_tag
 from crate_clip.cli_errors import EXIT_NO_SPACE, UserError
 
 
@@ -56,8 +56,7 @@ def no_space_while_writing(exc: BaseException, run_dir: Path) -> NoSpaceError:
     """The error of any other write of a run (metrics, run_config.yaml, the lock, the export) that ran out of space."""
     filename = getattr(exc, "filename", None)
     root = Path(run_dir) / "checkpoints"
-    latest = read_latest_tag(root)
-    last = latest if latest and read_info(root / latest) else newest_complete_tag(root) if root.is_dir() else None
+    last = latest_complete_tag(root)
     last_text = f"the last complete checkpoint is {last}" if last else "there is no complete checkpoint yet"
     return NoSpaceError(f"no space left on {run_dir}{f' (writing {filename})' if filename else ''}; {last_text}; "
                         f"{to_free(checkpoint_bytes(root / last if last else None), run_dir)} there and resume "

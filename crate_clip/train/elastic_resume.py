@@ -161,10 +161,9 @@ def resume_summary(tag_dir: Path, cfg: RunConfig, world_size: int) -> dict:
 
 
 # ---------------------------------------------------------------- the stream-state table
-def gather_stream_table(stream, rank: int, world_size: int) -> Optional[dict]:
-    """Rank 0: the table of all canonical streams of this step (merge of every rank's stream state); other ranks
+def gather_stream_table(state: Optional[dict], rank: int, world_size: int) -> Optional[dict]:
+    """Rank 0: the table of all canonical streams of this step (merge of every rank's stream `state`); other ranks
     and streams without canonical-stream states: None. Every rank must call it."""
-    state = stream.state_dict() if hasattr(stream, "state_dict") else None
     states = [None] * world_size if rank == 0 else None
     tdist.gather_object(state, states, dst=0)
     if rank != 0 or not all(s and s.get("version") == STATE_VERSION for s in states):
@@ -219,21 +218,16 @@ def load_resume_state(ckpts: CheckpointManager, engine, tag_dir: Path, rank: int
                       universal: bool) -> dict:
     """Load checkpoint `tag_dir` into `engine` (every rank; `universal`: needs_universal's answer, the engine built
     with load_universal); returns this rank's client state: `stream` position and `rng` states, None at another
-    world size (the caller seeds with resume_seed)."""
-    if not universal and int((read_info(tag_dir) or {}).get("world_size", world_size)) == world_size:
-        return ckpts.load(engine, tag_dir)[1]
-    info = ckpts.check_compatible(tag_dir)
+    world size (the caller seeds with resume_seed). The checkpoint was checked (complete, allow-listed) by
+    find_resume_point before anything was written."""
+    info = read_info(tag_dir) or {}
     if universal:
         universal_checkpoint(tag_dir, rank)
         load_universal(engine, tag_dir)
-    else:   # ZeRO-0: nothing is partitioned, DeepSpeed's plain load fits any world size
-        with deepspeed_reads(tag_dir):
-            load_path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
-        if load_path is None:
-            raise ResumeError(f"DeepSpeed could not load the checkpoint {tag_dir}")
+    else:   # the same world size, or ZeRO-0 (nothing partitioned): DeepSpeed's plain load fits
+        ckpts.load_engine_states(engine, tag_dir)
     saved_world = int(info.get("world_size", world_size))
-    if saved_world == world_size:   # only the ZeRO stage changed: the ranks' own states still fit
+    if saved_world == world_size:   # the ranks' own states fit (at most the ZeRO stage changed)
         return ckpts.load_rank_state(tag_dir)
     return {"stream": stream_state_for(tag_dir, rank, world_size, saved_world), "rng": None}
 

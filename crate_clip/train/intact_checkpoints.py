@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Optional
 
 import torch.distributed as tdist
 
@@ -57,8 +56,9 @@ def intact_checkpoint(ckpts: CheckpointManager, tag_dir: Path, resume: str) -> P
     root = tag_dir.parent
     damaged = _damaged_infos_after(root, tag_dir)
     manager = ckpts if root == ckpts.root else CheckpointManager(root, ckpts.keep_last, ckpts.rank, ckpts.world_size)
-    candidates = [root / t for t in manager.complete_tags()]
-    candidates = [tag_dir] + [c for c in reversed(candidates) if c != tag_dir and _older(c, tag_dir)]
+    step = _global_step(tag_dir)
+    earlier = [root / t for t in reversed(manager.complete_tags()) if _global_step(root / t) < step]
+    candidates = [tag_dir] + [c for c in earlier if c != tag_dir]
     for candidate in candidates:
         problems = checkpoint_damage(manager, candidate)
         if not problems:
@@ -75,7 +75,6 @@ def intact_checkpoint(ckpts: CheckpointManager, tag_dir: Path, resume: str) -> P
                       "with --overwrite (the run is moved aside) or restore the checkpoints from a copy")
 
 
-def _older(candidate: Path, than: Path) -> bool:
-    """True when `candidate` was saved before `than` (by global step, the order complete_tags sorts in)."""
-    a, b = read_info(candidate) or {}, read_info(than) or {}
-    return a.get("global_step", 0) < b.get("global_step", 0)
+def _global_step(tag_dir: Path) -> int:
+    """The global step a checkpoint was saved at (the order complete_tags sorts in)."""
+    return (read_info(tag_dir) or {}).get("global_step", 0)
