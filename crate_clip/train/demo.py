@@ -173,8 +173,9 @@ def main(argv=None) -> int:
     results = summarize(run_dir)
     if rc != 0:
         # say what failed and what was kept; no plot or export lines for files a failed run did not write
-        saved = sorted(p.name for p in (run_dir / "checkpoints").glob("stage*-step*") if p.is_dir())
-        kept = (f"the last checkpoint saved is {run_dir / 'checkpoints' / saved[-1]}; `python -m crate_clip.train.demo "
+        from crate_clip.checkpoint_io.deepspeed_checkpoints import latest_complete_tag
+        saved = latest_complete_tag(run_dir / "checkpoints")   # what --resume latest takes
+        kept = (f"the last checkpoint saved is {run_dir / 'checkpoints' / saved}; `python -m crate_clip.train.demo "
                 f"--resume` continues from it" if saved else "no checkpoint was saved")
         print(f"[demo] training stopped with exit code {rc} (the error is above); {kept}", file=sys.stderr)
         return rc

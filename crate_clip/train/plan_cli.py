@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, read_info
 from crate_clip.cli_errors import ConfigError, report_error
 from crate_clip.train.checkpoints import ResumeError
 from crate_clip.train.elastic_resume import checkpoint_of, resume_summary
@@ -86,10 +87,10 @@ def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int
     if config is not None:
         cfg = load_run_config(config, overrides, check_paths=False)
     else:
-        raw = json.loads((tag_dir / "crate_clip.json").read_text())["run_config"]
+        raw = read_info(tag_dir)["run_config"]   # checkpoint_of found it complete
         for assignment in overrides:
             apply_override(raw, assignment)
-        cfg = config_from_dict(raw, check_paths=False, source_path=f"{tag_dir}/crate_clip.json")
+        cfg = config_from_dict(raw, check_paths=False, source_path=str(tag_dir / INFO_FILE))
     check_runtime(cfg, gpus, "cuda")
     summary = resume_summary(tag_dir, cfg, gpus)
     return summary, [resolve_stage(cfg, i, gpus) for i in range(summary["stage_index"], len(cfg.stages))]

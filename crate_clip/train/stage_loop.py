@@ -352,9 +352,9 @@ def _save(ckpts: CheckpointManager, engine, cfg: RunConfig, stage: ResolvedStage
                           {"mean": list(stage.mean), "std": list(stage.std)},
                           tokenizer_record(cfg.model.tokenizer or cfg.model.name, cfg.model.bert_vocab),
                           progress)
-    rank_state = {"stream": stream.state_dict() if hasattr(stream, "state_dict") else None, "rng": rng_state(),
-                  "progress": dataclasses.asdict(progress)}
-    table = gather_stream_table(stream, ckpts.rank, ckpts.world_size)   # every rank: a collective
+    stream_state = stream.state_dict() if hasattr(stream, "state_dict") else None
+    rank_state = {"stream": stream_state, "rng": rng_state(), "progress": dataclasses.asdict(progress)}
+    table = gather_stream_table(stream_state, ckpts.rank, ckpts.world_size)   # every rank: a collective
     return ckpts.save(engine, checkpoint_tag(progress.stage_index, progress.step), info.as_dict(), rank_state,
                       shared_files={STREAM_TABLE: json.dumps(table)} if table else None)
 

@@ -109,7 +109,10 @@ def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str =
         steps=s.steps, zero_stage=zero_stage_of(cfg), precision=cfg.precision, decode=s.decode, **norm)
     if s.micro_batch == "auto" and device.startswith("cuda"):
         memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
-        stage = replace(stage, micro_batch=planner.fit_micro_batch(stage, memory))
+        fitted = replace(stage, micro_batch=planner.fit_micro_batch(stage, memory))
+        if "counts" in stage.__dict__:   # counted by the fit; the micro-batch does not change it (replace drops it)
+            fitted.__dict__["counts"] = stage.counts
+        stage = fitted
     return stage
 
 
