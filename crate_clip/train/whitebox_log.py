@@ -29,11 +29,16 @@ WHITEBOX_TEXT_KEY = "whitebox_text"
 TOWER_KEYS = {WHITEBOX_KEY: ("whitebox", "image tower"), WHITEBOX_TEXT_KEY: ("whitebox_text", "text tower")}
 
 
-def _probe_images(cfg, image_size: int, model, count: int) -> torch.Tensor:
-    """The first eval set's images, `count` of them spread evenly, preprocessed at `image_size`."""
+def _probe_set(cfg) -> tuple:
+    """(eval entry, data-set name, class names) of the first eval set, the white-box probes' source."""
     spec = cfg.eval.evals[0]
     dataset = getattr(spec, "dataset", "custom")
-    names = resolve_classnames(dataset, spec.data, getattr(spec, "classnames", None))
+    return spec, dataset, resolve_classnames(dataset, spec.data, getattr(spec, "classnames", None))
+
+
+def _probe_images(cfg, image_size: int, model, count: int) -> torch.Tensor:
+    """The first eval set's images, `count` of them spread evenly, preprocessed at `image_size`."""
+    spec, dataset, names = _probe_set(cfg)
     data = classification_dataset(spec.data, eval_transform(getattr(model, "module", model), image_size),
                                   dataset=dataset, num_classes=len(names),
                                   labels_file=getattr(spec, "labels", None), classnames=names)
@@ -53,9 +58,7 @@ def _probe_images(cfg, image_size: int, model, count: int) -> torch.Tensor:
 def probe_captions(cfg, count: int) -> list[str]:
     """The first eval set's class-name prompts (every class with every template, in that order), `count` of them
     spread evenly: fixed text, the same at every step and stage."""
-    spec = cfg.eval.evals[0]
-    dataset = getattr(spec, "dataset", "custom")
-    names = resolve_classnames(dataset, spec.data, getattr(spec, "classnames", None))
+    spec, dataset, names = _probe_set(cfg)
     templates = resolve_templates(getattr(spec, "templates", None), dataset, spec.data)
     prompts = [template_text(t, c) for c in names for t in templates]
     return [prompts[int(i)] for i in subset_indices(len(prompts), count)]
