@@ -41,9 +41,9 @@ def make_shards(n: int = 480, per_shard: int = 60) -> str:
     sys.path.insert(0, str(ROOT))
     from PIL import Image
 
-    from data_pipelines.shard_writer import write_shards
-    from data_pipelines.sources.emoji import emoji_samples
-    from data_pipelines.sources.fashion_mnist import fashion_mnist_samples
+    from crate_clip.data.shard_writer import write_shards
+    from crate_clip.data.sources.emoji import emoji_samples
+    from crate_clip.data.sources.fashion_mnist import fashion_mnist_samples
 
     rng = random.Random(0)
 
@@ -77,9 +77,9 @@ def time_batches(batches, warmup: int, measure: int) -> float:
 
 
 def ours(pattern: str, size: int, workers: int, warmup: int, measure: int) -> float:
-    """Throughput of data_pipelines.train_stream."""
+    """Throughput of crate_clip.data.train_stream."""
     sys.path.insert(0, str(ROOT))
-    from data_pipelines.train_stream import StreamConfig, build_train_stream
+    from crate_clip.data.train_stream import StreamConfig, build_train_stream
 
     cfg = StreamConfig(sources=[pattern], num_workers=workers, shuffle_buffer=200)
     stream = build_train_stream(cfg, image_size=size, context_length=CONTEXT, text_mask="truncate",
@@ -146,14 +146,14 @@ ORDER_BATCH, ORDER_WORKERS = 32, 2
 
 def _order_config(pattern: str, workers: int, **kw):
     sys.path.insert(0, str(ROOT))
-    from data_pipelines.train_stream import StreamConfig
+    from crate_clip.data.train_stream import StreamConfig
 
     return StreamConfig(sources=[pattern], num_workers=workers, shuffle_buffer=200, **kw)
 
 
 def canonical_batches(pattern: str, size: int, streams: int):
     """Batches of a one-rank stream cut from `streams` canonical streams (slices joined in this process)."""
-    from data_pipelines.train_stream import build_train_stream
+    from crate_clip.data.train_stream import build_train_stream
 
     return build_train_stream(_order_config(pattern, ORDER_WORKERS, canonical_streams=streams), image_size=size,
                               context_length=CONTEXT, text_mask="truncate", batch_size=ORDER_BATCH)
@@ -162,7 +162,7 @@ def canonical_batches(pattern: str, size: int, streams: int):
 def per_worker_batches(pattern: str, size: int):
     """Baseline layout: every worker yields whole batches of its own stream, taken in worker turn, nothing
     joined (the stream's own DataLoader over one canonical stream per worker, a slice being a whole batch)."""
-    from data_pipelines.train_stream import build_train_stream
+    from crate_clip.data.train_stream import build_train_stream
 
     stream = build_train_stream(_order_config(pattern, ORDER_WORKERS, canonical_streams=ORDER_WORKERS),
                                 image_size=size, context_length=CONTEXT, text_mask="truncate",
@@ -173,8 +173,8 @@ def per_worker_batches(pattern: str, size: int):
 def key_sequences(pattern: str, steps: int, resume_at: int, size: int = 32) -> dict:
     """Global-batch keys of `steps` steps after a resume at step `resume_at` of a 2-rank, 2-worker run, for
     1, 2 and 4 simulated ranks (1 worker each), and of the uninterrupted run."""
-    from data_pipelines.stream_layout import merge_stream_states, split_stream_state
-    from data_pipelines.train_stream import build_train_stream
+    from crate_clip.data.stream_layout import merge_stream_states, split_stream_state
+    from crate_clip.data.train_stream import build_train_stream
 
     def ranks(world: int, workers: int) -> list:
         cfg = _order_config(pattern, workers)

@@ -146,7 +146,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--keep", default=None, help="run in this folder and keep it (default: a temporary one)")
     args = p.parse_args()
-    from data_pipelines.sources.fashion_mnist import write_fashion_mnist_shards
+    from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_shards
 
     with tempfile.TemporaryDirectory(prefix="bench_elastic_") as tmp:
         root = Path(args.keep or tmp)

@@ -205,8 +205,8 @@ def _loader_rate(pattern: str, size: int, decode: str, device: str, batches: int
     """Images/s of the training stream (1 worker process = 1 CPU core of decoding) on `pattern`'s shards:
     decode 'cpu' (PIL in the worker) or 'device' (worker ships JPEG bytes + boxes; `device` decodes in this
     process). ship_only: the worker's share of the device path alone (the batches are not decoded)."""
-    from data_pipelines.device_decode import DeviceJpegBatch
-    from data_pipelines.train_stream import StreamConfig, build_train_stream
+    from crate_clip.data.device_decode import DeviceJpegBatch
+    from crate_clip.data.train_stream import StreamConfig, build_train_stream
 
     cfg = StreamConfig(sources=[pattern], num_workers=1, shuffle_buffer=200)
     stream = build_train_stream(cfg, image_size=size, context_length=32, text_mask="truncate", batch_size=32,

@@ -31,8 +31,8 @@ DEMO_MODEL = "CRATE-alpha-CLIPA-tiny"
 
 def features(model, preprocess, settings, cache_dir: Path):
     """(train features, labels, test features, labels) through the probe's own cached extraction."""
-    from eval import linear_probe
-    from eval.eval_datasets import classification_dataset
+    from crate_clip.eval import linear_probe
+    from crate_clip.eval.eval_datasets import classification_dataset
 
     out = []
     for data, limit in ((settings.train_data, None), (settings.data, settings.max_images)):
@@ -50,7 +50,7 @@ def sklearn_top1(xtr, ytr, xte, yte, settings) -> tuple[float, float]:
     (top-1, chosen C)."""
     from sklearn.linear_model import LogisticRegression
 
-    from eval import linear_probe
+    from crate_clip.eval import linear_probe
     tr, va = linear_probe.split_train_val(ytr, settings.val_proportion, settings.seed)
     best = None
     for c in (0.1, 1.0, 10.0, 100.0, 1000.0):
@@ -64,7 +64,7 @@ def sklearn_top1(xtr, ytr, xte, yte, settings) -> tuple[float, float]:
 
 def evaluate(label: str, model, preprocess, settings, cache_dir: Path, with_sklearn: bool) -> dict:
     """Full probe, 10-shot over SEEDS, optionally the sklearn cross-check, on one model's features."""
-    from eval import linear_probe
+    from crate_clip.eval import linear_probe
 
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -107,9 +107,9 @@ def main() -> int:
 
     import crate_clip  # noqa: F401  (registers the towers)
     from crate_clip.models.patch_change import create_clip_at_patch
-    from data_pipelines.sources.fashion_mnist import write_fashion_mnist_eval_folder
-    from eval import linear_probe
-    from eval.model_loading import load_eval_model
+    from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_eval_folder
+    from crate_clip.eval import linear_probe
+    from crate_clip.eval.model_loading import load_eval_model
 
     data_dir = Path(args.data_dir)
     train = Path(args.train_data) if args.train_data else data_dir / f"probe_train_{args.train_images}"

@@ -83,8 +83,8 @@ def at_the_change(run_dir: Path, resize: str, cfg) -> float:
     """Zero-shot top-1 at 28 px of stage 0's last checkpoint moved to patch 4 by `resize`, before any stage-1
     step: how much of the patch-7 function each resize keeps. The demo's own evaluation (its first
     eval.evals entry, on the test images the demo wrote), run as after a stage."""
-    from eval.model_loading import load_eval_model
-    from eval.stage_hook import evaluate_stage
+    from crate_clip.eval.model_loading import load_eval_model
+    from crate_clip.eval.stage_hook import evaluate_stage
 
     stage0 = sorted((run_dir / "checkpoints").glob("stage0-step*"))[-1]
     model, _, _, model_name = load_eval_model(str(stage0), image_size=28)

@@ -23,7 +23,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 def _segment(model: str, scenes: str, out: Path, facet: str = "projection", size: int = 56,
              limit: int | None = None) -> dict:
-    from eval.whitebox_cli import segment_entry
+    from crate_clip.eval.whitebox_cli import segment_entry
 
     args = ["--model", model, "--data", scenes, "--out", str(out), "--image-size", str(size), "--facet", facet,
             "--overlays", "8"] + (["--limit", str(limit)] if limit else [])

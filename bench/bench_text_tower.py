@@ -113,7 +113,7 @@ def demo_steptime(steps: int) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from crate_clip.models import create_clip
-    from eval.whitebox import find_crate_tower
+    from crate_clip.eval.whitebox import find_crate_tower
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -17,9 +17,9 @@ sys.path.insert(0, str(ROOT))
 
 def rows_for(model: str, images: list, size: int = 56) -> list:
     """Per image: [attention overlay, PCA overlay, MaskCut overlay] tiles, each image-size x display scale."""
-    from eval.model_loading import load_eval_model
-    from eval.segmentation import overlay_masks, segment_batch, to_tensor
-    from eval.whitebox_maps import block_maps, display_scale, grid_to_image, joint_pca, overlay
+    from crate_clip.eval.model_loading import load_eval_model
+    from crate_clip.eval.segmentation import overlay_masks, segment_batch, to_tensor
+    from crate_clip.eval.whitebox_maps import block_maps, display_scale, grid_to_image, joint_pca, overlay
 
     torch.manual_seed(0)
     clip = load_eval_model(model, None, size)[0].float().eval()
@@ -40,7 +40,7 @@ def rows_for(model: str, images: list, size: int = 56) -> list:
 
 def main(argv=None) -> int:
     """Compose the figure."""
-    from eval.whitebox_cli import scene_shards
+    from crate_clip.eval.whitebox_cli import scene_shards
 
     p = argparse.ArgumentParser()
     p.add_argument("--scenes", default=str(ROOT / "data" / "fmnist_scenes"))

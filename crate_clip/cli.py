@@ -2,18 +2,18 @@
 import importlib
 import sys
 
-from crate_clip.cli_errors import USER_ERRORS, pop_debug_flag, report_error, show_exit_code
+from crate_clip.core.errors import USER_ERRORS, pop_debug_flag, report_error, show_exit_code
 
 # sub-command -> module whose main(argv) runs it; imported lazily so `crate-clip shards` does not pay
 # for DeepSpeed's import, and so the packages keep their one direction of imports.
 SUBCOMMANDS = {
     "train": ("crate_clip.train.cli", "train a CRATE-alpha CLIP from a run config (YAML)"),
-    "eval": ("eval.cli", "zero-shot classification, retrieval and linear-probe evaluation"),
-    "shards": ("data_pipelines.cli", "write DataComp-layout webdataset shards from local data"),
+    "eval": ("crate_clip.eval.cli", "zero-shot classification, retrieval and linear-probe evaluation"),
+    "shards": ("crate_clip.data.cli", "write DataComp-layout webdataset shards from local data"),
     "plan": ("crate_clip.train.plan_cli", "per-stage memory fit, micro-batch, FLOPs and GPU-hours of a run config"),
     "demo": ("crate_clip.train.demo", "the embedded Fashion-MNIST demo (the README's first command)"),
-    "inspect": ("eval.inspect_cli", "white-box maps (attention per head, PCA) and a caption's attention and atoms"),
-    "segment": ("eval.segment_cli", "zero-shot segmentation (MaskCut) as PNG overlays + COCO RLE JSON"),
+    "inspect": ("crate_clip.eval.inspect_cli", "white-box maps (attention per head, PCA) and a caption's attention and atoms"),
+    "segment": ("crate_clip.eval.segment_cli", "zero-shot segmentation (MaskCut) as PNG overlays + COCO RLE JSON"),
     "convert": ("crate_clip.convert_cli", "released CRATE-alpha-CLIPA weights -> an open_clip local-dir: export"),
     "export": ("crate_clip.train.export_cli", "a training checkpoint -> an open_clip local-dir: / hf-hub: folder"),
 }

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from crate_clip.cli_errors import report_error
+from crate_clip.core.errors import report_error
 
 
 def _add_writer_args(p: argparse.ArgumentParser, default_max_side: int | None = 512) -> None:

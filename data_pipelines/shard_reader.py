@@ -1,6 +1,6 @@
 """Shard lists and tar reading: expand sources, find data set sizes, iterate raw samples, count bad data.
 
-Sources are parsed by crate_clip.shard_sources (brace pattern, folder, glob, tar, URL, `pipe:` command).
+Sources are parsed by crate_clip.core.shard_sources (brace pattern, folder, glob, tar, URL, `pipe:` command).
 Opening uses webdataset's gopen (files, pipes, curl for http) and its tar member iterator; grouping
 members into samples is done here so that truncated tars, unreadable shards and duplicate keys become
 counted skips instead of exceptions.
@@ -17,7 +17,7 @@ from typing import Iterator
 from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext, tar_file_iterator
 
-from crate_clip.shard_sources import (PIPE, REMOTE_PREFIXES, STATS_PROBES, ShardListError,  # noqa: F401
+from crate_clip.core.shard_sources import (PIPE, REMOTE_PREFIXES, STATS_PROBES, ShardListError,  # noqa: F401
                                      expand_source, is_remote, stats_url)
 
 SKIP_REASONS = ("truncated_tar", "unreadable_shard", "undecodable_image", "zero_size_image",

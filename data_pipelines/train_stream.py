@@ -54,7 +54,7 @@ import torch
 from pydantic import Field, field_validator
 from torch.utils.data import DataLoader
 
-from crate_clip.config_schema import Bool, Float, Int, Section
+from crate_clip.core.config_schema import Bool, Float, Int, Section
 from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
 
 from .device_decode import DECODE_COUNTERS, Decode, DeviceJpegBatch

@@ -1,9 +1,9 @@
-"""Built-in class names and prompt templates (ImageNet-1K from open_clip, Fashion-MNIST from crate_clip.class_names)."""
+"""Built-in class names and prompt templates (ImageNet-1K from open_clip, Fashion-MNIST from crate_clip.core.class_names)."""
 from pathlib import Path
 
 from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
 
-from crate_clip.class_names import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES
+from crate_clip.core.class_names import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES
 BUILTIN_CLASSNAMES = {"imagenet1k": tuple(IMAGENET_CLASSNAMES), "fashion_mnist": FASHION_MNIST_CLASSNAMES}
 BUILTIN_TEMPLATES = {
     "openai": tuple(OPENAI_IMAGENET_TEMPLATES),   # callables: lambda c: f"... {c}."

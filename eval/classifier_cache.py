@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from crate_clip.checkpoint_io.atomic_files import atomic_torch_save
-from eval.class_sets import template_text
-from eval.model_calls import unwrap_model
+from crate_clip.eval.class_sets import template_text
+from crate_clip.eval.model_calls import unwrap_model
 
 CACHE_VERSION = 2   # 2: key independent of the ZeRO-3 world size and logit_scale; tokenizer by identity
 

@@ -10,14 +10,14 @@ import torch
 
 from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, TRUST_HELP, TRUST_WARNING,
                                                       trusted_checkpoints)
-from crate_clip.cli_errors import report_error
+from crate_clip.core.errors import report_error
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_tokenizers import TokenizerUnavailableError
-from eval.distributed_batches import rank_and_world
-from eval.eval_settings import EvalSettings
-from eval.linear_probe import TIMM_PREFIX, load_timm_classifier
-from eval.model_loading import load_eval_model
-from eval.registry import TASKS, EvalContext, parse_eval, run_task
+from crate_clip.eval.distributed_batches import rank_and_world
+from crate_clip.eval.eval_settings import EvalSettings
+from crate_clip.eval.linear_probe import TIMM_PREFIX, load_timm_classifier
+from crate_clip.eval.model_loading import load_eval_model
+from crate_clip.eval.registry import TASKS, EvalContext, parse_eval, run_task
 
 USAGE_ERRORS = (ValueError, FileNotFoundError, CheckpointMismatchError, TokenizerUnavailableError)
 # command-line option -> the shared eval setting it sets (defaults come from the settings schema)

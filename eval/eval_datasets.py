@@ -18,9 +18,9 @@ from timm.data import ImageNetInfo
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
-from crate_clip.shard_sources import ShardListError, expand_source
-from eval.class_folders import map_class_folders
-from eval.distributed_batches import rank_slice
+from crate_clip.core.shard_sources import ShardListError, expand_source
+from crate_clip.eval.class_folders import map_class_folders
+from crate_clip.eval.distributed_batches import rank_slice
 
 IMAGENET_NUM_CLASSES = 1000
 SHARD_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
@@ -61,7 +61,7 @@ class ClassificationFolder(Dataset):
 def image_folder(root: str | Path, transform: Callable, *, num_classes: int, imagenet: bool = False,
                  classnames: list[str] | None = None) -> ClassificationFolder:
     """ImageNet-val layout `<root>/<class dir>/<image>`; with `classnames` each folder is matched to its class
-    by name or index (eval.class_folders), else (and for ImageNet's WordNet ids) class index = sorted order."""
+    by name or index (crate_clip.eval.class_folders), else (and for ImageNet's WordNet ids) class index = sorted order."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"evaluation data folder {root} does not exist")

@@ -9,8 +9,8 @@ from typing import Optional
 
 from pydantic import Field, model_validator
 
-from crate_clip.config_schema import Float, Int, Section
-from eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION
+from crate_clip.core.config_schema import Float, Int, Section
+from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION
 
 
 class EvalSettings(Section):

@@ -28,14 +28,14 @@ from pydantic import Field
 from torch import nn
 from tqdm import tqdm
 
-from crate_clip.config_schema import Float, Int
-from eval.class_sets import resolve_classnames
-from eval.distributed_batches import gather_objects, lockstep, rank_and_world
-from eval.eval_datasets import classification_dataset, make_loader
-from eval.eval_settings import EvalSettings
-from eval.model_calls import autocast_context, check_precision, image_features, unwrap_model
-from eval.model_loading import check_finite_weights
-from eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
+from crate_clip.core.config_schema import Float, Int
+from crate_clip.eval.class_sets import resolve_classnames
+from crate_clip.eval.distributed_batches import gather_objects, lockstep, rank_and_world
+from crate_clip.eval.eval_datasets import classification_dataset, make_loader
+from crate_clip.eval.eval_settings import EvalSettings
+from crate_clip.eval.model_calls import autocast_context, check_precision, image_features, unwrap_model
+from crate_clip.eval.model_loading import check_finite_weights
+from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
 
 NAME = "linear_probe"
 CACHE_VERSION = 2   # 2: keyed by the class each folder of an ImageFolder split is matched to

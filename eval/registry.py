@@ -11,13 +11,13 @@ from typing import Annotated, Any, Union
 
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 
-import eval.tasks
-from crate_clip.config_schema import error_lines
-from eval.eval_settings import EvalSettings
+import crate_clip.eval.tasks
+from crate_clip.core.config_schema import error_lines
+from crate_clip.eval.eval_settings import EvalSettings
 
 DEFAULT_TYPE = "zeroshot"   # an evaluation declared without a type
-TASKS = {info.name: importlib.import_module(f"eval.tasks.{info.name}")
-         for info in pkgutil.iter_modules(eval.tasks.__path__) if not info.name.startswith("_")}
+TASKS = {info.name: importlib.import_module(f"crate_clip.eval.tasks.{info.name}")
+         for info in pkgutil.iter_modules(crate_clip.eval.tasks.__path__) if not info.name.startswith("_")}
 EVAL_TYPES = tuple(TASKS)
 
 

@@ -5,10 +5,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from eval.distributed_batches import all_reduce_sum, gather_objects, lockstep, rank_and_world
-from eval.eval_datasets import ShardSamples, make_loader
-from eval.model_calls import check_precision, dummy_images, image_features, text_features
-from eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
+from crate_clip.eval.distributed_batches import all_reduce_sum, gather_objects, lockstep, rank_and_world
+from crate_clip.eval.eval_datasets import ShardSamples, make_loader
+from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
+from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
 
 RECALL_KS = (1, 5, 10)
 SIMILARITY_ROWS = 4096   # images per block of the similarity matrix (bounds memory at N x 4096 floats)

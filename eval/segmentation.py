@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
-from eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU, maskcut
-from eval.whitebox_maps import block_maps, display_scale
+from crate_clip.eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU, maskcut
+from crate_clip.eval.whitebox_maps import block_maps, display_scale
 
 MASK_COLOURS = np.array([(230, 25, 75), (60, 180, 75), (0, 130, 200), (245, 130, 48), (145, 30, 180)], np.uint8)
 

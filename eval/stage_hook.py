@@ -3,10 +3,10 @@ from pathlib import Path
 
 import torch
 
-from eval.eval_settings import EvalSettings
-from eval.model_calls import unwrap_model
-from eval.model_loading import eval_tokenizer, eval_transform
-from eval.registry import EvalContext, parse_eval, run_task
+from crate_clip.eval.eval_settings import EvalSettings
+from crate_clip.eval.model_calls import unwrap_model
+from crate_clip.eval.model_loading import eval_tokenizer, eval_transform
+from crate_clip.eval.registry import EvalContext, parse_eval, run_task
 
 
 def evaluate_stage(model, *, model_name: str, evals: list[dict | EvalSettings], image_size: int, device="cpu",

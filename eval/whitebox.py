@@ -7,7 +7,7 @@ Definitions (CRATE papers and Ma-Lab-Berkeley/CRATE `vis_utils/`):
   sparsity     fraction of exact zeros of the ISTA code over tokens x code dims (CRATE-alpha: z2, before the
                decoupled dictionary D1); 'l0' = 1 - that (the normalised L0 the papers plot).
 Both are computed per sample and reported as mean and std over the batch, per block: per image for the image
-tower (layer_diagnostics), per caption over its own tokens for the text tower (eval.whitebox_text), the one
+tower (layer_diagnostics), per caption over its own tokens for the text tower (crate_clip.eval.whitebox_text), the one
 `block_diagnostics` for both.
 """
 from __future__ import annotations

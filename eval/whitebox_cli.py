@@ -14,8 +14,8 @@ import torch
 from PIL import Image
 
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
-from crate_clip.cli_errors import report_error
-from eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU
+from crate_clip.core.errors import report_error
+from crate_clip.eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU
 
 USAGE_ERRORS = (ValueError, FileNotFoundError, TypeError)
 
@@ -36,7 +36,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _load_model(args, **options):
     """(model, transform, tokenizer, name) of --model / --pretrained, read as --trust-checkpoint allows."""
-    from eval.model_loading import load_eval_model
+    from crate_clip.eval.model_loading import load_eval_model
 
     torch.manual_seed(0)  # a random-init tower (no --pretrained) is the same on every call
     if args.trust_checkpoint:
@@ -51,7 +51,7 @@ def _load(args):
 
 def patch_grid(clip) -> tuple[int, int]:
     """(rows, columns) of the image tower's patch grid at its input size."""
-    from eval.whitebox import find_crate_tower
+    from crate_clip.eval.whitebox import find_crate_tower
 
     tower = find_crate_tower(clip) or getattr(getattr(clip, "module", clip), "visual", None)
     return tuple(tower.grid_size)
@@ -60,7 +60,7 @@ def patch_grid(clip) -> tuple[int, int]:
 def open_image(source, grid: tuple[int, int]) -> tuple[Image.Image | None, str | None]:
     """(RGB image, None), or (None, why it is skipped): not decodable, or smaller than the patch grid (each
     patch would see less than a pixel of its own, and every mask would be degenerate)."""
-    from eval.eval_datasets import DECODE_ERRORS
+    from crate_clip.eval.eval_datasets import DECODE_ERRORS
 
     try:
         with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
@@ -98,8 +98,8 @@ def _report_skipped(prog: str, skipped: list[str], total: int, kept: int) -> Non
 # ---------------------------------------------------------------- inspect maps
 def maps_main(argv) -> int:
     """`crate-clip inspect maps`: class-token attention per head + average, and joint PCA, per image."""
-    from eval.segmentation import to_tensor
-    from eval.whitebox_maps import attention_strip, block_maps, joint_pca, pca_strip
+    from crate_clip.eval.segmentation import to_tensor
+    from crate_clip.eval.whitebox_maps import attention_strip, block_maps, joint_pca, pca_strip
 
     p = argparse.ArgumentParser(prog="crate-clip inspect maps", description=maps_main.__doc__)
     _model_args(p)
@@ -137,7 +137,7 @@ def maps_main(argv) -> int:
 def text_main(argv) -> int:
     """`crate-clip inspect text CAPTION`: per-head attention over the words and the most active dictionary atoms per
     token, at one block of a CRATE-alpha text tower; per-block coding rate and code sparsity of the caption."""
-    from eval.whitebox_text import draw_attention, format_inspection, inspect_caption
+    from crate_clip.eval.whitebox_text import draw_attention, format_inspection, inspect_caption
 
     p = argparse.ArgumentParser(prog="crate-clip inspect text", description=text_main.__doc__)
     p.add_argument("caption")
@@ -158,7 +158,7 @@ def text_main(argv) -> int:
 
 
 def _depth(clip) -> int:
-    from eval.whitebox import find_crate_tower
+    from crate_clip.eval.whitebox import find_crate_tower
 
     trunk = find_crate_tower(clip)
     return len(trunk.blocks) if trunk is not None else len(clip.visual.transformer.resblocks)
@@ -168,7 +168,7 @@ def _depth(clip) -> int:
 def scene_shards(data: str, limit: int | None = None, grid: tuple[int, int] = (1, 1), skipped: list | None = None):
     """(key, PIL image, ground truth {height, width, objects}) from composite-scene shards (`crate-clip shards
     scenes`); scenes whose image is unusable (see `open_image`) are appended to `skipped` as 'key (why)'."""
-    from eval.eval_datasets import shard_urls
+    from crate_clip.eval.eval_datasets import shard_urls
 
     skipped = [] if skipped is None else skipped
     count = 0
@@ -198,7 +198,7 @@ def scene_shards(data: str, limit: int | None = None, grid: tuple[int, int] = (1
 
 def segment_main(argv) -> int:
     """`crate-clip segment`: MaskCut masks as PNG overlays + COCO RLE JSON; with --data, AP50 and best IoU too."""
-    from eval.segmentation import coco_evaluate, mask_records, overlay_masks, segment_batch, write_results
+    from crate_clip.eval.segmentation import coco_evaluate, mask_records, overlay_masks, segment_batch, write_results
 
     p = argparse.ArgumentParser(prog="crate-clip segment", description=segment_main.__doc__)
     _model_args(p)

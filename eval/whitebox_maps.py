@@ -47,7 +47,7 @@ def _layer_index(layer: int, depth: int) -> int:
 @torch.no_grad()
 def block_maps(clip: torch.nn.Module, images: torch.Tensor, layer: int = -1) -> BlockMaps:
     """Attention and features of block `layer` (negative counts from the end) for (B, 3, H, W) images."""
-    from eval.whitebox import find_crate_tower
+    from crate_clip.eval.whitebox import find_crate_tower
 
     trunk = find_crate_tower(clip)
     if trunk is not None:

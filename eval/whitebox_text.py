@@ -2,7 +2,7 @@
 dictionary atoms (columns of D) each token's ISTA code uses, and per-layer coding rate and sparsity.
 
 The attention rows and the codes are the tower's own (`forward_intermediates` with `return_attn` /
-`return_sparse_codes`); coding rate and code sparsity are eval.whitebox's definitions, restricted to each caption's
+`return_sparse_codes`); coding rate and code sparsity are crate_clip.eval.whitebox's definitions, restricted to each caption's
 tokens (padding left out, except the pooled position when pooling reads a padding slot, as CLIPA's 'last' does):
 `caption_token_mask`. `text_layer_diagnostics` gives them per block for a batch of captions (the training probe).
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from open_clip.transformer import text_global_pool
 
-from eval.whitebox import EPS2, block_diagnostics
+from crate_clip.eval.whitebox import EPS2, block_diagnostics
 
 PAD_ID = 0   # open_clip's CLIP BPE and the BERT tokenizers both pad with 0
 _SHORT = {"<start_of_text>": "<sot>", "<end_of_text>": "<eot>"}   # CLIP BPE's special tokens, for narrow tables

@@ -10,12 +10,12 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from eval.class_sets import template_text
-from eval.classifier_cache import cache_path, classifier_key, load_cached, save_cached
-from eval.distributed_batches import all_ranks_agree, all_reduce_sum, lockstep, rank_and_world
-from eval.eval_datasets import make_loader, loader_length
-from eval.model_calls import check_precision, dummy_images, image_features, text_features
-from eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
+from crate_clip.eval.class_sets import template_text
+from crate_clip.eval.classifier_cache import cache_path, classifier_key, load_cached, save_cached
+from crate_clip.eval.distributed_batches import all_ranks_agree, all_reduce_sum, lockstep, rank_and_world
+from crate_clip.eval.eval_datasets import make_loader, loader_length
+from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
+from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
 
 CLASSES_PER_BATCH = 10   # as open_clip: 10 classes x all templates per text forward
 

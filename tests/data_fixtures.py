@@ -7,13 +7,13 @@ from pathlib import Path
 
 from PIL import Image
 
-from data_pipelines.shard_writer import encode_jpeg, write_shards
-from data_pipelines.sources.fashion_mnist import load_fashion_mnist
+from crate_clip.data.shard_writer import encode_jpeg, write_shards
+from crate_clip.data.sources.fashion_mnist import load_fashion_mnist
 
 
 def numbered_samples(n: int, source_dir, upscale: int | None = None):
     """n Fashion-MNIST test images with unique captions 'photo number <i> of a <class>'."""
-    from data_pipelines.sources.fashion_mnist import CLASSNAMES
+    from crate_clip.data.sources.fashion_mnist import CLASSNAMES
 
     images, labels = load_fashion_mnist("test", source_dir)
     for i in range(n):

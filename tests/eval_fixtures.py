@@ -13,7 +13,7 @@ import webdataset as wds
 from PIL import Image
 
 import crate_clip  # noqa: F401  (registers the CRATE-alpha open_clip configs)
-from eval.class_sets import FASHION_MNIST_CLASSNAMES
+from crate_clip.eval.class_sets import FASHION_MNIST_CLASSNAMES
 
 PER_CLASS = 16          # eval images per class -> 160 images
 TRAIN_IMAGES = 2048
@@ -202,10 +202,10 @@ def distributed_worker(rank: int, world: int, workdir: str, port: int) -> None:
     import deepspeed
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False   # else a one-minute g++ build on CPU
     deepspeed.init_distributed(dist_backend="gloo")
-    from eval.class_sets import FASHION_MNIST_TEMPLATES
-    from eval.eval_datasets import classification_dataset
-    from eval.model_loading import eval_transform
-    from eval.zeroshot import zero_shot_evaluate
+    from crate_clip.eval.class_sets import FASHION_MNIST_TEMPLATES
+    from crate_clip.eval.eval_datasets import classification_dataset
+    from crate_clip.eval.model_loading import eval_transform
+    from crate_clip.eval.zeroshot import zero_shot_evaluate
 
     workdir = Path(workdir)
     tokenizer = open_clip.get_tokenizer(CRATE_TINY)

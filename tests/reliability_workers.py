@@ -21,7 +21,7 @@ def _captions(batches) -> list[list[int]]:
 
 def epoch_sizes(data: str, out: str) -> None:
     """Two passes of an epoch-mode stream on each rank; rank r writes OUT.r.json with what it yielded."""
-    from data_pipelines.train_stream import StreamConfig, build_train_stream
+    from crate_clip.data.train_stream import StreamConfig, build_train_stream
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = StreamConfig(sources=[data], mode="epoch", num_workers=0, shuffle_buffer=1, shards_per_group=1)
@@ -56,7 +56,7 @@ def _steps(batches) -> str:
 def agreement(out: str) -> None:
     """Rank r writes OUT.r.json: how the eval loop and the training fetch stopped."""
     from crate_clip.train.batch_agreement import agreed_batches
-    from eval.distributed_batches import lockstep
+    from crate_clip.eval.distributed_batches import lockstep
 
     result = {"eval": _steps(lockstep(_failing_on_rank_1())), "train": _steps(agreed_batches(_failing_on_rank_1()))}
     Path(f"{out}.{dist.get_rank()}.json").write_text(json.dumps(result))

@@ -1,5 +1,5 @@
 """The packages import each other in one direction only (DESIGN.md):
-checkpoint_io <- models <- data_pipelines, eval <- train; and inside each package the modules import each other
+core <- checkpoint_io <- models <- data (data_pipelines/), eval <- train; and inside each package the modules import each other
 without a cycle (function-level imports included: a cycle held apart by one is still a cycle)."""
 import ast
 from pathlib import Path
@@ -7,23 +7,34 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("crate_clip", "data_pipelines", "eval")   # top-level packages; their sub-packages are checked too
+PACKAGES = ("crate_clip", "data_pipelines", "eval")   # top-level folders; their sub-packages are checked too
+# folder -> the import name it installs as (setup.cfg's package_dir)
+INSTALLED_AS = {"data_pipelines": "crate_clip.data", "eval": "crate_clip.eval"}
 
 # package -> top-level modules it must never import
 FORBIDDEN = {
     # checkpoint and file I/O sit at the bottom: every other package may use them, they use none of ours
-    "crate_clip/checkpoint_io": ("crate_clip.train", "crate_clip.models", "data_pipelines", "eval"),
-    "crate_clip/models": ("crate_clip.train", "data_pipelines", "eval"),
-    "data_pipelines": ("crate_clip.train", "eval"),
-    "eval": ("crate_clip.train", "data_pipelines"),
+    "crate_clip/core": ("crate_clip.checkpoint_io", "crate_clip.train", "crate_clip.models", "crate_clip.data",
+                        "crate_clip.eval", "crate_clip.cli", "crate_clip.convert_cli"),
+    "crate_clip/checkpoint_io": ("crate_clip.train", "crate_clip.models", "crate_clip.data", "crate_clip.eval"),
+    "crate_clip/models": ("crate_clip.train", "crate_clip.data", "crate_clip.eval", "crate_clip.cli"),
+    "data_pipelines": ("crate_clip.train", "crate_clip.eval"),
+    "eval": ("crate_clip.train", "crate_clip.data"),
 }
+
+
+def _dotted(parts: tuple) -> tuple:
+    """A path's folder parts as the installed package's name parts (eval/tasks -> crate_clip.eval.tasks)."""
+    if parts and parts[0] in INSTALLED_AS:
+        return tuple(INSTALLED_AS[parts[0]].split(".")) + tuple(parts[1:])
+    return tuple(parts)
 
 
 def _imported_modules(path: Path, names: bool = False):
     """(line, module) of every import in the file, at any depth; relative imports resolved against the file's
     package. `names`: `module.name` for each name of a `from module import name` instead (it may be a module)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    package = path.relative_to(ROOT).parent.parts
+    package = _dotted(path.relative_to(ROOT).parent.parts)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -52,13 +63,13 @@ def test_checker_sees_a_violation(tmp_path, monkeypatch):
     """The scan itself works: a planted forbidden import is reported."""
     bad = tmp_path / "pkg"
     bad.mkdir()
-    (bad / "m.py").write_text("import os\nfrom eval.zeroshot import x\n")
+    (bad / "m.py").write_text("import os\nfrom crate_clip.eval.zeroshot import x\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    assert list(_violations("pkg", ("eval",))) == ["pkg/m.py:2 imports eval.zeroshot"]
+    assert list(_violations("pkg", ("crate_clip.eval",))) == ["pkg/m.py:2 imports crate_clip.eval.zeroshot"]
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = _dotted(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 

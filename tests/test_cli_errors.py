@@ -48,7 +48,7 @@ def test_corrupt_weights_file_is_one_line_naming_the_file(corrupt_files, kind, c
 
 
 def test_debug_shows_the_traceback(corrupt_files, monkeypatch):
-    from crate_clip.cli_errors import DEBUG_ENV
+    from crate_clip.core.errors import DEBUG_ENV
     from crate_clip.models.weights_files import CorruptWeightsError
 
     monkeypatch.setenv(DEBUG_ENV, "0")   # restored after the test (--debug sets it for child processes)
@@ -114,7 +114,7 @@ def _stage0_checkpoint(root, tag, step):
 def test_a_latest_file_that_is_not_text_counts_as_missing(tmp_path):
     from crate_clip.checkpoint_io.deepspeed_checkpoints import resolve_checkpoint_tag
     from crate_clip.train.checkpoints import CheckpointManager
-    from eval.model_loading import load_eval_model
+    from crate_clip.eval.model_loading import load_eval_model
 
     root = tmp_path / "run" / "checkpoints"
     _stage0_checkpoint(root, "stage0_step1", 1)

@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
-from data_pipelines.device_decode import DEVICE_FAILED, FALLBACK, SUBSTITUTED, DeviceJpegBatch, ShippedImage
-from data_pipelines.train_stream import StreamConfig, build_train_stream
+from crate_clip.data.device_decode import DEVICE_FAILED, FALLBACK, SUBSTITUTED, DeviceJpegBatch, ShippedImage
+from crate_clip.data.train_stream import StreamConfig, build_train_stream
 
 from data_fixtures import write_tar
 
@@ -36,7 +36,7 @@ def _encoded(img: Image.Image, fmt: str, **kw) -> bytes:
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, fashion_mnist_dir):
     """3 shards x 16 samples: colour and gray JPEGs (4:2:0 and 4:4:4), one PNG and one CMYK JPEG per shard."""
-    from data_pipelines.sources.fashion_mnist import load_fashion_mnist
+    from crate_clip.data.sources.fashion_mnist import load_fashion_mnist
 
     images, _ = load_fashion_mnist("test", fashion_mnist_dir)
     out, rng = tmp_path_factory.mktemp("device_decode"), np.random.default_rng(0)
@@ -81,7 +81,7 @@ def _levels(images):
 
 def _sample_index(tokens):
     """Which 'picture number i' each token row is."""
-    from data_pipelines.text_reduction import TextReducer
+    from crate_clip.data.text_reduction import TextReducer
 
     reducer = TextReducer(16, "truncate")
     rows = {tuple(reducer(f"picture number {i}").tolist()): i for i in range(48)}
@@ -128,7 +128,7 @@ def _batches_state(shards):
 
 
 def test_undecodable_bytes_fall_back_then_are_replaced(shards):
-    from data_pipelines.device_decode import ShippedImage
+    from crate_clip.data.device_decode import ShippedImage
     from collections import Counter
 
     good = _encoded(Image.new("RGB", (50, 40), (10, 200, 30)), "JPEG", quality=95)

@@ -7,8 +7,8 @@ import tarfile
 import pytest
 import torch
 
-from data_pipelines.stream_layout import LayoutError, merge_stream_states, split_stream_state
-from data_pipelines.train_stream import StreamConfig, build_train_stream
+from crate_clip.data.stream_layout import LayoutError, merge_stream_states, split_stream_state
+from crate_clip.data.train_stream import StreamConfig, build_train_stream
 
 from data_fixtures import write_numbered_shards, write_tar
 

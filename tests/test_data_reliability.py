@@ -5,7 +5,7 @@ import zlib
 
 import pytest
 
-from data_pipelines.image_decode import BadImage, open_image
+from crate_clip.data.image_decode import BadImage, open_image
 
 from data_fixtures import jpeg_bytes, write_tar
 
@@ -34,7 +34,7 @@ def test_max_image_pixels_above_pils_default_is_honoured():
 
 
 def test_shards_inspect_says_a_missing_path_is_missing(capsys):
-    from data_pipelines.cli import main
+    from crate_clip.data.cli import main
 
     assert main(["inspect", "/missing/path", "--batches", "1"]) == 2
     err = capsys.readouterr().err
@@ -53,8 +53,8 @@ def four_shards(tmp_path_factory):
 
 
 def test_resampled_stream_reads_no_stats_file_until_its_size_is_asked(four_shards, monkeypatch):
-    import data_pipelines.train_stream as train_stream
-    from data_pipelines.train_stream import StreamConfig, build_train_stream
+    import crate_clip.data.train_stream as train_stream
+    from crate_clip.data.train_stream import StreamConfig, build_train_stream
 
     calls = []
     real = train_stream.resolve_sizes
@@ -101,7 +101,7 @@ def test_epoch_length_follows_the_real_sample_count(tmp_path):
 
 
 def test_shards_inspect_prints_samples_read_next_to_the_claimed_size(tmp_path, capsys):
-    from data_pipelines.cli import main
+    from crate_clip.data.cli import main
 
     d = tmp_path / "shards"
     d.mkdir()

@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from data_pipelines.cli import main as shards_main
-from data_pipelines.shard_reader import expand_source, iter_shard_samples
-from data_pipelines.shard_writer import write_shards
-from data_pipelines.sources.fashion_mnist import CLASSNAMES, write_fashion_mnist_eval_folder, \
+from crate_clip.data.cli import main as shards_main
+from crate_clip.data.shard_reader import expand_source, iter_shard_samples
+from crate_clip.data.shard_writer import write_shards
+from crate_clip.data.sources.fashion_mnist import CLASSNAMES, write_fashion_mnist_eval_folder, \
     write_fashion_mnist_classification_shards, write_fashion_mnist_shards
-from data_pipelines.sources.image_folder import image_folder_samples
-from data_pipelines.sources.table import table_samples
-from eval.class_sets import resolve_classnames
+from crate_clip.data.sources.image_folder import image_folder_samples
+from crate_clip.data.sources.table import table_samples
+from crate_clip.eval.class_sets import resolve_classnames
 
 from data_fixtures import numbered_samples
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from PIL import Image
 
-from data_pipelines.image_decode import decode_eval, decode_train, to_rgb
-from data_pipelines.shard_writer import encode_jpeg
+from crate_clip.data.image_decode import decode_eval, decode_train, to_rgb
+from crate_clip.data.shard_writer import encode_jpeg
 from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
-from data_pipelines.train_stream import StreamConfig, build_train_stream
+from crate_clip.data.train_stream import StreamConfig, build_train_stream
 
 from data_fixtures import jpeg_bytes, write_numbered_shards, write_tar
 
@@ -217,7 +217,7 @@ def test_every_image_mode_becomes_rgb():
         Image.new(mode, (30, 20)).save(buf, format="PNG")
         assert decode_eval(buf.getvalue(), 16).shape == (16, 16, 3)
     # Eval transform: shorter side to 16, centre crop; a left-black / right-white image keeps its middle.
-    from data_pipelines.image_decode import EvalTransform
+    from crate_clip.data.image_decode import EvalTransform
 
     half = Image.new("L", (64, 32), 0)
     half.paste(255, (32, 0, 64, 32))
@@ -228,7 +228,7 @@ def test_every_image_mode_becomes_rgb():
 
 
 def test_reduced_size_jpeg_decode_matches_full_decode(fashion_mnist_dir):
-    from data_pipelines.sources.fashion_mnist import load_fashion_mnist
+    from crate_clip.data.sources.fashion_mnist import load_fashion_mnist
 
     images, _ = load_fashion_mnist("test", fashion_mnist_dir)
     img = Image.fromarray(np.concatenate([images[0], images[1]], 1)).resize((512, 256), Image.BICUBIC)
@@ -257,7 +257,7 @@ def test_pipe_sources_and_weights(numbered, tmp_path):
 
 def truncate_tokens(text, context_length=16):
     """Token row of a caption with the truncate mask."""
-    from data_pipelines.text_reduction import TextReducer
+    from crate_clip.data.text_reduction import TextReducer
 
     return TextReducer(context_length, "truncate")(text).tolist()
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipelines.pos_tagging import BuiltinTagger, WordNetTagger, find_wordnet_dir, select_pos_tagger
-from data_pipelines.text_reduction import TextReducer, load_tokenizer
+from crate_clip.data.pos_tagging import BuiltinTagger, WordNetTagger, find_wordnet_dir, select_pos_tagger
+from crate_clip.data.text_reduction import TextReducer, load_tokenizer
 
 TOK = load_tokenizer()
 SOT, EOT = TOK.sot_token_id, TOK.eot_token_id
@@ -101,7 +101,7 @@ def test_syntax_respects_token_budget_and_context_lengths():
 
 def emoji_captions(n=400):
     """n real captions: emoji CLDR names in caption templates (fixed sample)."""
-    from data_pipelines.sources.emoji import TEMPLATES, emoji_names
+    from crate_clip.data.sources.emoji import TEMPLATES, emoji_names
 
     names = emoji_names()
     rng = random.Random(0)
@@ -138,7 +138,7 @@ def test_stream_reports_pos_source(monkeypatch):
 def test_masks_follow_the_tokenizer_whatever_the_text_tower(model):
     """The training stream tokenizes with the model config's tokenizer: CLIP's BPE for a transformer and for a
     CRATE-alpha text tower alike, so every reduction mask applies to either tower the same way."""
-    from data_pipelines.train_stream import _tokenizer
+    from crate_clip.data.train_stream import _tokenizer
 
     for mask in ("truncate", "random", "block", "syntax"):
         ours, reference = TextReducer(16, mask, _tokenizer(model)), TextReducer(16, mask, TOK)

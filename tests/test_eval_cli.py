@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from crate_clip.cli import main as crate_clip_main
-from eval.stage_hook import evaluate_stage
+from crate_clip.eval.stage_hook import evaluate_stage
 from eval_fixtures import CRATE_TINY, PER_CLASS, shared_crate_tiny
 
 
@@ -29,7 +29,7 @@ def test_cli_zeroshot_writes_json_and_uses_the_cache(sets, vit_file, tmp_path, c
 def test_cli_reads_the_clip_benchmark_wds_layout_of_eval_shards(vit_file, fashion_mnist_dir, tmp_path):
     """`crate-clip shards eval-shards` writes CLIP_benchmark's wds/ layout; `crate-clip eval` reads its root or its
     split folder, with the data set's own classnames.txt and {c} templates (as CLIP_benchmark reads them)."""
-    from data_pipelines.cli import main as shards_main
+    from crate_clip.data.cli import main as shards_main
 
     name, weights = vit_file
     out = tmp_path / "fmnist_wds"
@@ -76,7 +76,7 @@ def test_stage_hook_runs_declared_evals_with_a_deterministic_tokenizer(sets):
 
 
 def test_eval_tokenizer_drops_a_training_reduction_mask(tmp_path):
-    from eval.model_loading import eval_tokenizer
+    from crate_clip.eval.model_loading import eval_tokenizer
     config = open_clip.get_model_config(CRATE_TINY)
     config["text_cfg"]["tokenizer_kwargs"] = {"reduction_mask": "random"}
     (tmp_path / "evaltest-masked-tiny.json").write_text(json.dumps(config))
@@ -124,7 +124,7 @@ def test_retrieval_eval_in_a_run_config_is_evaluated_and_logged(sets, tmp_path, 
 def test_eval_settings_are_one_definition_for_run_config_and_cli(sets):
     """Run-config evals can set num_workers, classnames and labels, and get the CLI's defaults."""
     from crate_clip.train.run_config import config_from_dict
-    from eval.cli import _settings, build_parser
+    from crate_clip.eval.cli import _settings, build_parser
 
     raw = {"data": {"sources": ["/x"]}, "stages": [{"samples": 8, "global_batch": 4}],
            "eval": {"evals": [{"name": "zeroshot", "data": str(sets["folder"])}]}}

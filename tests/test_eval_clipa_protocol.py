@@ -7,8 +7,8 @@ from torchvision import transforms
 
 import crate_clip  # noqa: F401
 from crate_clip.models import create_clip, open_clip_configs, preprocess_cfg_for
-from eval.class_sets import resolve_classnames, resolve_templates
-from eval.model_loading import eval_transform
+from crate_clip.eval.class_sets import resolve_classnames, resolve_templates
+from crate_clip.eval.model_loading import eval_transform
 
 TINY = "CRATE-alpha-CLIPA-tiny"
 # torch_inference/eval_in1k.py of UCSC-VLAA/CRATE-alpha: torchvision's Resize default is bilinear

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from crate_clip.cli import main as crate_clip_main
-from eval import linear_probe
+from crate_clip.eval import linear_probe
 from eval_fixtures import PER_CLASS, read_idx
 
 
@@ -81,7 +81,7 @@ def test_cli_linear_probe_on_a_timm_classifier_and_a_flat_folder(sets, tmp_path)
 
 
 def test_declared_after_a_stage_through_the_stage_hook(sets, tmp_path):
-    from eval.stage_hook import evaluate_stage
+    from crate_clip.eval.stage_hook import evaluate_stage
     from eval_fixtures import shared_crate_tiny
 
     spec = {"name": "probe", "type": "linear_probe", "data": str(sets["folder"]), "train_data": str(sets["shards"]),

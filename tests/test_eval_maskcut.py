@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from eval.maskcut import mask_iou, maskcut, normalized_cut
+from crate_clip.eval.maskcut import mask_iou, maskcut, normalized_cut
 
 
 def _object_features(grid=(12, 12), box=(3, 8, 2, 7), seed=0, d=16):
@@ -49,7 +49,7 @@ def test_maskcut_rejects_a_wrong_grid():
 
 def test_composite_scenes_have_exact_silhouette_masks(fashion_mnist_dir):
     from pycocotools import mask as mask_utils
-    from data_pipelines.sources.composite_scenes import composite_scene_samples
+    from crate_clip.data.sources.composite_scenes import composite_scene_samples
 
     samples = list(composite_scene_samples(6, size=56, seed=1, source_dir=fashion_mnist_dir))
     counts = [len(s["extra"]["objects"]) for s in samples]
@@ -67,7 +67,7 @@ def test_composite_scenes_have_exact_silhouette_masks(fashion_mnist_dir):
 @pytest.mark.slow
 def test_segment_cli_writes_png_and_coco_json(tmp_path, fashion_mnist_dir):
     from crate_clip.cli import main
-    from data_pipelines.sources.composite_scenes import composite_scene_samples
+    from crate_clip.data.sources.composite_scenes import composite_scene_samples
 
     paths = []
     for i, s in enumerate(composite_scene_samples(2, size=56, seed=2, source_dir=fashion_mnist_dir)):

@@ -7,9 +7,9 @@ import pytest
 import webdataset as wds
 
 from crate_clip.cli import main as crate_clip_main
-from eval.class_sets import FASHION_MNIST_CLASSNAMES
-from eval.stage_hook import evaluate_stage
-from eval.unreadable_images import UnreadableDataError
+from crate_clip.eval.class_sets import FASHION_MNIST_CLASSNAMES
+from crate_clip.eval.stage_hook import evaluate_stage
+from crate_clip.eval.unreadable_images import UnreadableDataError
 from eval_fixtures import CRATE_TINY, class_dir, shared_crate_tiny
 
 GARBAGE = b"this is text with a .jpg name, not an image\n"
@@ -53,7 +53,7 @@ def test_an_eval_that_reads_no_image_exits_2_and_writes_no_result(task, sets, un
 
 
 def test_the_threshold_is_an_option_with_its_default_in_the_help():
-    from eval.cli import build_parser
+    from crate_clip.eval.cli import build_parser
 
     sub = build_parser()._subparsers._group_actions[0].choices
     for task in ("zeroshot", "linear_probe", "retrieval"):
@@ -75,7 +75,7 @@ def test_a_training_run_evaluation_refuses_the_same_way(unreadable_sets):
 
 def test_a_few_unreadable_shard_images_are_refused_above_the_threshold(sets, tmp_path):
     """Retrieval over 30 good pairs and 1 garbage one: 3.2% unreadable, above the default 1%."""
-    from eval.eval_datasets import tar_samples
+    from crate_clip.eval.eval_datasets import tar_samples
 
     good = [s for _, s in zip(range(30), tar_samples(str(sets["captions"] / "00000000.tar")))]
     mixed = tmp_path / "mixed"
@@ -138,7 +138,7 @@ def test_a_class_folder_that_matches_no_class_name_is_an_error_naming_it(sets, v
 
 
 def test_folder_matching_rules():
-    from eval.class_folders import map_class_folders
+    from crate_clip.eval.class_folders import map_class_folders
 
     names = ["T-shirt/top", "trouser", "ankle boot"]
     assert map_class_folders("r", ["2_Ankle-Boot", "T-shirt_top", "trouser"], names) == \
@@ -189,14 +189,14 @@ def test_an_export_with_non_finite_weights_is_refused_naming_the_tensor(export_d
                             "--dataset", "fashion_mnist", "--no-progress", "--cache-dir", ""])
     err = _one_line_error(capsys)
     assert code == 2 and "non-finite weights in visual.trunk.patch_embed.proj.weight (16 NaN, 0 inf" in err
-    from eval.model_loading import NonFiniteWeightsError, load_eval_model
+    from crate_clip.eval.model_loading import NonFiniteWeightsError, load_eval_model
     with pytest.raises(NonFiniteWeightsError, match=r"patch_embed\.proj\.weight"):   # ours as name + weights file
         load_eval_model(CRATE_TINY, str(export_dir / "open_clip_model.safetensors"))
 
 
 def test_an_export_is_verified_against_the_checksum_its_config_records(export_dir):
     from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, ChecksumMismatchError, file_checksum
-    from eval.model_loading import load_eval_model
+    from crate_clip.eval.model_loading import load_eval_model
 
     weights, config = export_dir / "open_clip_model.safetensors", export_dir / "open_clip_config.json"
     assert json.loads(config.read_text())[CHECKSUMS_KEY] == {weights.name: file_checksum(weights)}   # the writer's

@@ -3,8 +3,8 @@ import open_clip
 import pytest
 import torch
 
-from eval.class_sets import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES
-from eval.classifier_cache import classifier_key
+from crate_clip.eval.class_sets import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES
+from crate_clip.eval.classifier_cache import classifier_key
 from eval_fixtures import register_tiny_vit
 
 NAMES, TEMPLATES = list(FASHION_MNIST_CLASSNAMES), list(FASHION_MNIST_TEMPLATES)
@@ -49,7 +49,7 @@ def test_cache_key_tells_tokenizers_of_one_class_apart(tiny):
 def test_evaluating_a_checkpoint_does_not_warn_of_random_weights(tmp_path, caplog):
     import json
 
-    from eval.model_loading import load_eval_model
+    from crate_clip.eval.model_loading import load_eval_model
     from eval_fixtures import CRATE_TINY, shared_crate_tiny
 
     tag = tmp_path / "checkpoints" / "stage0_step1"
@@ -79,7 +79,7 @@ def _cls_tar(path, keys, label=3):
 
 
 def test_eval_shards_go_whole_to_ranks_and_a_corrupt_tar_is_counted(tmp_path):
-    from eval.eval_datasets import ShardSamples
+    from crate_clip.eval.eval_datasets import ShardSamples
 
     urls = [str(_cls_tar(tmp_path / f"{s:08d}.tar", [f"{s}{i:04d}" for i in range(3)])) for s in range(2)]
     broken = tmp_path / "00000002.tar"
@@ -97,7 +97,7 @@ def test_eval_shards_go_whole_to_ranks_and_a_corrupt_tar_is_counted(tmp_path):
 def test_a_truncated_eval_tar_is_counted_with_its_file_named(tmp_path):
     import tarfile
 
-    from eval.eval_datasets import ShardSamples
+    from crate_clip.eval.eval_datasets import ShardSamples
 
     whole = _cls_tar(tmp_path / "00000000.tar", [f"{i:05d}" for i in range(4)])
     data = whole.read_bytes()

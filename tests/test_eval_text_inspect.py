@@ -8,8 +8,8 @@ import torch
 
 import crate_clip  # noqa: F401  (registers the configs and the text-tower builder)
 from crate_clip.models import bert_text_cfg, bert_tokenizer, create_clip
-from eval.inspect_cli import main as inspect_main
-from eval.whitebox_text import format_inspection, inspect_caption
+from crate_clip.eval.inspect_cli import main as inspect_main
+from crate_clip.eval.whitebox_text import format_inspection, inspect_caption
 
 TINY_TEXT = "CRATE-alpha-CLIPA-tiny-crate-text"
 CAPTION = "a photo of a sandal"
@@ -75,7 +75,7 @@ def test_cli_json_and_errors(capsys, tmp_path):
 def test_text_layer_diagnostics_are_the_per_caption_numbers_averaged(tiny):
     """The training probe's per-block numbers over a batch of captions of different lengths: the mean and std of
     what `inspect text` reports for each caption over its own tokens."""
-    from eval.whitebox_text import text_layer_diagnostics
+    from crate_clip.eval.whitebox_text import text_layer_diagnostics
 
     tokenizer = open_clip.get_tokenizer(TINY_TEXT)
     captions = [CAPTION, "a bag", "a photo of a pair of trousers, folded"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from crate_clip.models import CrateAlpha
-from eval.whitebox import coding_rate, layer_diagnostics, zero_fraction
+from crate_clip.eval.whitebox import coding_rate, layer_diagnostics, zero_fraction
 
 
 def _numpy_coding_rate(z: np.ndarray, eps2: float) -> float:
@@ -84,7 +84,7 @@ def test_zero3_shadow_tower_follows_the_stage_patch_size(patch):
     from crate_clip.train.run_config import config_from_dict
     from crate_clip.train.stage_model import resolve_stage
     from crate_clip.train.whitebox_log import shadow_towers
-    from eval.whitebox import find_crate_tower
+    from crate_clip.eval.whitebox import find_crate_tower
 
     torch.manual_seed(0)
     trained = find_crate_tower(create_clip("CRATE-alpha-CLIPA-tiny", image_size=28, context_length=16)).eval()

@@ -263,7 +263,7 @@ def test_official_file_through_eval_loader_and_convert_cli(tmp_path, small_names
     """`crate-clip eval`'s loader and `crate-clip convert official` accept the released layout; the export
     loads in plain open_clip (tokenizer files included) with identical weights."""
     from crate_clip.convert_cli import main as convert_main
-    from eval.model_loading import load_eval_model
+    from crate_clip.eval.model_loading import load_eval_model
 
     monkeypatch.setenv("CRATE_CLIP_CACHE", str(tmp_path / "cache"))
     _, path = official

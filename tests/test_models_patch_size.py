@@ -91,7 +91,7 @@ def test_eval_of_an_exports_weights_file_rebuilds_at_its_patch_image_size_and_co
     """`crate-clip eval --model CONFIG --pretrained export/open_clip_model.safetensors` of a patch-7, 21 px,
     16-token export: the model is the export's (rebuilt as saved), and a note names the local-dir: form."""
     from crate_clip.train.export import WEIGHTS_FILE, export_open_clip, load_export
-    from eval.model_loading import load_eval_model
+    from crate_clip.eval.model_loading import load_eval_model
 
     torch.manual_seed(0)
     weights = create_clip_at_patch(TINY, None, 7, image_size=21, context_length=16).state_dict()

@@ -109,7 +109,7 @@ def test_overrides():
 
 
 def test_cli_rejects_a_bad_config_before_training(tmp_path, capsys):
-    from crate_clip.cli_errors import EXIT_CONFIG
+    from crate_clip.core.errors import EXIT_CONFIG
     from crate_clip.train.cli import main
 
     path = tmp_path / "bad.yaml"
@@ -199,7 +199,7 @@ def test_schema_reports_every_error_at_once_with_the_key_and_the_fix():
 
 
 def test_every_stream_option_is_settable_and_reaches_the_stream():
-    from data_pipelines.train_stream import StreamConfig
+    from crate_clip.data.train_stream import StreamConfig
 
     raw = _good()
     for assignment in ("data.pos_source=builtin", "data.shards_per_group=4", "data.max_image_pixels=1e6",
@@ -223,7 +223,7 @@ def test_run_config_round_trips_through_its_saved_yaml():
 
 
 def test_validate_flag_checks_and_exits(tmp_path, capsys):
-    from crate_clip.cli_errors import EXIT_CONFIG
+    from crate_clip.core.errors import EXIT_CONFIG
     from crate_clip.train.cli import main
 
     import tarfile
@@ -254,7 +254,7 @@ def _validate(tmp_path, raw) -> tuple[int, str]:
 
 @pytest.mark.parametrize("fault", ["folder without tar", "not a tar", "image smaller than a patch"])
 def test_validate_rejects_what_training_would_crash_on(tmp_path, capsys, monkeypatch, fault):
-    from crate_clip.cli_errors import EXIT_CONFIG
+    from crate_clip.core.errors import EXIT_CONFIG
 
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -310,7 +310,7 @@ def test_samples_that_are_not_whole_batches_are_rounded_as_validate_says(tmp_pat
 def test_validate_catches_an_eval_without_class_names(tmp_path, capsys):
     """An eval entry of a dataset without built-in class names needs classnames.txt beside its data (or a
     classnames file): found by --validate (and at config load), one line naming the key."""
-    from crate_clip.cli_errors import EXIT_CONFIG
+    from crate_clip.core.errors import EXIT_CONFIG
 
     raw = _good()
     raw["data"]["sources"] = [_shards(tmp_path)]

@@ -56,7 +56,7 @@ def test_demo_paths_come_from_its_config_and_the_makefile_installs_the_listed_pa
 
     from crate_clip.train.demo import DEMO_CONFIG, demo_paths
     from crate_clip.train.run_config import load_run_config
-    from data_pipelines.sources.debian_packages import DEBIAN_PACKAGES
+    from crate_clip.data.sources.debian_packages import DEBIAN_PACKAGES
 
     cfg = load_run_config(DEMO_CONFIG, check_paths=False)
     assert demo_paths(str(DEMO_CONFIG), None, None) == (

@@ -59,7 +59,7 @@ def _config(root: Path, name: str, data: Path, zero_stage: int, mode: str, **mod
 def references(tmp_path_factory, fashion_mnist_dir):
     """The two uninterrupted 2-process runs, each started by `--resume auto` in an empty folder."""
     from crate_clip.models import create_clip
-    from data_pipelines.sources.fashion_mnist import write_fashion_mnist_shards
+    from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_shards
 
     root = tmp_path_factory.mktemp("elastic")
     write_fashion_mnist_shards(root / "data" / "train", split="train", samples_per_shard=24, limit=192,
@@ -191,7 +191,7 @@ def test_which_checkpoints_need_the_universal_form(tmp_path):
 
 
 def test_a_job_the_canonical_streams_do_not_fit_is_refused_in_one_line(references, tmp_path):
-    from crate_clip.cli_errors import report_error
+    from crate_clip.core.errors import report_error
     from crate_clip.train.checkpoints import ResumeError
     from crate_clip.train.engine import DistInfo
     from crate_clip.train.run_config import load_run_config

@@ -119,7 +119,7 @@ def test_exports_load_in_a_fresh_interpreter_with_the_trained_features(bert_conf
     from crate_clip.models import clip_tokenizer
     from crate_clip.train.export import export_open_clip
     from crate_clip.train.stage_model import resolve_stage
-    from data_pipelines.image_decode import normalize_batch
+    from crate_clip.data.image_decode import normalize_batch
 
     text_source = tmp_path / "text.pt"   # the locked case's pretrained text tower
     torch.save(_trained(_run_config(TINY_BERT, 4, 28, False, None, text_source), seed=9).state_dict(), text_source)

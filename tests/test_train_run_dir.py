@@ -95,7 +95,7 @@ def test_kill_between_evaluations_is_finished_on_resume(resumed_run):
 
 
 def test_train_into_a_finished_run_is_refused(resumed_run, capsys):
-    from crate_clip.cli_errors import EXIT_CONFIG
+    from crate_clip.core.errors import EXIT_CONFIG
     from crate_clip.train.cli import main
 
     run_dir = resumed_run["run_dir"]

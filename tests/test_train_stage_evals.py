@@ -8,7 +8,7 @@ from PIL import Image
 
 
 def test_a_refused_evaluation_is_said_once_per_job(monkeypatch, capsys):
-    from crate_clip.cli_errors import EXIT_CONFIG, report_error
+    from crate_clip.core.errors import EXIT_CONFIG, report_error
     from crate_clip.train.stage_evals import EvalRefusedError
 
     error = EvalRefusedError("stage 0 (low) evaluation at 16 px: /data/val: none of its 50 images could be read")

@@ -16,8 +16,8 @@ def test_diagnostics_logged_under_zero3_match_the_final_weights(both_crate_run):
     from crate_clip.models.clip_factory import read_state_dict
     from crate_clip.train.run_config import load_run_config
     from crate_clip.train.whitebox_log import _probe_images, _probe_tokens
-    from eval.whitebox import layer_diagnostics
-    from eval.whitebox_text import text_layer_diagnostics
+    from crate_clip.eval.whitebox import layer_diagnostics
+    from crate_clip.eval.whitebox_text import text_layer_diagnostics
 
     run_dir, config_path, _ = both_crate_run
     records = read_jsonl(run_dir / "metrics.jsonl")

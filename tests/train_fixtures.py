@@ -18,7 +18,7 @@ WORKERS = Path(__file__).resolve().parent / "train_workers.py"
 def write_tiny_fmnist(root: Path, fashion_mnist_dir: Path) -> Path:
     """1,200 real Fashion-MNIST training pairs in 3 shards (root/train) and 200 test images as an ImageFolder
     (root/test); returns root."""
-    from data_pipelines.sources.fashion_mnist import write_fashion_mnist_eval_folder, write_fashion_mnist_shards
+    from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_eval_folder, write_fashion_mnist_shards
 
     write_fashion_mnist_shards(root / "train", split="train", samples_per_shard=400, limit=1200,
                                source_dir=fashion_mnist_dir)

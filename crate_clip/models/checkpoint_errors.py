@@ -1,7 +1,7 @@
 """The error our checkpoint loaders raise, and how they list key names in it."""
 from typing import Iterable
 
-from crate_clip.cli_errors import UserError
+from crate_clip.core.errors import UserError
 
 
 class CheckpointMismatchError(UserError, RuntimeError):

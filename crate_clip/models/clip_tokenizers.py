@@ -17,7 +17,7 @@ from typing import Dict, Optional, Union
 
 import open_clip
 
-from crate_clip.cli_errors import UserError
+from crate_clip.core.errors import UserError
 
 BERT_TOKENIZER_CONFIG = {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 512}
 

@@ -15,7 +15,7 @@ import open_clip
 from torch import nn
 
 from crate_clip.checkpoint_io.deepspeed_checkpoints import is_deepspeed_checkpoint
-from crate_clip.cli_errors import ConfigError
+from crate_clip.core.errors import ConfigError
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_factory import read_state_dict
 from crate_clip.models.clipa_import import load_text_tower

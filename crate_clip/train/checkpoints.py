@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from crate_clip.cli_errors import EXIT_RESUME, UserError
+from crate_clip.core.errors import EXIT_RESUME, UserError
 from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_write_text, fsync_tree, replace_dir,
                                                    restore_replaced)
 from crate_clip.checkpoint_io.checkpoint_manifest import checksum_share

@@ -14,8 +14,8 @@ import torch.distributed as tdist
 from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, TRUST_HELP, UntrustedCheckpointError,
                                                       trusted_checkpoints)
 from crate_clip.checkpoint_io.write_failures import is_no_space
-from crate_clip.cli_errors import USER_ERRORS, ConfigError, report_error, show_exit_code
-from crate_clip.shard_sources import shell_commands
+from crate_clip.core.errors import USER_ERRORS, ConfigError, report_error, show_exit_code
+from crate_clip.core.shard_sources import shell_commands
 from crate_clip.train.disk_space import no_space_while_writing
 from crate_clip.train.launcher_watch import watch_launcher
 from crate_clip.train.run_config import load_run_config

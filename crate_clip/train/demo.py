@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from data_pipelines.sources.debian_packages import DEBIAN_PACKAGES
+from crate_clip.data.sources.debian_packages import DEBIAN_PACKAGES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo" / "fashion_mnist.yaml"
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def ensure_fashion_mnist() -> Path:
     """The Fashion-MNIST idx folder; installs the Debian package when missing and possible."""
-    from data_pipelines.sources.fashion_mnist import find_fashion_mnist
+    from crate_clip.data.sources.fashion_mnist import find_fashion_mnist
 
     try:
         return find_fashion_mnist()
@@ -65,7 +65,7 @@ def prepare_data(train_dir: Path, test_dir: Path, train_images: int | None = Non
                  test_images: int | None = None) -> None:
     """Training shards (train split, 60,000 captioned images) and the zero-shot set (test split, 10,000),
     or the first `train_images` / `test_images` of them."""
-    from data_pipelines.sources.fashion_mnist import write_fashion_mnist_eval_folder, write_fashion_mnist_shards
+    from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_eval_folder, write_fashion_mnist_shards
 
     source = ensure_fashion_mnist()
     t0 = time.perf_counter()
@@ -128,9 +128,9 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     images (their labels, written as a folder), tested on the 10,000 test images; printed and returned."""
     import torch
 
-    from data_pipelines.sources.fashion_mnist import write_fashion_mnist_eval_folder
-    from eval import linear_probe
-    from eval.model_loading import load_eval_model
+    from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_eval_folder
+    from crate_clip.eval import linear_probe
+    from crate_clip.eval.model_loading import load_eval_model
 
     export = run_dir / "export"
     if train_images <= 0 or not (export / "open_clip_config.json").is_file():

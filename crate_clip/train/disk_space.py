@@ -10,7 +10,7 @@ from typing import Optional
 
 from crate_clip.checkpoint_io.checkpoint_manifest import checkpoint_files
 from crate_clip.checkpoint_io.deepspeed_checkpoints import latest_complete_tag
-from crate_clip.cli_errors import EXIT_NO_SPACE, UserError
+from crate_clip.core.errors import EXIT_NO_SPACE, UserError
 
 
 class NoSpaceError(UserError, RuntimeError):

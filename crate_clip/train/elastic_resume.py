@@ -52,12 +52,12 @@ import torch.distributed as tdist
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text, fsync_dir, fsync_tree
 from crate_clip.checkpoint_io.deepspeed_checkpoints import read_info
 from crate_clip.checkpoint_io.safe_unpickling import deepspeed_reads, load_torch_file
-from crate_clip.cli_errors import ConfigError
-from crate_clip.shard_sources import expand_source
+from crate_clip.core.errors import ConfigError
+from crate_clip.core.shard_sources import expand_source
 from crate_clip.train.checkpoints import CheckpointManager, ResumeError, rank_state_path
 from crate_clip.train.run_config import RunConfig
 from crate_clip.train.run_dir import ExistingRunError
-from data_pipelines.stream_layout import (KEY as STREAMS_KEY, STATE_VERSION, LayoutError, default_stream_count,
+from crate_clip.data.stream_layout import (KEY as STREAMS_KEY, STATE_VERSION, LayoutError, default_stream_count,
                                           merge_stream_states, resolve_layout, split_stream_state)
 
 AUTO = "auto"

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     import crate_clip  # noqa: F401  (registers the model configs the checkpoint names)
     from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
-    from crate_clip.cli_errors import USER_ERRORS, report_error
+    from crate_clip.core.errors import USER_ERRORS, report_error
     from crate_clip.models import TokenizerUnavailableError
     from crate_clip.train.export import check_out_dir, export_checkpoint, verify_export
     from crate_clip.train.export_source import export_source

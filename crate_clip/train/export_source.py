@@ -69,7 +69,7 @@ class ExportSource:
             return recorded
         # a checkpoint that does not record it: data.mean / std where they differ from the stream's
         # defaults (then the run config set them), else the model config's, as the trainer chooses
-        from data_pipelines.train_stream import StreamConfig
+        from crate_clip.data.train_stream import StreamConfig
 
         data, model = self.run_config.get("data") or {}, preprocess_cfg_for(self.model_name)
         defaults = StreamConfig()

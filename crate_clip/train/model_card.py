@@ -69,7 +69,7 @@ def _data_lines(run: dict) -> list[str]:
 
 def _result_lines(source: ExportSource, run: dict) -> list[str]:
     """One line per evaluation in results.jsonl up to the checkpoint, in the task's own summary words."""
-    from eval.registry import summary_line
+    from crate_clip.eval.registry import summary_line
 
     if not source.results:
         return ["No evaluation results recorded up to this checkpoint."]

@@ -7,7 +7,7 @@ import json
 import sys
 
 from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, read_info
-from crate_clip.cli_errors import ConfigError, report_error
+from crate_clip.core.errors import ConfigError, report_error
 from crate_clip.train.checkpoints import ResumeError
 from crate_clip.train.elastic_resume import checkpoint_of, resume_summary
 from crate_clip.train.planner import DEFAULT_MFU, GPU_TABLE, format_plan, parse_bytes, plan_run, plans_as_dicts

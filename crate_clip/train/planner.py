@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from crate_clip.cli_errors import ConfigError
+from crate_clip.core.errors import ConfigError
 
 # dense bf16 tensor-core peak (TFLOP/s, no sparsity) and memory (GiB) of known GPUs
 GPU_TABLE = {

@@ -13,17 +13,17 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError
 
-from crate_clip.cli_errors import ConfigError
-from crate_clip.config_schema import Bool, Float, Int, Section, error_lines
+from crate_clip.core.errors import ConfigError
+from crate_clip.core.config_schema import Bool, Float, Int, Section, error_lines
 from crate_clip.models.open_clip_configs import image_patch_size
 from crate_clip.models.pos_embed import POS_EMBED_RESIZE_MODES
 from crate_clip.models.text_sources import check_text_source
 from crate_clip.models.token_masks import TokenMask
-from data_pipelines.device_decode import Decode
-from data_pipelines.shard_reader import ShardListError, expand_source, is_remote
-from data_pipelines.text_reduction import TextMask
-from data_pipelines.train_stream import StreamConfig, crop_scale_problems
-from eval.registry import EvalSpec, data_problems
+from crate_clip.data.device_decode import Decode
+from crate_clip.data.shard_reader import ShardListError, expand_source, is_remote
+from crate_clip.data.text_reduction import TextMask
+from crate_clip.data.train_stream import StreamConfig, crop_scale_problems
+from crate_clip.eval.registry import EvalSpec, data_problems
 
 Precision = Literal["bf16", "fp16", "fp32"]
 # scaled_dot_product_attention kernel: 'auto' = the math kernel on CPU (its backward is several times
@@ -219,7 +219,7 @@ class RunConfig(Section):
     run: RunSection = RunSection()
     model: ModelSection = ModelSection()
     data: StreamConfig = Field(default_factory=dict, validate_default=True,
-                               description="the stream's own schema (data_pipelines.train_stream.StreamConfig)")
+                               description="the stream's own schema (crate_clip.data.train_stream.StreamConfig)")
     stages: list[StageConfig] = Field([], description="the training stages, in order")
     optimizer: OptimizerSection = OptimizerSection()
     precision: Precision = Field("bf16", description="bf16 / fp16 / fp32 (on CPU: bf16 or fp32)")

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from crate_clip.cli_errors import UserError
+from crate_clip.core.errors import UserError
 
 # what a run writes into run.output_dir; any of them means the folder already holds a run
 RUN_FILES = ("checkpoints", "metrics.jsonl", "results.jsonl", "run_config.yaml", "export", "tensorboard")

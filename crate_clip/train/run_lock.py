@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 
 import torch.distributed as tdist
 
-from crate_clip.cli_errors import EXIT_LOCKED, UserError
+from crate_clip.core.errors import EXIT_LOCKED, UserError
 from crate_clip.train.process_info import is_running, process_start
 
 HEARTBEAT_S = 30.0

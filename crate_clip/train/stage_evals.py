@@ -11,16 +11,16 @@ from typing import Optional
 
 import torch.distributed as tdist
 
-from crate_clip.cli_errors import UserError
+from crate_clip.core.errors import UserError
 from crate_clip.models.patch_change import tower_patch_size
 from crate_clip.train.checkpoints import Progress, checkpoint_tag
 from crate_clip.train.engine import DistInfo
 from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl
 from crate_clip.train.run_config import RunConfig
 from crate_clip.train.stage_model import ResolvedStage
-from eval.model_loading import check_finite_weights
-from eval.registry import summary_line
-from eval.stage_hook import evaluate_stage
+from crate_clip.eval.model_loading import check_finite_weights
+from crate_clip.eval.registry import summary_line
+from crate_clip.eval.stage_hook import evaluate_stage
 
 
 class EvalRefusedError(UserError, RuntimeError):

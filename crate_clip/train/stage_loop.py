@@ -23,7 +23,7 @@ from open_clip import ClipLoss
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_WARNING, checkpoints_trusted
-from crate_clip.cli_errors import EXIT_NONFINITE, UserError
+from crate_clip.core.errors import EXIT_NONFINITE, UserError
 from crate_clip.models import tokenizer_record
 from crate_clip.models.patch_change import tower_patch_size
 from crate_clip.train.batch_agreement import agreed_batches
@@ -45,7 +45,7 @@ from crate_clip.train.stage_model import ResolvedStage, resolve_stage
 from crate_clip.train.throughput import StepMeter
 from crate_clip.train.train_step import train_step
 from crate_clip.train.whitebox_log import WhiteboxProbe
-from data_pipelines.train_stream import build_train_stream
+from crate_clip.data.train_stream import build_train_stream
 
 
 class NonFiniteLossError(UserError, RuntimeError):

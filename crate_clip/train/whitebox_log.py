@@ -4,7 +4,7 @@ TensorBoard, and the per-layer curves at a few points in training for the end-of
 
 The image tower is probed with images of the first eval set (record key 'whitebox'), a CRATE-alpha text tower with
 that set's class-name prompts (key 'whitebox_text'), the same prompts at every step so the numbers compare across
-steps; both through eval.whitebox's block_diagnostics (the text tower's over each caption's own tokens).
+steps; both through crate_clip.eval.whitebox's block_diagnostics (the text tower's over each caption's own tokens).
 
 ZeRO-3 partitions the parameters: there every rank gathers a tower's weights (a collective) into a plain copy of
 the tower built at stage start, and rank 0 computes; under ZeRO 0-2 rank 0 reads the engine's tower.
@@ -17,11 +17,11 @@ from typing import Callable, Optional
 
 import torch
 
-from eval.class_sets import resolve_classnames, resolve_templates, template_text
-from eval.eval_datasets import ShardSamples, classification_dataset, subset_indices
-from eval.model_loading import eval_tokenizer, eval_transform
-from eval.whitebox import find_crate_tower, layer_diagnostics
-from eval.whitebox_text import find_crate_text_tower, text_layer_diagnostics
+from crate_clip.eval.class_sets import resolve_classnames, resolve_templates, template_text
+from crate_clip.eval.eval_datasets import ShardSamples, classification_dataset, subset_indices
+from crate_clip.eval.model_loading import eval_tokenizer, eval_transform
+from crate_clip.eval.whitebox import find_crate_tower, layer_diagnostics
+from crate_clip.eval.whitebox_text import find_crate_text_tower, text_layer_diagnostics
 
 WHITEBOX_KEY = "whitebox"
 WHITEBOX_TEXT_KEY = "whitebox_text"

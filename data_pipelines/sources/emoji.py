@@ -8,7 +8,7 @@ from typing import Iterator
 
 from PIL import Image, ImageDraw, ImageFont
 
-from data_pipelines.sources.debian_packages import DEBIAN_PACKAGES
+from crate_clip.data.sources.debian_packages import DEBIAN_PACKAGES
 
 FONT_PATHS = ("/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf", "/usr/share/fonts/noto/NotoColorEmoji.ttf")
 EMOJI_TEST_PATHS = ("/usr/share/unicode/emoji/emoji-test.txt", "/usr/share/unicode-data/emoji/emoji-test.txt")

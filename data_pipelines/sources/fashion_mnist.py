@@ -10,8 +10,8 @@ from typing import Iterator
 import numpy as np
 from PIL import Image
 
-from crate_clip.class_names import FASHION_MNIST_CLASSNAMES as CLASSNAMES, FASHION_MNIST_TEMPLATES
-from data_pipelines.sources.debian_packages import DEBIAN_PACKAGES
+from crate_clip.core.class_names import FASHION_MNIST_CLASSNAMES as CLASSNAMES, FASHION_MNIST_TEMPLATES
+from crate_clip.data.sources.debian_packages import DEBIAN_PACKAGES
 
 SEARCH_DIRS = ("/usr/share/datasets/fashion-mnist", "~/.cache/fashion-mnist", "data/fashion-mnist")
 SPLIT_PREFIX = {"train": "train", "test": "t10k"}

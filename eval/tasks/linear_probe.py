@@ -1,8 +1,8 @@
 """Linear probe / few-shot classification on cached image features (CLIP_benchmark protocol, eval/linear_probe.py)."""
 from __future__ import annotations
 
-from eval import linear_probe
-from eval.linear_probe import Settings, summary  # noqa: F401  (the task's schema and console line)
+from crate_clip.eval import linear_probe
+from crate_clip.eval.linear_probe import Settings, summary  # noqa: F401  (the task's schema and console line)
 
 
 def run(model, settings: Settings, context) -> dict:

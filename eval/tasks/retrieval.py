@@ -5,9 +5,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from eval.eval_datasets import ShardSamples, shard_urls
-from eval.eval_settings import EvalSettings
-from eval.retrieval import retrieval_evaluate
+from crate_clip.eval.eval_datasets import ShardSamples, shard_urls
+from crate_clip.eval.eval_settings import EvalSettings
+from crate_clip.eval.retrieval import retrieval_evaluate
 
 
 class Settings(EvalSettings):

@@ -6,11 +6,11 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from eval.class_sets import (BUILTIN_CLASSNAMES, BUILTIN_TEMPLATES, CLASSNAMES_FILE, DEFAULT_TEMPLATES,
+from crate_clip.eval.class_sets import (BUILTIN_CLASSNAMES, BUILTIN_TEMPLATES, CLASSNAMES_FILE, DEFAULT_TEMPLATES,
                              TEMPLATES_FILE, resolve_classnames, resolve_templates)
-from eval.eval_datasets import classification_dataset
-from eval.eval_settings import EvalSettings
-from eval.zeroshot import zero_shot_evaluate
+from crate_clip.eval.eval_datasets import classification_dataset
+from crate_clip.eval.eval_settings import EvalSettings
+from crate_clip.eval.zeroshot import zero_shot_evaluate
 
 
 class Settings(EvalSettings):

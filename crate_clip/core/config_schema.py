@@ -1,7 +1,7 @@
 """What every typed config section shares (pydantic v2): unknown keys rejected, strict booleans, numbers
 that YAML 1.1 reads as text (`1e-3`) accepted, and cross-key checks that name the key they are about.
 
-Each schema lives with the code that uses it (the stream's in data_pipelines.train_stream, an evaluation's
+Each schema lives with the code that uses it (the stream's in crate_clip.data.train_stream, an evaluation's
 in its eval/ task module, the run's in crate_clip.train.run_config); this module is the bottom layer they
 all may import.
 """

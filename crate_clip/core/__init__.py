@@ -1,0 +1,8 @@
+"""The bottom layer: what every other package of crate_clip may import, and which imports none of them
+(tests/test_architecture_imports.py).
+
+errors.py         the user-facing errors, their exit codes and the one-line report (docs/exit_codes.md)
+config_schema.py  the pydantic base of every config section and its one-line error messages
+shard_sources.py  shard source strings (local globs, brace ranges, s3:// gs:// https:// and pipe:) expanded
+class_names.py    the built-in class names and prompt templates (Fashion-MNIST; ImageNet from open_clip)
+"""
