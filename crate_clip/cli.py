@@ -1,8 +1,10 @@
 """The `crate-clip` command: dispatches to the sub-commands in SUBCOMMANDS (train, eval, export, shards, ...)."""
+import errno
 import importlib
 import sys
 
 from crate_clip.core.errors import USER_ERRORS, pop_debug_flag, report_error, show_exit_code
+from crate_clip.core.writable_folders import unwritable_error
 
 # sub-command -> module whose main(argv) runs it; imported lazily so `crate-clip shards` does not pay
 # for DeepSpeed's import, and so the packages keep their one direction of imports.
@@ -43,6 +45,11 @@ def main(argv=None) -> int:
     except SystemExit as exc:   # argparse's usage errors
         show_exit_code(exc.code if isinstance(exc.code, int) else 1)
         raise
+    except OSError as exc:   # a read-only file system met while writing (the commands check first): one line, 2
+        unwritable = unwritable_error(exc, exc.filename or "a file", "path", errnos=(errno.EROFS,))
+        if unwritable is None:
+            raise
+        code = report_error(f"crate-clip {name}", unwritable)
     return show_exit_code(code)
 
 

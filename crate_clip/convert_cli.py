@@ -9,6 +9,7 @@ import open_clip
 
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
 from crate_clip.core.errors import USER_ERRORS, report_error
+from crate_clip.core.writable_folders import check_writable
 from crate_clip.models import clip_tokenizer, load_official_clipa
 from crate_clip.train.export import check_out_dir, export_open_clip, verify_export
 
@@ -36,12 +37,21 @@ def check_model_name(name: str) -> None:
                          f"{', '.join(known)} (or add your own config with open_clip.add_model_config first)")
 
 
+def check_checkpoint_file(path: Path) -> None:
+    """FileNotFoundError naming `path` unless it is a file: a missing checkpoint is said at once."""
+    if not path.is_file():
+        what = "is a folder, not a .pth file" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"{path}: {what}; fix: pass the released crate_alpha_CLIPA_*.pth file")
+
+
 def main(argv=None) -> int:
     """Run `crate-clip convert ...`; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
         check_model_name(args.model)
         check_out_dir(args.out)   # fail before the slow part
+        check_writable(args.out, "--out")
+        check_checkpoint_file(args.checkpoint)   # before the tokenizer, which may retry the hub for a minute
         tokenizer = clip_tokenizer(args.model, bert_vocab=args.bert_vocab)
         if args.trust_checkpoint:
             print(TRUST_WARNING, file=sys.stderr)

@@ -6,6 +6,7 @@ import json
 import sys
 
 from crate_clip.core.errors import report_error
+from crate_clip.core.writable_folders import UnwritableFolderError, check_writable
 
 
 def _add_writer_args(p: argparse.ArgumentParser, default_max_side: int | None = 512) -> None:
@@ -120,6 +121,8 @@ def main(argv=None) -> int:
     """Entry point of `crate-clip shards`; returns the exit code."""
     args = _parser().parse_args(argv)
     try:
+        if getattr(args, "out", None):   # a read-only folder: said before any sample is read
+            check_writable(args.out, "--out")
         if args.command == "fashion-mnist":
             from .sources.fashion_mnist import write_fashion_mnist_shards
 
@@ -154,7 +157,7 @@ def main(argv=None) -> int:
                                                   args.samples_per_shard, args.source_dir)
         else:
             result = _inspect(args)
-    except (FileNotFoundError, KeyError, ValueError) as exn:
+    except (FileNotFoundError, KeyError, ValueError, UnwritableFolderError) as exn:
         return report_error(f"crate-clip shards {args.command}", exn)
     summary = {k: v for k, v in result.items() if k != "shards"}
     if "shards" in result:

@@ -16,6 +16,7 @@ from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, TRUST_HELP, Un
 from crate_clip.checkpoint_io.write_failures import is_no_space
 from crate_clip.core.errors import USER_ERRORS, ConfigError, report_error, show_exit_code
 from crate_clip.core.shard_sources import shell_commands
+from crate_clip.core.writable_folders import unwritable_error
 from crate_clip.train.disk_space import no_space_while_writing
 from crate_clip.train.launcher_watch import watch_launcher
 from crate_clip.train.run_config import load_run_config
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the newest complete checkpoint if there is one, else start (for restarts and requeues)")
     p.add_argument("--overwrite", action="store_true",
                    help="run.output_dir holds an earlier run: move it to <output_dir>.previous and start over")
+    p.add_argument("--take-over-lock", action="store_true",
+                   help="take over the run folder's lock even though another host still refreshes it (that run is "
+                        "gone: its node was lost or its job cancelled); a running process of this host still refuses")
     p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
     p.add_argument("--validate", action="store_true",
                    help="check the config, print the shell commands its pipe: sources run, and exit")
@@ -65,15 +69,19 @@ def main(argv=None) -> int:
         return 0
     try:
         with trusted_checkpoints(args.trust_checkpoint):
-            summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite)
+            summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite,
+                                   take_over_lock=args.take_over_lock)
     except UntrustedCheckpointError as exc:   # every rank reads the same files: rank 0 says it
         return report_error(PROG, exc, once_per_job=True)
     except USER_ERRORS as exc:   # config, run folder, resume, non-finite losses: a message and their exit code
         return report_error(PROG, exc)
     except Exception as exc:   # a full disk outside a checkpoint save (metrics, run_config.yaml, the export)
-        if not is_no_space(exc):
+        if is_no_space(exc):
+            return report_error(PROG, no_space_while_writing(exc, cfg.run_dir))
+        unwritable = unwritable_error(exc, cfg.run_dir, "run.output_dir")   # a read-only file system
+        if unwritable is None:
             raise
-        return report_error(PROG, no_space_while_writing(exc, cfg.run_dir))
+        return report_error(PROG, unwritable, once_per_job=True)
     finally:
         if tdist.is_available() and tdist.is_initialized():
             tdist.destroy_process_group()

@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     import crate_clip  # noqa: F401  (registers the model configs the checkpoint names)
     from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
     from crate_clip.core.errors import USER_ERRORS, report_error
+    from crate_clip.core.writable_folders import check_writable
     from crate_clip.models import TokenizerUnavailableError
     from crate_clip.train.export import check_out_dir, export_checkpoint, verify_export
     from crate_clip.train.export_source import export_source
@@ -45,6 +46,7 @@ def main(argv=None) -> int:
         source = export_source(args.checkpoint, args.stage, args.bert_vocab)
         out = args.out or source.tag_dir.parent.parent / "exports" / source.tag_dir.name
         check_out_dir(out)   # before the consolidation, which takes minutes for a large model
+        check_writable(out, "--out")
         if args.trust_checkpoint:
             print(TRUST_WARNING, file=sys.stderr)
         with trusted_checkpoints(args.trust_checkpoint):

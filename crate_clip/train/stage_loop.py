@@ -55,13 +55,14 @@ class NonFiniteLossError(UserError, RuntimeError):
 
 # ---------------------------------------------------------------- the run (entry point)
 def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: Optional[Callable] = None,
-                 dist: Optional[DistInfo] = None, overwrite: bool = False) -> dict:
+                 dist: Optional[DistInfo] = None, overwrite: bool = False, take_over_lock: bool = False) -> dict:
     """Train all stages of `cfg` (resuming from `resume`: 'latest' or a checkpoint path; with `overwrite`, an
     earlier run in the output folder is moved aside first); returns a summary. One job at a time writes into a
-    run folder: its rank 0 holds the folder's lock (run_lock.py) for the whole run."""
+    run folder: its rank 0 holds the folder's lock (run_lock.py) for the whole run; `take_over_lock` takes over
+    a lock of another host that is still being refreshed (the user knows its run is gone)."""
     check_run_dir(cfg.run_dir, resume, overwrite)  # before anything is written, on every rank
     dist = dist or init_distributed()
-    with run_folder_lock(cfg.run_dir, dist):
+    with run_folder_lock(cfg.run_dir, dist, take_over=take_over_lock):
         return _run_holding_the_folder(cfg, resume, stream_factory, dist, overwrite)
 
 
