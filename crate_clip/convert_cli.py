@@ -8,7 +8,7 @@ from pathlib import Path
 import open_clip
 
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
-from crate_clip.core.errors import USER_ERRORS, report_error
+from crate_clip.core.errors import USER_ERRORS, UserError, report_error
 from crate_clip.core.writable_folders import check_writable
 from crate_clip.models import clip_tokenizer, load_official_clipa
 from crate_clip.train.export import check_out_dir, export_open_clip, verify_export
@@ -37,11 +37,16 @@ def check_model_name(name: str) -> None:
                          f"{', '.join(known)} (or add your own config with open_clip.add_model_config first)")
 
 
+class MissingCheckpointError(UserError, FileNotFoundError):
+    """The .pth to convert is not a file; the message names it."""
+
+
 def check_checkpoint_file(path: Path) -> None:
-    """FileNotFoundError naming `path` unless it is a file: a missing checkpoint is said at once."""
+    """MissingCheckpointError naming `path` unless it is a file: said at once, not after the tokenizer's hub
+    retries."""
     if not path.is_file():
         what = "is a folder, not a .pth file" if path.is_dir() else "does not exist"
-        raise FileNotFoundError(f"{path}: {what}; fix: pass the released crate_alpha_CLIPA_*.pth file")
+        raise MissingCheckpointError(f"{path}: {what}; fix: pass the released crate_alpha_CLIPA_*.pth file")
 
 
 def main(argv=None) -> int:

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from crate_clip.core.cli_numbers import NON_NEGATIVE_INT, POSITIVE_INT
 from crate_clip.core.errors import report_error
 from crate_clip.core.writable_folders import UnwritableFolderError, check_writable
 
@@ -12,8 +13,8 @@ from crate_clip.core.writable_folders import UnwritableFolderError, check_writab
 def _add_writer_args(p: argparse.ArgumentParser, default_max_side: int | None = 512) -> None:
     """Options shared by every shard-writing command."""
     p.add_argument("--out", required=True, help="output folder for {shard:08d}.tar + _stats.json")
-    p.add_argument("--samples-per-shard", type=int, default=10_000)
-    p.add_argument("--max-side", type=int, default=default_max_side,
+    p.add_argument("--samples-per-shard", type=POSITIVE_INT, default=10_000)
+    p.add_argument("--max-side", type=NON_NEGATIVE_INT, default=default_max_side,
                    help="shrink images whose longer side exceeds this (DataComp: 512; 0 keeps sizes)")
     p.add_argument("--parquet", action="store_true", help="also write {shard:08d}.parquet (needs pyarrow)")
     p.add_argument("--no-progress", action="store_true")
@@ -28,8 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_writer_args(p, default_max_side=None)
     p.add_argument("--split", default="train", choices=("train", "test"))
     p.add_argument("--source-dir", default=None, help="folder of the idx .gz files (default: auto-found)")
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--upscale", type=int, default=None, help="resize the 28 px images to this size")
+    p.add_argument("--limit", type=POSITIVE_INT, default=None)
+    p.add_argument("--upscale", type=POSITIVE_INT, default=None, help="resize the 28 px images to this size")
 
     p = sub.add_parser("folder", help="ImageFolder tree <root>/<class>/<image> -> shards captioned by class")
     p.add_argument("root")
@@ -44,43 +45,44 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("emoji", help="Noto Color Emoji renderings captioned with their Unicode names")
     _add_writer_args(p)
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--size", type=int, default=136, help="canvas size in px")
+    p.add_argument("--limit", type=POSITIVE_INT, default=None)
+    p.add_argument("--size", type=POSITIVE_INT, default=136, help="canvas size in px")
 
     p = sub.add_parser("eval-folder", help="Fashion-MNIST split as an ImageNet-val-style ImageFolder")
     p.add_argument("--out", required=True)
     p.add_argument("--split", default="test", choices=("train", "test"))
     p.add_argument("--source-dir", default=None)
-    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--limit", type=POSITIVE_INT, default=None)
 
     p = sub.add_parser("eval-shards", help="Fashion-MNIST split as classification shards (.jpg + .cls) in "
                                            "CLIP_benchmark's wds/ layout (OUT/<split>/N.tar, classnames, templates)")
     p.add_argument("--out", required=True)
     p.add_argument("--split", default="test", choices=("train", "test"))
     p.add_argument("--source-dir", default=None)
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--samples-per-shard", type=int, default=10_000)
+    p.add_argument("--limit", type=POSITIVE_INT, default=None)
+    p.add_argument("--samples-per-shard", type=POSITIVE_INT, default=10_000)
 
     p = sub.add_parser("scenes", help="segmentation eval set: 1-3 Fashion-MNIST test objects on textured "
                                       "backgrounds, ground-truth silhouette masks as COCO RLE in each .json")
     p.add_argument("--out", required=True)
-    p.add_argument("--count", type=int, default=500)
-    p.add_argument("--size", type=int, default=56, help="square scene side in px")
-    p.add_argument("--max-objects", type=int, default=3)
+    p.add_argument("--count", type=POSITIVE_INT, default=500)
+    p.add_argument("--size", type=POSITIVE_INT, default=56, help="square scene side in px")
+    p.add_argument("--max-objects", type=POSITIVE_INT, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--source-dir", default=None)
-    p.add_argument("--samples-per-shard", type=int, default=10_000)
+    p.add_argument("--samples-per-shard", type=POSITIVE_INT, default=10_000)
 
     p = sub.add_parser("inspect", help="stream a few batches from shards and print sizes, skips, POS source")
     p.add_argument("sources", nargs="+", help="brace patterns, folders, globs, pipe: commands")
-    p.add_argument("--batches", type=int, default=2, help="batches to read (epoch mode stops at the end of the pass)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--image-size", type=int, default=84)
-    p.add_argument("--context-length", type=int, default=8)
+    p.add_argument("--batches", type=POSITIVE_INT, default=2,
+                   help="batches to read (epoch mode stops at the end of the pass)")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=16)
+    p.add_argument("--image-size", type=POSITIVE_INT, default=84)
+    p.add_argument("--context-length", type=POSITIVE_INT, default=8)
     p.add_argument("--text-mask", default="syntax", choices=("truncate", "random", "block", "syntax"))
     p.add_argument("--mode", default="resampled", choices=("resampled", "epoch"))
-    p.add_argument("--num-workers", type=int, default=0)
-    p.add_argument("--num-samples", type=int, default=None)
+    p.add_argument("--num-workers", type=NON_NEGATIVE_INT, default=0)
+    p.add_argument("--num-samples", type=POSITIVE_INT, default=None)
     return parser
 
 

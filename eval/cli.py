@@ -10,6 +10,7 @@ import torch
 
 from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, TRUST_HELP, TRUST_WARNING,
                                                       trusted_checkpoints)
+from crate_clip.core.cli_numbers import bounded
 from crate_clip.core.errors import report_error
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_tokenizers import TokenizerUnavailableError
@@ -29,8 +30,17 @@ def _option(parser: argparse.ArgumentParser, flag: str, field, required: bool = 
     default = "" if field.default is None or required else f" (default: {field.default})"
     kinds = (field.annotation, *get_args(field.annotation))
     kind = next((k for k in (int, float) if k in kinds), None)
-    parser.add_argument(flag, dest=flag.lstrip("-").replace("-", "_"), required=required, type=kind,
-                        help=f"{field.description or ''}{default}")
+    parser.add_argument(flag, dest=flag.lstrip("-").replace("-", "_"), required=required,
+                        type=_bounded_type(kind, field), help=f"{field.description or ''}{default}")
+
+
+def _bounded_type(kind, field):
+    """The settings schema's bounds (ge, gt, le, lt) as the option's argparse type: a value outside them is
+    refused while the command line is parsed, before the model is loaded (`--batch-size 0`, `--workers -1`)."""
+    if kind is None:
+        return None
+    bounds = {name: getattr(m, name) for m in field.metadata for name in ("ge", "gt", "le", "lt") if hasattr(m, name)}
+    return bounded(kind, **bounds) if bounds else kind
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:

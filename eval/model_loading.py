@@ -15,11 +15,14 @@ import open_clip
 import torch
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, consolidate_deepspeed_checkpoint,  # noqa: F401
-                                                          is_deepspeed_checkpoint, resolve_checkpoint_tag)
+from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
+                                                          consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint,
+                                                          newest_complete_tag, resolve_checkpoint_tag)
 from crate_clip.checkpoint_io.file_checksums import verify_recorded_checksums
+from crate_clip.core.errors import UserError
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, quiet_random_init, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
+from crate_clip.models.model_cfg_check import check_model_cfg
 from crate_clip.models.patch_change import checkpoint_input_sizes, create_clip_at_patch, register_tower_of
 from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
 
@@ -62,7 +65,7 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
         raise ValueError(f"--model {model} is a weights file: pass the model name as --model and the file as "
                          f"--pretrained (or use local-dir:FOLDER for an exported model with open_clip_config.json)")
     else:
-        _check_not_a_missing_path(model)
+        _check_model_name(model)
         clip, model_name, info = _from_weights_file(model, pretrained, image_size), model, {}
     check_finite_weights(clip, pretrained or model)
     clip = clip.to(device).eval()
@@ -106,6 +109,36 @@ def _from_weights_file(model: str, pretrained: str | None, image_size: int | Non
     return create_clip_at_patch(model, state, image_size=image_size or saved_size, context_length=context_length)
 
 
+class ModelSourceError(UserError, ValueError):
+    """A --model that names nothing loadable; the message says what it is and what to pass."""
+
+
+def _check_model_name(model: str) -> None:
+    """A --model that is a folder but no checkpoint or export, a path that does not exist, or a name open_clip has
+    no config for: one line saying what it is and what to pass (open_clip would take the folder's path for a
+    model name and raise its own error with the list of every config)."""
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        newest = newest_complete_tag(folder)
+        if newest is not None:
+            fix = (f"a checkpoints folder without its `{LATEST_FILE}` file (a run cut short before it was written?); "
+                   f"fix: pass one checkpoint folder, e.g. --model {folder / newest} (the newest complete one)")
+        elif (folder / "checkpoints").is_dir():
+            fix = f"a run folder; fix: pass its checkpoints, --model {folder / 'checkpoints'}"
+        elif (folder / "open_clip_config.json").is_file():
+            fix = f"an export; fix: pass --model local-dir:{model}"
+        else:
+            fix = ("a folder that is neither a DeepSpeed checkpoint (<run>/checkpoints with a `latest` file, or one "
+                   "checkpoint folder holding crate_clip.json) nor an export (open_clip_config.json); fix: pass one "
+                   "of those, or an open_clip model name with --pretrained FILE")
+        raise ModelSourceError(f"--model {model}: {fix}")
+    _check_not_a_missing_path(model)
+    if not model.startswith("hf-hub:") and open_clip.get_model_config(model) is None:
+        known = [m for m in open_clip.list_models() if m.startswith("CRATE")]
+        raise ModelSourceError(f"--model {model}: no such open_clip model config (CRATE-alpha ones: {', '.join(known)}); "
+                         f"fix: pass a registered name, local-dir:EXPORT or a checkpoint folder")
+
+
 def _check_not_a_missing_path(model: str) -> None:
     """A --model that looks like a path (model names have no '/') but does not exist: say so."""
     if ("/" in model or model.startswith((".", "~"))) and not model.startswith("hf-hub:") and not Path(model).exists():
@@ -123,6 +156,7 @@ def _from_local_dir(model: str, image_size: int | None):
     if config.is_file():
         recorded = json.loads(config.read_text())
         verify_recorded_checksums(folder, recorded, config)   # when the export recorded them
+        check_model_cfg(recorded.get("model_cfg") if isinstance(recorded, dict) else recorded, config)
         register_tower_of(recorded.get("model_cfg"))   # an export naming its tower in the underscore form
     with quiet_random_init():   # the weights are loaded on the next line
         clip = open_clip.create_model(model, load_weights=False, force_image_size=image_size)

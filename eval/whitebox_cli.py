@@ -14,10 +14,13 @@ import torch
 from PIL import Image
 
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
+from crate_clip.core.cli_numbers import NON_NEGATIVE_INT, POSITIVE_INT, bounded
 from crate_clip.core.errors import report_error
 from crate_clip.eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU
 
 USAGE_ERRORS = (ValueError, FileNotFoundError, TypeError)
+# MaskCut's edges are the patch pairs whose cosine similarity exceeds tau: from 1 on there are none
+TAU = bounded(float, ge=0, lt=1, meaning="a cosine-similarity threshold")
 
 
 def _source_args(p: argparse.ArgumentParser) -> None:
@@ -29,7 +32,7 @@ def _source_args(p: argparse.ArgumentParser) -> None:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     _source_args(p)
-    p.add_argument("--image-size", type=int, help="square input size (position embeddings resized)")
+    p.add_argument("--image-size", type=POSITIVE_INT, help="square input size (position embeddings resized)")
     p.add_argument("--layer", type=int, default=-1, help="block index (negative: from the end; default the last)")
     p.add_argument("--out", required=True, type=Path, help="output folder")
 
@@ -144,7 +147,7 @@ def text_main(argv) -> int:
     _source_args(p)
     p.add_argument("--bert-vocab", help="folder with vocab.txt for a BERT-tokenized model (offline)")
     p.add_argument("--layer", type=int, default=-1, help="block index (negative: from the end; default the last)")
-    p.add_argument("--atoms", type=int, default=5, help="dictionary atoms shown per token (default 5)")
+    p.add_argument("--atoms", type=POSITIVE_INT, default=5, help="dictionary atoms shown per token (default 5)")
     p.add_argument("--json", action="store_true", help="print the inspection as JSON instead of tables")
     p.add_argument("--out", type=Path, help="also draw the attention heatmaps into this folder (PNG)")
     args = p.parse_args(argv)
@@ -205,13 +208,16 @@ def segment_main(argv) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--images", nargs="+", help="image files")
     src.add_argument("--data", help="composite-scene shards with ground truth (evaluates class-agnostic AP50)")
-    p.add_argument("--limit", type=int, help="with --data: this many scenes only")
+    p.add_argument("--limit", type=POSITIVE_INT, help="with --data: this many scenes only")
     p.add_argument("--facet", default="projection", choices=("projection", "output"),
                    help="MaskCut features: U^T LN(Z) of the block (ViT: attention keys) or its output tokens")
-    p.add_argument("--tau", type=float, default=DEFAULT_TAU, help="affinity threshold (default 0.3)")
-    p.add_argument("--masks", type=int, default=DEFAULT_MASKS, help="at most this many masks per image (default 3)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--overlays", type=int, default=None, help="write at most this many overlay PNGs (default all)")
+    p.add_argument("--tau", type=TAU, default=DEFAULT_TAU,
+                   help="affinity threshold on the patches' cosine similarity, in [0, 1) (default 0.3)")
+    p.add_argument("--masks", type=POSITIVE_INT, default=DEFAULT_MASKS,
+                   help="at most this many masks per image (default 3)")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=64, help="images per forward (default 64)")
+    p.add_argument("--overlays", type=NON_NEGATIVE_INT, default=None,
+                   help="write at most this many overlay PNGs (default all)")
     args = p.parse_args(argv)
     clip = _load(args)
     skipped = []

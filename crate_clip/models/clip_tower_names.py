@@ -28,6 +28,12 @@ _TAG = re.compile(r"^w(\d+)_d(\d+)_h(\d+)_p(\d+)_(\d+)$")
 _UNDERSCORE = re.compile(r"^crate_alpha_clipa_(w\d+_d\d+_h\d+_p\d+_\d+)$")
 FORM = f"{FAMILY}.w<width>_d<depth>_h<heads>_p<patch>_<px>"
 DEFAULT_TAG = "w768_d12_h12_p16_224"
+# A name is read from files (an export's config): its sizes are bounded by the registered families (the largest,
+# CRATE-alpha-H: width 1280, 32 blocks, 16 heads; patches up to 32 px) and the image by 1024 px (fine-tuning at
+# a higher resolution than 224 px), so no name makes timm allocate more than the largest registered tower
+MAX_TOWER = dict(width=max(a["embed_dim"] for a in VARIANTS.values()), depth=max(a["depth"] for a in VARIANTS.values()),
+                 heads=max(a["num_heads"] for a in VARIANTS.values()),
+                 patch=max(a["patch_size"] for a in VARIANTS.values()), px=1024)
 
 
 def clip_tower_name(width: int, depth: int, heads: int, patch_size: int, image_size: int) -> str:
@@ -42,6 +48,10 @@ def _tag_arch(tag: str, name: str) -> Dict:
     width, depth, heads, patch, px = map(int, m.groups())
     if min(width, depth, heads, patch, px) < 1 or width % heads or px < patch:
         raise ValueError(f"{name!r}: width must be a multiple of heads and the image at least one patch")
+    sizes = dict(width=width, depth=depth, heads=heads, patch=patch, px=px)
+    over = [f"{k} {v:,} > {MAX_TOWER[k]:,}" for k, v in sizes.items() if v > MAX_TOWER[k]]
+    if over:
+        raise ValueError(f"{name!r}: larger than any registered CRATE-alpha tower ({', '.join(over)})")
     return dict(embed_dim=width, depth=depth, num_heads=heads, patch_size=patch, img_size=px,
                 **crate_alpha._CLIP_TOWER_ARGS)
 

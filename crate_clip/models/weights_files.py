@@ -7,13 +7,15 @@ for a broken file). Every read goes through `read_weights_file`, which names the
 from __future__ import annotations
 
 import pickle
+import struct
 import zipfile
 from pathlib import Path
 
 from crate_clip.checkpoint_io.safe_unpickling import UntrustedCheckpointError, load_torch_file
+from crate_clip.core.errors import UserError
 
 
-class CorruptWeightsError(ValueError):
+class CorruptWeightsError(UserError, ValueError):
     """A weights or checkpoint file that cannot be read; the message names the file and the fix."""
 
 
@@ -35,8 +37,10 @@ def read_weights_file(path: str | Path):
         return load_torch_file(path)   # weights_only=True, DeepSpeed's classes allowed (its model-states files)
     except (FileNotFoundError, IsADirectoryError, PermissionError, UntrustedCheckpointError):
         raise
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError,
-            zipfile.BadZipFile) as exn:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, LookupError, TypeError,
+            AttributeError, OverflowError, MemoryError, zipfile.BadZipFile, struct.error) as exn:
+        # a text file or random bytes read as a legacy pickle stop anywhere in the unpickler: an IndexError (pop
+        # from an empty stack), a KeyError (an unknown memo), a TypeError, ... each means "not a weights file"
         raise CorruptWeightsError(corrupt_file_message(path, exn)) from exn
     except Exception as exn:  # safetensors' SafetensorError and other readers' own error types
         if type(exn).__name__ == "SafetensorError":

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from crate_clip.core.cli_numbers import NON_NEGATIVE_INT, POSITIVE_INT
+from crate_clip.core.errors import EXIT_USAGE
 from crate_clip.data.sources.debian_packages import DEBIAN_PACKAGES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -28,15 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="write the shards to DIR/train and the eval set to DIR/test (default: the "
                                       "config's data.sources[0] and eval.evals[0].data)")
     p.add_argument("--run-dir", help="the run's output folder (default: the config's run.output_dir)")
-    p.add_argument("--nproc", type=int, default=2, help="training processes (default 2)")
+    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="training processes (default 2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="run-config override passed to `crate-clip train` (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the previous demo run instead of starting over")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="passed to the trainer: resume a demo run of an earlier version (docs/safety.md)")
-    p.add_argument("--train-images", type=int, help="write only the first N training images (a smoke run)")
-    p.add_argument("--test-images", type=int, help="write only the first N test images (a smoke run)")
-    p.add_argument("--probe-train-images", type=int, default=10_000,
+    p.add_argument("--train-images", type=POSITIVE_INT, help="write only the first N training images (a smoke run)")
+    p.add_argument("--test-images", type=POSITIVE_INT, help="write only the first N test images (a smoke run)")
+    p.add_argument("--probe-train-images", type=NON_NEGATIVE_INT, default=10_000,
                    help="training images of the final linear probe (the first N of the train split; 0 skips it)")
     return p
 
@@ -157,9 +159,9 @@ def main(argv=None) -> int:
     try:
         train_dir, test_dir, run_dir = demo_paths(args.config, args.data_dir, args.run_dir)
         prepare_data(train_dir, test_dir, args.train_images, args.test_images)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError) as exc:   # no data set, a config without the demo's paths
         print(f"[demo] {exc}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     overrides = [f"run.output_dir={json.dumps(str(run_dir))}", f"data.sources={json.dumps([str(train_dir)])}",
                  f"eval.evals.0.data={json.dumps(str(test_dir))}",
                  *args.overrides]

@@ -192,10 +192,12 @@ def _staging_dir(out_dir: Path) -> Path:
 def load_export(out_dir: Path, device: str = "cpu"):
     """(model, preprocess, tokenizer) of an export, through open_clip's own `local-dir:` loader."""
     import crate_clip  # noqa: F401  (registers the CRATE-alpha towers with timm)
+    from crate_clip.models.model_cfg_check import check_model_cfg
     from crate_clip.models.patch_change import register_tower_of
 
     config = json.loads((Path(out_dir) / CONFIG_FILE).read_text())
     verify_recorded_checksums(out_dir, config, Path(out_dir) / CONFIG_FILE)
+    check_model_cfg(config.get("model_cfg"), Path(out_dir) / CONFIG_FILE)   # before anything is allocated
     # exports that name their tower in the underscore form need it registered first
     register_tower_of(config.get("model_cfg"))
     spec = f"local-dir:{Path(out_dir).resolve()}"

@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     from crate_clip.train.export_source import export_source
 
     try:
+        if args.out is not None:   # a read-only --out: said before the checkpoint is read
+            check_writable(args.out, "--out")
         source = export_source(args.checkpoint, args.stage, args.bert_vocab)
         out = args.out or source.tag_dir.parent.parent / "exports" / source.tag_dir.name
         check_out_dir(out)   # before the consolidation, which takes minutes for a large model
