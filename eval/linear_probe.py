@@ -9,7 +9,8 @@ best), then the classifier is retrained on train+val and scored on the test spli
 per-class recall. Few-shot (`fewshot_k`): k training images per class drawn with each of several seeds
 (the validation split is held out first and used only to choose the weight decay); mean and spread.
 
-Registered as the task eval/tasks/linear_probe.py (`crate-clip eval linear_probe`, `type: linear_probe`).
+The task `linear_probe` (`crate-clip eval linear_probe`, `type: linear_probe`): its settings, run and summary
+are here.
 """
 from __future__ import annotations
 
@@ -332,8 +333,14 @@ def _check_labels(labels: torch.Tensor, num_classes: int, where: str) -> None:
         raise ValueError(f"{where}: label {int(labels.max())} outside 0..{num_classes - 1}")
 
 
-def run(model, *, preprocess, settings: Settings | dict, device="cpu", precision: str = "fp32",
-        cache_dir: str | Path | None = None, progress: bool = True, tokenizer=None) -> dict:
+def run(model, settings: Settings, context) -> dict:
+    """Linear-probe metrics of `model` (a CLIP or a timm classifier; all ranks call this)."""
+    return linear_probe_evaluate(model, preprocess=context.preprocess, settings=settings, device=context.device,
+                                 precision=context.precision, cache_dir=context.cache_dir, progress=context.progress)
+
+
+def linear_probe_evaluate(model, *, preprocess, settings: Settings | dict, device="cpu", precision: str = "fp32",
+                          cache_dir: str | Path | None = None, progress: bool = True, tokenizer=None) -> dict:
     """Linear-probe (or few-shot) metrics of `model` (a CLIP or a timm classifier; all ranks call this)."""
     settings = settings if isinstance(settings, Settings) else Settings(**settings)
     check_precision(precision)

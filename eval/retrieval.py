@@ -1,12 +1,18 @@
-"""Image<->text retrieval on captioned shards (`.jpg` + `.txt`): recall@1/5/10, mean and median rank."""
+"""Image<->text retrieval on captioned shards (`.jpg` + `.txt`): recall@1/5/10, mean and median rank.
+The task `retrieval` (`crate-clip eval retrieval`, `type: retrieval`): its settings, run and summary are here."""
+from __future__ import annotations
+
 import time
+from typing import Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 from tqdm import tqdm
 
 from crate_clip.eval.distributed_batches import all_reduce_sum, gather_objects, lockstep, rank_and_world
-from crate_clip.eval.eval_datasets import ShardSamples, make_loader
+from crate_clip.eval.eval_datasets import ShardSamples, make_loader, shard_urls
+from crate_clip.eval.eval_settings import EvalSettings
 from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
 from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
 
@@ -80,3 +86,22 @@ def recall_metrics(image_feats: torch.Tensor, text_feats: torch.Tensor) -> dict:
         metrics[f"{name}_mean_rank"] = float(ranks.double().mean() + 1)
         metrics[f"{name}_median_rank"] = float(np.floor(np.median(ranks.numpy())) + 1)
     return metrics
+
+
+# ---------------------------------------------------------------- the task
+class Settings(EvalSettings):
+    """Retrieval settings (only the shared ones)."""
+
+    type: Literal["retrieval"] = Field("retrieval", description="the task")
+
+
+def run(model, settings: Settings, context) -> dict:
+    """Recall@k of `model` on the settings' captioned shards (all ranks call this)."""
+    dataset = ShardSamples(shard_urls(settings.data), context.preprocess, target="txt")
+    return retrieval_evaluate(model, context.tokenizer, dataset, **context.loop_args(settings))
+
+
+def summary(metrics: dict) -> str:
+    """One line for the console."""
+    return ("retrieval: " + "  ".join(f"{k} {100 * v:.2f}%" for k, v in metrics.items() if "_R@" in k)
+            + f"  on {metrics['n_pairs']} pairs ({metrics['n_unreadable']} unreadable)")

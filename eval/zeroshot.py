@@ -1,19 +1,25 @@
 """Zero-shot classification: text classifier from class names x templates, then top-1/top-5 accuracy.
+The task `zeroshot` (`crate-clip eval zeroshot`, `type: zeroshot`): its settings, run, summary and checks are here.
 
 Numbers match open_clip's zero-shot path (build_zero_shot_classifier + open_clip_train.zero_shot):
 classifier = normalised mean of normalised template embeddings; logits = 100 * image_features @ classifier.
 """
+from __future__ import annotations
+
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
+from pydantic import Field
 from tqdm import tqdm
 
-from crate_clip.eval.class_sets import template_text
+from crate_clip.eval.class_sets import (BUILTIN_CLASSNAMES, BUILTIN_TEMPLATES, CLASSNAMES_FILE, DEFAULT_TEMPLATES,
+                                        TEMPLATES_FILE, resolve_classnames, resolve_templates, template_text)
 from crate_clip.eval.classifier_cache import cache_path, classifier_key, load_cached, save_cached
 from crate_clip.eval.distributed_batches import all_ranks_agree, all_reduce_sum, lockstep, rank_and_world
-from crate_clip.eval.eval_datasets import make_loader, loader_length
+from crate_clip.eval.eval_datasets import classification_dataset, loader_length, make_loader
+from crate_clip.eval.eval_settings import EvalSettings
 from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
 from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
 
@@ -139,3 +145,62 @@ def _summary(counts: torch.Tensor, unreadable: list[str], world: int, classnames
         "images_per_second": n / seconds if seconds > 0 else None,
         **cache_info,
     }
+
+
+# ---------------------------------------------------------------- the task
+class Settings(EvalSettings):
+    """Zero-shot classification settings."""
+
+    type: Literal["zeroshot"] = Field("zeroshot", description="the task (an entry without a type is a zeroshot one)")
+    dataset: str = Field("imagenet1k", description="imagenet1k | fashion_mnist (built-in class names) | any "
+                                                   "name with classnames or classnames.txt beside the data")
+    templates: Optional[str] = Field(None, description=f"{' | '.join(BUILTIN_TEMPLATES)} | a file of '{{}}' "
+                                                       f"or '{{c}}' lines (default: {TEMPLATES_FILE} beside the "
+                                                       f"data, else the dataset's, {DEFAULT_TEMPLATES})")
+    classnames: Optional[str] = Field(None, description="file with one class name per line, in label order")
+    labels: Optional[str] = Field(None, description="ground truth for a flat val folder (`file label` lines, "
+                                                    "one label per line, or Kaggle's LOC_val_solution.csv)")
+
+
+def run(model, settings: Settings, context) -> dict:
+    """Zero-shot metrics of `model` on the settings' data (all ranks call this)."""
+    classnames = resolve_classnames(settings.dataset, settings.data, settings.classnames)
+    templates = resolve_templates(settings.templates, settings.dataset, settings.data)
+    dataset = classification_dataset(settings.data, context.preprocess, dataset=settings.dataset,
+                                     num_classes=len(classnames), labels_file=settings.labels, classnames=classnames)
+    return zero_shot_evaluate(model, context.tokenizer, dataset, classnames, templates,
+                              cache_dir=context.cache_dir, **context.loop_args(settings))
+
+
+def data_problems(settings: Settings) -> list[tuple[str, str]]:
+    """The class names must come from somewhere: a `classnames` file that exists, a built-in set, or
+    classnames.txt beside the data."""
+    if settings.classnames:
+        if Path(settings.classnames).is_file():
+            return []
+        return [("classnames", f"{settings.classnames!r} does not exist; fix: a file with one class name per "
+                               "line, in label order")]
+    try:
+        resolve_classnames(settings.dataset, settings.data)
+    except FileNotFoundError:
+        return [("dataset", f"{settings.dataset!r} has no built-in class names ({', '.join(BUILTIN_CLASSNAMES)}) "
+                            f"and there is no {CLASSNAMES_FILE} beside {settings.data!r}; fix: set classnames: "
+                            f"FILE (one class name per line, in label order), put {CLASSNAMES_FILE} beside the "
+                            "data, or use a built-in dataset name")]
+    return []
+
+
+def summary(metrics: dict) -> str:
+    """One line for the console."""
+    return (f"zero-shot: top-1 {100 * metrics['top1']:.2f}%  top-5 {100 * metrics['top5']:.2f}%  "
+            f"mean per class {100 * metrics['mean_per_class']:.2f}%  on {metrics['n_images']} images "
+            f"({metrics['n_unreadable']} unreadable)")
+
+
+def details(metrics: dict) -> str:
+    """The per-class accuracy table."""
+    rows = [f"{'class':<32} {'images':>7} {'top-1':>7} {'top-5':>7}"]
+    for row in metrics["per_class"]:
+        top1, top5 = (f"{100 * row[k]:.1f}" if row[k] is not None else "-" for k in ("top1", "top5"))
+        rows.append(f"{row['class'][:32]:<32} {row['n']:>7} {top1:>7} {top5:>7}")
+    return "\n".join(rows)

@@ -143,8 +143,8 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     model, preprocess, _, _ = load_eval_model(f"local-dir:{export}", image_size=size)
     settings = linear_probe.Settings(train_data=str(train_dir), data=str(test_dir), dataset="fashion_mnist",
                                      batch_size=500)
-    metrics = linear_probe.run(model, preprocess=preprocess, settings=settings, progress=False,
-                               cache_dir=run_dir / "eval_cache")
+    metrics = linear_probe.linear_probe_evaluate(model, preprocess=preprocess, settings=settings, progress=False,
+                                                 cache_dir=run_dir / "eval_cache")
     print(f"[demo] {linear_probe.summary(metrics)} in {metrics['extract_seconds'] + metrics['probe_seconds']:.0f} s")
     (run_dir / "linear_probe.json").write_text(json.dumps(metrics, indent=1))
     return metrics
