@@ -1,21 +1,23 @@
-"""The evaluation tasks (one module each: TASK_MODULES) and what the trainer, the CLI and the logger need
-of them: the settings schema of every task (one union, told apart by `type`), parsing with errors that
-name the key, and running a declared evaluation."""
+"""The evaluation tasks (one module each in eval/tasks/, registered by being there) and what the trainer, the
+CLI and the logger need of them: the settings schema of every task (one union, told apart by `type`), parsing
+with errors that name the key, and running a declared evaluation."""
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Union
 
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 
+import crate_clip.eval.tasks
 from crate_clip.core.config_schema import error_lines
 from crate_clip.eval.eval_settings import EvalSettings
 
 DEFAULT_TYPE = "zeroshot"   # an evaluation declared without a type
-TASK_MODULES = ("linear_probe", "retrieval", "zeroshot")   # each: Settings, run(model, settings, context), summary
-TASKS = {name: importlib.import_module(f"crate_clip.eval.{name}") for name in TASK_MODULES}
+TASKS = {info.name: importlib.import_module(f"crate_clip.eval.tasks.{info.name}")
+         for info in pkgutil.iter_modules(crate_clip.eval.tasks.__path__) if not info.name.startswith("_")}
 EVAL_TYPES = tuple(TASKS)
 
 

@@ -129,7 +129,7 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     import torch
 
     from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_eval_folder
-    from crate_clip.eval import linear_probe
+    from crate_clip.eval.tasks import linear_probe
     from crate_clip.eval.model_loading import load_eval_model
 
     export = run_dir / "export"
