@@ -39,8 +39,8 @@ def main(argv=None) -> int:
     from crate_clip.core.errors import USER_ERRORS, report_error
     from crate_clip.core.writable_folders import check_writable
     from crate_clip.models import TokenizerUnavailableError
-    from crate_clip.train.export import check_out_dir, export_checkpoint, verify_export
-    from crate_clip.train.export_source import export_source
+    from crate_clip.export.writer import check_out_dir, export_checkpoint, verify_export
+    from crate_clip.export.source import export_source
 
     try:
         if args.out is not None:   # a read-only --out: said before the checkpoint is read
