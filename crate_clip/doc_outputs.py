@@ -92,6 +92,14 @@ def _plan_flops() -> str:
     return "\n" + "\n".join(f"- {s}: {f}" for s, f in zip(stages, flops)) + "\n"
 
 
+def _shuffle_memory() -> str:
+    """'8 x 250,000 x 36 KB = 67.06 GiB' from the plan's shuffle-buffer line (the same in both stages)."""
+    line = next(line for line in plan_output(False).splitlines() if "shuffle buffers" in line)
+    streams, samples, size = re.search(r"(\d+) stream\(s\) per rank x ([\d,]+) samples = ([\d.]+ \w+)", line).groups()
+    kb = re.search(r"\((\d+) KB per raw", line).group(1)
+    return f"{streams} x {samples} x {kb} KB = {size}"
+
+
 def _validate_block() -> str:
     from crate_clip.train.cli import main
 
@@ -115,6 +123,7 @@ GENERATORS: dict[str, Generator] = {
     "plan l-14 total": Generator(_plan_total),
     "plan l-14 flops": Generator(_plan_flops),
     "plan l-14 memory": Generator(lambda: _plan_block(True), slow=True),
+    "plan l-14 shuffle buffers": Generator(_shuffle_memory),
     "validate b-16": Generator(_validate_block),
     "model counts": Generator(_model_counts),
 }
