@@ -9,8 +9,8 @@ decodes as the CPU path does, counted as `decode_cpu_fallback`.
 
 Main-process side (`DeviceJpegBatch.join`, `.to_images`): the workers' parts of one step joined, then one
 batched `torchvision.io.decode_jpeg` on the device (nvjpeg on CUDA; libjpeg-turbo on CPU), then per image
-PIL's own bicubic box resampling as two small matmuls (the weights of PIL's Resample.c: kernel a = -0.5,
-support widened by the downscale factor, read beyond the box up to the image edge, each pass rounded to
+PIL's own box resampling as two small matmuls (the weights of PIL's Resample.c for the crop's filter,
+data.crop_interpolation: bicubic with a = -0.5 or bilinear, support widened by the downscale factor, read beyond the box up to the image edge, each pass rounded to
 uint8), then normalise. An image the device decoder rejects is decoded with PIL in the main process
 (`decode_device_failed`); one that PIL cannot decode either is replaced, image and caption, by another
 sample of the batch (`decode_substituted`), since a rank's batch size is fixed by then.
@@ -54,13 +54,13 @@ def device_decodable(img, data: bytes) -> bool:
 
 
 def ship_sample(data: bytes, size: int, rng, scale, ratio, max_pixels: int, reduced_decode: bool,
-                counts) -> ShippedImage:
+                counts, interpolation: str = "bicubic") -> ShippedImage:
     """Draw the crop box as decode_train does; ship the bytes, or decode here when the device cannot."""
     img = open_image(data, max_pixels)   # raises BadImage, counted by the caller as on the CPU path
     box = random_resized_crop_box(*img.size, rng, scale, ratio)
     if device_decodable(img, data):
         return ShippedImage(box, jpeg=data)
-    pixels = decode_crop(data, size, lambda w, h: box, max_pixels, reduced_decode)
+    pixels = decode_crop(data, size, lambda w, h: box, max_pixels, reduced_decode, interpolation)
     counts[FALLBACK] += 1
     return ShippedImage(box, pixels=pixels)
 
@@ -77,9 +77,11 @@ class DeviceJpegBatch:
     spans: list                                # per sample: (start, end) in buffer, or None
     boxes: list
     pixels: dict = field(default_factory=dict)  # sample index -> (S, S, 3) uint8
+    interpolation: str = "bicubic"              # data.crop_interpolation
 
     @classmethod
-    def collate(cls, items: list, size: int, mean, std, reduced_decode: bool) -> "DeviceJpegBatch":
+    def collate(cls, items: list, size: int, mean, std, reduced_decode: bool,
+                interpolation: str = "bicubic") -> "DeviceJpegBatch":
         """Pack a worker's ShippedImages."""
         spans, chunks, pixels, at = [], [], {}, 0
         for i, item in enumerate(items):
@@ -92,7 +94,8 @@ class DeviceJpegBatch:
             at += len(item.jpeg)
         buffer = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if at else \
             torch.empty(0, dtype=torch.uint8)
-        return cls(size, tuple(mean), tuple(std), reduced_decode, buffer, spans, [it.box for it in items], pixels)
+        return cls(size, tuple(mean), tuple(std), reduced_decode, buffer, spans, [it.box for it in items], pixels,
+                   interpolation)
 
     @classmethod
     def join(cls, parts: list["DeviceJpegBatch"]) -> "DeviceJpegBatch":
@@ -108,7 +111,7 @@ class DeviceJpegBatch:
             base += len(part)
         first = parts[0]
         return cls(first.size, first.mean, first.std, first.reduced_decode, torch.cat([p.buffer for p in parts]),
-                   spans, boxes, pixels)
+                   spans, boxes, pixels, first.interpolation)
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -126,7 +129,7 @@ class DeviceJpegBatch:
                 if not self._pil_fallback(i, out):
                     bad.append(i)
                 continue
-            out[i] = crop_resize(img, self.boxes[i], self.size)
+            out[i] = crop_resize(img, self.boxes[i], self.size, self.interpolation)
         for i, px in self.pixels.items():
             out[i] = torch.from_numpy(np.ascontiguousarray(px)).to(dev).permute(2, 0, 1).float()
         if bad:
@@ -138,7 +141,8 @@ class DeviceJpegBatch:
         data = self.buffer[slice(*self.spans[i])].numpy().tobytes()
         box = self.boxes[i]
         try:
-            px = decode_crop(data, self.size, lambda w, h: box, reduced_decode=self.reduced_decode)
+            px = decode_crop(data, self.size, lambda w, h: box, reduced_decode=self.reduced_decode,
+                             interpolation=self.interpolation)
         except BadImage:
             return False
         out[i] = torch.from_numpy(px).to(out.device).permute(2, 0, 1).float()
@@ -173,29 +177,40 @@ def _bicubic(x: np.ndarray) -> np.ndarray:
                     np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
 
 
-def resample_weights(in0: float, in1: float, in_size: int, out_size: int) -> tuple[int, np.ndarray]:
+def _bilinear(x: np.ndarray) -> np.ndarray:
+    """PIL's bilinear (triangle) kernel."""
+    return np.maximum(1.0 - np.abs(x), 0.0)
+
+
+# filter and its support in input pixels at scale 1, as PIL's Resample.c defines them
+FILTERS = {"bicubic": (_bicubic, 2.0), "bilinear": (_bilinear, 1.0)}
+
+
+def resample_weights(in0: float, in1: float, in_size: int, out_size: int,
+                     interpolation: str = "bicubic") -> tuple[int, np.ndarray]:
     """PIL's resampling matrix for the span [in0, in1) of an axis of in_size pixels -> out_size pixels
     (Resample.c precompute_coeffs: support widened by the downscale factor, clipped to the image, not
     to the box; rows normalised): (first input pixel used, (out_size, n) float64)."""
+    kernel, base_support = FILTERS[interpolation]
     scale = (in1 - in0) / out_size
     filterscale = max(scale, 1.0)
-    support = 2.0 * filterscale
+    support = base_support * filterscale
     centers = in0 + (np.arange(out_size) + 0.5) * scale
     lo = np.clip(np.trunc(centers - support + 0.5), 0, in_size).astype(int)
     hi = np.clip(np.trunc(centers + support + 0.5), 0, in_size).astype(int)
     first, last = int(lo.min()), int(hi.max())
     x = np.arange(first, last)[None, :]
-    w = _bicubic((x - centers[:, None] + 0.5) / filterscale) * ((x >= lo[:, None]) & (x < hi[:, None]))
+    w = kernel((x - centers[:, None] + 0.5) / filterscale) * ((x >= lo[:, None]) & (x < hi[:, None]))
     total = w.sum(1, keepdims=True)
     return first, w / np.where(total == 0, 1.0, total)
 
 
-def crop_resize(img: torch.Tensor, box: tuple, size: int) -> torch.Tensor:
-    """(3, H, W) uint8 -> the box resized to (3, size, size) float 0..255, as PIL's uint8 bicubic resize with
-    a box computes it: a horizontal pass rounded to uint8, then a vertical pass rounded to uint8."""
+def crop_resize(img: torch.Tensor, box: tuple, size: int, interpolation: str = "bicubic") -> torch.Tensor:
+    """(3, H, W) uint8 -> the box resized to (3, size, size) float 0..255, as PIL's uint8 resize (bicubic or
+    bilinear) with a box computes it: a horizontal pass rounded to uint8, then a vertical pass rounded to uint8."""
     _, height, width = img.shape
-    x0, wx = resample_weights(box[0], box[2], width, size)
-    y0, wy = resample_weights(box[1], box[3], height, size)
+    x0, wx = resample_weights(box[0], box[2], width, size, interpolation)
+    y0, wy = resample_weights(box[1], box[3], height, size, interpolation)
     region = img[:, y0:y0 + wy.shape[1], x0:x0 + wx.shape[1]].to(torch.float32)
     wx_t = torch.from_numpy(wx.T.astype(np.float32)).to(img.device)
     wy_t = torch.from_numpy(wy.astype(np.float32)).to(img.device)

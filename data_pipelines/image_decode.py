@@ -10,6 +10,7 @@ import io
 import math
 import random
 import warnings
+from typing import Literal
 
 import numpy as np
 from PIL import Image
@@ -65,6 +66,13 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+# The training crop's resampling filter (data.crop_interpolation). PIL widens a filter's support by the
+# downscale factor, so both are antialiased when shrinking: "bilinear" is the official CLIPA / CRATE-alpha
+# pipeline's inception_crop(method="bilinear", antialias=True); "bicubic" (the default) is open_clip's.
+CROP_FILTERS = {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR}
+CropInterpolation = Literal["bicubic", "bilinear"]
+
+
 def random_resized_crop_box(width: int, height: int, rng: random.Random, scale=(0.4, 1.0),
                             ratio=RATIO) -> tuple[int, int, int, int]:
     """Crop box (left, top, right, bottom) with random area fraction and log-uniform aspect ratio."""
@@ -99,8 +107,9 @@ def center_crop_box(width: int, height: int) -> tuple[int, int, int, int]:
 
 
 def decode_crop(data: bytes, size: int, box_fn, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                reduced_decode: bool = True) -> np.ndarray:
-    """Decode `data`, crop box_fn(width, height) and resize it to size x size RGB uint8 (H, W, 3)."""
+                reduced_decode: bool = True, interpolation: str = "bicubic") -> np.ndarray:
+    """Decode `data`, crop box_fn(width, height) and resize it to size x size RGB uint8 (H, W, 3) with the
+    `interpolation` filter (CROP_FILTERS)."""
     img = open_image(data, max_pixels)
     w, h = img.size
     box = box_fn(w, h)
@@ -114,7 +123,7 @@ def decode_crop(data: bytes, size: int, box_fn, max_pixels: int = DEFAULT_MAX_IM
             sx, sy = img.size[0] / w, img.size[1] / h
             box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
         img = to_rgb(img)
-        out = img.resize((size, size), Image.BICUBIC, box=box, reducing_gap=None)
+        out = img.resize((size, size), CROP_FILTERS[interpolation], box=box, reducing_gap=None)
         arr = np.asarray(out, dtype=np.uint8)
     except BadImage:
         raise
@@ -126,10 +135,11 @@ def decode_crop(data: bytes, size: int, box_fn, max_pixels: int = DEFAULT_MAX_IM
 
 
 def decode_train(data: bytes, size: int, rng: random.Random, scale=(0.4, 1.0), ratio=RATIO,
-                 max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, reduced_decode: bool = True) -> np.ndarray:
+                 max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, reduced_decode: bool = True,
+                 interpolation: str = "bicubic") -> np.ndarray:
     """CLIPA training view: random resized crop (area `scale`, no flip) at size px, uint8 (H, W, 3)."""
     return decode_crop(data, size, lambda w, h: random_resized_crop_box(w, h, rng, scale, ratio),
-                       max_pixels, reduced_decode)
+                       max_pixels, reduced_decode, interpolation)
 
 
 def decode_eval(data: bytes, size: int, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,

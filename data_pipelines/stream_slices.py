@@ -44,6 +44,7 @@ class SliceSpec:
     shuffle_buffer: int
     drop_last: bool
     decode: str = "cpu"    # "device": ship JPEG bytes + crop boxes, decoded on the trainer's device
+    crop_interpolation: str = "bicubic"   # the crop's resampling filter (image_decode.CROP_FILTERS)
 
 
 def fresh_position(skips: Optional[dict] = None) -> dict:
@@ -89,10 +90,10 @@ def decode_sample(raw: dict, spec: SliceSpec, reducer: TextReducer, rng: random.
     try:
         if spec.decode == "device":  # same draws, same order: only the pixels are left to the device
             image = ship_sample(data, spec.image_size, rng, spec.crop_scale, spec.crop_ratio,
-                                spec.max_image_pixels, spec.reduced_decode, skips)
+                                spec.max_image_pixels, spec.reduced_decode, skips, spec.crop_interpolation)
         else:
             image = decode_train(data, spec.image_size, rng, spec.crop_scale, spec.crop_ratio,
-                                 spec.max_image_pixels, spec.reduced_decode)
+                                 spec.max_image_pixels, spec.reduced_decode, spec.crop_interpolation)
     except BadImage as exn:
         skips[exn.reason] += 1
         return None
@@ -103,7 +104,8 @@ def collate(images: list, tokens: list, spec: SliceSpec):
     """Stack samples into normalised float images (n,3,S,S) (decode: device: a DeviceJpegBatch) and int64
     tokens (n,L)."""
     if spec.decode == "device":
-        return (DeviceJpegBatch.collate(images, spec.image_size, spec.mean, spec.std, spec.reduced_decode),
+        return (DeviceJpegBatch.collate(images, spec.image_size, spec.mean, spec.std, spec.reduced_decode,
+                                        spec.crop_interpolation),
                 torch.from_numpy(np.stack(tokens)))
     return normalize_batch(np.stack(images), spec.mean, spec.std), torch.from_numpy(np.stack(tokens))
 

@@ -59,7 +59,7 @@ from crate_clip.core.image_normalization import OPENAI_MEAN, OPENAI_STD
 
 from .device_decode import DECODE_COUNTERS, Decode, DeviceJpegBatch
 from .epoch_sizes import adopt_real_sizes
-from .image_decode import DEFAULT_MAX_IMAGE_PIXELS
+from .image_decode import DEFAULT_MAX_IMAGE_PIXELS, CropInterpolation
 from .pos_tagging import PosSource
 from .shard_plan import ShardPlan, resolve_sizes
 from .shard_reader import SKIP_REASONS, ShardListError, check_some_shard_exists, expand_source
@@ -108,6 +108,10 @@ class StreamConfig(Section):
     prefetch_factor: Int = Field(2, ge=1, description="rank batches each worker prepares ahead (x batch memory)")
     crop_ratio: tuple[Float, Float] = Field((3 / 4, 4 / 3), description="random-resized-crop aspect-ratio "
                                                                         "range [min, max]")
+    crop_interpolation: CropInterpolation = Field(
+        "bicubic", description="resampling filter of the training crop, antialiased when it shrinks (PIL widens "
+        "the filter by the downscale factor; decode: device uses the same weights): bicubic (default, open_clip's) "
+        "or bilinear (the official CLIPA / CRATE-alpha pipeline's inception crop, bilinear with antialias)")
 
     @field_validator("sources", mode="before")
     @classmethod
@@ -428,7 +432,7 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
                      epoch, streams, cfg.shards_per_group, overflow=epoch_mode and cfg.drop_last)
     spec = SliceSpec(image_size, tuple(cfg.crop_scale), tuple(cfg.crop_ratio), tuple(cfg.mean),
                      tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, cfg.shuffle_buffer, cfg.drop_last,
-                     decode)
+                     decode, cfg.crop_interpolation)
     return TrainStream(cfg, plan, spec, layout, reducer, num_samples, context_length, text_mask, device)
 
 def _data_set_sizes(shards: list[str]) -> dict[str, int]:

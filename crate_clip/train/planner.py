@@ -3,7 +3,10 @@
 `stage` is a ResolvedStage (stage_model.py): every model here is the one its build_model() makes.
     parameters        trainable / frozen, from the stage's model
     FLOPs per sample  `stage.counts`: torch.utils.flop_counter on a meta-device forward + loss + backward of the
-                      stage's model (count_per_sample), the numbers the throughput meter reports too
+                      stage's model (count_per_sample), the numbers the throughput meter reports too; the time
+                      adds the forward that runs again (checkpoint recompute, the accumulation's grad pass),
+                      which is the part of the forward autograd records: a locked tower's no-grad forward
+                      runs once per sample whatever k and checkpointing
     state bytes       weights / grads / AdamW state per rank under the ZeRO stage and precision
     activations       bytes per sample measured on CPU (live tensors traced through dispatch, batch 2 and 4,
                       slope = per sample), with and without gradient checkpointing, scaled to the dtype;
@@ -27,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from crate_clip.core.errors import ConfigError
 
@@ -47,6 +50,9 @@ MEMORY_RESERVE = 0.10       # allocator fragmentation, CUDA context, NCCL buffer
 # times the rate above.
 CPU_DECODE_RATE = {84: 547.0, 112: 290.0, 224: 71.0}
 DEVICE_PATH_WORKER_RATE = {84: 1740.0, 224: 1160.0}
+# One raw DataComp-1B sample as a shuffle buffer holds it (JPEG at max side 512 + caption + json): ~50 TB of
+# shards over ~1.4B pairs (the img2dataset download, /work/shared/SPEC-clipa-training.md)
+RAW_SAMPLE_BYTES = 36_000
 
 
 def loader_rate(table: dict, image_size: int) -> float:
@@ -166,6 +172,8 @@ class SampleCounts:
     tokens each tower runs on, read at its first block."""
     flops: float                   # forward + contrastive loss + backward (a locked tower's backward does not run)
     forward_flops: float
+    grad_forward_flops: float      # the part of the forward autograd records: what runs again in a checkpoint
+                                   # recompute or the accumulation's grad pass (not a locked tower's no-grad forward)
     image_tokens: Optional[int]    # class token + the patches the token mask keeps (None: tower not recognised)
     text_tokens: Optional[int]
 
@@ -188,6 +196,23 @@ def tower_blocks(model) -> Optional[tuple]:
     return (image, text) if image and text else None
 
 
+class NoGradFlops(TorchDispatchMode):
+    """FLOPs (torch.utils.flop_counter's formulas) of the ops that run with autograd off. Entered outside a
+    FlopCounterMode, it sees the ops that counter counts, after its decompositions."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None and not torch.is_grad_enabled():
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
+
+
 def count_per_sample(model, image_size: int, context_length: int, batch: int = 2) -> SampleCounts:
     """SampleCounts of one training step of `model` (any device, meta included: the counter reads shapes)."""
     device = next(model.parameters()).device
@@ -203,13 +228,16 @@ def count_per_sample(model, image_size: int, context_length: int, batch: int = 2
     model.train()
     forward = []
     try:
-        # attention counted as its matmuls (the math kernel): the counter has no formula for fused CPU kernels
-        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-            _contrastive_step(model, images, tokens, lambda: forward.append(counter.get_total_flops()))
+        # attention counted as its matmuls (the math kernel): the counter has no formula for fused CPU kernels;
+        # the backward also runs with autograd off, so the no-grad share is read where the forward ends
+        with sdpa_kernel(SDPBackend.MATH), NoGradFlops() as no_grad, FlopCounterMode(display=False) as counter:
+            _contrastive_step(model, images, tokens,
+                              lambda: forward.extend((counter.get_total_flops(), no_grad.flops)))
     finally:
         for hook in hooks:
             hook.remove()
-    return SampleCounts(counter.get_total_flops() / batch, forward[0] / batch, *seen)
+    return SampleCounts(counter.get_total_flops() / batch, forward[0] / batch, (forward[0] - forward[1]) / batch,
+                        *seen)
 
 
 # ---------------------------------------------------------------- per-stage measurement
@@ -220,6 +248,7 @@ class StageMeasure:
     frozen_params: int
     flops_per_sample: float          # forward + backward
     forward_flops_per_sample: float
+    grad_forward_flops_per_sample: float   # the forward a recompute or the accumulation's grad pass repeats
     activation_bytes_per_sample: float
     activation_bytes_fixed: float
     activation_bytes_per_sample_ckpt: float
@@ -303,7 +332,8 @@ def measure_stage(stage, batches=(2, 4), full_depth: Optional[bool] = None, memo
     # the trace also holds the fp32 parameter gradients: counted apart, in the per-rank state
     fixed = max(0.0, v[f"peak{b1}"] - per * b1 - 4.0 * trainable)
     counts = stage.counts
-    return StageMeasure(trainable, frozen, counts.flops, counts.forward_flops, per, fixed, per_ckpt, locked)
+    return StageMeasure(trainable, frozen, counts.flops, counts.forward_flops, counts.grad_forward_flops, per, fixed,
+                        per_ckpt, locked)
 
 
 def locked_buffer_params(model) -> int:
@@ -360,6 +390,10 @@ class StagePlan:
     cpu_cores_per_gpu: Optional[dict]   # loader cores one GPU needs: {"cpu": decode: cpu, "device": decode: device}
     decode: str = "cpu"
     notes: list = field(default_factory=list)
+    repeated_flops_per_sample: float = 0.0   # forward run again: checkpoint recompute, the accumulation's grad pass
+    loader_streams: int = 1                  # canonical streams one rank reads, each with its shuffle buffer
+    shuffle_buffer: int = 0                  # raw samples per stream
+    shuffle_buffer_bytes: float = 0.0        # host memory per rank: streams x buffer x RAW_SAMPLE_BYTES
 
 
 def _divisors_desc(n: int) -> list[int]:
@@ -397,9 +431,9 @@ def plan_stage(stage, measure: StageMeasure, gpu_memory: int, peak_tflops: Optio
         notes.append("does not fit even at micro-batch 1 with gradient checkpointing: raise the ZeRO stage or GPUs")
     micro, ckpt = choice if choice else (None, ckpt_on)
     k = per_rank // micro if micro else None
-    # k > 1 adds the no-grad caching forward; checkpointing adds a second forward in backward
-    extra = (measure.forward_flops_per_sample if k and k > 1 else 0.0) + \
-            (measure.forward_flops_per_sample if ckpt else 0.0)
+    # k > 1: the grad pass repeats what the no-grad caching pass ran (a locked tower's features are reused);
+    # checkpointing recomputes the forward in backward (a no-grad tower saved nothing to recompute)
+    extra = measure.grad_forward_flops_per_sample * ((1 if k and k > 1 else 0) + (1 if ckpt else 0))
     total = (measure.flops_per_sample + extra) * stage.steps * stage.global_batch
     wall = gpu_h = cores = None
     if peak_tflops:
@@ -414,7 +448,9 @@ def plan_stage(stage, measure: StageMeasure, gpu_memory: int, peak_tflops: Optio
                      measure.activation_bytes_per_sample * dtype_scale,
                      measure.activation_bytes_per_sample_ckpt * dtype_scale, micro, k, ckpt,
                      peak(micro, ckpt) if micro else float("nan"), stage.steps, total, wall, gpu_h, cores,
-                     stage.decode, notes)
+                     stage.decode, notes, repeated_flops_per_sample=extra, loader_streams=stage.loader_streams,
+                     shuffle_buffer=stage.shuffle_buffer,
+                     shuffle_buffer_bytes=float(stage.loader_streams * stage.shuffle_buffer * RAW_SAMPLE_BYTES))
 
 
 def plan_run(stages: list, gpu_memory: int, gpu: Optional[str] = None, mfu: float = DEFAULT_MFU,
@@ -441,6 +477,12 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
+def _repeat_reason(p: StagePlan) -> str:
+    """Why part of the forward runs twice: checkpoint recompute and/or the accumulation's grad pass."""
+    return " and ".join(r for r, on in (("grad checkpointing", p.grad_checkpointing),
+                                        ("accumulation", (p.accumulation_steps or 1) > 1)) if on)
+
+
 def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optional[str], mfu: float,
                 zero_stage: int, precision: str) -> str:
     """The human-readable plan (what `crate-clip plan` prints)."""
@@ -454,7 +496,9 @@ def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optiona
             f"stage {p.name}: {p.image_size}px, {p.context_length} tokens, global batch {p.global_batch:,} "
             f"({p.per_rank_batch} per rank), {p.steps:,} steps",
             f"  parameters        {p.trainable_params / 1e6:.1f} M trainable, {p.frozen_params / 1e6:.1f} M frozen",
-            f"  FLOPs per sample  {p.flops_per_sample / 1e9:.1f} GFLOP (forward + backward, counted)",
+            f"  FLOPs per sample  {p.flops_per_sample / 1e9:.1f} GFLOP (forward + backward, counted)"
+            + (f" + {p.repeated_flops_per_sample / 1e9:.1f} GFLOP forward run again ({_repeat_reason(p)})"
+               if p.repeated_flops_per_sample else ""),
             f"  per-rank state    weights {_fmt_bytes(p.state_bytes['weights'])}, grads "
             f"{_fmt_bytes(p.state_bytes['grads'])}, optimizer {_fmt_bytes(p.state_bytes['optimizer'])}",
             f"  activations       {_fmt_bytes(p.activation_bytes_per_sample)}/sample "
@@ -468,7 +512,10 @@ def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optiona
                " (give --gpu for time)"),
         ] + ([f"  loader CPU cores  {p.cpu_cores_per_gpu['cpu']:.1f} per GPU with decode: cpu, "
               f"{p.cpu_cores_per_gpu['device']:.1f} with decode: device (this stage: {p.decode})"]
-             if p.cpu_cores_per_gpu else []) + [f"  note: {n}" for n in p.notes]
+             if p.cpu_cores_per_gpu else []) + [
+            f"  shuffle buffers   {p.loader_streams} stream(s) per rank x {p.shuffle_buffer:,} samples = "
+            f"{_fmt_bytes(p.shuffle_buffer_bytes)} host memory per rank ({RAW_SAMPLE_BYTES // 1000} KB per raw "
+            "DataComp sample)"] + [f"  note: {n}" for n in p.notes]
     if plans and plans[0].gpu_hours is not None:
         total = sum(p.gpu_hours for p in plans)
         lines.append(f"all stages: {sum(p.wall_hours for p in plans):.1f} h wall, {total:,.0f} GPU-hours")

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from crate_clip.data.stream_layout import default_stream_count
 from crate_clip.models import preprocess_cfg_for, set_image_token_mask
 from crate_clip.models.patch_change import create_clip_at_patch
 from crate_clip.train import planner
@@ -49,6 +50,8 @@ class ResolvedStage:
     mean: tuple[float, ...]        # image normalisation of the training stream
     std: tuple[float, ...]
     decode: str
+    loader_streams: int = 1        # canonical streams one rank reads (data.canonical_streams / world)
+    shuffle_buffer: int = 0        # data.shuffle_buffer: raw samples held per stream
 
     @property
     def per_rank_batch(self) -> int:
@@ -87,7 +90,8 @@ class ResolvedStage:
     def counts(self) -> planner.SampleCounts:
         """FLOPs and tokens per sample of one training step of the stage's model, counted on a meta-device copy
         (no memory, no compute): token mask, text length and text lock as configured; checkpointing's
-        recomputation and the accumulation's extra forward are not model FLOPs and are not counted."""
+        recomputation and the accumulation's extra forward are not model FLOPs and are not counted in `flops`
+        (`grad_forward_flops` is what they repeat: the planner's time adds it)."""
         # the token mask draws from torch's global generator even on the meta device: a count must not move it
         with torch.random.fork_rng(devices=[]):
             model = self.build_model(read_files=False, device="meta", train=False)
@@ -106,7 +110,10 @@ def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str =
         text_mask=s.text_mask, image_mask=s.image_mask, image_mask_ratio=s.image_mask_ratio,
         global_batch=s.global_batch, world_size=world_size,
         micro_batch=s.micro_batch if isinstance(s.micro_batch, int) else s.global_batch // world_size,
-        steps=s.steps, zero_stage=zero_stage_of(cfg), precision=cfg.precision, decode=s.decode, **norm)
+        steps=s.steps, zero_stage=zero_stage_of(cfg), precision=cfg.precision, decode=s.decode,
+        loader_streams=(cfg.data.canonical_streams or default_stream_count(
+            world_size, cfg.data.num_workers, s.global_batch // world_size, None)) // world_size,
+        shuffle_buffer=cfg.data.shuffle_buffer, **norm)
     if s.micro_batch == "auto" and device.startswith("cuda"):
         memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
         fitted = replace(stage, micro_batch=planner.fit_micro_batch(stage, memory))

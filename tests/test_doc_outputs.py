@@ -1,0 +1,62 @@
+"""Figures the code derives, shown in README.md, BENCHMARKS.md and docs/ (plans, FLOPs, GPU-hours, parameter
+counts, `--validate` output), are generated blocks: the committed pages must be what the code gives now, and a
+derived number edited by hand fails the check."""
+import pytest
+
+from crate_clip import doc_outputs
+from crate_clip.doc_outputs import BLOCK, GENERATORS, REGENERATE, REPO, doc_files, render, stale_blocks
+
+
+def _pages() -> dict:
+    return {path: path.read_text() for path in doc_files() if BLOCK.search(path.read_text())}
+
+
+def test_every_generated_block_is_current():
+    stale = [f"{path.relative_to(REPO)}: {name}" for path, text in _pages().items() for name in stale_blocks(text)]
+    assert stale == [], f"stale generated blocks {stale}: run `{REGENERATE}` and commit the result"
+
+
+def test_the_pages_hold_the_blocks_the_issues_named():
+    names = {str(path.relative_to(REPO)): {m["name"].strip() for m in BLOCK.finditer(text)}
+             for path, text in _pages().items()}
+    assert {"plan l-14", "plan l-14 total", "plan l-14 flops", "plan l-14 memory"} <= names["BENCHMARKS.md"]
+    assert "validate b-16" in names["docs/safety.md"] and "model counts" in names["docs/models.md"]
+    assert "plan l-14 shuffle buffers" in names["docs/data.md"] & names["docs/scaling.md"]
+    assert set().union(*names.values()) <= set(GENERATORS)
+
+
+def test_an_edited_derived_number_fails_the_check():
+    text = (REPO / "BENCHMARKS.md").read_text()
+    assert stale_blocks(text) == []
+    block = next(m for m in BLOCK.finditer(text) if m["name"] == "plan l-14")
+    hours = block["body"].splitlines()[-2]             # "all stages: 9.8 h wall, 629 GPU-hours"
+    assert hours.startswith("all stages:")
+    edited = text.replace(hours, hours.replace("GPU-hours", "0 GPU-hours"), 1)
+    assert stale_blocks(edited) == ["plan l-14"]
+    assert stale_blocks(edited.replace("**629 GPU-hours**", "**660 GPU-hours**")) == ["plan l-14 total", "plan l-14"]
+    assert render(edited) == text                       # regenerating puts the code's number back
+    safety = (REPO / "docs" / "safety.md").read_text()
+    assert stale_blocks(safety.replace("3,072,491,520 samples", "3,072,500,000 samples")) == ["validate b-16"]
+
+
+def test_an_unknown_block_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown generated block 'plan x-99'"):
+        render("<!-- generated: plan x-99 -->\n<!-- /generated -->")
+
+
+def test_check_reports_stale_pages_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    page = tmp_path / "page.md"
+    page.write_text("counts: <!-- generated: model counts -->stale<!-- /generated -->\n")
+    monkeypatch.setattr(doc_outputs, "REPO", tmp_path)
+    monkeypatch.setattr(doc_outputs, "doc_files", lambda: [page])
+    assert doc_outputs.main(["--check"]) == 1
+    assert "stale: page.md: model counts" in capsys.readouterr().out and "stale<" in page.read_text()
+    assert doc_outputs.main([]) == 0 and doc_outputs.main(["--check"]) == 0
+    assert "526,848,000" in page.read_text()
+
+
+@pytest.mark.slow
+def test_the_slow_blocks_are_current():
+    """The plan with its activation trace (minutes on a CPU)."""
+    text = (REPO / "BENCHMARKS.md").read_text()
+    assert stale_blocks(text, slow=True) == [], f"run `{REGENERATE} --slow` and commit the result"

@@ -1,0 +1,72 @@
+"""The planner's time counts the forward that runs again (checkpoint recompute, the accumulation's grad pass) as
+the part of the forward autograd records: a locked text tower's no-grad forward runs once per sample whatever
+the accumulation k and checkpointing, so the paper's L/14 recipe on 64 H100s is ~629 GPU-hours, not 671."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from crate_clip.train.plan_cli import main as plan_main
+from crate_clip.train.planner import measure_stage, plan_stage
+from crate_clip.train.run_config import config_from_dict
+from crate_clip.train.stage_model import resolve_stage
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = "CRATE-alpha-CLIPA-tiny"
+
+
+def _cfg(micro_batch=16, ckpt=False, **model):
+    return config_from_dict({
+        "data": {"sources": ["unused"]}, "precision": "fp32",
+        "model": {"name": TINY, "grad_checkpointing": ckpt, **model},
+        "stages": [{"name": "s", "image_size": 28, "context_length": 16, "samples": 64, "global_batch": 16,
+                    "micro_batch": micro_batch}]}, check_paths=False)
+
+
+LOCKED = {"lock_text": True, "lock_logit_scale": True, "text_pretrained": "text.pt"}
+
+
+def _text_forward_flops(batch: int = 2) -> float:
+    """FLOPs per sample of the tiny model's text tower forward alone (meta device)."""
+    model = resolve_stage(_cfg(), 0).build_model(read_files=False, device="meta", train=False)
+    tokens = torch.ones(batch, 16, dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        model.encode_text(tokens, normalize=True)
+    return counter.get_total_flops() / batch
+
+
+def test_the_no_grad_share_of_the_forward_is_the_locked_text_tower():
+    trainable, locked = resolve_stage(_cfg(), 0).counts, resolve_stage(_cfg(**LOCKED), 0).counts
+    assert trainable.grad_forward_flops == trainable.forward_flops   # everything records: all of it runs again
+    assert locked.forward_flops == trainable.forward_flops
+    assert locked.forward_flops - locked.grad_forward_flops == pytest.approx(_text_forward_flops(), rel=1e-9)
+
+
+@pytest.mark.parametrize("micro_batch,ckpt", [(16, False), (8, False), (16, True), (4, True)])
+def test_a_locked_tower_runs_forward_once_whatever_k_and_checkpointing(micro_batch, ckpt):
+    locked = resolve_stage(_cfg(micro_batch, ckpt, **LOCKED), 0)
+    m = measure_stage(locked, memory=False)
+    plan = plan_stage(locked, m, 80 * 2 ** 30, 989.0, 0.4)
+    k = 16 // micro_batch
+    repeats = (k > 1) + ckpt
+    assert plan.accumulation_steps == k and plan.grad_checkpointing == ckpt
+    assert plan.repeated_flops_per_sample == m.grad_forward_flops_per_sample * repeats
+    assert plan.total_flops == (m.flops_per_sample + m.grad_forward_flops_per_sample * repeats) * 64
+    # the text forward is inside flops_per_sample once, and never in what runs again
+    text = m.forward_flops_per_sample - m.grad_forward_flops_per_sample
+    assert text == pytest.approx(_text_forward_flops(), rel=1e-9) and text > 0
+    assert plan.total_flops < (m.flops_per_sample + m.forward_flops_per_sample * repeats) * 64 or repeats == 0
+
+
+def test_the_paper_l14_recipe_on_64_h100s_is_about_629_gpu_hours(capsys):
+    config = str(REPO / "configs" / "datacomp" / "crate_alpha_clipa_l-14.yaml")
+    assert plan_main([config, "--gpus", "64", "--gpu", "h100", "--json", "--no-memory"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    flops = [(p["flops_per_sample"] / 1e9, p["repeated_flops_per_sample"] / 1e9) for p in plans]
+    assert flops[0] == (pytest.approx(120.5, abs=0.1), pytest.approx(33.7, abs=0.1))
+    assert flops[1] == (pytest.approx(738.0, abs=0.1), pytest.approx(239.8, abs=0.3))
+    assert sum(p["gpu_hours"] for p in plans) == pytest.approx(629, abs=1)
+    # the loader line's shuffle buffers: 8 streams per rank (8 workers) x 250,000 raw samples
+    assert {(p["loader_streams"], p["shuffle_buffer"]) for p in plans} == {(8, 250_000)}
