@@ -41,7 +41,7 @@ demo: install system-data
 	$(PY) -m crate_clip.train.demo
 
 test: install system-data
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: install system-data
 	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done

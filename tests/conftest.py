@@ -50,10 +50,17 @@ def vit_file(vit, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def both_crate_run(tmp_path_factory, fashion_mnist_dir):
+def tiny_fmnist(tmp_path_factory, fashion_mnist_dir):
+    """train_fixtures.write_tiny_fmnist, once per session (every training module reads it; a test that damages its
+    evaluation set works on its own copy)."""
+    from train_fixtures import write_tiny_fmnist
+    return write_tiny_fmnist(tmp_path_factory.mktemp("fmnist"), fashion_mnist_dir)
+
+
+@pytest.fixture(scope="session")
+def both_crate_run(tmp_path_factory, tiny_fmnist):
     """(run folder, config file, data folder) of the tiny both-CRATE CLIP's 2-process ZeRO-3 run, trained once per
     session for the text-tower and white-box tests (train_fixtures.both_crate_config)."""
-    from train_fixtures import train_both_crate, write_tiny_fmnist
+    from train_fixtures import train_both_crate
     root = tmp_path_factory.mktemp("both_crate")
-    data = write_tiny_fmnist(root / "data", fashion_mnist_dir)
-    return (*train_both_crate(root, data), data)
+    return (*train_both_crate(root, tiny_fmnist), tiny_fmnist)

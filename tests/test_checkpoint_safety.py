@@ -21,7 +21,7 @@ import yaml
 from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidate_deepspeed_checkpoint, consolidated_state_dict
 from crate_clip.checkpoint_io.safe_unpickling import (DEEPSPEED_CLASSES, UntrustedCheckpointError, deepspeed_reads,
                                                       load_torch_file, trusted_checkpoints, unsafe_classes)
-from train_fixtures import run_job, tiny_config, tiny_fmnist, write_config  # noqa: F401
+from train_fixtures import run_jobs, tiny_config, write_config
 
 MID_TAG, LAST_TAG = "stage0-step00000001", "stage0-step00000002"
 # layout -> the file given the payload (the issue's examples: ZeRO-0 model states, ZeRO-2 optimizer states)
@@ -64,8 +64,9 @@ def _config(run_dir: Path, data: Path, zero_stage: int, text_file: Path, path: P
     return write_config(cfg, path)
 
 
-def _train(*args: str) -> subprocess.CompletedProcess:
-    return run_job([sys.executable, "-m", "crate_clip.train.cli", *args], timeout=300)
+def _train_all(*commands: list[str]) -> list[subprocess.CompletedProcess]:
+    """`crate-clip train` of each argument list, each in a process of its own, two side by side."""
+    return run_jobs([[sys.executable, "-m", "crate_clip.train.cli", *args] for args in commands])
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +77,10 @@ def trained(tmp_path_factory, tiny_fmnist):
     root = tmp_path_factory.mktemp("trained")
     torch.manual_seed(0)
     torch.save(create_clip("CRATE-alpha-CLIPA-tiny", context_length=16).state_dict(), root / "text.pt")
-    runs = {}
-    for zs in TRAINED:
-        cfg = _config(root / f"z{zs}", tiny_fmnist, zs, root / "text.pt", root / f"z{zs}.yaml")
-        proc = _train("--config", str(cfg))
+    runs = {zs: (_config(root / f"z{zs}", tiny_fmnist, zs, root / "text.pt", root / f"z{zs}.yaml"), root / f"z{zs}")
+            for zs in TRAINED}
+    for proc in _train_all(*(["--config", str(cfg)] for cfg, _ in runs.values())):
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        runs[zs] = cfg, root / f"z{zs}"
     return runs
 
 
@@ -196,17 +195,38 @@ def test_resume_refuses_a_checkpoint_that_pickles_code(poisoned, zs):
     assert not marker.exists()
 
 
+def _resume_config(trained, zs: int, run: Path, path: Path) -> Path:
+    """The ZeRO-`zs` run's config, writing into `run`."""
+    cfg = yaml.safe_load(trained[zs][0].read_text())
+    cfg["run"]["output_dir"] = str(run)
+    return write_config(cfg, path)
+
+
+@pytest.fixture(scope="module")
+def resumed(trained, tmp_path_factory):
+    """The `--resume latest` commands of test_every_trainer_checkpoint_resumes_bit_exact (per ZeRO stage: a copy of
+    the step-1 checkpoint resumed) and of test_resume_command_refuses_a_poisoned_rank_state_in_one_line (the ZeRO-2
+    copy with a poisoned rank state), each in a process of its own, two side by side (the same commands the tests
+    ran one by one): {"runs": zs -> (run folder, process), "poisoned": (run, tag, marker, process)}."""
+    root = tmp_path_factory.mktemp("resumed")
+    runs = {zs: root / f"z{zs}" / "run" for zs in TRAINED}
+    for zs, run in runs.items():
+        _copy_mid_stage(trained[zs][1], run)
+    poisoned = _poisoned_run(trained, 2, root / "poisoned", "train_state_rank00000.pt")
+    configs = [_resume_config(trained, zs, run, root / f"z{zs}.yaml") for zs, run in runs.items()]
+    configs.append(_resume_config(trained, 2, poisoned[0], root / "poisoned.yaml"))
+    procs = _train_all(*(["--config", str(cfg), "--resume", "latest"] for cfg in configs))
+    return {"runs": {zs: (run, proc) for (zs, run), proc in zip(runs.items(), procs)},
+            "poisoned": (*poisoned, procs[-1])}
+
+
 @pytest.mark.slow
-def test_resume_command_refuses_a_poisoned_rank_state_in_one_line(trained, tmp_path):
+def test_resume_command_refuses_a_poisoned_rank_state_in_one_line(resumed):
     from crate_clip.train.checkpoints import CheckpointManager
 
-    cfg_path, _ = trained[2]
-    run, tag, marker = _poisoned_run(trained, 2, tmp_path, "train_state_rank00000.pt")
+    _, tag, marker, proc = resumed["poisoned"]
     _refused(lambda: CheckpointManager(tag.parent, 3, rank=0, world_size=1).load_rank_state(tag),
              "train_state_rank00000.pt")
-    cfg = yaml.safe_load(cfg_path.read_text())
-    cfg["run"]["output_dir"] = str(run)
-    proc = _train("--config", str(write_config(cfg, tmp_path / "resume.yaml")), "--resume", "latest")
     ours = [line for line in proc.stderr.splitlines() if line.startswith("crate-clip train:")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(ours) == 1, proc.stderr[-3000:]
@@ -250,15 +270,11 @@ def test_rank_state_of_an_earlier_version_loads_with_the_opt_in(trained, tmp_pat
 # ---------------------------------------------------------------- what the trainer writes still resumes
 @pytest.mark.slow
 @pytest.mark.parametrize("zs", TRAINED)
-def test_every_trainer_checkpoint_resumes_bit_exact(trained, tmp_path, zs):
-    """Resumed from the step-1 checkpoint through the allow-listed readers, step 2 ends where the
-    uninterrupted run's did: weights, optimizer states and rank states equal to the bit."""
-    cfg_path, source = trained[zs]
-    run = tmp_path / "run"
-    _copy_mid_stage(source, run)
-    cfg = yaml.safe_load(cfg_path.read_text())
-    cfg["run"]["output_dir"] = str(run)
-    proc = _train("--config", str(write_config(cfg, tmp_path / "resume.yaml")), "--resume", "latest")
+def test_every_trainer_checkpoint_resumes_bit_exact(trained, resumed, zs):
+    """Resumed from the step-1 checkpoint through the allow-listed readers (the `resumed` fixture's process), step 2
+    ends where the uninterrupted run's did: weights, optimizer states and rank states equal to the bit."""
+    source = trained[zs][1]
+    run, proc = resumed["runs"][zs]
     assert proc.returncode == 0 and "--trust-checkpoint" not in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
     ours, theirs = run / "checkpoints" / LAST_TAG, source / "checkpoints" / LAST_TAG
     assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))

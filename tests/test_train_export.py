@@ -15,7 +15,7 @@ import torch
 
 import crate_clip  # noqa: F401
 from crate_clip.models import register_open_clip_configs
-from train_fixtures import run_env, tiny_config, tiny_fmnist, write_config  # noqa: F401
+from train_fixtures import run_env, tiny_config, write_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BERT_VOCAB = REPO_ROOT.parent / "shared" / "bert_base_uncased"

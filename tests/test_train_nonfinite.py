@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from train_fixtures import read_jsonl, run_job, tiny_config, tiny_fmnist, torchrun_cmd, write_config  # noqa: F401
+from train_fixtures import read_jsonl, run_job, tiny_config, torchrun_cmd, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

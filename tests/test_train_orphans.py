@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from train_fixtures import (REPO_ROOT, read_jsonl, run_env, run_job, tiny_config, tiny_fmnist,  # noqa: F401
+from train_fixtures import (REPO_ROOT, read_jsonl, run_env, run_job, tiny_config,
                             torchrun_cmd, write_config)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]

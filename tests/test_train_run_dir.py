@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from train_fixtures import REPO_ROOT, read_jsonl, run_env, tiny_config, tiny_fmnist, write_config  # noqa: F401
+from train_fixtures import REPO_ROOT, read_jsonl, run_env, tiny_config, write_config
 
 pytestmark = [pytest.mark.slow]
 

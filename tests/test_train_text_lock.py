@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from train_fixtures import run_job, tiny_config, tiny_fmnist, torchrun_cmd, write_config  # noqa: F401
+from train_fixtures import run_job, tiny_config, torchrun_cmd, write_config
 
 MODEL = "CRATE-alpha-CLIPA-tiny"
 CRATE_TEXT = "CRATE-alpha-CLIPA-tiny-crate-text"

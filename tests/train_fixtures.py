@@ -28,7 +28,8 @@ def write_tiny_fmnist(root: Path, fashion_mnist_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_fmnist(tmp_path_factory, fashion_mnist_dir):
-    """write_tiny_fmnist, once per test module that imports it."""
+    """Kept for modules that still import it (they get a copy of their own); conftest.py's `tiny_fmnist`, used by
+    every module that does not import this one, writes the set once per session."""
     return write_tiny_fmnist(tmp_path_factory.mktemp("fmnist"), fashion_mnist_dir)
 
 
@@ -130,6 +131,23 @@ def run_job(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
                       f"{proc.stderr[-4000:]}")
         proc = subprocess.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
     return proc
+
+
+def run_jobs(cmds: list[list[str]], parallel: int = 2, timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """run_job of each command, `parallel` at a time: one-process jobs use one core each (one thread), so two of
+    them side by side take the wall time of one on a 2-core machine, for the same CPU time. A job whose worker
+    aborted runs once more, alone (as in run_job)."""
+    done: list[subprocess.CompletedProcess] = []
+    for at in range(0, len(cmds), parallel):
+        batch = [subprocess.Popen(cmd, env=run_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for cmd in cmds[at:at + parallel]]
+        for proc in batch:
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    for i, proc in enumerate(done):
+        if proc.returncode != 0 and "SIGABRT" in proc.stderr:
+            done[i] = run_job(list(proc.args), timeout=timeout)
+    return done
 
 
 def read_jsonl(path: Path) -> list[dict]:
