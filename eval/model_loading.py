@@ -5,7 +5,6 @@ are consolidated to fp32 by crate_clip.checkpoint_io, the one owner of the check
 source, weights that are not finite are refused (a NaN/inf tensor would only give a chance-level number), and
 an export's weights file is verified against the checksum its open_clip_config.json records, when it does.
 """
-import json
 import pickle
 import sys
 import zipfile
@@ -17,6 +16,7 @@ from open_clip.transform import PreprocessCfg, image_transform_v2
 
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, consolidate_deepspeed_checkpoint,  # noqa: F401
                                                           is_deepspeed_checkpoint, resolve_checkpoint_tag)
+from crate_clip.checkpoint_io.bounded_reads import read_small_json
 from crate_clip.checkpoint_io.file_checksums import verify_recorded_checksums
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, quiet_random_init, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
@@ -121,7 +121,7 @@ def _from_local_dir(model: str, image_size: int | None):
         raise FileNotFoundError(f"{folder}: no open_clip_model.safetensors / open_clip_pytorch_model.bin weights")
     config = folder / "open_clip_config.json"
     if config.is_file():
-        recorded = json.loads(config.read_text())
+        recorded = read_small_json(config)   # a regular file of bounded size
         verify_recorded_checksums(folder, recorded, config)   # when the export recorded them
         register_tower_of(recorded.get("model_cfg"))   # an export naming its tower in the underscore form
     with quiet_random_init():   # the weights are loaded on the next line
