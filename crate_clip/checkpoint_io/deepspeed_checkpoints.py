@@ -34,18 +34,23 @@ class DamagedCheckpointError(ChecksumMismatchError):
     """A checkpoint whose crate_clip.json is malformed or whose files differ from its record (exit code 2)."""
 
 
+INFO_MISSING = "is missing"
+
+
 def read_info_checked(tag_dir: Path) -> tuple[Optional[dict], Optional[str]]:
-    """(crate_clip.json, None) of a complete checkpoint; (None, why) when it is missing ('missing'), not a regular
-    file, too large, not JSON or not of the schema (manifest_schema.py)."""
+    """(crate_clip.json, None) of a complete checkpoint; (None, why) when it is not, `why` a predicate of
+    "crate_clip.json ...": INFO_MISSING, "does not parse", "is a FIFO, not a regular file", "is 3,000,000,000 bytes,
+    more than ...", "is malformed: global_step is a string ..." (manifest_schema.py)."""
     path = Path(tag_dir) / INFO_FILE
     try:
         info = read_small_json(path)
     except FileNotFoundError:
-        return None, "missing"
+        return None, INFO_MISSING
     except (UnreadableRecordError, OSError) as exc:
-        return None, str(exc).removeprefix(f"{path}: ")
+        why = str(exc).removeprefix(f"{path}: ")
+        return None, "does not parse" if why.startswith("not valid JSON") else f"is {why}"
     problem = info_problem(info)
-    return (None, f"malformed: {problem}") if problem else (info, None)
+    return (None, f"is malformed: {problem}") if problem else (info, None)
 
 
 def read_info(tag_dir: Path) -> dict | None:
@@ -145,9 +150,9 @@ def verify_checkpoint(tag_dir: Path) -> dict:
     tag_dir = Path(tag_dir)
     info, why = read_info_checked(tag_dir)
     if info is None:
-        if why == "missing":
+        if why == INFO_MISSING:
             return {}
-        raise DamagedCheckpointError(f"{tag_dir}: damaged checkpoint: its {INFO_FILE} is {why}; fix: use another "
+        raise DamagedCheckpointError(f"{tag_dir}: damaged checkpoint: its {INFO_FILE} {why}; fix: use another "
                                      "checkpoint of the run (--resume latest takes the newest intact one)")
     problems = [f"{name}: {problem}" for name, record in (info.get(CHECKSUMS_KEY) or {}).items()
                 if (problem := checksum_problem(tag_dir / name, record, INFO_FILE))]

@@ -37,7 +37,8 @@ from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_wri
 from crate_clip.checkpoint_io.checkpoint_manifest import checksum_share
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
                                                             complete_tags_in, consolidated_state_dict,
-                                                            latest_complete_tag, read_info, read_info_checked)
+                                                            INFO_MISSING, latest_complete_tag, read_info,
+                                                            read_info_checked)
 from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY
 from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, UntrustedCheckpointError, check_checkpoint_folder,
                                                       deepspeed_reads, load_torch_file)
@@ -211,7 +212,9 @@ class CheckpointManager:
         rank, failure = failed[0]
         cause = writes.first[1] if writes.first else None
         if any(f.no_space for _, f in failed):
-            raise no_space_in_save(self.root, tag, last, needed) from cause
+            error = no_space_in_save(self.root, tag, last, needed)
+            error.once_per_job = True   # every rank raises it: rank 0 says it
+            raise error from cause
         raise CheckpointWriteError(f"saving checkpoint {tag} failed on rank {rank} writing {failure.path}: "
                                    f"{failure.error}; its partial files are removed, the last complete checkpoint "
                                    f"is {last}") from cause
@@ -268,7 +271,7 @@ class CheckpointManager:
             return other.resolve("latest")
         info, why = read_info_checked(path)
         if info is None:
-            what = (f"its {INFO_FILE} is {why}: damaged" if why != "missing" else
+            what = (f"its {INFO_FILE} {why}: damaged" if why != INFO_MISSING else
                     f"no {INFO_FILE}: missing or an interrupted save")
             raise ResumeError(f"--resume {resume}: not a complete checkpoint ({what}); fix: pass a checkpoint folder "
                               "or 'latest'")

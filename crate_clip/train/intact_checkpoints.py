@@ -27,7 +27,7 @@ def checkpoint_damage(ckpts: CheckpointManager, tag_dir: Path) -> list[str]:
     (each hashes its share; a collective when the job has several processes)."""
     info, why = read_info_checked(tag_dir)
     if info is None:
-        return [f"{INFO_FILE} is {why}"]
+        return [f"{INFO_FILE} {why}"]
     if ckpts.world_size == 1 or not tdist.is_initialized():
         return damage_in_share(tag_dir, info, 0, 1)
     mine = damage_in_share(tag_dir, info, ckpts.rank, ckpts.world_size)
@@ -47,7 +47,7 @@ def _damaged_infos_after(root: Path, tag_dir: Path) -> list[str]:
         if match and chosen and tuple(map(int, match.groups())) > tuple(map(int, chosen.groups())) and path.is_dir():
             info, why = read_info_checked(path)
             if info is None:
-                newer.append(f"{path.name} is damaged ({INFO_FILE} is {why})")
+                newer.append(f"{path.name} is damaged ({INFO_FILE} {why})")
     return newer
 
 
