@@ -11,6 +11,7 @@ import collections
 import copyreg
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -113,7 +114,9 @@ def test_full_disk_mid_save_removes_the_partial_save_and_the_resume_removes_left
     if nproc == 1:
         assert proc.returncode == 6
     errors = [line for line in proc.stderr.splitlines() if line.startswith("crate-clip train:")]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    # torchrun prints its own ChildFailedError traceback for a worker's exit code 6: none of crate-clip's frames
+    assert len(errors) == 1 and not re.search(r'File "[^"]*crate_clip/', proc.stderr), proc.stderr[-4000:]
+    assert nproc == 2 or "Traceback" not in proc.stderr
     assert f"no space left on {ckpts} while saving {TAGS[3]}" in errors[0], errors[0]
     assert f"the last complete checkpoint is {TAGS[2]}" in errors[0]
     assert not list(ckpts.glob(".*.saving")), sorted(p.name for p in ckpts.iterdir())
