@@ -28,8 +28,6 @@ from crate_clip.checkpoint_io.safe_unpickling import UntrustedCheckpointError, l
 from train_fixtures import (REPO_ROOT, run_env, run_job, tiny_config, tiny_fmnist,  # noqa: F401
                             torchrun_cmd, write_config)
 
-pytestmark = [pytest.mark.slow]
-
 TAGS = [f"stage0-step{s:08d}" for s in range(5)]
 OPTIM = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
@@ -99,6 +97,7 @@ def _used(mount: Path) -> int:
     return shutil.disk_usage(mount).used
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_full_disk_mid_save_removes_the_partial_save_and_the_resume_removes_leftovers(tmpfs, tiny_fmnist, nproc,
                                                                                        tmp_path):
@@ -139,7 +138,7 @@ def test_full_disk_mid_save_removes_the_partial_save_and_the_resume_removes_left
     assert (ckpts / "latest").read_text() == TAGS[4] and not leftover.exists()
 
 
-def test_a_save_whose_writer_raises_runtime_error_is_removed_and_named(tmp_path, tiny_fmnist):
+def test_a_write_failure_record_keeps_a_runtime_error_whose_context_is_enospc(tmp_path):
     """The record of a failed write keeps whatever the writer raised (RuntimeError from torch's zip writer with
     the ENOSPC only as its context): is_no_space finds it along the chain, and the ranks share it as plain data."""
     import errno
@@ -231,6 +230,7 @@ def test_genuine_objects_rebuild_as_deepspeed_classes_with_their_fields(tmp_path
     assert load_torch_file(tmp_path / "again.pt")["d"].scale_window == 1000
 
 
+@pytest.mark.slow
 def test_a_checkpoint_with_a_crafted_zero_stage_is_refused_by_deepspeeds_readers(trained, tmp_path):
     """The issue's case: the optimizer states of a foreign checkpoint hold ZeroStageEnum rebuilt with
     {_value_: 3}, its checksums rewritten to match: the export reader (DeepSpeed's zero_to_fp32 under the
@@ -259,6 +259,7 @@ MALFORMED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", [*MALFORMED, "crate_clip.json deleted"])
 def test_a_malformed_manifest_marks_its_checkpoint_damaged_and_latest_falls_back(trained, tmp_path, capsys, what):
     from crate_clip.train.checkpoints import CheckpointManager
@@ -285,6 +286,7 @@ def test_a_malformed_manifest_marks_its_checkpoint_damaged_and_latest_falls_back
             consolidate_deepspeed_checkpoint(tag)
 
 
+@pytest.mark.slow
 def test_resume_auto_past_a_manifest_with_a_string_step(trained, tmp_path, tiny_fmnist):
     """The issue's case end to end: `"global_step": "3"` in the newest crate_clip.json, `--resume auto` resumes
     from the one before, said in one line, and trains the last step again."""
@@ -306,6 +308,7 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_flipped_optimizer_bytes_make_export_and_eval_refuse(trained, tmp_path, capsys):
     from crate_clip.cli import main
 
@@ -324,6 +327,7 @@ def test_flipped_optimizer_bytes_make_export_and_eval_refuse(trained, tmp_path, 
     assert code == 2 and f"{OPTIM}: sha256 differs" in line, line
 
 
+@pytest.mark.slow
 def test_universal_folder_has_a_manifest_verified_before_use_and_counts_links_once(trained, tmp_path):
     """convert_to_universal records every file of universal/ in converted.json; a changed fp32.pt is found
     (and the resume converts again instead of loading it); the free-space accounting counts the model-states
@@ -359,6 +363,7 @@ def test_universal_folder_has_a_manifest_verified_before_use_and_counts_links_on
 
 
 # ---------------------------------------------------------------- 5. names outside the folder, unbounded reads
+@pytest.mark.slow
 def test_checksum_names_outside_the_folder_are_refused_without_looking(trained, tmp_path):
     from crate_clip.checkpoint_io.file_checksums import ChecksumMismatchError, verify_recorded_checksums
     from crate_clip.train.checkpoints import CheckpointManager
@@ -378,6 +383,7 @@ def test_checksum_names_outside_the_folder_are_refused_without_looking(trained, 
         _edit_info(tag, lambda info: info[CHECKSUMS_KEY].pop(name))
 
 
+@pytest.mark.slow
 def test_a_manifest_linked_to_a_huge_sparse_file_is_refused_without_reading_it(trained, tmp_path):
     run = _copy(trained, tmp_path)
     tag = run / "checkpoints" / TAGS[3]
@@ -393,6 +399,7 @@ def test_a_manifest_linked_to_a_huge_sparse_file_is_refused_without_reading_it(t
     assert info is None and "is 209,715,200 bytes, more than" in why and peak < 4 << 20, (why, peak)
 
 
+@pytest.mark.slow
 def test_a_fifo_latest_gives_one_line_and_does_not_block(trained, tmp_path):
     """eval of a checkpoints folder whose `latest` is a FIFO: one line (exit 2), never a read that waits for a
     writer; a training resume takes the newest complete checkpoint instead (a garbled `latest`)."""
