@@ -5,7 +5,6 @@ are consolidated to fp32 by crate_clip.checkpoint_io, the one owner of the check
 source, weights that are not finite are refused (a NaN/inf tensor would only give a chance-level number), and
 an export's weights file is verified against the checksum its open_clip_config.json records, when it does.
 """
-import json
 import pickle
 import sys
 import zipfile
@@ -15,6 +14,7 @@ import open_clip
 import torch
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
+from crate_clip.checkpoint_io.bounded_reads import read_small_json
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
                                                           consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint,
                                                           newest_complete_tag, resolve_checkpoint_tag)
@@ -154,7 +154,7 @@ def _from_local_dir(model: str, image_size: int | None):
         raise FileNotFoundError(f"{folder}: no open_clip_model.safetensors / open_clip_pytorch_model.bin weights")
     config = folder / "open_clip_config.json"
     if config.is_file():
-        recorded = json.loads(config.read_text())
+        recorded = read_small_json(config)   # a regular file of bounded size
         verify_recorded_checksums(folder, recorded, config)   # when the export recorded them
         check_model_cfg(recorded.get("model_cfg") if isinstance(recorded, dict) else recorded, config)
         register_tower_of(recorded.get("model_cfg"))   # an export naming its tower in the underscore form

@@ -6,6 +6,9 @@ deepspeed_checkpoints.py  the layout of a DeepSpeed checkpoint (tag folders, `la
                           its consolidation to one fp32 state dict, for any ZeRO stage
 safe_unpickling.py        torch files read with weights_only=True and the allow-list of DeepSpeed's classes;
                           the one-line refusal and the --trust-checkpoint opt-in
+deepspeed_objects.py      the allow-listed DeepSpeed objects rebuilt from validated fields (no other state)
+bounded_reads.py          record files (crate_clip.json, latest, configs) read only as small regular files
+manifest_schema.py        what a well-formed crate_clip.json and file_checksums record hold
 file_checksums.py         size and sha256 of written files, recorded by their writer, verified by readers
 checkpoint_manifest.py    those records for every file of a checkpoint, the hashing shared by the ranks
 write_failures.py         a save's failed writes (a full disk) recorded, so that all ranks stop together

@@ -9,11 +9,14 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from crate_clip.checkpoint_io.manifest_schema import checksum_records_problem
+from crate_clip.core.errors import UserError
+
 CHECKSUMS_KEY = "file_checksums"
 CHUNK_BYTES = 1 << 22
 
 
-class ChecksumMismatchError(ValueError):
+class ChecksumMismatchError(UserError, ValueError):
     """A file whose size or sha256 is not what its writer recorded; the message names it and the fix."""
 
 
@@ -53,8 +56,12 @@ def verify_file_checksum(path: str | Path, expected: dict, recorded_in: str | Pa
 
 
 def verify_recorded_checksums(folder: str | Path, config: dict, recorded_in: str | Path) -> int:
-    """Verify every file that `config[CHECKSUMS_KEY]` lists (names relative to `folder`); returns how many."""
-    records = config.get(CHECKSUMS_KEY) or {}
+    """Verify every file that `config[CHECKSUMS_KEY]` lists (names relative to `folder`, which they may not leave);
+    returns how many. A malformed record is refused like a mismatch."""
+    records = config.get(CHECKSUMS_KEY, {})
+    problem = checksum_records_problem(records)
+    if problem:
+        raise ChecksumMismatchError(f"{recorded_in}: {problem}; the record is damaged: copy or export it again")
     for name, expected in records.items():
         verify_file_checksum(Path(folder) / name, expected, recorded_in)
     return len(records)

@@ -5,7 +5,9 @@ shell command). Every read here is `torch.load(weights_only=True)`: tensors, num
 containers, plus an explicit allow-list of the classes DeepSpeed 0.19 writes into its model- and
 optimizer-states files (found by saving checkpoints of ZeRO 0-3 in fp32 and bf16 with the trainer and listing
 what weights_only refuses; fp16's dynamic loss scaler from DeepSpeed's optimizer `state_dict()`s). A file
-that needs anything else is refused in one line naming the file, the class and the fix.
+that needs anything else is refused in one line naming the file, the class and the fix. The allow-listed
+objects are rebuilt from validated fields only (deepspeed_objects.py): a crafted one is refused the same way, it
+cannot set other attributes or change a process-wide enum member.
 
 DeepSpeed's own readers (`engine.load_checkpoint`, zero_to_fp32) call `torch.load(weights_only=False)`:
 `deepspeed_reads` scans the folder's files first and forces weights_only for the duration of the call.
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import torch
+
+from crate_clip.checkpoint_io.deepspeed_objects import REFUSED_OBJECT, standins
 
 TRUST_FLAG = "--trust-checkpoint"
 TRUST_HELP = ("unpickle checkpoint and weights files without the allow-list (they can run code): only for files "
@@ -50,14 +54,16 @@ _trusted: ContextVar[bool] = ContextVar("crate_clip_trusted_checkpoints", defaul
 class UntrustedCheckpointError(ValueError):
     """A torch file that needs a class outside the allow-list; the message names the file, the class and the fix."""
 
-    def __init__(self, path, classes: list[str], note: str = ""):
+    def __init__(self, path, classes: list[str], note: str = "", crafted: str | None = None):
         self.path, self.classes = Path(path), list(classes)
         what = ", ".join(self.classes) or "an object that is not a tensor, number, string or container"
+        reason = (f"{crafted.replace(REFUSED_OBJECT, 'it holds the DeepSpeed object')} (an allow-listed object is "
+                  "rebuilt only from the fields DeepSpeed writes)" if crafted else
+                  f"it pickles {what}, which torch.load(weights_only=True) does not build and which is not one of "
+                  f"the classes DeepSpeed writes into checkpoints; unpickling it could run code{note}")
         super().__init__(
-            f"{path}: refused: it pickles {what}, which torch.load(weights_only=True) does not build and which is "
-            f"not one of the classes DeepSpeed writes into checkpoints; unpickling it could run code{note}. Fix: "
-            f"re-save it with a trusted tool (an export, safetensors + JSON, is the format to share), or pass "
-            f"{TRUST_FLAG} if you trust where it came from (docs/safety.md)")
+            f"{path}: refused: {reason}. Fix: re-save it with a trusted tool (an export, safetensors + JSON, is the "
+            f"format to share), or pass {TRUST_FLAG} if you trust where it came from (docs/safety.md)")
 
 
 @contextlib.contextmanager
@@ -75,16 +81,36 @@ def checkpoints_trusted() -> bool:
     return _trusted.get()
 
 
-def allowed_classes(names: Iterable[str] = DEEPSPEED_CLASSES) -> list[type]:
-    """The allow-listed classes that can be imported here (without DeepSpeed there is nothing of it to allow)."""
-    found = []
+def allowed_classes(names: Iterable[str] = DEEPSPEED_CLASSES) -> dict[str, type]:
+    """The allow-listed classes that can be imported here, by dotted name (without DeepSpeed there is nothing of
+    it to allow)."""
+    found = {}
     for name in names:
         module, _, attr = name.rpartition(".")
         try:
-            found.append(getattr(importlib.import_module(module), attr))
+            found[name] = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError):
             continue
     return found
+
+
+def allowed_globals(names: Iterable[str] = DEEPSPEED_CLASSES) -> list[tuple[object, str]]:
+    """What torch.serialization.safe_globals gets for the allow-listed names: each name resolves to its validating
+    stand-in (deepspeed_objects.py), never to the class itself."""
+    return standins(allowed_classes(names))
+
+
+_BUILD_REFUSED = re.compile(r"Can only build .* but got <(?:enum|class) '([\w.]+)'>")
+
+
+def _crafted_object(exn: Exception) -> str | None:
+    """The reason a stand-in refused an allow-listed object (or torch refused to give an allowed enum member a
+    state), when that is why the read failed."""
+    text = str(exn)
+    if REFUSED_OBJECT in text:
+        return text[text.index(REFUSED_OBJECT):].split("\n")[0]
+    built = _BUILD_REFUSED.search(text)
+    return f"{REFUSED_OBJECT} {built.group(1)}: given a state, which DeepSpeed never writes" if built else None
 
 
 def load_torch_file(path: str | Path, *, allow: Iterable[str] = DEEPSPEED_CLASSES, map_location="cpu",
@@ -94,10 +120,12 @@ def load_torch_file(path: str | Path, *, allow: Iterable[str] = DEEPSPEED_CLASSE
     if checkpoints_trusted():
         return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     allow = list(allow)
-    with torch.serialization.safe_globals(allowed_classes(allow)):
+    with torch.serialization.safe_globals(allowed_globals(allow)):
         try:
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as exn:
+            if _crafted_object(exn):
+                raise UntrustedCheckpointError(path, [], crafted=_crafted_object(exn)) from None
             named = sorted(set(_REFUSED_GLOBAL.findall(str(exn))))
             if _WEIGHTS_ONLY_FAILED not in str(exn) or not (named or _is_intact_zip(path)):
                 raise   # not a refusal: a damaged file
@@ -107,7 +135,7 @@ def load_torch_file(path: str | Path, *, allow: Iterable[str] = DEEPSPEED_CLASSE
 def unsafe_classes(path: str | Path, allow: Iterable[str] = DEEPSPEED_CLASSES) -> Optional[list[str]]:
     """The classes and functions a torch file names beyond data and `allow`, read from its pickle opcodes
     without building anything; None when the file cannot be scanned (not a torch zip file, damaged)."""
-    with torch.serialization.safe_globals(allowed_classes(allow)):
+    with torch.serialization.safe_globals(allowed_globals(allow)):
         try:
             return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
         except Exception:   # a legacy-format or damaged file: the weights_only read itself decides
@@ -135,6 +163,19 @@ def check_checkpoint_folder(folder: str | Path, patterns: Iterable[str] = ("**/*
             raise UntrustedCheckpointError(path, classes)
 
 
+def _refusal_in(folder: str | Path) -> UntrustedCheckpointError | None:
+    """After DeepSpeed's read of `folder` was refused: the refusal naming the file (each read again, on this error
+    path only)."""
+    for path in sorted({p for pattern in DEEPSPEED_FILES for p in Path(folder).glob(pattern)}):
+        try:
+            load_torch_file(path)
+        except UntrustedCheckpointError as exc:
+            return exc
+        except Exception:
+            continue
+    return None
+
+
 @contextlib.contextmanager
 def deepspeed_reads(folder: str | Path) -> Iterator[None]:
     """DeepSpeed's own readers of checkpoint folder `folder` (engine.load_checkpoint, zero_to_fp32) held to
@@ -147,11 +188,13 @@ def deepspeed_reads(folder: str | Path) -> Iterator[None]:
     saved = {name: os.environ.pop(name, None) for name in (_FORCE, _FORCE_NOT)}
     os.environ[_FORCE] = "1"
     try:
-        with torch.serialization.safe_globals(allowed_classes()):
+        with torch.serialization.safe_globals(allowed_globals()):
             yield
     except pickle.UnpicklingError as exn:
         if _WEIGHTS_ONLY_FAILED not in str(exn):
             raise
+        if _crafted_object(exn):
+            raise _refusal_in(folder) or UntrustedCheckpointError(folder, [], crafted=_crafted_object(exn)) from None
         raise UntrustedCheckpointError(folder, sorted(set(_REFUSED_GLOBAL.findall(str(exn))))) from None
     finally:
         for name, value in saved.items():

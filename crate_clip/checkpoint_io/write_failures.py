@@ -6,7 +6,10 @@ torch.save given a path writes through its own C++ file layer, which reports a f
 disk is an OSError with errno ENOSPC (EDQUOT for a quota), at about the same speed (BENCHMARKS.md, checkpoint
 checksums).
 So `recorded_writes` gives DeepSpeed's engine a checkpoint engine whose `save` opens the file itself
-(atomic_files.torch_save_to_file, which crate-clip's own files are written with too).
+(atomic_files.torch_save_to_file, which crate-clip's own files are written with too). Even so torch's zip writer
+may report the full disk on close as `RuntimeError: unexpected pos ...` with the OSError only as its __context__:
+every exception of a write is recorded, and `is_no_space` walks the cause / context chain. What is shared with the
+other ranks is a `Failure` of plain fields (an exception loses its context when it is pickled).
 """
 from __future__ import annotations
 
@@ -30,6 +33,18 @@ def is_no_space(exc: BaseException) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class Failure:
+    """One failed write, as the ranks exchange it: the file, the error in words, and whether the disk was full."""
+    path: str
+    error: str
+    no_space: bool
+
+    @classmethod
+    def of(cls, path: str | Path, exc: BaseException) -> "Failure":
+        return cls(str(path), f"{type(exc).__name__}: {exc}", is_no_space(exc))
+
+
 @dataclass
 class WriteFailures:
     """The first write that failed on this rank during one save: `first` = (file, error), None while every write
@@ -37,14 +52,19 @@ class WriteFailures:
     first: Optional[tuple] = None
 
     def run(self, path: str | Path, write: Callable[[], None]) -> None:
-        """Call `write()` (which writes `path`), recording an OSError instead of raising it; after a first failure
-        the save is lost anyway: nothing more is written."""
+        """Call `write()` (which writes `path`), recording any exception instead of raising it (torch's writer
+        raises RuntimeError for a full disk); after a first failure the save is lost anyway: nothing more is
+        written."""
         if self.first:
             return
         try:
             write()
-        except OSError as exc:
+        except Exception as exc:
             self.first = (Path(path), exc)
+
+    def failure(self) -> Optional[Failure]:
+        """The first failure in the plain form the ranks exchange, None when every write succeeded."""
+        return Failure.of(*self.first) if self.first else None
 
 
 class _RecordingCheckpointEngine:

@@ -25,6 +25,7 @@ import open_clip
 import torch
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text, fsync_tree, replace_dir
+from crate_clip.checkpoint_io.bounded_reads import read_small_json
 from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, file_checksum, verify_recorded_checksums
 from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
 from crate_clip.models import clip_tokenizer, preprocess_cfg_for, tokenizer_record
@@ -195,7 +196,7 @@ def load_export(out_dir: Path, device: str = "cpu"):
     from crate_clip.models.model_cfg_check import check_model_cfg
     from crate_clip.models.patch_change import register_tower_of
 
-    config = json.loads((Path(out_dir) / CONFIG_FILE).read_text())
+    config = read_small_json(Path(out_dir) / CONFIG_FILE)
     verify_recorded_checksums(out_dir, config, Path(out_dir) / CONFIG_FILE)
     check_model_cfg(config.get("model_cfg"), Path(out_dir) / CONFIG_FILE)   # before anything is allocated
     # exports that name their tower in the underscore form need it registered first

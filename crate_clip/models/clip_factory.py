@@ -16,7 +16,8 @@ import torch
 from open_clip.model import set_model_preprocess_cfg
 from torch import nn
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint
+from crate_clip.checkpoint_io.deepspeed_checkpoints import (consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint,
+                                                            verify_recorded_file)
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError, key_list
 from crate_clip.models.clip_tokenizers import bert_text_cfg, bert_tokenizer  # noqa: F401  (re-exported)
 from crate_clip.models.weights_files import read_weights_file
@@ -132,6 +133,7 @@ def read_state_dict(source: Union[str, Path]) -> Dict[str, torch.Tensor]:
         return consolidate_deepspeed_checkpoint(path)[0]
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file not found: {path}")
+    verify_recorded_file(path)   # a file of an export or a checkpoint: against the record beside it
     sd = read_weights_file(path)   # a corrupt or truncated file: one line naming it
     for key in ("state_dict", "module"):  # open_clip's trainer / DeepSpeed's mp_rank_00_model_states.pt
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):

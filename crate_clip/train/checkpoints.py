@@ -37,12 +37,13 @@ from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_wri
 from crate_clip.checkpoint_io.checkpoint_manifest import checksum_share
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
                                                             complete_tags_in, consolidated_state_dict,
-                                                            latest_complete_tag, read_info)
+                                                            INFO_MISSING, latest_complete_tag, read_info,
+                                                            read_info_checked)
 from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY
 from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, UntrustedCheckpointError, check_checkpoint_folder,
                                                       deepspeed_reads, load_torch_file)
 from crate_clip.checkpoint_io.write_failures import WriteFailures, is_no_space, recorded_writes
-from crate_clip.train.disk_space import checkpoint_bytes, no_space_in_save
+from crate_clip.train.disk_space import NoSpaceError, checkpoint_bytes, no_space_in_save
 from crate_clip.train.run_config import RunConfig
 
 # what an earlier crate-clip pickled into its rank-state files: numpy's RNG state as an array
@@ -163,12 +164,28 @@ class CheckpointManager:
         if self.rank == 0 and staging.exists():  # a leftover of an interrupted save
             shutil.rmtree(staging)
         dist.barrier()
+        try:
+            self._write_and_commit(engine, staging, tag, info, rank_state, shared_files or {})
+        except (NoSpaceError, CheckpointWriteError):
+            raise   # reported alike on every rank, the partial save removed
+        except Exception as exc:   # raised by DeepSpeed itself on this rank: its partial folder goes too
+            shutil.rmtree(staging, ignore_errors=True)
+            if is_no_space(exc):
+                last = self.latest_tag()
+                raise no_space_in_save(self.root, tag, last, checkpoint_bytes(self.root / last if last else None)) \
+                    from exc
+            raise
+        return self.root / tag
+
+    def _write_and_commit(self, engine, staging: Path, tag: str, info: dict, rank_state: dict,
+                          shared_files: dict) -> None:
+        """save's writes into `staging` on every rank, then rank 0's commit; a failed write on any rank stops all."""
         with recorded_writes(engine) as writes:   # a full disk on any rank: all finish DeepSpeed's save, then stop
             engine.save_checkpoint(str(self.root), tag=staging.name, client_state={"crate_clip": info},
                                    save_latest=False)
             path = rank_state_path(staging, self.rank)
             writes.run(path, lambda: atomic_torch_save(rank_state, path))
-            for name, text in (shared_files or {}).items() if self.rank == 0 else ():
+            for name, text in shared_files.items() if self.rank == 0 else ():
                 writes.run(staging / name, lambda: atomic_write_text(staging / name, text))
             writes.run(staging, lambda: fsync_tree(staging))  # on disk, not only in the page cache
         self._stop_if_a_write_failed(writes, staging, tag)  # every rank's files are durable past this point
@@ -178,13 +195,12 @@ class CheckpointManager:
             writes.run(staging, lambda: self.commit(staging, tag, {**info, "world_size": self.world_size,
                                                                     CHECKSUMS_KEY: checksums}))
         self._stop_if_a_write_failed(writes, staging, tag)
-        return self.root / tag
 
     def _stop_if_a_write_failed(self, writes: WriteFailures, staging: Path, tag: str) -> None:
         """Collective: when a write of this save failed on any rank, remove the partial save and raise the same
         error on every rank (NoSpaceError for a full disk, naming the last complete checkpoint)."""
         failures = [None] * self.world_size
-        dist.all_gather_object(failures, writes.first and (str(writes.first[0]), writes.first[1]))
+        dist.all_gather_object(failures, writes.failure())
         failed = [(rank, f) for rank, f in enumerate(failures) if f is not None]
         if not failed:
             return
@@ -193,11 +209,15 @@ class CheckpointManager:
         if self.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)   # it holds the space
         dist.barrier()
-        rank, (path, exc) = failed[0]
-        if any(is_no_space(e) for _, (_, e) in failed):
-            raise no_space_in_save(self.root, tag, last, needed) from exc
-        raise CheckpointWriteError(f"saving checkpoint {tag} failed on rank {rank} writing {path}: {exc}; its partial "
-                                   f"files are removed, the last complete checkpoint is {last}") from exc
+        rank, failure = failed[0]
+        cause = writes.first[1] if writes.first else None
+        if any(f.no_space for _, f in failed):
+            error = no_space_in_save(self.root, tag, last, needed)
+            error.once_per_job = True   # every rank raises it: rank 0 says it
+            raise error from cause
+        raise CheckpointWriteError(f"saving checkpoint {tag} failed on rank {rank} writing {failure.path}: "
+                                   f"{failure.error}; its partial files are removed, the last complete checkpoint "
+                                   f"is {last}") from cause
 
     def _agreed_checksums(self, staging: Path) -> dict:
         """Collective: the size and sha256 of every file of the save, each rank hashing its share."""
@@ -249,8 +269,9 @@ class CheckpointManager:
                                               any(read_info(p) for p in path.iterdir() if p.is_dir())):
             other = CheckpointManager(path, self.keep_last, self.rank, self.world_size)
             return other.resolve("latest")
-        if read_info(path) is None:
-            what = (f"its {INFO_FILE} does not parse: damaged" if (path / INFO_FILE).is_file() else
+        info, why = read_info_checked(path)
+        if info is None:
+            what = (f"its {INFO_FILE} {why}: damaged" if why != INFO_MISSING else
                     f"no {INFO_FILE}: missing or an interrupted save")
             raise ResumeError(f"--resume {resume}: not a complete checkpoint ({what}); fix: pass a checkpoint folder "
                               "or 'latest'")

@@ -8,7 +8,9 @@ canonical streams (`stream_table.json`). A job of W' processes, or of ZeRO stage
 - weights and optimizer: DeepSpeed's universal checkpoint (deepspeed/checkpoint/ds_to_universal.py: one folder
   per parameter holding its whole fp32 value, exp_avg, exp_avg_sq and step). Rank 0 converts the checkpoint
   once into `<tag>/universal/` (written into `<tag>/.universal.converting/`, renamed when complete: a conversion
-  cut short is never loaded, the next resume converts again); every rank waits, then loads it with DeepSpeed's
+  cut short is never loaded, the next resume converts again; converted.json records the size and sha256 of
+  every file, rank 0 verifies them before each load and converts again when they differ); every rank waits, then
+  loads it with DeepSpeed's
   `checkpoint.load_universal` and takes its own partition. Weights, moments and step counts are the saved ones
   bit for bit. Four gaps of DeepSpeed 0.19.8's path are closed here, each by the smallest change:
   1. the converted folder gets the model-states file under the name of either loader (ZeRO 1/2 read
@@ -50,7 +52,10 @@ import torch
 import torch.distributed as tdist
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text, fsync_dir, fsync_tree
-from crate_clip.checkpoint_io.deepspeed_checkpoints import read_info
+from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_small_json
+from crate_clip.checkpoint_io.file_checksums import (CHECKSUMS_KEY, ChecksumMismatchError, file_checksum,
+                                                     verify_recorded_checksums)
+from crate_clip.checkpoint_io.deepspeed_checkpoints import UNIVERSAL_DIR, read_info
 from crate_clip.checkpoint_io.safe_unpickling import deepspeed_reads, load_torch_file
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.shard_sources import expand_source
@@ -61,7 +66,6 @@ from crate_clip.data.stream_layout import (KEY as STREAMS_KEY, STATE_VERSION, La
                                           merge_stream_states, resolve_layout, split_stream_state)
 
 AUTO = "auto"
-UNIVERSAL_DIR = "universal"
 STREAM_TABLE = "stream_table.json"
 CONVERTED_FILE = "converted.json"          # written last into a universal folder: the conversion is whole
 MODEL_STATES_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -92,7 +96,7 @@ def saved_canonical_streams(tag_dir: Path, info: dict) -> Optional[int]:
         return int(recorded)
     table = Path(tag_dir) / STREAM_TABLE
     if table.is_file():
-        return int(json.loads(table.read_text())["canonical_streams"])
+        return int(read_small_json(table)["canonical_streams"])
     rank0 = rank_state_path(tag_dir, 0)
     stream = load_torch_file(rank0, allow=()).get("stream") if rank0.is_file() else None
     return int(stream["canonical_streams"]) if stream and "canonical_streams" in stream else None
@@ -177,7 +181,7 @@ def stream_state_for(tag_dir: Path, rank: int, world_size: int, saved_world_size
     path = Path(tag_dir) / STREAM_TABLE
     try:
         if path.is_file():
-            table = json.loads(path.read_text())
+            table = read_small_json(path)
         else:
             states = [load_torch_file(rank_state_path(tag_dir, r), allow=()).get("stream")
                       for r in range(saved_world_size)]
@@ -232,11 +236,36 @@ def load_resume_state(ckpts: CheckpointManager, engine, tag_dir: Path, rank: int
     return {"stream": stream_state_for(tag_dir, rank, world_size, saved_world), "rng": None}
 
 
+def universal_damage(folder: Path) -> Optional[str]:
+    """Why the universal folder `folder` cannot be loaded as it is (not converted, no record of its files as an
+    earlier version wrote it, a malformed record, a file that differs from it), None when it is intact."""
+    record = Path(folder) / CONVERTED_FILE
+    try:
+        converted = read_small_json(record)
+    except FileNotFoundError:
+        return "not converted"
+    except UnreadableRecordError as exc:
+        return str(exc)
+    if not isinstance(converted, dict) or CHECKSUMS_KEY not in converted:
+        return f"{record} records no checksums (an earlier version's conversion)"
+    files = sorted(p.relative_to(folder).as_posix() for p in Path(folder).rglob("*") if p.is_file())
+    unrecorded = [name for name in files if name != CONVERTED_FILE and name not in converted[CHECKSUMS_KEY]]
+    try:
+        verify_recorded_checksums(folder, converted, record)
+    except ChecksumMismatchError as exc:
+        return str(exc)
+    return f"{unrecorded[0]}: not in {record}" if unrecorded else None
+
+
 def universal_checkpoint(tag_dir: Path, rank: int) -> Path:
-    """The universal form of checkpoint `tag_dir` (converted by rank 0 the first time; every rank must call it)."""
+    """The universal form of checkpoint `tag_dir` (converted by rank 0 the first time, and again when its files
+    differ from its record; every rank must call it)."""
     target = Path(tag_dir) / UNIVERSAL_DIR
     failure = None
-    if rank == 0 and not (target / CONVERTED_FILE).is_file():
+    damage = universal_damage(target) if rank == 0 else None
+    if damage is not None:
+        if damage != "not converted":
+            print(f"[warn] {target}: {damage}; converting the checkpoint again", flush=True)
         try:
             convert_to_universal(Path(tag_dir))
         except Exception as exc:   # reported on every rank after the barrier, not left as a hang
@@ -267,7 +296,9 @@ def convert_to_universal(tag_dir: Path) -> Path:
         raise RuntimeError(f"{exc} (its output: {' '.join(log.getvalue().split()[-60:])})") from exc
     (tag_dir / "latest_universal").unlink(missing_ok=True)   # DeepSpeed's pointer; the folder is named here
     _loadable_by_any_stage(staging)
-    atomic_write_text(staging / CONVERTED_FILE, json.dumps({"deepspeed": deepspeed.__version__}))
+    checksums = {p.relative_to(staging).as_posix(): file_checksum(p) for p in sorted(staging.rglob("*")) if p.is_file()}
+    atomic_write_text(staging / CONVERTED_FILE, json.dumps({"deepspeed": deepspeed.__version__,
+                                                            CHECKSUMS_KEY: checksums}, indent=1))
     fsync_tree(staging)
     os.rename(staging, target)
     fsync_dir(tag_dir)

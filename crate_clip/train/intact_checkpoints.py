@@ -3,8 +3,9 @@
 Every save records the size and sha256 of its files in crate_clip.json (checkpoint_io/checkpoint_manifest.py). A
 resume verifies the checkpoint it is about to load, the ranks sharing the hashing. `--resume latest` (or a run's
 checkpoints folder) takes the newest intact checkpoint and says in one line which newer ones are damaged (a file
-missing, truncated or changed; a crate_clip.json that does not parse); `--resume <tag folder>` of a damaged
-checkpoint is an error: another one is never taken silently. A checkpoint of an earlier version, which records no
+missing, truncated or changed; a crate_clip.json that is missing, does not parse or does not match its schema,
+manifest_schema.py); `--resume <tag folder>` of a damaged checkpoint is an error: another one is never taken
+silently. A checkpoint of an earlier version, which records no
 checksums, is not verified.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch.distributed as tdist
 
 from crate_clip.checkpoint_io.checkpoint_manifest import damage_in_share
-from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, read_info
+from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, read_info, read_info_checked
 from crate_clip.train.checkpoints import CheckpointManager, ResumeError
 
 _TAG = re.compile(r"^stage(\d+)-step(\d+)$")
@@ -24,9 +25,9 @@ _TAG = re.compile(r"^stage(\d+)-step(\d+)$")
 def checkpoint_damage(ckpts: CheckpointManager, tag_dir: Path) -> list[str]:
     """What differs from the record in `tag_dir`'s crate_clip.json, one phrase per file, the same list on every rank
     (each hashes its share; a collective when the job has several processes)."""
-    info = read_info(tag_dir)
+    info, why = read_info_checked(tag_dir)
     if info is None:
-        return [f"{INFO_FILE} is missing or does not parse"]
+        return [f"{INFO_FILE} {why}"]
     if ckpts.world_size == 1 or not tdist.is_initialized():
         return damage_in_share(tag_dir, info, 0, 1)
     mine = damage_in_share(tag_dir, info, ckpts.rank, ckpts.world_size)
@@ -36,15 +37,17 @@ def checkpoint_damage(ckpts: CheckpointManager, tag_dir: Path) -> list[str]:
 
 
 def _damaged_infos_after(root: Path, tag_dir: Path) -> list[str]:
-    """Checkpoint folders newer than `tag_dir` (by their stage-step tag) whose crate_clip.json is present but does
-    not parse: a damaged record, not an interrupted save (those have none and are named `.<tag>.saving`)."""
+    """Checkpoint folders newer than `tag_dir` (by their stage-step tag) whose crate_clip.json is missing, does not
+    parse or does not match its schema: a damaged record, not an interrupted save (a save is renamed to its tag
+    only after its crate_clip.json is written; until then it is `.<tag>.saving`)."""
     chosen = _TAG.match(tag_dir.name)
     newer = []
     for path in sorted(root.iterdir()):
         match = _TAG.match(path.name)
-        if (match and chosen and tuple(map(int, match.groups())) > tuple(map(int, chosen.groups()))
-                and (path / INFO_FILE).is_file() and read_info(path) is None):
-            newer.append(f"{path.name} is damaged ({INFO_FILE} does not parse)")
+        if match and chosen and tuple(map(int, match.groups())) > tuple(map(int, chosen.groups())) and path.is_dir():
+            info, why = read_info_checked(path)
+            if info is None:
+                newer.append(f"{path.name} is damaged ({INFO_FILE} {why})")
     return newer
 
 

@@ -30,7 +30,7 @@ from crate_clip.train.batch_agreement import agreed_batches
 from crate_clip.train.checkpoints import (CheckpointInfo, CheckpointManager, Progress, ResumeError, ResumePoint,
                                           checkpoint_tag, consolidated_state_dict, find_resume_point, read_info,
                                           rng_state, set_rng_state)
-from crate_clip.train.disk_space import check_space_for_next_save
+from crate_clip.train.disk_space import check_space_for_next_save, remove_leftovers
 from crate_clip.train.elastic_resume import (STREAM_TABLE, gather_stream_table, load_resume_state, needs_universal,
                                              resolve_auto, resume_seed, settle_canonical_streams)
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype
@@ -76,7 +76,8 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
                               protect=lambda info: _evaluations_pending(cfg, info))
     start = find_resume_point(cfg, ckpts, _intact(ckpts, resolve_auto(cfg.run_dir, ckpts, resume)))  # before any write
     settle_canonical_streams(cfg, dist.world_size, start.tag_dir, start.progress.stage_index)  # run_config.yaml
-    if start.tag_dir is not None:   # every rank: the run's file system
+    if start.tag_dir is not None:   # every rank: the run's file system, once rank 0 removed what saves left
+        _remove_leftovers(ckpts.root, dist)
         check_space_for_next_save(ckpts.root, start.tag_dir)
     tdist.barrier()  # every rank has read the folder before rank 0 changes it
     if dist.is_main:
@@ -119,6 +120,16 @@ def _intact(ckpts: CheckpointManager, resume: Optional[str]) -> Optional[str]:
     return resume and str(intact_checkpoint(ckpts, ckpts.resolve(resume), resume))
 
 
+def _remove_leftovers(root: Path, dist: DistInfo) -> None:
+    """Rank 0 (holding the run's lock) removes the partial folders of interrupted saves and conversions, said in one
+    line; every rank waits for it."""
+    if dist.is_main:
+        removed = remove_leftovers(root)
+        if removed:
+            print(f"[note] removed what interrupted writes left in {root}: {', '.join(removed)}", flush=True)
+    tdist.barrier()
+
+
 def _plot(cfg: RunConfig, log: MetricsLog) -> None:
     """The training curve; a failure to write it (a full disk) is a warning, not an error hiding the run's own."""
     try:
@@ -138,7 +149,7 @@ def run_stage(cfg: RunConfig, stage: ResolvedStage, weights: Optional[dict], sta
     returns (its final checkpoint, its consolidated weights, the evaluation records)."""
     if start is not None and start.stage_finished:
         # the stage had finished before the interruption: only evaluations may be missing
-        weights = consolidated_state_dict(start.tag_dir)
+        weights = consolidated_state_dict(start.tag_dir, verify=False)   # verified by the resume
         return start.tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
     # resuming: every weight comes from the checkpoint loaded below, the model only needs the stage's shapes
     model = stage.build_model(weights, read_files=start is None)
@@ -160,7 +171,7 @@ def run_stage(cfg: RunConfig, stage: ResolvedStage, weights: Optional[dict], sta
     tag_dir = train_stage(cfg, stage, engine, stream, progress, ckpts, log, dist)
     engine.destroy()
     del engine, model, stream
-    weights = consolidated_state_dict(tag_dir)
+    weights = consolidated_state_dict(tag_dir, verify=False)   # this job wrote and hashed it
     return tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
 
 
