@@ -20,11 +20,10 @@ from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_factory import read_state_dict
 from crate_clip.models.clipa_import import load_text_tower
 from crate_clip.models.crate_text import CrateAlphaText
+from crate_clip.models.export_files import LOCAL_DIR, WEIGHTS_FILES as EXPORT_WEIGHTS
 
 KEY = "model.text_pretrained"
-LOCAL_DIR = "local-dir:"
 HF_HUB = "hf-hub:"
-EXPORT_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 
 
 class TextTowerError(ConfigError):
