@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from crate_clip.checkpoint_io.run_layout import LATEST_FILE
 from crate_clip.checkpoint_io.safe_unpickling import deepspeed_reads, load_torch_file
 
 INFO_FILE = "crate_clip.json"
-LATEST_FILE = "latest"
 STAGE0_MODEL_FILE = "mp_rank_00_model_states.pt"
 
 

@@ -37,13 +37,14 @@ def main(argv=None) -> int:
     import crate_clip  # noqa: F401  (registers the model configs the checkpoint names)
     from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
     from crate_clip.core.errors import USER_ERRORS, report_error
+    from crate_clip.checkpoint_io.run_layout import checkpoint_export_dir
     from crate_clip.models import TokenizerUnavailableError
     from crate_clip.export.writer import check_out_dir, export_checkpoint, verify_export
     from crate_clip.export.source import export_source
 
     try:
         source = export_source(args.checkpoint, args.stage, args.bert_vocab)
-        out = args.out or source.tag_dir.parent.parent / "exports" / source.tag_dir.name
+        out = args.out or checkpoint_export_dir(source.tag_dir)
         check_out_dir(out)   # before the consolidation, which takes minutes for a large model
         if args.trust_checkpoint:
             print(TRUST_WARNING, file=sys.stderr)

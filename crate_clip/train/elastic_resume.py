@@ -51,6 +51,7 @@ import torch.distributed as tdist
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text, fsync_dir, fsync_tree
 from crate_clip.checkpoint_io.deepspeed_checkpoints import read_info
+from crate_clip.checkpoint_io.run_layout import EXPORT_DIR, RESULTS_FILE, checkpoints_in
 from crate_clip.checkpoint_io.safe_unpickling import deepspeed_reads, load_torch_file
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.shard_sources import expand_source
@@ -75,7 +76,7 @@ def resolve_auto(run_dir: Path, ckpts: CheckpointManager, resume: Optional[str])
         return resume
     if ckpts.latest_tag() is not None:
         return "latest"
-    finished = [name for name in ("export", "results.jsonl") if (Path(run_dir) / name).exists()]
+    finished = [name for name in (EXPORT_DIR, RESULTS_FILE) if (Path(run_dir) / name).exists()]
     if finished:
         raise ExistingRunError(
             f"--resume auto: run.output_dir {run_dir} holds {', '.join(finished)} but no complete checkpoint in "
@@ -131,9 +132,7 @@ def settle_canonical_streams(cfg: RunConfig, world_size: int, tag_dir: Optional[
 
 def checkpoint_of(path: Path) -> Path:
     """The checkpoint a run folder, a checkpoints folder (its `latest`) or a tag folder names; ResumeError if none."""
-    path = Path(path)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
+    path = checkpoints_in(path)
     tag = CheckpointManager(path, 1, 0, 1).latest_tag() if read_info(path) is None else None
     tag_dir = path / tag if tag else path
     if read_info(tag_dir) is None:

@@ -22,6 +22,7 @@ import yaml
 from open_clip import ClipLoss
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
+from crate_clip.checkpoint_io.run_layout import RUN_CONFIG_FILE, checkpoints_dir, export_dir
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_WARNING, checkpoints_trusted
 from crate_clip.core.errors import EXIT_NONFINITE, UserError
 from crate_clip.models import tokenizer_record
@@ -71,7 +72,7 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
     earlier_run = check_run_dir(cfg.run_dir, resume, overwrite)  # again: a run may have ended in the meantime
     check_runtime(cfg, dist.world_size, "cuda" if dist.device.startswith("cuda") else "cpu")
     stream_factory = stream_factory or default_stream_factory
-    ckpts = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size,
+    ckpts = CheckpointManager(checkpoints_dir(cfg.run_dir), cfg.checkpoint.keep_last, dist.rank, dist.world_size,
                               protect=lambda info: _evaluations_pending(cfg, info))
     start = find_resume_point(cfg, ckpts, _intact(ckpts, resolve_auto(cfg.run_dir, ckpts, resume)))  # before any write
     settle_canonical_streams(cfg, dist.world_size, start.tag_dir, start.progress.stage_index)  # run_config.yaml
@@ -210,7 +211,7 @@ def _prepare_run_dir(cfg: RunConfig, start: ResumePoint, moved_aside: bool, rest
     if start.tag_dir is not None or restarted:
         set_aside_rows_after(cfg.run_dir, start.progress.global_step)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(cfg.run_dir / "run_config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    atomic_write_text(cfg.run_dir / RUN_CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def _evaluations_pending(cfg: RunConfig, info: dict) -> bool:
@@ -224,7 +225,7 @@ def _export(cfg: RunConfig, tag_dir: Path, weights: dict, log: MetricsLog, dist:
     """The last checkpoint as an open_clip model folder (rank 0): what `crate-clip export` writes of it."""
     if not dist.is_main:
         return None
-    export_dir = export_checkpoint(tag_dir, cfg.run_dir / "export", state=weights)
+    export_dir = export_checkpoint(tag_dir, export_dir(cfg.run_dir), state=weights)
     log.print(f"exported the final weights to {export_dir} "
               f"(open_clip.create_model_and_transforms('local-dir:{export_dir}') after `import crate_clip`)")
     return export_dir
