@@ -103,9 +103,9 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
             tag_dir, weights, records = run_stage(cfg, stage, weights, resume_here, progress, stream_factory, ckpts,
                                                   log, dist)
             evals += records
-        export_dir = _export(cfg, tag_dir, weights, log, dist)
+        exported = _export(cfg, tag_dir, weights, log, dist)
         tdist.barrier()
-        return {"run_dir": str(cfg.run_dir), "export_dir": str(export_dir) if export_dir else None,
+        return {"run_dir": str(cfg.run_dir), "export_dir": str(exported) if exported else None,
                 "evals": evals, "progress": dataclasses.asdict(progress), "last_checkpoint": str(tag_dir),
                 "seconds": time.time() - t_start}
     finally:
@@ -225,10 +225,10 @@ def _export(cfg: RunConfig, tag_dir: Path, weights: dict, log: MetricsLog, dist:
     """The last checkpoint as an open_clip model folder (rank 0): what `crate-clip export` writes of it."""
     if not dist.is_main:
         return None
-    export_dir = export_checkpoint(tag_dir, export_dir(cfg.run_dir), state=weights)
-    log.print(f"exported the final weights to {export_dir} "
-              f"(open_clip.create_model_and_transforms('local-dir:{export_dir}') after `import crate_clip`)")
-    return export_dir
+    folder = export_checkpoint(tag_dir, export_dir(cfg.run_dir), state=weights)
+    log.print(f"exported the final weights to {folder} "
+              f"(open_clip.create_model_and_transforms('local-dir:{folder}') after `import crate_clip`)")
+    return folder
 
 
 # ---------------------------------------------------------------- building blocks
