@@ -144,12 +144,12 @@ def checkpoint_of(path: Path) -> Path:
 def resume_summary(tag_dir: Path, cfg: RunConfig, world_size: int) -> dict:
     """How a job of `world_size` processes with run config `cfg` would continue checkpoint `tag_dir` (its JSON files
     only); the launch's own checks, as one-line errors."""
-    from crate_clip.train.engine import zero_stage_of
+    from crate_clip.train.stage_model import resolve_stage   # (DeepSpeed's import, for `plan` only when resuming)
 
     info = read_info(tag_dir)
     stage = int(info.get("stage_index", 0))
     streams = settle_canonical_streams(cfg, world_size, tag_dir, stage)
-    zero_stage = zero_stage_of(cfg)
+    zero_stage = resolve_stage(cfg, stage, world_size).zero_stage   # what the launch decides, as run_stage uses it
     universal = needs_universal(tag_dir, world_size, zero_stage)
     converted = (Path(tag_dir) / UNIVERSAL_DIR / CONVERTED_FILE).is_file()
     return {"checkpoint": str(tag_dir), "stage_index": stage, "stage_name": info.get("stage_name"),
