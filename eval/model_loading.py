@@ -14,19 +14,17 @@ import open_clip
 import torch
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
-from crate_clip.checkpoint_io.bounded_reads import read_small_json
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
                                                           consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint,
                                                           newest_complete_tag, resolve_checkpoint_tag)
-from crate_clip.checkpoint_io.file_checksums import verify_recorded_checksums
 from crate_clip.core.errors import UserError
-from crate_clip.models.clip_factory import create_clip, load_clip_weights, quiet_random_init, read_state_dict
+from crate_clip.models.clip_factory import create_clip, load_clip_weights, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
-from crate_clip.models.model_cfg_check import check_model_cfg
-from crate_clip.models.patch_change import checkpoint_input_sizes, create_clip_at_patch, register_tower_of
+from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR, WEIGHTS_FILES
+from crate_clip.models.export_loading import create_from_export
+from crate_clip.models.patch_change import checkpoint_input_sizes, create_clip_at_patch
 from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
 
-LOCAL_DIR = "local-dir:"
 
 
 def eval_transform(model: torch.nn.Module, image_size: int | None = None):
@@ -101,7 +99,7 @@ def _from_weights_file(model: str, pretrained: str | None, image_size: int | Non
     file was saved at (a stage or an export may have changed them); `image_size` overrides the file's."""
     if pretrained is None:
         return create_clip(model, image_size=image_size)
-    if (Path(pretrained).parent / "open_clip_config.json").is_file():   # the weights of an export
+    if (Path(pretrained).parent / CONFIG_FILE).is_file():   # the weights of an export
         print(f"note: {pretrained} is part of an export; evaluating it with --model's preprocessing and tokenizer "
               f"(--model local-dir:{Path(pretrained).parent} uses the export's own)", file=sys.stderr)
     state = read_state_dict(pretrained)
@@ -151,15 +149,9 @@ def _from_local_dir(model: str, image_size: int | None):
     folder = Path(model[len(LOCAL_DIR):])
     weights = open_clip.factory._find_checkpoint_in_dir(folder)
     if weights is None:
-        raise FileNotFoundError(f"{folder}: no open_clip_model.safetensors / open_clip_pytorch_model.bin weights")
-    config = folder / "open_clip_config.json"
-    if config.is_file():
-        recorded = read_small_json(config)   # a regular file of bounded size
-        verify_recorded_checksums(folder, recorded, config)   # when the export recorded them
-        check_model_cfg(recorded.get("model_cfg") if isinstance(recorded, dict) else recorded, config)
-        register_tower_of(recorded.get("model_cfg"))   # an export naming its tower in the underscore form
-    with quiet_random_init():   # the weights are loaded on the next line
-        clip = open_clip.create_model(model, load_weights=False, force_image_size=image_size)
+        raise FileNotFoundError(f"{folder}: no {' / '.join(WEIGHTS_FILES)} weights")
+    # the weights are loaded on the next line, with the resizing
+    clip = create_from_export(folder, open_clip.create_model, load_weights=False, force_image_size=image_size)
     load_clip_weights(clip, read_state_dict(weights), pos_embed_resize="grid_2d")
     return clip
 

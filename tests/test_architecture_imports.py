@@ -1,7 +1,10 @@
-"""The packages import each other in one direction only (DESIGN.md):
-core <- checkpoint_io <- models <- data (data_pipelines/), eval <- train; and inside each package the modules import each other
-without a cycle (function-level imports included: a cycle held apart by one is still a cycle)."""
+"""The packages import each other in one direction only (docs/layout.md, DESIGN.md): LAYERS, from the bottom up,
+each importing only the layers below it; the top-level modules (crate_clip/*.py: the `crate-clip` command,
+convert, the config-docs generator) are the top and nothing imports them; no cycle between the packages; and inside
+each package the modules import each other without a cycle (function-level imports included: a cycle held apart by
+one is still a cycle)."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -10,17 +13,38 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("crate_clip", "data_pipelines", "eval")   # top-level folders; their sub-packages are checked too
 # folder -> the import name it installs as (setup.cfg's package_dir)
 INSTALLED_AS = {"data_pipelines": "crate_clip.data", "eval": "crate_clip.eval"}
+TOP = "crate_clip/*.py"   # the top-level modules of crate_clip (its __init__ only registers the models)
 
-# package -> top-level modules it must never import
-FORBIDDEN = {
-    # checkpoint and file I/O sit at the bottom: every other package may use them, they use none of ours
-    "crate_clip/core": ("crate_clip.checkpoint_io", "crate_clip.train", "crate_clip.models", "crate_clip.data",
-                        "crate_clip.eval", "crate_clip.cli", "crate_clip.convert_cli"),
-    "crate_clip/checkpoint_io": ("crate_clip.train", "crate_clip.models", "crate_clip.data", "crate_clip.eval"),
-    "crate_clip/models": ("crate_clip.train", "crate_clip.data", "crate_clip.eval", "crate_clip.cli"),
-    "data_pipelines": ("crate_clip.train", "crate_clip.eval"),
-    "eval": ("crate_clip.train", "crate_clip.data"),
-}
+# the layers from the bottom up: a package imports only packages of the layers below its own
+LAYERS = (
+    ("crate_clip/core",),             # errors, config-schema primitives, shard sources, class names, normalisation
+    ("crate_clip/checkpoint_io",),    # checkpoint layout and reading, run folder layout, checksums, atomic files
+    ("crate_clip/models",),           # towers, open_clip configs, CLIP build/load, the export's files and loading
+    ("data_pipelines", "eval"),       # crate_clip.data, crate_clip.eval: neither imports the other
+    ("crate_clip/export",),           # open_clip folders of checkpoints (model card: eval's summaries)
+    ("crate_clip/train",),
+    (TOP,),
+)
+LAYER_OF = {package: i for i, layer in enumerate(LAYERS) for package in layer}
+
+
+def _import_name(folder: str) -> str:
+    parts = folder.split("/")
+    return ".".join(_dotted(tuple(parts)))
+
+
+def _top_modules() -> tuple:
+    """crate_clip.cli, crate_clip.convert_cli, ...: the top-level modules, as found on disk."""
+    return tuple(f"crate_clip.{p.stem}" for p in sorted((ROOT / "crate_clip").glob("*.py")) if p.stem != "__init__")
+
+
+def forbidden_for(package: str) -> tuple:
+    """The import names `package` must never import: its own layer's other packages and every layer above."""
+    names = []
+    for other, layer in LAYER_OF.items():
+        if other != package and layer >= LAYER_OF[package]:
+            names += _top_modules() if other == TOP else [_import_name(other)]
+    return tuple(sorted(names))
 
 
 def _dotted(parts: tuple) -> tuple:
@@ -28,6 +52,9 @@ def _dotted(parts: tuple) -> tuple:
     if parts and parts[0] in INSTALLED_AS:
         return tuple(INSTALLED_AS[parts[0]].split(".")) + tuple(parts[1:])
     return tuple(parts)
+
+
+FORBIDDEN = {package: forbidden_for(package) for package in LAYER_OF if package != TOP}
 
 
 def _imported_modules(path: Path, names: bool = False):
@@ -135,3 +162,104 @@ def test_checker_sees_a_planted_cycle(tmp_path, monkeypatch):
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
     (pkg / "b.py").write_text("def helper():\n    return 1\n")
     assert find_cycle(import_graph(pkg)) == []
+
+
+# ---------------------------------------------------------------- between the packages
+def _layer_package(path: Path) -> str:
+    """The LAYERS entry a file belongs to: its top-level package folder (eval/tasks -> eval), TOP for crate_clip/*.py."""
+    rel = path.relative_to(ROOT)
+    if rel.parts[0] != "crate_clip":
+        return rel.parts[0]
+    return TOP if len(rel.parts) == 2 else f"crate_clip/{rel.parts[1]}"
+
+
+def _package_of_import(module: str) -> str | None:
+    """The LAYERS entry an imported module belongs to (None: not ours, or the bare `crate_clip`, whose __init__
+    only imports the models)."""
+    for folder, name in INSTALLED_AS.items():
+        if module == name or module.startswith(name + "."):
+            return folder
+    parts = module.split(".")
+    if parts[0] != "crate_clip" or len(parts) == 1:
+        return None
+    if (ROOT / "crate_clip" / parts[1]).is_dir():
+        return f"crate_clip/{parts[1]}"
+    return TOP if (ROOT / "crate_clip" / f"{parts[1]}.py").is_file() else None
+
+
+def package_graph() -> dict[str, set[str]]:
+    """LAYERS entry -> the LAYERS entries its files import (any depth, function-level imports included)."""
+    graph = {}
+    for top in PACKAGES:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            mine = _layer_package(path)
+            graph.setdefault(mine, set())
+            for _, module in _imported_modules(path):
+                other = _package_of_import(module)
+                if other is not None and other != mine:
+                    graph[mine].add(other)
+    return graph
+
+
+def test_every_package_has_a_layer():
+    """A new package is placed in LAYERS (and in docs/layout.md) before it is used."""
+    assert set(package_graph()) == set(LAYER_OF)
+
+
+def test_no_import_cycle_between_packages():
+    graph = package_graph()
+    assert len(graph) == len(LAYER_OF)
+    assert find_cycle(graph) == []
+
+
+def test_imports_run_down_the_layers():
+    """Every arrow between two packages points to a lower layer (0 running back up)."""
+    up = sorted(f"{a} -> {b}" for a, targets in package_graph().items() for b in targets if LAYER_OF[b] >= LAYER_OF[a])
+    assert up == []
+
+
+def test_package_scan_sees_a_planted_cycle(tmp_path, monkeypatch):
+    """The package-level scan works: crate_clip/models importing crate_clip.eval makes a cycle with eval's use of the
+    models, and an arrow running up."""
+    for folder, text in {"crate_clip/models": "from crate_clip.eval.registry import TASKS\n",
+                         "eval": "def f():\n    from crate_clip.models import create_clip\n",
+                         "crate_clip/core": "import json\n"}.items():
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "__init__.py").write_text("")
+        (tmp_path / folder / "m.py").write_text(text)
+    (tmp_path / "data_pipelines").mkdir()
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    graph = package_graph()
+    assert graph == {"crate_clip/models": {"eval"}, "eval": {"crate_clip/models"}, "crate_clip/core": set()}
+    assert find_cycle(graph) == ["crate_clip/models", "eval", "crate_clip/models"]
+
+
+# ---------------------------------------------------------------- docs/layout.md cannot drift
+LAYOUT_DOC = ROOT / "docs" / "layout.md"
+
+
+def layers_line() -> str:
+    """docs/layout.md's line of the layers, as LAYERS says it."""
+    return "layers: " + " < ".join(", ".join(f"`{p}`" for p in layer) for layer in LAYERS)
+
+
+def _documented_folders(text: str) -> set[str]:
+    """The folders the table's first column names (`eval/tasks/` -> eval/tasks)."""
+    return {m.rstrip("/") for m in re.findall(r"^\| `([^`]+/)`", text, flags=re.MULTILINE)}
+
+
+def test_layout_doc_states_the_layers():
+    assert layers_line() in LAYOUT_DOC.read_text().splitlines()
+
+
+def test_layout_doc_lists_exactly_the_packages():
+    packages = {str(p.relative_to(ROOT)) for p in _packages()}
+    documented = {f for f in _documented_folders(LAYOUT_DOC.read_text()) if f.split("/")[0] in PACKAGES}
+    assert documented == packages
+
+
+def test_layout_doc_checks_can_fail():
+    assert _documented_folders("| `a/b/` | x |\n| `c/` (top) | y |\nno | `d/` |\n") == {"a/b", "c"}
+    assert layers_line().startswith("layers: `crate_clip/core` < `crate_clip/checkpoint_io` < ")

@@ -1,6 +1,7 @@
 """Checkpoint and file I/O at the bottom of the stack: train/, eval/ and data_pipelines/ import it, it imports
 none of them (tests/test_architecture_imports.py).
 
+run_layout.py             the run folder's layout: checkpoints/, latest, metrics, results, exports, the lock
 atomic_files.py           write-then-rename for files and folders, fsync of files and their folders
 deepspeed_checkpoints.py  the layout of a DeepSpeed checkpoint (tag folders, `latest`, crate_clip.json) and
                           its consolidation to one fp32 state dict, for any ZeRO stage

@@ -21,10 +21,10 @@ from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_s
 from crate_clip.checkpoint_io.file_checksums import (CHECKSUMS_KEY, ChecksumMismatchError, checksum_problem,
                                                      verify_recorded_checksums)
 from crate_clip.checkpoint_io.manifest_schema import info_problem
+from crate_clip.checkpoint_io.run_layout import LATEST_FILE
 from crate_clip.checkpoint_io.safe_unpickling import deepspeed_reads, load_torch_file
 
 INFO_FILE = "crate_clip.json"
-LATEST_FILE = "latest"
 STAGE0_MODEL_FILE = "mp_rank_00_model_states.pt"
 UNIVERSAL_DIR = "universal"   # a checkpoint's converted copy for another world size (train/elastic_resume.py)
 LATEST_MAX_BYTES = 4096

@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
     from crate_clip.core.errors import USER_ERRORS, report_error
     from crate_clip.core.writable_folders import check_writable
+    from crate_clip.checkpoint_io.run_layout import checkpoint_export_dir
     from crate_clip.models import TokenizerUnavailableError
     from crate_clip.export.writer import check_out_dir, export_checkpoint, verify_export
     from crate_clip.export.source import export_source
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
         if args.out is not None:   # a read-only --out: said before the checkpoint is read
             check_writable(args.out, "--out")
         source = export_source(args.checkpoint, args.stage, args.bert_vocab)
-        out = args.out or source.tag_dir.parent.parent / "exports" / source.tag_dir.name
+        out = args.out or checkpoint_export_dir(source.tag_dir)
         check_out_dir(out)   # before the consolidation, which takes minutes for a large model
         check_writable(out, "--out")
         if args.trust_checkpoint:

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, LATEST_FILE, read_info
+from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, checkpoints_in, read_jsonl, run_dir_of
 from crate_clip.models import preprocess_cfg_for
 from crate_clip.models.clip_tokenizers import tokenizer_record
-from crate_clip.train.metrics_log import RESULTS_FILE, read_jsonl
 
 
 class ExportSourceError(ValueError):
@@ -100,7 +100,7 @@ def _tag_dir(path: Path, stage: int | None) -> Path:
         raise ExportSourceError(f"{path}: no such folder (a run folder, its checkpoints/ folder, or one "
                                 f"checkpoint folder)")
     is_tag = read_info(path) is not None
-    root = path.parent if is_tag else path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    root = path.parent if is_tag else checkpoints_in(path)
     if stage is not None:
         return _stage_end(root, stage)
     if is_tag:
@@ -152,7 +152,7 @@ def _vocab(info: dict, bert_vocab: str | None, tag_dir: Path) -> str | None:
 
 def _results(tag_dir: Path, info: dict) -> list[dict]:
     """results.jsonl rows of the stages whose weights end in this checkpoint (the last row per evaluation)."""
-    run_dir = tag_dir.parent.parent
+    run_dir = run_dir_of(tag_dir)
     stage, finished = info.get("stage_index", 0), is_stage_end(info)
     rows = {}
     for row in read_jsonl(run_dir / RESULTS_FILE):

@@ -25,18 +25,15 @@ import open_clip
 import torch
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text, fsync_tree, replace_dir
-from crate_clip.checkpoint_io.bounded_reads import read_small_json
-from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, file_checksum, verify_recorded_checksums
+from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, file_checksum
 from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
 from crate_clip.models import clip_tokenizer, preprocess_cfg_for, tokenizer_record
-from crate_clip.models.clip_factory import quiet_random_init
+from crate_clip.models.export_files import CARD_FILE, CONFIG_FILE, LOCAL_DIR, WEIGHTS_FILE
+from crate_clip.models.export_loading import create_from_export
 from crate_clip.models.clip_tower_names import tower_arch, tower_name_at
 from crate_clip.models.patch_change import checkpoint_patch_size
 from crate_clip.export.source import export_source
 
-WEIGHTS_FILE = "open_clip_model.safetensors"
-CONFIG_FILE = "open_clip_config.json"
-CARD_FILE = "README.md"
 # text_cfg keys that describe the tokenizer (taken from the tokenizer's own config when a run names one)
 TOKENIZER_KEYS = ("hf_tokenizer_name", "tokenizer_kwargs", "tokenizer_mode")
 
@@ -192,19 +189,9 @@ def _staging_dir(out_dir: Path) -> Path:
 
 def load_export(out_dir: Path, device: str = "cpu"):
     """(model, preprocess, tokenizer) of an export, through open_clip's own `local-dir:` loader."""
-    import crate_clip  # noqa: F401  (registers the CRATE-alpha towers with timm)
-    from crate_clip.models.model_cfg_check import check_model_cfg
-    from crate_clip.models.patch_change import register_tower_of
-
-    config = read_small_json(Path(out_dir) / CONFIG_FILE)
-    verify_recorded_checksums(out_dir, config, Path(out_dir) / CONFIG_FILE)
-    check_model_cfg(config.get("model_cfg"), Path(out_dir) / CONFIG_FILE)   # before anything is allocated
-    # exports that name their tower in the underscore form need it registered first
-    register_tower_of(config.get("model_cfg"))
-    spec = f"local-dir:{Path(out_dir).resolve()}"
-    with quiet_random_init():   # open_clip logs it for local-dir: models although it loads their weights
-        model, _, preprocess = open_clip.create_model_and_transforms(spec, device=device)
-    return model.eval(), preprocess, open_clip.get_tokenizer(spec)
+    folder = Path(out_dir).resolve()
+    model, _, preprocess = create_from_export(folder, open_clip.create_model_and_transforms, device=device)
+    return model.eval(), preprocess, open_clip.get_tokenizer(f"{LOCAL_DIR}{folder}")
 
 
 def verify_export(out_dir: Path, state_dict: dict, prog: str) -> int:

@@ -18,6 +18,7 @@ from typing import Dict, Optional, Union
 import open_clip
 
 from crate_clip.core.errors import UserError
+from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR
 
 BERT_TOKENIZER_CONFIG = {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 512}
 
@@ -71,8 +72,8 @@ def bert_tokenizer(vocab: Union[str, Path], context_length: int = 32, cache_dir:
 
 
 def _text_cfg(model_name: str) -> Dict:
-    if model_name.startswith("local-dir:"):
-        path = Path(model_name[len("local-dir:"):]) / "open_clip_config.json"
+    if model_name.startswith(LOCAL_DIR):
+        path = Path(model_name[len(LOCAL_DIR):]) / CONFIG_FILE
         return json.loads(path.read_text())["model_cfg"].get("text_cfg", {}) if path.is_file() else {}
     return (open_clip.get_model_config(model_name) or {}).get("text_cfg", {})
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from crate_clip.models.crate_alpha import CrateBlock, blocks_with_extras
+from crate_clip.models.open_clip_text_tower import TextTowerKind, register_text_tower
 
 TOWER_NAME = "crate_alpha"
 POOL_TYPES = ("argmax", "last", "first", "eos")
@@ -229,3 +230,10 @@ def text_tower_param_count(embed_dim: int, cfg: Dict) -> int:
     with torch.device("meta"):
         tower = CrateAlphaText.from_cfg(embed_dim, cfg)
     return sum(p.numel() for p in tower.parameters())
+
+
+# the text_cfg `"tower": "crate_alpha"` builds this tower (open_clip_text_tower.py's registry)
+register_text_tower(TextTowerKind(
+    name=TOWER_NAME, label="CRATE-alpha", module_class=CrateAlphaText, state_key_suffix=".ista.D",
+    build=CrateAlphaText.from_cfg, checkpoint_hint="the export or a checkpoint of a *-crate-text run",
+    model_hint="the checkpoint's *-crate-text model.name"))

@@ -19,12 +19,11 @@ from crate_clip.core.errors import ConfigError
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_factory import read_state_dict
 from crate_clip.models.clipa_import import load_text_tower
-from crate_clip.models.crate_text import CrateAlphaText
+from crate_clip.models.open_clip_text_tower import kind_of_model, kind_of_state
+from crate_clip.models.export_files import LOCAL_DIR, WEIGHTS_FILES as EXPORT_WEIGHTS
 
 KEY = "model.text_pretrained"
-LOCAL_DIR = "local-dir:"
 HF_HUB = "hf-hub:"
-EXPORT_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 
 
 class TextTowerError(ConfigError):
@@ -112,15 +111,10 @@ def load_pretrained_text_tower(model: nn.Module, source: dict, *, where: str = "
 
 
 def _tower_kind_fix(model: nn.Module, source: dict) -> Optional[str]:
-    """The fix when the model's text tower and the checkpoint's are of different kinds (CRATE-alpha or transformer),
-    None when they are of the same kind."""
-    ours = any(isinstance(m, CrateAlphaText) for m in getattr(model, "module", model).modules())
-    theirs = any(k.endswith(".ista.D") and not k.startswith("visual.") for k in source)
+    """The fix when the model's text tower and the checkpoint's are of different kinds (open_clip_text_tower.py's
+    registry: CRATE-alpha, open_clip's transformer, ...), None when they are of the same kind."""
+    ours, theirs = kind_of_model(model), kind_of_state(source)
     if ours == theirs:
         return None
-    if ours:
-        return ("model.name has a CRATE-alpha text tower and the checkpoint a transformer one (as every released "
-                "CLIPA checkpoint): give the export or a checkpoint of a *-crate-text run, or a model.name with a "
-                "transformer text tower")
-    return ("model.name has a transformer text tower and the checkpoint a CRATE-alpha one: give a checkpoint with a "
-            "transformer text tower (e.g. ViT-H-14-CLIPA:datacomp1b), or the checkpoint's *-crate-text model.name")
+    return (f"model.name has a {ours.label} text tower and the checkpoint a {theirs.label} one{theirs.note}: give "
+            f"{ours.checkpoint_hint}, or {theirs.model_hint}")

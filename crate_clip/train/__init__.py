@@ -25,7 +25,7 @@ elastic_resume.py  resume at another world size or ZeRO stage (DeepSpeed's unive
 train_step.py    one optimizer step: forward, contrastive loss, backward (k micro-batches, exact gradients)
 batch_agreement.py  batches fetched in agreement: a data error on one rank stops every rank with its message
 stage_loop.py    the run, from the entry point down: where to resume, one stage, its steps, checkpoints, export
-                 (crate_clip/export)
+                 (crate_clip/export); the stage functions share one RunContext (config, processes, checkpoints, log)
 cli.py           `crate-clip train`;  plan_cli.py: `crate-clip plan`;
                  demo.py: the README's first command
 """

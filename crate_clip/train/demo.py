@@ -16,6 +16,8 @@ from pathlib import Path
 
 from crate_clip.core.cli_numbers import NON_NEGATIVE_INT, POSITIVE_INT
 from crate_clip.core.errors import EXIT_USAGE
+from crate_clip.checkpoint_io.run_layout import PLOT_FILE, checkpoints_dir, export_dir
+from crate_clip.models.export_files import CONFIG_FILE
 from crate_clip.data.sources.debian_packages import DEBIAN_PACKAGES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -112,7 +114,7 @@ def launch_command(config: str, nproc: int, overrides: list[str], resume: bool, 
 
 def summarize(run_dir: Path) -> list[dict]:
     """Print the zero-shot results of every stage; returns them."""
-    from crate_clip.train.metrics_log import RESULTS_FILE, read_jsonl
+    from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, read_jsonl
 
     results = read_jsonl(run_dir / RESULTS_FILE)
     if not results:
@@ -134,14 +136,14 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     from crate_clip.eval.tasks import linear_probe
     from crate_clip.eval.model_loading import load_eval_model
 
-    export = run_dir / "export"
-    if train_images <= 0 or not (export / "open_clip_config.json").is_file():
+    export = export_dir(run_dir)
+    if train_images <= 0 or not (export / CONFIG_FILE).is_file():
         return None
     train_dir = data_dir / f"probe_train_{train_images}"
     if not (train_dir / "classnames.txt").is_file():
         write_fashion_mnist_eval_folder(train_dir, split="train", limit=train_images)
     torch.set_num_threads(os.cpu_count() or 1)
-    size = json.loads((export / "open_clip_config.json").read_text())["model_cfg"]["vision_cfg"]["image_size"]
+    size = json.loads((export / CONFIG_FILE).read_text())["model_cfg"]["vision_cfg"]["image_size"]
     model, preprocess, _, _ = load_eval_model(f"local-dir:{export}", image_size=size)
     settings = linear_probe.Settings(train_data=str(train_dir), data=str(test_dir), dataset="fashion_mnist",
                                      batch_size=500)
@@ -176,8 +178,8 @@ def main(argv=None) -> int:
     if rc != 0:
         # say what failed and what was kept; no plot or export lines for files a failed run did not write
         from crate_clip.checkpoint_io.deepspeed_checkpoints import latest_complete_tag
-        saved = latest_complete_tag(run_dir / "checkpoints")   # what --resume latest takes
-        kept = (f"the last checkpoint saved is {run_dir / 'checkpoints' / saved}; `python -m crate_clip.train.demo "
+        saved = latest_complete_tag(checkpoints_dir(run_dir))   # what --resume latest takes
+        kept = (f"the last checkpoint saved is {checkpoints_dir(run_dir) / saved}; `python -m crate_clip.train.demo "
                 f"--resume` continues from it" if saved else "no checkpoint was saved")
         print(f"[demo] training stopped with exit code {rc} (the error is above); {kept}", file=sys.stderr)
         return rc
@@ -186,8 +188,8 @@ def main(argv=None) -> int:
         print(f"[demo] final model on the {results[-1]['n_images']:,} test images: zero-shot top-1 "
               f"{100 * results[-1]['top1']:.2f}%, "
               f"linear probe top-1 {100 * probe['top1']:.2f}% ({probe['n_train']} labelled training images)")
-    print(f"[demo] plot: {run_dir / 'training_curve.png'}\n[demo] export: {run_dir / 'export'} "
-          f"(open_clip.create_model_and_transforms('local-dir:{run_dir / 'export'}') after `import crate_clip`)")
+    print(f"[demo] plot: {run_dir / PLOT_FILE}\n[demo] export: {export_dir(run_dir)} "
+          f"(open_clip.create_model_and_transforms('local-dir:{export_dir(run_dir)}') after `import crate_clip`)")
     print(f"[demo] finished in {time.perf_counter() - t0:.0f} s")
     return 0 if results else 1
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from crate_clip.checkpoint_io.deepspeed_checkpoints import UNIVERSAL_DIR, latest_complete_tag
+from crate_clip.checkpoint_io.run_layout import checkpoints_dir
 from crate_clip.core.errors import EXIT_NO_SPACE, UserError
 
 
@@ -115,7 +116,7 @@ def no_space_in_save(root: Path, tag: str, last_complete: Optional[str], needed:
 def no_space_while_writing(exc: BaseException, run_dir: Path) -> NoSpaceError:
     """The error of any other write of a run (metrics, run_config.yaml, the lock, the export) that ran out of space."""
     filename = getattr(exc, "filename", None)
-    root = Path(run_dir) / "checkpoints"
+    root = checkpoints_dir(run_dir)
     last = latest_complete_tag(root)
     last_text = f"the last complete checkpoint is {last}" if last else "there is no complete checkpoint yet"
     return NoSpaceError(f"no space left on {run_dir}{f' (writing {filename})' if filename else ''}; {last_text}; "

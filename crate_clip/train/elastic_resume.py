@@ -56,6 +56,7 @@ from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_s
 from crate_clip.checkpoint_io.file_checksums import (CHECKSUMS_KEY, ChecksumMismatchError, file_checksum,
                                                      verify_recorded_checksums)
 from crate_clip.checkpoint_io.deepspeed_checkpoints import UNIVERSAL_DIR, read_info
+from crate_clip.checkpoint_io.run_layout import EXPORT_DIR, RESULTS_FILE, checkpoints_in
 from crate_clip.checkpoint_io.safe_unpickling import deepspeed_reads, load_torch_file
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.shard_sources import expand_source
@@ -79,7 +80,7 @@ def resolve_auto(run_dir: Path, ckpts: CheckpointManager, resume: Optional[str])
         return resume
     if ckpts.latest_tag() is not None:
         return "latest"
-    finished = [name for name in ("export", "results.jsonl") if (Path(run_dir) / name).exists()]
+    finished = [name for name in (EXPORT_DIR, RESULTS_FILE) if (Path(run_dir) / name).exists()]
     if finished:
         raise ExistingRunError(
             f"--resume auto: run.output_dir {run_dir} holds {', '.join(finished)} but no complete checkpoint in "
@@ -135,9 +136,7 @@ def settle_canonical_streams(cfg: RunConfig, world_size: int, tag_dir: Optional[
 
 def checkpoint_of(path: Path) -> Path:
     """The checkpoint a run folder, a checkpoints folder (its `latest`) or a tag folder names; ResumeError if none."""
-    path = Path(path)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
+    path = checkpoints_in(path)
     tag = CheckpointManager(path, 1, 0, 1).latest_tag() if read_info(path) is None else None
     tag_dir = path / tag if tag else path
     if read_info(tag_dir) is None:
@@ -149,12 +148,12 @@ def checkpoint_of(path: Path) -> Path:
 def resume_summary(tag_dir: Path, cfg: RunConfig, world_size: int) -> dict:
     """How a job of `world_size` processes with run config `cfg` would continue checkpoint `tag_dir` (its JSON files
     only); the launch's own checks, as one-line errors."""
-    from crate_clip.train.engine import zero_stage_of
+    from crate_clip.train.stage_model import resolve_stage   # (DeepSpeed's import, for `plan` only when resuming)
 
     info = read_info(tag_dir)
     stage = int(info.get("stage_index", 0))
     streams = settle_canonical_streams(cfg, world_size, tag_dir, stage)
-    zero_stage = zero_stage_of(cfg)
+    zero_stage = resolve_stage(cfg, stage, world_size).zero_stage   # what the launch decides, as run_stage uses it
     universal = needs_universal(tag_dir, world_size, zero_stage)
     converted = (Path(tag_dir) / UNIVERSAL_DIR / CONVERTED_FILE).is_file()
     return {"checkpoint": str(tag_dir), "stage_index": stage, "stage_name": info.get("stage_name"),

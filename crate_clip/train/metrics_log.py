@@ -10,11 +10,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text
+# the run folder's file names and its JSONL reader (run_layout.py), imported here by the log's callers too
+from crate_clip.checkpoint_io.run_layout import (METRICS_FILE, PLOT_FILE, RESULTS_FILE, TENSORBOARD_DIR,  # noqa: F401
+                                                 read_jsonl)
 from crate_clip.train.whitebox_log import draw_whitebox_curves, whitebox_keys, whitebox_scalars
 
-METRICS_FILE = "metrics.jsonl"
-RESULTS_FILE = "results.jsonl"
-PLOT_FILE = "training_curve.png"
 
 
 class MetricsLog:
@@ -32,7 +32,7 @@ class MetricsLog:
             if tensorboard:
                 # imported only when asked for: TensorBoard's writer pulls in tensorboard and protobuf
                 from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+                self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR))
 
     # ------------------------------------------------------------ console
     def start_stage(self, stage_name: str, total_steps: int, done_steps: int, samples_per_step: int) -> None:
@@ -123,20 +123,6 @@ class MetricsLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Records of a JSONL file ([] if missing; a torn last line from a killed run is ignored)."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def set_aside_rows_after(run_dir: Path, global_step: int) -> int:

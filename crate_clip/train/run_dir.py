@@ -6,10 +6,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from crate_clip.checkpoint_io.run_layout import RUN_FILES
 from crate_clip.core.errors import UserError
-
-# what a run writes into run.output_dir; any of them means the folder already holds a run
-RUN_FILES = ("checkpoints", "metrics.jsonl", "results.jsonl", "run_config.yaml", "export", "tensorboard")
 
 
 class ExistingRunError(UserError, RuntimeError):

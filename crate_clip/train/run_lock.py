@@ -42,6 +42,7 @@ from typing import Iterator, Optional
 
 import torch.distributed as tdist
 
+from crate_clip.checkpoint_io.run_layout import lock_path
 from crate_clip.core.errors import EXIT_LOCKED, UserError
 from crate_clip.core.writable_folders import unwritable_error
 from crate_clip.train.process_info import is_running, process_start
@@ -55,12 +56,6 @@ class RunLockedError(UserError, RuntimeError):
     """The run folder is held by another live run; the message names the holder."""
     exit_code = EXIT_LOCKED
     once_per_job = True   # rank 0 decides for every rank: rank 0 says it
-
-
-def lock_path(run_dir: Path) -> Path:
-    """The lock file of a run folder: `<run_dir>.lock`, beside it."""
-    run_dir = Path(run_dir).absolute()
-    return run_dir.with_name(run_dir.name + ".lock")
 
 
 def _boot_id() -> Optional[str]:

@@ -22,6 +22,7 @@ import yaml
 from open_clip import ClipLoss
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
+from crate_clip.checkpoint_io.run_layout import RUN_CONFIG_FILE, checkpoints_dir, export_dir
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_WARNING, checkpoints_trusted
 from crate_clip.core.errors import EXIT_NONFINITE, UserError
 from crate_clip.models import tokenizer_record
@@ -54,6 +55,18 @@ class NonFiniteLossError(UserError, RuntimeError):
 
 
 # ---------------------------------------------------------------- the run (entry point)
+@dataclasses.dataclass
+class RunContext:
+    """What every stage of one run shares: its config, the job's processes, the checkpoints, the metrics log and
+    where a stage's batches come from; the stage functions take it instead of each part."""
+
+    cfg: RunConfig
+    dist: DistInfo
+    ckpts: CheckpointManager
+    log: MetricsLog
+    stream_factory: Callable
+
+
 def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: Optional[Callable] = None,
                  dist: Optional[DistInfo] = None, overwrite: bool = False, take_over_lock: bool = False) -> dict:
     """Train all stages of `cfg` (resuming from `resume`: 'latest' or a checkpoint path; with `overwrite`, an
@@ -72,7 +85,7 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
     earlier_run = check_run_dir(cfg.run_dir, resume, overwrite)  # again: a run may have ended in the meantime
     check_runtime(cfg, dist.world_size, "cuda" if dist.device.startswith("cuda") else "cpu")
     stream_factory = stream_factory or default_stream_factory
-    ckpts = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size,
+    ckpts = CheckpointManager(checkpoints_dir(cfg.run_dir), cfg.checkpoint.keep_last, dist.rank, dist.world_size,
                               protect=lambda info: _evaluations_pending(cfg, info))
     start = find_resume_point(cfg, ckpts, _intact(ckpts, resolve_auto(cfg.run_dir, ckpts, resume)))  # before any write
     settle_canonical_streams(cfg, dist.world_size, start.tag_dir, start.progress.stage_index)  # run_config.yaml
@@ -85,6 +98,7 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
                          restarted=bool(earlier_run) and not overwrite and start.tag_dir is None)
     log = MetricsLog(cfg.run_dir, enabled=dist.is_main, progress=cfg.logging.progress,
                      tensorboard=cfg.logging.tensorboard)
+    run = RunContext(cfg, dist, ckpts, log, stream_factory)
     progress, weights, evals, tag_dir = start.progress, None, [], start.tag_dir
     t_start = time.time()
     try:
@@ -97,16 +111,15 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
                       f"{progress.samples_seen} samples seen)")
         first = progress.stage_index   # 0, or the stage of the checkpoint resumed from
         for i in range(first):  # stages finished before the checkpoint resumed from
-            evals += _evaluate_finished_stage(cfg, i, ckpts, log, dist)
+            evals += _evaluate_finished_stage(run, i)
         for i in range(first, len(cfg.stages)):
             stage = resolve_stage(cfg, i, dist.world_size, dist.device)
             resume_here = start if i == first and start.tag_dir is not None else None
-            tag_dir, weights, records = run_stage(cfg, stage, weights, resume_here, progress, stream_factory, ckpts,
-                                                  log, dist)
+            tag_dir, weights, records = run_stage(run, stage, weights, resume_here, progress)
             evals += records
-        export_dir = _export(cfg, tag_dir, weights, log, dist)
+        exported = _export(run, tag_dir, weights)
         tdist.barrier()
-        return {"run_dir": str(cfg.run_dir), "export_dir": str(export_dir) if export_dir else None,
+        return {"run_dir": str(cfg.run_dir), "export_dir": str(exported) if exported else None,
                 "evals": evals, "progress": dataclasses.asdict(progress), "last_checkpoint": str(tag_dir),
                 "seconds": time.time() - t_start}
     finally:
@@ -142,11 +155,11 @@ def _plot(cfg: RunConfig, log: MetricsLog) -> None:
 
 
 # ---------------------------------------------------------------- one stage
-def run_stage(cfg: RunConfig, stage: ResolvedStage, weights: Optional[dict], start: Optional[ResumePoint],
-              progress: Progress, stream_factory: Callable, ckpts: CheckpointManager, log: MetricsLog,
-              dist: DistInfo) -> tuple[Path, dict, list[dict]]:
+def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], start: Optional[ResumePoint],
+              progress: Progress) -> tuple[Path, dict, list[dict]]:
     """Train the stage (from the previous stage's weights, or on from `start`) and evaluate it;
     returns (its final checkpoint, its consolidated weights, the evaluation records)."""
+    cfg, dist, log = run.cfg, run.dist, run.log
     if start is not None and start.stage_finished:
         # the stage had finished before the interruption: only evaluations may be missing
         weights = consolidated_state_dict(start.tag_dir, verify=False)   # verified by the resume
@@ -157,9 +170,9 @@ def run_stage(cfg: RunConfig, stage: ResolvedStage, weights: Optional[dict], sta
     universal = start is not None and needs_universal(start.tag_dir, dist.world_size, stage.zero_stage)
     engine = build_engine(model, cfg, stage, dist, load_universal=universal)
     _seed_everything(cfg.run.seed * 7919 + 104729 * stage.index + dist.rank)  # token masks differ per rank
-    stream = stream_factory(cfg, stage, dist)
+    stream = run.stream_factory(cfg, stage, dist)
     if start is not None:
-        rank_state = _load_checkpoint(ckpts, engine, stage, start.tag_dir, dist, universal)
+        rank_state = _load_checkpoint(run, engine, stage, start.tag_dir, universal)
         if rank_state.get("stream") is not None:
             stream.load_state_dict(rank_state["stream"])
         if rank_state.get("rng") is not None:
@@ -168,19 +181,18 @@ def run_stage(cfg: RunConfig, stage: ResolvedStage, weights: Optional[dict], sta
             _seed_everything(resume_seed(cfg.run.seed, stage.index, progress.global_step, dist.rank))
     else:
         progress.stage_index, progress.step, progress.nonfinite_in_a_row = stage.index, 0, 0
-    tag_dir = train_stage(cfg, stage, engine, stream, progress, ckpts, log, dist)
+    tag_dir = train_stage(run, stage, engine, stream, progress)
     engine.destroy()
     del engine, model, stream
     weights = consolidated_state_dict(tag_dir, verify=False)   # this job wrote and hashed it
     return tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
 
 
-def _load_checkpoint(ckpts: CheckpointManager, engine, stage: ResolvedStage, tag_dir: Path, dist: DistInfo,
-                     universal: bool) -> dict:
+def _load_checkpoint(run: RunContext, engine, stage: ResolvedStage, tag_dir: Path, universal: bool) -> dict:
     """Load `tag_dir` into the stage's engine; returns this rank's state. Weights of other shapes than the stage's
     model (a run config changed since) are a ResumeError naming the first mismatch, not a traceback."""
     try:
-        return load_resume_state(ckpts, engine, tag_dir, dist.rank, dist.world_size, universal)
+        return load_resume_state(run.ckpts, engine, tag_dir, run.dist.rank, run.dist.world_size, universal)
     except RuntimeError as exc:   # torch's load_state_dict under DeepSpeed: "size mismatch for <key>: ..."
         lines = [line.strip() for line in str(exc).splitlines()
                  if line.strip().startswith(("size mismatch", "Missing key", "Unexpected key"))]
@@ -191,13 +203,13 @@ def _load_checkpoint(ckpts: CheckpointManager, engine, stage: ResolvedStage, tag
                           "crate_clip.json holds it under run_config)") from None
 
 
-def _evaluate_finished_stage(cfg: RunConfig, i: int, ckpts: CheckpointManager, log: MetricsLog,
-                             dist: DistInfo) -> list[dict]:
+def _evaluate_finished_stage(run: RunContext, i: int) -> list[dict]:
     """The evaluations of an earlier stage that are not in results.jsonl, from its final checkpoint (kept
     for that reason by the checkpoint manager's `protect`)."""
+    cfg, dist, log = run.cfg, run.dist, run.log
     if not agreed_missing_evals(cfg, i, dist):
         return []
-    tag_dir = ckpts.root / checkpoint_tag(i, cfg.stages[i].steps)
+    tag_dir = run.ckpts.root / checkpoint_tag(i, cfg.stages[i].steps)
     info = read_info(tag_dir)
     if info is None:
         log.print(f"[warn] stage {i} ({cfg.stages[i].name}): evaluations missing from results.jsonl and its "
@@ -222,7 +234,7 @@ def _prepare_run_dir(cfg: RunConfig, start: ResumePoint, moved_aside: bool, rest
     if start.tag_dir is not None or restarted:
         set_aside_rows_after(cfg.run_dir, start.progress.global_step)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(cfg.run_dir / "run_config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    atomic_write_text(cfg.run_dir / RUN_CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def _evaluations_pending(cfg: RunConfig, info: dict) -> bool:
@@ -232,14 +244,14 @@ def _evaluations_pending(cfg: RunConfig, info: dict) -> bool:
         missing_evals(cfg, index))
 
 
-def _export(cfg: RunConfig, tag_dir: Path, weights: dict, log: MetricsLog, dist: DistInfo) -> Optional[Path]:
+def _export(run: RunContext, tag_dir: Path, weights: dict) -> Optional[Path]:
     """The last checkpoint as an open_clip model folder (rank 0): what `crate-clip export` writes of it."""
-    if not dist.is_main:
+    if not run.dist.is_main:
         return None
-    export_dir = export_checkpoint(tag_dir, cfg.run_dir / "export", state=weights)
-    log.print(f"exported the final weights to {export_dir} "
-              f"(open_clip.create_model_and_transforms('local-dir:{export_dir}') after `import crate_clip`)")
-    return export_dir
+    folder = export_checkpoint(tag_dir, export_dir(run.cfg.run_dir), state=weights)
+    run.log.print(f"exported the final weights to {folder} "
+                  f"(open_clip.create_model_and_transforms('local-dir:{folder}') after `import crate_clip`)")
+    return folder
 
 
 # ---------------------------------------------------------------- building blocks
@@ -280,9 +292,9 @@ def _rng_untouched(dist: DistInfo):
     return torch.random.fork_rng(devices=[torch.device(dist.device)] if dist.device.startswith("cuda") else [])
 
 
-def train_stage(cfg: RunConfig, stage: ResolvedStage, engine, stream, progress: Progress,
-                ckpts: CheckpointManager, log: MetricsLog, dist: DistInfo) -> Path:
+def train_stage(run: RunContext, stage: ResolvedStage, engine, stream, progress: Progress) -> Path:
     """Run the stage's remaining steps; returns the folder of its final checkpoint."""
+    cfg, dist, log = run.cfg, run.dist, run.log
     loss_fn = _make_loss(dist)
     dtype = model_dtype(cfg.precision)
     engine.train()
@@ -341,7 +353,7 @@ def train_stage(cfg: RunConfig, stage: ResolvedStage, engine, stream, progress: 
                              if stage.decode == "device" else {})}, perf)
         if progress.nonfinite_in_a_row >= cfg.run.max_nonfinite_in_a_row:
             # the skipped steps left the weights untouched: this checkpoint holds the last good state
-            tag_dir = _save(ckpts, engine, cfg, stage, progress, stream)
+            tag_dir = _save(run, engine, stage, progress, stream)
             log.end_stage()
             raise NonFiniteLossError(
                 f"stopped: {progress.nonfinite_in_a_row} non-finite losses in a row (run.max_nonfinite_in_a_row="
@@ -350,15 +362,15 @@ def train_stage(cfg: RunConfig, stage: ResolvedStage, engine, stream, progress: 
                 f"saved in {tag_dir}. Fix: lower stages.{progress.stage_index}.lr or raise its warmup_steps, use "
                 f"precision: bf16/fp32 instead of fp16, or check the data; then resume with --resume latest.")
         if every_ckpt and progress.step % every_ckpt == 0 and not last:
-            _save(ckpts, engine, cfg, stage, progress, stream)
-    tag_dir = _save(ckpts, engine, cfg, stage, progress, stream)
+            _save(run, engine, stage, progress, stream)
+    tag_dir = _save(run, engine, stage, progress, stream)
     log.end_stage()
     return tag_dir
 
 
 # ---------------------------------------------------------------- checkpoints
-def _save(ckpts: CheckpointManager, engine, cfg: RunConfig, stage: ResolvedStage, progress: Progress,
-          stream) -> Path:
+def _save(run: RunContext, engine, stage: ResolvedStage, progress: Progress, stream) -> Path:
+    cfg, ckpts = run.cfg, run.ckpts
     info = CheckpointInfo(cfg.model.name, stage.image_size, stage.context_length, tower_patch_size(engine.module),
                           stage.zero_stage, stage.name, stage.steps, cfg.precision, cfg.to_dict(),
                           {"mean": list(stage.mean), "std": list(stage.std)},

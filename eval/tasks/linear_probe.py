@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
-from tqdm import tqdm
 
 from crate_clip.core.config_schema import Float, Int
 from crate_clip.eval.class_sets import resolve_classnames
-from crate_clip.eval.distributed_batches import gather_objects, lockstep, rank_and_world
-from crate_clip.eval.eval_datasets import classification_dataset, make_loader
+from crate_clip.eval.distributed_batches import gather_objects, rank_and_world
+from crate_clip.eval.eval_datasets import classification_dataset
+from crate_clip.eval.eval_loop import EvalPass
 from crate_clip.eval.eval_settings import EvalSettings
 from crate_clip.eval.model_calls import autocast_context, check_precision, image_features, unwrap_model
 from crate_clip.eval.model_loading import check_finite_weights
@@ -128,21 +128,15 @@ def extract_features(model, dataset, *, kind: str, normalize: bool = True, batch
                      progress: bool = True, desc: str = "features") -> tuple[torch.Tensor, torch.Tensor, int]:
     """(features [N, D], labels [N], unreadable count) of a data set; ranks split it, every rank gets all;
     UnreadableDataError when no image could be read."""
-    rank, world = rank_and_world()
-    was_training = model.training
-    model.eval()
-    loader = make_loader(dataset, batch_size=batch_size, num_workers=num_workers, rank=rank, world=world,
-                         max_images=max_images)
-    feats, labels, indices, unreadable = [], [], [], 0
-    for batch in tqdm(lockstep(loader), desc=desc, unit="batch", disable=not (progress and rank == 0)):
-        if batch is None or batch.images is None:
-            unreadable += len(batch.unreadable) if batch is not None else 0
-            continue   # features are computed per rank without collectives (plain models only)
-        unreadable += len(batch.unreadable)
+    # no idle forward: features are computed per rank without collectives (plain models only)
+    batches = EvalPass(model, dataset, batch_size=batch_size, num_workers=num_workers, max_images=max_images,
+                       desc=desc, progress=progress)
+    feats, labels, indices = [], [], []
+    for batch in batches:
         feats.append(batch_features(model, batch.images.to(device), kind, normalize, precision).cpu())
         labels.append(batch.targets)
         indices.append(batch.indices)
-    model.train(was_training)
+    unreadable = len(batches.unreadable)
     mine = (torch.cat(feats) if feats else torch.zeros(0, 0), torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int64),
             torch.cat(indices) if indices else torch.zeros(0, dtype=torch.int64), unreadable)
     gathered = gather_objects(mine)

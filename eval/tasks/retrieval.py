@@ -8,10 +8,10 @@ from typing import Literal
 import numpy as np
 import torch
 from pydantic import Field
-from tqdm import tqdm
 
-from crate_clip.eval.distributed_batches import all_reduce_sum, gather_objects, lockstep, rank_and_world
-from crate_clip.eval.eval_datasets import ShardSamples, make_loader, shard_urls
+from crate_clip.eval.distributed_batches import all_reduce_sum, gather_objects
+from crate_clip.eval.eval_datasets import ShardSamples, shard_urls
+from crate_clip.eval.eval_loop import EvalPass
 from crate_clip.eval.eval_settings import EvalSettings
 from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
 from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
@@ -29,25 +29,20 @@ def retrieval_evaluate(model, tokenizer, dataset: ShardSamples, *, batch_size: i
     check_precision(precision)
     if getattr(dataset, "target", "txt") != "txt":
         raise ValueError("retrieval needs captioned shards (.txt members); these were opened for .cls labels")
-    rank, world = rank_and_world()
-    was_training = model.training
-    model.eval()
-    loader = make_loader(dataset, batch_size=batch_size, num_workers=num_workers, rank=rank, world=world,
-                         max_images=max_images)
-    indices, images, texts, unreadable = [], [], [], []
+
+    def idle():   # both towers run on every rank at every step (ZeRO-3 gathers are collective)
+        image_features(model, dummy_images(model, device), precision)
+        text_features(model, tokenizer([""]).to(device), precision)
+
+    batches = EvalPass(model, dataset, batch_size=batch_size, num_workers=num_workers, max_images=max_images,
+                       desc="retrieval", progress=progress, idle=idle)
+    indices, images, texts, unreadable = [], [], [], batches.unreadable
     start = time.perf_counter()
-    for batch in tqdm(lockstep(loader), desc="retrieval", unit="batch", disable=not (progress and rank == 0)):
-        if batch is not None:
-            unreadable += batch.unreadable
-        if batch is None or batch.images is None:
-            # Both towers run on every rank at every step (ZeRO-3 gathers are collective).
-            image_features(model, dummy_images(model, device), precision)
-            text_features(model, tokenizer([""]).to(device), precision)
-            continue
+    for batch in batches:
         images.append(image_features(model, batch.images.to(device), precision).cpu())
         texts.append(text_features(model, tokenizer(batch.targets).to(device), precision).cpu())
         indices.append(batch.indices)
-    model.train(was_training)
+    world = batches.world
     n_read, n_unreadable = all_reduce_sum(torch.tensor([sum(map(len, indices)), len(unreadable)])).tolist()
     check_unreadable(f"retrieval on {data_name(dataset)}", n_read, n_unreadable, max_unreadable_fraction, unreadable)
     image_feats, text_feats = _gathered_in_order(indices, images, texts)

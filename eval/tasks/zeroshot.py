@@ -17,8 +17,9 @@ from tqdm import tqdm
 from crate_clip.eval.class_sets import (BUILTIN_CLASSNAMES, BUILTIN_TEMPLATES, CLASSNAMES_FILE, DEFAULT_TEMPLATES,
                                         TEMPLATES_FILE, resolve_classnames, resolve_templates, template_text)
 from crate_clip.eval.classifier_cache import cache_path, classifier_key, load_cached, save_cached
-from crate_clip.eval.distributed_batches import all_ranks_agree, all_reduce_sum, lockstep, rank_and_world
-from crate_clip.eval.eval_datasets import classification_dataset, loader_length, make_loader
+from crate_clip.eval.distributed_batches import all_ranks_agree, all_reduce_sum, rank_and_world
+from crate_clip.eval.eval_datasets import classification_dataset
+from crate_clip.eval.eval_loop import EvalPass, evaluation_mode
 from crate_clip.eval.eval_settings import EvalSettings
 from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
 from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
@@ -72,32 +73,21 @@ def zero_shot_evaluate(model, tokenizer, dataset, classnames: Sequence[str], tem
     check_precision(precision)
     classnames = list(classnames)
     _check_class_count(dataset, classnames)
-    rank, world = rank_and_world()
-    was_training = model.training
-    model.eval()
-    classifier, cache_info = cached_text_classifier(model, tokenizer, classnames, templates, device=device,
-                                                    precision=precision, cache_dir=cache_dir,
-                                                    progress=progress and rank == 0)
+    batches = EvalPass(model, dataset, batch_size=batch_size, num_workers=num_workers, max_images=max_images,
+                       desc="zero-shot images", progress=progress, count_batches=True,
+                       idle=lambda: image_features(model, dummy_images(model, device), precision))  # ZeRO-3 in step
     counts = torch.zeros(3, len(classnames), dtype=torch.float64)   # images, top-1 hits, top-5 hits per class
-    unreadable = []
-    loader = make_loader(dataset, batch_size=batch_size, num_workers=num_workers, rank=rank, world=world,
-                         max_images=max_images)
-    bar = tqdm(total=loader_length(dataset, max_images, world, batch_size), desc="zero-shot images",
-               unit="batch", disable=not (progress and rank == 0))
-    start = time.perf_counter()
-    for batch in lockstep(loader):
-        bar.update(1)
-        unreadable += batch.unreadable if batch is not None else []
-        if batch is None or batch.images is None:
-            image_features(model, dummy_images(model, device), precision)   # keeps ZeRO-3 ranks in step
-        else:
+    with evaluation_mode(model):   # the text classifier too
+        classifier, cache_info = cached_text_classifier(model, tokenizer, classnames, templates, device=device,
+                                                        precision=precision, cache_dir=cache_dir,
+                                                        progress=progress and batches.rank == 0)
+        start = time.perf_counter()
+        for batch in batches:
             _score_batch(model, batch, classifier, counts, device=device, precision=precision)
-    bar.close()
-    model.train(was_training)
-    metrics = _summary(all_reduce_sum(counts), unreadable, world, classnames, cache_info,
+    metrics = _summary(all_reduce_sum(counts), batches.unreadable, batches.world, classnames, cache_info,
                        time.perf_counter() - start)
     check_unreadable(f"zero-shot on {data_name(dataset)}", metrics["n_images"], metrics["n_unreadable"],
-                     max_unreadable_fraction, unreadable)
+                     max_unreadable_fraction, batches.unreadable)
     return metrics
 
 

@@ -1,0 +1,31 @@
+"""The one way to open an export (an open_clip model folder): the checksums its config records verified, the
+image tower it names registered, the model created by open_clip without the random-init log. crate_clip.export's
+`load_export` and crate_clip.eval's `local-dir:` loading both go through `create_from_export`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from crate_clip.checkpoint_io.bounded_reads import read_small_json
+from crate_clip.checkpoint_io.file_checksums import verify_recorded_checksums
+from crate_clip.models.clip_factory import quiet_random_init
+from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR
+from crate_clip.models.model_cfg_check import check_model_cfg
+from crate_clip.models.patch_change import register_tower_of
+
+
+def create_from_export(folder: Path | str, create: Callable, **kwargs):
+    """`create('local-dir:<folder>', **kwargs)` (an open_clip factory) once the export is checked: its files match
+    the checksums its config records (when it records them; a mismatch is an error naming the file) and its
+    config is bounded (docs/safety.md), and its tower, which an export may name in the underscore form, is registered
+    with timm."""
+    folder = Path(folder)
+    config_path = folder / CONFIG_FILE
+    if config_path.is_file():
+        config = read_small_json(config_path)   # a regular file of bounded size
+        verify_recorded_checksums(folder, config, config_path)
+        # the sizes it names are checked before anything is allocated
+        check_model_cfg(config.get("model_cfg") if isinstance(config, dict) else config, config_path)
+        register_tower_of(config.get("model_cfg"))
+    with quiet_random_init():   # open_clip logs it for local-dir: models although their weights are loaded
+        return create(f"{LOCAL_DIR}{folder}", **kwargs)
