@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_fixtures import (REPO_ROOT, default_stages, read_jsonl, run_env, run_job, tiny_config, tiny_fmnist,  # noqa: F401
+from train_fixtures import (REPO_ROOT, default_stages, read_jsonl, run_env, run_job, tiny_config,
                             torchrun_cmd, write_config)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -45,13 +45,26 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _sigkill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and both training processes at once: no clean-up code runs anywhere."""
-    for pid in [proc.pid, *_descendants(proc.pid)]:
+def _sigkill_job(proc: subprocess.Popen) -> list[int]:
+    """SIGKILL the launcher and both training processes at once: no clean-up code runs anywhere. Returns the
+    processes signalled."""
+    pids = [proc.pid, *_descendants(proc.pid)]
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    return pids
+
+
+def _wait_gone(pids: list[int], timeout: float = 30.0) -> None:
+    """Until every process in `pids` has exited (zombies count as exited): an awaited event, not a fixed sleep."""
+    from crate_clip.train.process_info import is_running
+
+    deadline = time.time() + timeout
+    while any(is_running(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.02)
+    assert not any(is_running(pid) for pid in pids), [pid for pid in pids if is_running(pid)]
 
 
 def _losses(run_dir: Path) -> dict:
@@ -87,21 +100,20 @@ def _kill_at(cmd: list[str], run_dir: Path, stage: int, step: int) -> list[int]:
     """Run the job until metrics.jsonl holds `step` of `stage`, then SIGKILL it; returns the steps it logged."""
     proc = subprocess.Popen(cmd, env=run_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
+    metrics, deadline, killed = run_dir / "metrics.jsonl", time.time() + 300, []
     try:
         while time.time() < deadline and proc.poll() is None:
             steps = [r["step"] for r in read_jsonl(metrics) if r["stage_index"] == stage] if metrics.exists() else []
             if steps and max(steps) >= step:
-                _sigkill_job(proc)
+                killed = _sigkill_job(proc)
                 break
             time.sleep(0.02)
     finally:
         if proc.poll() is None:
-            _sigkill_job(proc)
+            killed = _sigkill_job(proc)
         proc.wait()
-        time.sleep(0.5)
+        _wait_gone(killed)   # (was: fixed sleeps of 1.5 s) no process of the job is left to write anything
     assert proc.returncode == -signal.SIGKILL
-    time.sleep(1.0)
     assert not (run_dir / "export").exists()
     return [r["step"] for r in read_jsonl(metrics)]
 
