@@ -20,7 +20,8 @@ from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, consolida
 from crate_clip.checkpoint_io.file_checksums import verify_recorded_checksums
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, quiet_random_init, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
-from crate_clip.models.patch_change import checkpoint_input_sizes, create_clip_at_patch, register_tower_of
+from crate_clip.models.patch_change import (RESOLUTION_RESIZE_MODES, checkpoint_input_sizes, create_clip_at_patch,
+                                           register_tower_of, set_resolution_by_patch, tower_patch_size)
 from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
 
 LOCAL_DIR = "local-dir:"
@@ -45,15 +46,21 @@ def eval_tokenizer(model_name: str, model: torch.nn.Module, bert_vocab: str | No
 
 
 def load_eval_model(model: str, pretrained: str | None = None, image_size: int | None = None, device="cpu",
-                    precision: str = "fp32", bert_vocab: str | None = None):
+                    precision: str = "fp32", bert_vocab: str | None = None, resize: str = "grid"):
     """(model, preprocess, tokenizer, model_name) from a name + weights file (ours or the official
     CRATE-alpha-CLIPA layout), `local-dir:`, or a DeepSpeed checkpoint.
 
     Weights stay fp32 (`precision='bf16'` evaluates under autocast); a checkpoint that does not fit the
     model config raises CheckpointMismatchError naming the missing and unexpected keys, one with NaN/inf
     weights NonFiniteWeightsError naming the tensors. The tokenizer is the one recorded in a DeepSpeed
-    checkpoint unless `bert_vocab` is given.
+    checkpoint unless `bert_vocab` is given. At another `image_size`, `resize` says how (patch_change.py's
+    RESOLUTION_RESIZE_MODES): 'grid' resamples the position embedding to the new grid, 'patch' keeps the grid
+    and PI-resizes the patch kernel.
     """
+    if resize not in RESOLUTION_RESIZE_MODES:
+        raise ValueError(f"--resize must be one of {RESOLUTION_RESIZE_MODES}, got {resize!r}")
+    by_patch = resize == "patch" and image_size is not None
+    requested, image_size = image_size, (None if by_patch else image_size)   # 'patch': built at its own size
     if model.startswith(LOCAL_DIR):
         clip, model_name, info = _from_local_dir(model, image_size), model, {}
     elif is_deepspeed_checkpoint(model) or is_deepspeed_checkpoint(pretrained):
@@ -65,6 +72,12 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
         _check_not_a_missing_path(model)
         clip, model_name, info = _from_weights_file(model, pretrained, image_size), model, {}
     check_finite_weights(clip, pretrained or model)
+    if by_patch:
+        image_size = requested
+        old = tower_patch_size(clip)
+        patch = set_resolution_by_patch(clip, image_size)
+        print(f"note: --resize patch: kernel {old} -> {patch} px (PI-resize), patch grid kept, {image_size} px input",
+              file=sys.stderr)
     clip = clip.to(device).eval()
     bert_vocab = bert_vocab or _recorded_vocab(info)
     return clip, eval_transform(clip, image_size), eval_tokenizer(model_name, clip, bert_vocab), model_name

@@ -101,3 +101,36 @@ def register_tower_of(model_cfg: dict) -> None:
     except ValueError:
         return
     register_clip_tower(name)
+
+
+# How a model runs at an image size other than its own (`crate-clip eval --resize`, the stage evaluations):
+# 'grid' grows (or shrinks) the patch grid at the same patch size, the position embedding resampled;
+# 'patch' keeps the grid and PI-resizes the patch kernel (FlexiViT), so each token still covers the same
+# share of the image it covered in training.
+RESOLUTION_RESIZE_MODES = ("grid", "patch")
+
+
+def patch_for_image_size(grid: int, image_size: int) -> int:
+    """The patch size that lays `grid` whole patches across `image_size` px (leftover pixels, fewer than one
+    patch, are dropped by the VALID conv as always); ValueError when none does."""
+    patch = image_size // grid if grid > 0 else 0
+    if patch < 1 or image_size // patch != grid:
+        raise ValueError(f"--resize patch: {image_size} px cannot hold the model's {grid}x{grid} patch grid with "
+                         f"whole patches of one size; use an image size of at least {grid} px that {grid} patches "
+                         f"of {max(patch, 1)}+ px fill, or --resize grid")
+    return patch
+
+
+def set_resolution_by_patch(model: nn.Module, image_size: int) -> int:
+    """Run a CRATE-alpha CLIP at `image_size` with its patch grid and position embedding kept: the kernel is
+    PI-resized to image_size // grid px. Returns the new patch size."""
+    trunk = _image_tower(model)
+    if trunk is None:
+        raise ValueError("--resize patch: only a CRATE-alpha image tower can change its patch size; use --resize grid")
+    gh, gw = trunk.grid_size
+    if gh != gw:
+        raise ValueError(f"--resize patch: the tower's patch grid {gh}x{gw} is not square")
+    patch = patch_for_image_size(gh, image_size)
+    trunk.img_size = (image_size, image_size)   # the grid at the new patch size is the old one: pos-embed kept
+    trunk.set_patch_size(patch, "pi_resize")
+    return patch

@@ -117,9 +117,13 @@ def summarize(run_dir: Path) -> list[dict]:
         return []
     print(f"\n[demo] zero-shot top-1 on the {results[0]['n_images']:,} Fashion-MNIST test images:")
     for r in results:
+        if r.get("top1") is None:   # a skipped evaluation (its reason is in the training log)
+            continue
         patch = f" / patch {r['patch_size']}" if r.get("patch_size") else ""
-        print(f"  stage {r['stage_index']} {r['stage_name']:<8} trained at {r['stage_image_size']:>3} px{patch}, "
-              f"evaluated at {r['image_size']:>3} px: {100 * r['top1']:6.2f}%")
+        how = " (grid kept, kernel PI-resized)" if r.get("resize") == "patch" else (
+            " (grid grown)" if r["image_size"] != r["stage_image_size"] else "")
+        print(f"  stage {r['stage_index']} {r['stage_name']:<8} trained at {r['stage_image_size']:>3} px, "
+              f"evaluated at {r['image_size']:>3} px{patch}{how}: {100 * r['top1']:6.2f}%")
     return results
 
 
