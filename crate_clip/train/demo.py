@@ -19,6 +19,7 @@ from crate_clip.data.sources.debian_packages import DEBIAN_PACKAGES
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo" / "fashion_mnist.yaml"
 DEB_PACKAGE = DEBIAN_PACKAGES["fashion_mnist"]
+STUDY_RESULTS = REPO_ROOT / "docs" / "inverse_scaling.json"   # written by bench/bench_inverse_scaling.py
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +128,50 @@ def summarize(run_dir: Path) -> list[dict]:
     return results
 
 
+def training_flops(run_dir: Path) -> tuple[float, float] | None:
+    """(the run's training FLOPs, what its samples would cost at the last stage's per-sample FLOPs), from the
+    step meter's records in metrics.jsonl (flops_per_sample of each stage x its samples)."""
+    from crate_clip.train.metrics_log import METRICS_FILE, read_jsonl
+
+    last: dict[int, dict] = {}
+    for r in read_jsonl(run_dir / METRICS_FILE):
+        if r.get("flops_per_sample") and r.get("samples_seen") is not None:
+            last[r["stage_index"]] = r
+    if not last:
+        return None
+    done, spent, full = 0, 0.0, last[max(last)]["flops_per_sample"]
+    for index in sorted(last):
+        spent += (last[index]["samples_seen"] - done) * last[index]["flops_per_sample"]
+        done = last[index]["samples_seen"]
+    return spent, done * full
+
+
+def savings_lines(run_dir: Path, final_top1: float, model: str, study: Path = STUDY_RESULTS) -> list[str]:
+    """What the CLIPA schedule saved: this run's FLOPs against its samples at full resolution (its own meter), and
+    the compute-matched study's recorded result (FLOPs to the full-resolution arm's accuracy)."""
+    lines = []
+    flops = training_flops(run_dir)
+    if flops:
+        spent, at_full = flops
+        lines.append(f"reached {100 * final_top1:.2f}% with {spent / 1e12:.2f} TFLOP of training (step meter), "
+                     f"{100 * spent / at_full:.0f}% of what the same samples cost at full resolution and text length")
+    if study.is_file():
+        rec = json.loads(study.read_text())
+        rows = {(r["model"], r["arm"]): r for r in rec.get("rows", [])}
+        row = rows.get((model, "clipa"))
+        if row is not None:
+            label = "; " + rec["label"].split(":")[0] if rec.get("label") else ""
+            where = f"(bench/bench_inverse_scaling.py, {rec['date']}, {row['seeds']} seeds{label})"
+            if row["flops_share_mean"] is None:
+                lines.append(f"at equal FLOPs the CLIPA recipe did not reach the full-resolution recipe's final "
+                             f"top-1 ({row['final_top1_mean']:.2f}% vs the full arm's) {where}")
+            else:
+                lines.append(f"the CLIPA recipe reaches the full-resolution recipe's accuracy with "
+                             f"{100 * row['flops_share_mean']:.0f} ± {100 * row['flops_share_std']:.0f}% of its FLOPs "
+                             f"({row['reached']}/{row['seeds']} seeds) {where}")
+    return lines
+
+
 def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_images: int) -> dict | None:
     """The CLIP_benchmark linear probe of the exported model: trained on the first `train_images` training
     images (their labels, written as a folder), tested on the 10,000 test images; printed and returned."""
@@ -188,6 +233,10 @@ def main(argv=None) -> int:
         print(f"[demo] final model on the {results[-1]['n_images']:,} test images: zero-shot top-1 "
               f"{100 * results[-1]['top1']:.2f}%, "
               f"linear probe top-1 {100 * probe['top1']:.2f}% ({probe['n_train']} labelled training images)")
+    import yaml
+    model = yaml.safe_load(Path(args.config).read_text())["model"]["name"]
+    for line in savings_lines(run_dir, results[-1]["top1"], model) if results else []:
+        print(f"[demo] {line}")
     print(f"[demo] plot: {run_dir / 'training_curve.png'}\n[demo] export: {run_dir / 'export'} "
           f"(open_clip.create_model_and_transforms('local-dir:{run_dir / 'export'}') after `import crate_clip`)")
     print(f"[demo] finished in {time.perf_counter() - t0:.0f} s")
