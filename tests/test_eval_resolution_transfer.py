@@ -101,3 +101,15 @@ def test_stage_evaluations_take_the_full_size_both_ways_after_a_low_resolution_s
                            check_paths=False)
     assert eval_points(cfg, 0) == [(21, "grid"), (28, "grid"), (28, "patch")]
     assert eval_points(cfg, 1) == [(28, "grid")]
+
+
+def test_a_stage_moving_21px_p7_weights_to_28px_p9_keeps_the_grid_exactly():
+    """A later stage at 28 px / patch 9 built from 21 px / patch 7 weights: the 3x3 grid is kept (no 3 -> 4 -> 3
+    position-embedding round trip), the same model as --resize patch gives."""
+    torch.manual_seed(0)
+    low = create_clip_at_patch(CRATE_TINY, None, patch_size=7, image_size=21).eval()
+    staged = create_clip_at_patch(CRATE_TINY, low.state_dict(), patch_size=9, image_size=28).eval()
+    set_resolution_by_patch(low, 28)
+    assert staged.visual.trunk.grid_size == (3, 3) and staged.visual.trunk.img_size == (28, 28)
+    for key, value in low.state_dict().items():
+        torch.testing.assert_close(staged.state_dict()[key], value, rtol=0, atol=0, msg=key)

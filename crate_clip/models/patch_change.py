@@ -59,12 +59,30 @@ def load_clip_weights_at_patch(model: nn.Module, source: Union[str, Path, Dict[s
     trunk = _image_tower(model)
     saved = checkpoint_patch_size(sd)
     if trunk is not None and saved is not None:
+        target = trunk.img_size
         trunk.set_patch_size(saved)   # shapes only: the load below replaces the values
+        grid = _saved_grid(sd)
+        if patch_size is not None and grid is not None and target[0] == target[1] and target[0] // patch_size == grid:
+            # the new patch size keeps the saved grid (e.g. 21 px / p7 -> 28 px / p9): load at the saved size,
+            # then only the kernel changes (PI-resize), the position embedding is kept exactly
+            trunk.set_input_size(grid * saved)
+            load_clip_weights(model, sd, pos_embed_resize=pos_embed_resize)
+            trunk.img_size = target
+            trunk.set_patch_size(patch_size, resize)
+            return
     load_clip_weights(model, sd, pos_embed_resize=pos_embed_resize)
     if patch_size is not None:
         if trunk is None:
             raise ValueError(f"patch_size {patch_size}: only a CRATE-alpha image tower can change its patch size")
         trunk.set_patch_size(patch_size, resize)
+
+
+def _saved_grid(state_dict: Dict[str, torch.Tensor]) -> Optional[int]:
+    pos = state_dict.get(IMAGE_POS_KEY)
+    try:
+        return square_grid(pos.shape[1])[0] if pos is not None and pos.ndim == 3 else None
+    except ValueError:
+        return None
 
 
 def create_clip_at_patch(model_name: str, source=None, patch_size: Optional[int] = None,
