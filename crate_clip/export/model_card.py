@@ -6,7 +6,7 @@ results.jsonl, nothing from the clock, so the card of one checkpoint is the same
 """
 from __future__ import annotations
 
-from crate_clip.train.export_source import ExportSource
+from crate_clip.export.source import ExportSource
 
 STAGE_COLUMNS = (("name", "stage"), ("image_size", "image px"), ("patch_size", "patch"),
                  ("context_length", "text tokens"), ("samples", "samples"), ("global_batch", "batch"),
