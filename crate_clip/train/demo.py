@@ -128,9 +128,9 @@ def summarize(run_dir: Path) -> list[dict]:
     return results
 
 
-def training_flops(run_dir: Path) -> tuple[float, float] | None:
-    """(the run's training FLOPs, what its samples would cost at the last stage's per-sample FLOPs), from the
-    step meter's records in metrics.jsonl (flops_per_sample of each stage x its samples)."""
+def training_flops(run_dir: Path) -> tuple[float, int, float] | None:
+    """(the run's training FLOPs, its samples, the last stage's FLOPs per sample), from the step meter's records
+    in metrics.jsonl (flops_per_sample of each stage x its samples)."""
     from crate_clip.train.metrics_log import METRICS_FILE, read_jsonl
 
     last: dict[int, dict] = {}
@@ -139,36 +139,39 @@ def training_flops(run_dir: Path) -> tuple[float, float] | None:
             last[r["stage_index"]] = r
     if not last:
         return None
-    done, spent, full = 0, 0.0, last[max(last)]["flops_per_sample"]
+    done, spent = 0, 0.0
     for index in sorted(last):
         spent += (last[index]["samples_seen"] - done) * last[index]["flops_per_sample"]
         done = last[index]["samples_seen"]
-    return spent, done * full
+    return spent, done, last[max(last)]["flops_per_sample"]
 
 
 def savings_lines(run_dir: Path, final_top1: float, model: str, study: Path = STUDY_RESULTS) -> list[str]:
-    """What the CLIPA schedule saved: this run's FLOPs against its samples at full resolution (its own meter), and
-    the compute-matched study's recorded result (FLOPs to the full-resolution arm's accuracy)."""
-    lines = []
-    flops = training_flops(run_dir)
+    """What the CLIPA schedule saved: this run's FLOPs against the same samples in the full-resolution recipe (the
+    study's full arm per sample; without the study, the last stage's), and the compute-matched study's recorded
+    result (the FLOPs the CLIPA arm needed to reach the full arm's accuracy)."""
+    rec = json.loads(study.read_text()) if study.is_file() else {}
+    rows = {(r["model"], r["arm"]): r for r in rec.get("rows", [])}
+    lines, flops = [], training_flops(run_dir)
     if flops:
-        spent, at_full = flops
-        lines.append(f"reached {100 * final_top1:.2f}% with {spent / 1e12:.2f} TFLOP of training (step meter), "
-                     f"{100 * spent / at_full:.0f}% of what the same samples cost at full resolution and text length")
-    if study.is_file():
-        rec = json.loads(study.read_text())
-        rows = {(r["model"], r["arm"]): r for r in rec.get("rows", [])}
-        row = rows.get((model, "clipa"))
-        if row is not None:
-            label = "; " + rec["label"].split(":")[0] if rec.get("label") else ""
-            where = f"(bench/bench_inverse_scaling.py, {rec['date']}, {row['seeds']} seeds{label})"
-            if row["flops_share_mean"] is None:
-                lines.append(f"at equal FLOPs the CLIPA recipe did not reach the full-resolution recipe's final "
-                             f"top-1 ({row['final_top1_mean']:.2f}% vs the full arm's) {where}")
-            else:
-                lines.append(f"the CLIPA recipe reaches the full-resolution recipe's accuracy with "
-                             f"{100 * row['flops_share_mean']:.0f} ± {100 * row['flops_share_std']:.0f}% of its FLOPs "
-                             f"({row['reached']}/{row['seeds']} seeds) {where}")
+        spent, samples, last = flops
+        full = rows.get((model, "full"))
+        per_sample = full["total_flops"] / sum(full["samples"]) if full else last
+        what = "28 px / patch 7, 16 text tokens, the study's full arm" if full else "its last stage's"
+        lines.append(f"reached {100 * final_top1:.2f}% with {spent / 1e12:.2f} TFLOP of training (step meter): "
+                     f"{100 * spent / (samples * per_sample):.0f}% of the same {samples:,} samples at full "
+                     f"resolution ({what})")
+    row = rows.get((model, "clipa"))
+    if row is not None:
+        label = "; " + rec["label"].split(" (")[0] if rec.get("label") else ""
+        where = f"(bench/bench_inverse_scaling.py, {rec['date']}, {row['seeds']} seeds{label})"
+        if row["flops_share_mean"] is None:
+            lines.append(f"at equal FLOPs the CLIPA recipe did not reach the full-resolution recipe's final "
+                         f"top-1 in the study {where}")
+        else:
+            lines.append(f"the CLIPA recipe reached the full-resolution recipe's final top-1 with "
+                         f"{100 * row['flops_share_mean']:.0f} ± {100 * row['flops_share_std']:.0f}% of its FLOPs "
+                         f"({row['reached']}/{row['seeds']} seeds) {where}")
     return lines
 
 
