@@ -21,7 +21,8 @@ from crate_clip.checkpoint_io.file_checksums import verify_recorded_checksums
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, quiet_random_init, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
 from crate_clip.models.patch_change import (RESOLUTION_RESIZE_MODES, checkpoint_input_sizes, create_clip_at_patch,
-                                           register_tower_of, set_resolution_by_patch, tower_patch_size)
+                                           patch_input_size, register_tower_of, set_resolution_by_patch,
+                                           tower_patch_size)
 from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
 
 LOCAL_DIR = "local-dir:"
@@ -73,11 +74,11 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
         clip, model_name, info = _from_weights_file(model, pretrained, image_size), model, {}
     check_finite_weights(clip, pretrained or model)
     if by_patch:
-        image_size = requested
         old = tower_patch_size(clip)
-        patch = set_resolution_by_patch(clip, image_size)
-        print(f"note: --resize patch: kernel {old} -> {patch} px (PI-resize), patch grid kept, {image_size} px input",
-              file=sys.stderr)
+        patch = set_resolution_by_patch(clip, requested)
+        image_size = patch_input_size(clip)   # the images are resized to whole patches
+        print(f"note: --resize patch: kernel {old} -> {patch} px (PI-resize), patch grid kept, {requested} px "
+              f"requested: images resized to {image_size} px", file=sys.stderr)
     clip = clip.to(device).eval()
     bert_vocab = bert_vocab or _recorded_vocab(info)
     return clip, eval_transform(clip, image_size), eval_tokenizer(model_name, clip, bert_vocab), model_name

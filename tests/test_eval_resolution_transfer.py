@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from timm.layers import resample_patch_embed
 
 from crate_clip.cli import main as crate_clip_main
-from crate_clip.models.patch_change import create_clip_at_patch, patch_for_image_size, set_resolution_by_patch
+from crate_clip.models.patch_change import (create_clip_at_patch, patch_for_image_size, patch_input_size,
+                                           set_resolution_by_patch)
 from crate_clip.models.pi_resize import pi_resize_kernel, resize_image_patches
 from crate_clip.models.pos_embed import resize_image_pos_embed
 from eval_fixtures import CRATE_TINY
@@ -47,6 +48,7 @@ def test_a_clip_moved_to_a_larger_image_by_patch_embeds_the_resized_image_as_the
         big[..., :27, :27] = resize_image_patches(x, 7, 9)
         after = model.encode_image(big)
     assert model.visual.trunk.grid_size == (3, 3) and model.visual.trunk.pos_embed.shape[1] == 10
+    assert patch_input_size(model) == 27   # the images are resized to whole patches
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
 
 
@@ -82,7 +84,8 @@ def test_cli_resize_patch_evaluates_a_21px_model_at_28px_with_its_grid(sets, tmp
     for mode in ("grid", "patch"):
         assert crate_clip_main(base + ["--resize", mode, "--output", str(tmp_path / f"{mode}.json")]) == 0
         out[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
-    assert "kernel 7 -> 9 px (PI-resize), patch grid kept, 28 px input" in capsys.readouterr().err
+    assert "kernel 7 -> 9 px (PI-resize), patch grid kept, 28 px requested: images resized to 27 px" in \
+        capsys.readouterr().err
     assert out["grid"]["n_images"] == out["patch"]["n_images"] > 0
     assert out["grid"]["top1"] != out["patch"]["top1"] or out["grid"]["per_class"] != out["patch"]["per_class"]
     assert crate_clip_main(base[:-1] + ["8", "--resize", "patch"]) == 2

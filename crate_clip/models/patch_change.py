@@ -141,7 +141,10 @@ def patch_for_image_size(grid: int, image_size: int) -> int:
 
 def set_resolution_by_patch(model: nn.Module, image_size: int) -> int:
     """Run a CRATE-alpha CLIP at `image_size` with its patch grid and position embedding kept: the kernel is
-    PI-resized to image_size // grid px. Returns the new patch size."""
+    PI-resized to image_size // grid px, and the tower's input is grid x that many px (28 px on a 3x3 grid:
+    patch 9, a 27 px input; the images are resized to it, so the patches tile them as they tiled the training
+    images, where cropping the leftover pixel would shift every patch by a fraction of the scale).
+    Returns the new patch size; the input size is `patch_input_size(model)`."""
     trunk = _image_tower(model)
     if trunk is None:
         raise ValueError("--resize patch: only a CRATE-alpha image tower can change its patch size; use --resize grid")
@@ -149,6 +152,11 @@ def set_resolution_by_patch(model: nn.Module, image_size: int) -> int:
     if gh != gw:
         raise ValueError(f"--resize patch: the tower's patch grid {gh}x{gw} is not square")
     patch = patch_for_image_size(gh, image_size)
-    trunk.img_size = (image_size, image_size)   # the grid at the new patch size is the old one: pos-embed kept
+    trunk.img_size = (gh * patch, gh * patch)   # the grid at the new patch size is the old one: pos-embed kept
     trunk.set_patch_size(patch, "pi_resize")
     return patch
+
+
+def patch_input_size(model: nn.Module) -> int:
+    """The image side a CRATE-alpha tower takes (its img_size; grid x patch after set_resolution_by_patch)."""
+    return _image_tower(model).img_size[0]

@@ -15,7 +15,8 @@ import torch.distributed as tdist
 
 from crate_clip.core.errors import UserError
 from crate_clip.models.open_clip_configs import image_patch_size
-from crate_clip.models.patch_change import patch_for_image_size, set_resolution_by_patch, tower_patch_size
+from crate_clip.models.patch_change import (patch_for_image_size, patch_input_size, set_resolution_by_patch,
+                                           tower_patch_size)
 from crate_clip.train.checkpoints import Progress, checkpoint_tag
 from crate_clip.train.engine import DistInfo
 from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl
@@ -68,10 +69,11 @@ def evaluate_after_stage(cfg: RunConfig, stage: ResolvedStage, weights: dict, pr
         except ValueError as exc:   # 'patch': the tower cannot keep its grid at `size` (recorded, not retried)
             records += _skipped(stage, evals, size, resize, progress, log, str(exc))
             continue
+        pixels = size if resize == "grid" else patch_input_size(model)   # 'patch': resized to whole patches
         try:
             check_finite_weights(model, f"stage {stage.index} ({stage.name})")
             results = evaluate_stage(model, model_name=cfg.model.name, evals=evals,
-                                     image_size=size, device=dist.device, precision=cfg.precision,
+                                     image_size=pixels, device=dist.device, precision=cfg.precision,
                                      cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main,
                                      bert_vocab=cfg.model.bert_vocab)
         except (ValueError, FileNotFoundError) as exc:   # the evaluations' refusals and data errors
