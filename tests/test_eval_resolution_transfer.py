@@ -98,7 +98,8 @@ def test_stage_evaluations_take_the_full_size_both_ways_after_a_low_resolution_s
 
     cfg = config_from_dict({"run": {"output_dir": str(tmp_path)}, "model": {"name": CRATE_TINY},
                             "data": {"sources": ["/data/{00000000..00000009}.tar"]},
-                            "stages": [{"name": "low", "image_size": 21, "patch_size": 7, "samples": 8, "global_batch": 8},
+                            "stages": [{"name": "low", "image_size": 21, "patch_size": 7, "samples": 8,
+                                        "global_batch": 8},
                                        {"name": "full", "image_size": 28, "samples": 8, "global_batch": 8}],
                             "eval": {"evals": [{"name": "fm", "dataset": "fashion_mnist", "data": "/data/x"}]}},
                            check_paths=False)

@@ -188,7 +188,7 @@ def test_official_1d_resize_is_jax_bilinear_over_the_sequence(old, new):
     np.testing.assert_allclose(got.numpy(), _jax_linear_resize(pos.numpy(), got.shape[1]), rtol=0, atol=1e-6)
     grid = resize_image_pos_embed(pos, new, old, mode="grid_2d")
     assert torch.equal(grid[:, 0], pos[:, 0]) and not torch.allclose(grid, got)  # the two modes differ
-    if new[0] > old[0]:   # growing: official_1d is this rule (a shrink switches to grid_2d: test_eval_resolution_transfer)
+    if new[0] > old[0]:   # growing: official_1d is this rule (shrinking: grid_2d, test_eval_resolution_transfer)
         assert torch.equal(resize_image_pos_embed(pos, new, old, mode="official_1d"), got)
     with pytest.raises(ValueError, match="official_1d"):
         resize_image_pos_embed(pos, new, old, mode="bicubic")

@@ -22,7 +22,8 @@ def test_the_saving_is_read_from_the_meter_and_the_studys_recorded_result(tmp_pa
     study = tmp_path / "inverse_scaling.json"
     rows = [{"model": "M", "arm": "full", "total_flops": 2e11, "samples": [1600], "seeds": 3},
             {"model": "M", "arm": "clipa", "flops_share_mean": 0.62, "flops_share_std": 0.05, "reached": 3, "seeds": 3}]
-    study.write_text(json.dumps({"date": "2026-12-02 04:00 UTC", "label": "REDUCED configuration (tiny)", "rows": rows}))
+    study.write_text(json.dumps({"date": "2026-12-02 04:00 UTC", "label": "REDUCED configuration (tiny)",
+                                 "rows": rows}))
     full_line, study_line = savings_lines(run, 0.85, "M", study=study)
     assert "48% of the same 10,000 samples at full resolution (28 px / patch 7" in full_line   # 6e11 / (1e4 * 1.25e8)
     assert study_line == ("the CLIPA recipe reached the full-resolution recipe's final top-1 with 62 ± 5% of its "

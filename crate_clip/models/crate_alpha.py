@@ -35,8 +35,8 @@ PATCH_RESIZE_MODES = ("pi_resize", "bilinear")
 def resize_patch_kernel(weight: torch.Tensor, patch_size: int, mode: str = "pi_resize") -> torch.Tensor:
     """A (d, C, p, p) patch kernel resized to (d, C, patch_size, patch_size).
 
-    'pi_resize': FlexiViT's pseudo-inverse resize (pi_resize.py; equal to timm's resample_patch_embed): a patch upsampled
-    bilinearly to the new size gives the same token as the original patch under the old kernel, so token
+    'pi_resize': FlexiViT's pseudo-inverse resize (pi_resize.py; equal to timm's resample_patch_embed): a patch
+    upsampled to the new size gives the same token as the original patch under the old kernel, so token
     norms are kept. 'bilinear': the kernel itself resampled (antialiased when shrinking, as
     jax.image.resize), what the CRATE-alpha paper did; values keep their scale, so a kernel shrunk from
     32 to 8 px sums 16x fewer pixels and gives about 16x smaller tokens.

@@ -79,8 +79,8 @@ def evaluate_after_stage(cfg: RunConfig, stage: ResolvedStage, weights: dict, pr
         except (ValueError, FileNotFoundError) as exc:   # the evaluations' refusals and data errors
             raise EvalRefusedError(
                 f"stage {stage.index} ({stage.name}) evaluation at {size} px ({resize}): {exc}. The stage's final "
-                f"checkpoint {checkpoint_tag(stage.index, stage.steps)} is kept; once this is fixed, --resume latest runs the "
-                "missing evaluations") from exc
+                f"checkpoint {checkpoint_tag(stage.index, stage.steps)} is kept; once this is fixed, --resume latest "
+                "runs the missing evaluations") from exc
         for name, res in results.items():
             record = EvalRecord(stage.index, stage.name, name, size, stage.image_size, tower_patch_size(model),
                                 resize, stage.context_length, progress.samples_seen, progress.global_step,
