@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from crate_clip.cli import main as crate_clip_main
-from crate_clip.eval import linear_probe
+from crate_clip.eval.tasks import linear_probe
 from eval_fixtures import PER_CLASS, read_idx
 
 

@@ -54,7 +54,7 @@ def test_wheel_has_only_crate_clip_at_top_level(built_wheel):
         declared = zf.read(f"{dist_info[0]}/top_level.txt").decode().split()
     assert declared == ["crate_clip"]
     # the mapped folders and the model configs (package data) are in, under the one name
-    for must in ("crate_clip/eval/zeroshot.py", "crate_clip/data/train_stream.py", "crate_clip/core/errors.py"):
+    for must in ("crate_clip/eval/tasks/zeroshot.py", "crate_clip/data/train_stream.py", "crate_clip/core/errors.py"):
         assert must in names
     assert any(n.startswith("crate_clip/models/model_configs/") and n.endswith(".json") for n in names)
 
@@ -68,4 +68,4 @@ def test_warning_pattern_sees_setuptools_warnings():
     """The check above can fail: the lines setuptools printed for the data folder taken for a package match."""
     assert WARNING.search("build_py.py:215: BuildBackendWarning: Package 'crate_clip.models.model_configs' is absent")
     assert WARNING.search("  warning: no files found matching 'eval/classnames/*.txt'")
-    assert not WARNING.search("copying crate_clip/eval/zeroshot.py -> build/lib/crate_clip/eval")
+    assert not WARNING.search("copying crate_clip/eval/tasks/zeroshot.py -> build/lib/crate_clip/eval")

@@ -181,7 +181,7 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     import torch
 
     from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_eval_folder
-    from crate_clip.eval import linear_probe
+    from crate_clip.eval.tasks import linear_probe
     from crate_clip.eval.model_loading import load_eval_model
 
     export = run_dir / "export"
@@ -195,8 +195,8 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     model, preprocess, _, _ = load_eval_model(f"local-dir:{export}", image_size=size)
     settings = linear_probe.Settings(train_data=str(train_dir), data=str(test_dir), dataset="fashion_mnist",
                                      batch_size=500)
-    metrics = linear_probe.run(model, preprocess=preprocess, settings=settings, progress=False,
-                               cache_dir=run_dir / "eval_cache")
+    metrics = linear_probe.linear_probe_evaluate(model, preprocess=preprocess, settings=settings, progress=False,
+                                                 cache_dir=run_dir / "eval_cache")
     print(f"[demo] {linear_probe.summary(metrics)} in {metrics['extract_seconds'] + metrics['probe_seconds']:.0f} s")
     (run_dir / "linear_probe.json").write_text(json.dumps(metrics, indent=1))
     return metrics
