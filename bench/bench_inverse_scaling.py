@@ -23,6 +23,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -205,7 +206,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 def write_docs(args, runs: list[dict], rows: list[dict], started: str, wall: float) -> None:
     args.docs.mkdir(parents=True, exist_ok=True)
     meta = {"date": started, "machine": f"{platform.machine()} {os.cpu_count()} CPU cores (shared)",
-            "command": "python bench/bench_inverse_scaling.py " + " ".join(sys.argv[1:]), "wall_seconds": wall,
+            "command": shlex.join(["python", "bench/bench_inverse_scaling.py", *sys.argv[1:]]), "wall_seconds": wall,
             "label": args.label, "samples": args.samples, "eval_images": args.eval_images,
             "finetune_share": FINETUNE_SHARE, "finetune_lr_ratio": FINETUNE_LR_RATIO}
     (args.docs / "inverse_scaling.json").write_text(json.dumps({**meta, "rows": rows, "runs": runs}, indent=1))
@@ -218,7 +219,8 @@ def write_docs(args, runs: list[dict], rows: list[dict], started: str, wall: flo
               f"patch 7 with 8 text tokens (random text mask), then a fine-tune at 28 px / 16 tokens on "
               f"{FINETUNE_SHARE:.0%} of the full arm's samples at {FINETUNE_LR_RATIO:g}x the peak rate, its "
               f"first stage sized to the same training FLOPs (step meter). Zero-shot top-1 at 28 px on "
-              f"{args.eval_images:,} test images (low-res checkpoints: patch grid kept, `--resize patch`).", "",
+              f"{args.eval_images:,} test images (low-res checkpoints: patch grid kept, `--resize patch`); "
+              "'FLOPs to ...' is the first checkpoint crossing, so an arm may reach it before its end.", "",
               "| width | arm | seeds | samples | final top-1 (%) | FLOPs to the full arm's final top-1 |",
               "|---|---|---|---|---|---|"]
     for r in rows:
