@@ -20,15 +20,16 @@ def test_the_saving_is_read_from_the_meter_and_the_studys_recorded_result(tmp_pa
         "reached 85.00% with 0.60 TFLOP of training (step meter): 60% of the same 10,000 samples at full "
         "resolution (its last stage's)"]
     study = tmp_path / "inverse_scaling.json"
-    rows = [{"model": "M", "arm": "full", "total_flops": 2e11, "samples": [1600], "seeds": 3},
-            {"model": "M", "arm": "clipa", "flops_share_mean": 0.62, "flops_share_std": 0.05, "reached": 3, "seeds": 3}]
+    rows = [{"model": "M", "arm": "full", "total_flops": 2e11, "samples": [1600], "seeds": 3, "final_top1_mean": 44.9},
+            {"model": "M", "arm": "clipa", "flops_share_mean": 0.62, "flops_share_std": 0.05, "reached": 3, "seeds": 3,
+             "final_top1_mean": 33.8}]
     study.write_text(json.dumps({"date": "2026-12-02 04:00 UTC", "label": "REDUCED configuration (tiny)",
                                  "rows": rows}))
     full_line, study_line = savings_lines(run, 0.85, "M", study=study)
     assert "48% of the same 10,000 samples at full resolution (28 px / patch 7" in full_line   # 6e11 / (1e4 * 1.25e8)
     assert study_line == ("the CLIPA recipe reached the full-resolution recipe's final top-1 with 62 ± 5% of its "
-                          "FLOPs (3/3 seeds) (bench/bench_inverse_scaling.py, 2026-12-02 04:00 UTC, 3 seeds; "
-                          "REDUCED configuration)")
+                          "FLOPs (3/3 seeds; final top-1 33.80% vs 44.90%) (bench/bench_inverse_scaling.py, "
+                          "2026-12-02 04:00 UTC, 3 seeds; REDUCED configuration)")
     rows[1].update(flops_share_mean=None, flops_share_std=None, reached=0)
     study.write_text(json.dumps({"date": "d", "rows": rows}))
     assert "did not reach" in savings_lines(run, 0.85, "M", study=study)[1]

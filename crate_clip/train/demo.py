@@ -169,9 +169,12 @@ def savings_lines(run_dir: Path, final_top1: float, model: str, study: Path = ST
             lines.append(f"at equal FLOPs the CLIPA recipe did not reach the full-resolution recipe's final "
                          f"top-1 in the study {where}")
         else:
+            full = rows.get((model, "full"))
+            ends = (f"; final top-1 {row['final_top1_mean']:.2f}% vs {full['final_top1_mean']:.2f}%"
+                    if full and "final_top1_mean" in row else "")
             lines.append(f"the CLIPA recipe reached the full-resolution recipe's final top-1 with "
                          f"{100 * row['flops_share_mean']:.0f} ± {100 * row['flops_share_std']:.0f}% of its FLOPs "
-                         f"({row['reached']}/{row['seeds']} seeds) {where}")
+                         f"({row['reached']}/{row['seeds']} seeds{ends}) {where}")
     return lines
 
 
