@@ -14,6 +14,7 @@ from crate_clip.core.cli_numbers import bounded
 from crate_clip.core.errors import report_error
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_tokenizers import TokenizerUnavailableError
+from crate_clip.models.patch_change import RESOLUTION_RESIZE_MODES
 from crate_clip.eval.distributed_batches import rank_and_world
 from crate_clip.eval.eval_settings import EvalSettings
 from crate_clip.eval.tasks.linear_probe import TIMM_PREFIX, load_timm_classifier
@@ -52,7 +53,11 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                                              "crate_alpha_CLIPA_*.pth) or DeepSpeed checkpoint for --model NAME")
     for flag, key in COMMON_OPTIONS.items():
         _option(parser, flag, EvalSettings.model_fields[key], required=key == "data")
-    parser.add_argument("--image-size", type=int, help="evaluate at this resolution (pos-embeds resized)")
+    parser.add_argument("--image-size", type=int, help="evaluate at this resolution (how: --resize)")
+    parser.add_argument("--resize", choices=RESOLUTION_RESIZE_MODES, default="grid",
+                        help="how a model runs at another --image-size: grid (the patch grid grows or shrinks, "
+                             "position embeddings resampled) or patch (the grid kept, the patch kernel PI-resized "
+                             "as FlexiViT; CRATE-alpha towers) (default: grid)")
     parser.add_argument("--bert-vocab", help="folder holding vocab.txt: the BERT tokenizer of CLIPA-text models "
                                              "without the HuggingFace hub (default: hub / HF cache, or what a "
                                              "DeepSpeed checkpoint recorded)")
@@ -116,7 +121,8 @@ def main(argv=None) -> int:
         else:
             with trusted_checkpoints(args.trust_checkpoint):
                 model, preprocess, tokenizer, _ = load_eval_model(args.model, args.pretrained, args.image_size,
-                                                                  device, bert_vocab=args.bert_vocab)
+                                                                  device, bert_vocab=args.bert_vocab,
+                                                                  resize=args.resize)
         context = EvalContext(tokenizer=tokenizer, preprocess=preprocess, device=device, precision=args.precision,
                               cache_dir=args.cache_dir or None, progress=not args.no_progress)
         metrics = run_task(model, settings, context)

@@ -22,7 +22,8 @@ from crate_clip.models.clip_factory import create_clip, load_clip_weights, read_
 from crate_clip.models.clip_tokenizers import clip_tokenizer
 from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR, WEIGHTS_FILES
 from crate_clip.models.export_loading import create_from_export
-from crate_clip.models.patch_change import checkpoint_input_sizes, create_clip_at_patch
+from crate_clip.models.patch_change import (RESOLUTION_RESIZE_MODES, checkpoint_input_sizes, create_clip_at_patch,
+                                           patch_input_size, set_resolution_by_patch, tower_patch_size)
 from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
 
 
@@ -46,15 +47,21 @@ def eval_tokenizer(model_name: str, model: torch.nn.Module, bert_vocab: str | No
 
 
 def load_eval_model(model: str, pretrained: str | None = None, image_size: int | None = None, device="cpu",
-                    precision: str = "fp32", bert_vocab: str | None = None):
+                    precision: str = "fp32", bert_vocab: str | None = None, resize: str = "grid"):
     """(model, preprocess, tokenizer, model_name) from a name + weights file (ours or the official
     CRATE-alpha-CLIPA layout), `local-dir:`, or a DeepSpeed checkpoint.
 
     Weights stay fp32 (`precision='bf16'` evaluates under autocast); a checkpoint that does not fit the
     model config raises CheckpointMismatchError naming the missing and unexpected keys, one with NaN/inf
     weights NonFiniteWeightsError naming the tensors. The tokenizer is the one recorded in a DeepSpeed
-    checkpoint unless `bert_vocab` is given.
+    checkpoint unless `bert_vocab` is given. At another `image_size`, `resize` says how (patch_change.py's
+    RESOLUTION_RESIZE_MODES): 'grid' resamples the position embedding to the new grid, 'patch' keeps the grid
+    and PI-resizes the patch kernel.
     """
+    if resize not in RESOLUTION_RESIZE_MODES:
+        raise ValueError(f"--resize must be one of {RESOLUTION_RESIZE_MODES}, got {resize!r}")
+    by_patch = resize == "patch" and image_size is not None
+    requested, image_size = image_size, (None if by_patch else image_size)   # 'patch': built at its own size
     if model.startswith(LOCAL_DIR):
         clip, model_name, info = _from_local_dir(model, image_size), model, {}
     elif is_deepspeed_checkpoint(model) or is_deepspeed_checkpoint(pretrained):
@@ -66,6 +73,12 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
         _check_model_name(model)
         clip, model_name, info = _from_weights_file(model, pretrained, image_size), model, {}
     check_finite_weights(clip, pretrained or model)
+    if by_patch:
+        old = tower_patch_size(clip)
+        patch = set_resolution_by_patch(clip, requested)
+        image_size = patch_input_size(clip)   # the images are resized to whole patches
+        print(f"note: --resize patch: kernel {old} -> {patch} px (PI-resize), patch grid kept, {requested} px "
+              f"requested: images resized to {image_size} px", file=sys.stderr)
     clip = clip.to(device).eval()
     bert_vocab = bert_vocab or _recorded_vocab(info)
     return clip, eval_transform(clip, image_size), eval_tokenizer(model_name, clip, bert_vocab), model_name
@@ -123,7 +136,7 @@ def _check_model_name(model: str) -> None:
                    f"fix: pass one checkpoint folder, e.g. --model {folder / newest} (the newest complete one)")
         elif (folder / "checkpoints").is_dir():
             fix = f"a run folder; fix: pass its checkpoints, --model {folder / 'checkpoints'}"
-        elif (folder / "open_clip_config.json").is_file():
+        elif (folder / CONFIG_FILE).is_file():
             fix = f"an export; fix: pass --model local-dir:{model}"
         else:
             fix = ("a folder that is neither a DeepSpeed checkpoint (<run>/checkpoints with a `latest` file, or one "

@@ -22,13 +22,16 @@ def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd
             "--train-images", "192", "--test-images", "40", "--probe-train-images", "60"]
     assert main(argv + [arg for o in TINY_RUN for arg in ("--set", o)]) == 0
     results = read_jsonl(run / RESULTS_FILE)
-    assert [(r["stage_name"], r["image_size"], r["n_images"]) for r in results] == [
-        ("lowres", 21, 40), ("lowres", 28, 40), ("fullres", 28, 40)]
-    assert {r["patch_size"] for r in results} == {7}   # the demo moves the tiny tower to 7 px patches
+    # stage 0 at 21 px / patch 7, then evaluated at 28 px by grid growth (p7, 4x4) and by patch resize (p9, 3x3);
+    # stage 1 at 28 px / patch 9
+    assert [(r["stage_name"], r["image_size"], r["resize"], r["patch_size"], r["n_images"]) for r in results] == [
+        ("lowres", 21, "grid", 7, 40), ("lowres", 28, "grid", 7, 40), ("lowres", 28, "patch", 9, 40),
+        ("fullres", 28, "grid", 9, 40)]
     out, err = capfd.readouterr()   # the trainer's processes write to the file descriptors
     assert "zero-shot top-1 on the 40 Fashion-MNIST test images" in out and "stage 1 fullres" in out
+    assert "(grid kept, kernel PI-resized)" in out and "TFLOP of training (step meter)" in out
     vision_cfg = json.loads((run / "export" / "open_clip_config.json").read_text())["model_cfg"]["vision_cfg"]
-    assert (vision_cfg["image_size"], vision_cfg["patch_size"]) == (28, 7)
+    assert (vision_cfg["image_size"], vision_cfg["patch_size"]) == (28, 9)
     assert (run / "training_curve.png").is_file()
     # no misleading random-init notice (weights are loaded or random by design), and no
     # torch deprecation notices of the collectives DeepSpeed and open_clip's ClipLoss call (one per rank)

@@ -80,8 +80,9 @@ def _result_lines(source: ExportSource, run: dict) -> list[str]:
             summary = summary_line(row, eval_type=types.get(row.get("eval"), "zeroshot"))
         except (KeyError, TypeError, ValueError):
             summary = ", ".join(f"{k} {v}" for k, v in row.items() if isinstance(v, float))
+        how = " (patch grid kept, kernel PI-resized)" if row.get("resize") == "patch" else ""
         lines.append(f"- stage {row.get('stage_index')} ({row.get('stage_name')}), `{row.get('eval')}` at "
-                     f"{row.get('image_size')} px: {summary}")
+                     f"{row.get('image_size')} px{how}: {summary}")
     return lines
 
 

@@ -157,5 +157,5 @@ def _results(tag_dir: Path, info: dict) -> list[dict]:
     rows = {}
     for row in read_jsonl(run_dir / RESULTS_FILE):
         if row.get("stage_index", -1) < stage or (finished and row.get("stage_index") == stage):
-            rows[(row.get("stage_index"), row.get("eval"), row.get("image_size"))] = row
-    return [rows[k] for k in sorted(rows, key=lambda k: (k[0] or 0, str(k[1]), k[2] or 0))]
+            rows[(row.get("stage_index"), row.get("eval"), row.get("image_size"), row.get("resize", "grid"))] = row
+    return [rows[k] for k in sorted(rows, key=lambda k: (k[0] or 0, str(k[1]), k[2] or 0, k[3]))]

@@ -14,13 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from timm.layers import DropPath, resample_patch_embed, to_2tuple
+from timm.layers import DropPath, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from crate_clip.core.image_normalization import IMAGENET_MEAN, IMAGENET_STD
 from crate_clip.models.ista import ISTA
 from crate_clip.models.mssa import MSSA
+from crate_clip.models.pi_resize import pi_resize_kernel
 from crate_clip.models.pos_embed import resize_image_pos_embed, square_grid
 from crate_clip.models.token_masks import apply_token_mask, check_token_mask
 
@@ -34,8 +35,8 @@ PATCH_RESIZE_MODES = ("pi_resize", "bilinear")
 def resize_patch_kernel(weight: torch.Tensor, patch_size: int, mode: str = "pi_resize") -> torch.Tensor:
     """A (d, C, p, p) patch kernel resized to (d, C, patch_size, patch_size).
 
-    'pi_resize': FlexiViT's pseudo-inverse resize (timm's resample_patch_embed): a patch upsampled
-    bilinearly to the new size gives the same token as the original patch under the old kernel, so token
+    'pi_resize': FlexiViT's pseudo-inverse resize (pi_resize.py; equal to timm's resample_patch_embed): a patch
+    upsampled to the new size gives the same token as the original patch under the old kernel, so token
     norms are kept. 'bilinear': the kernel itself resampled (antialiased when shrinking, as
     jax.image.resize), what the CRATE-alpha paper did; values keep their scale, so a kernel shrunk from
     32 to 8 px sums 16x fewer pixels and gives about 16x smaller tokens.
@@ -45,7 +46,7 @@ def resize_patch_kernel(weight: torch.Tensor, patch_size: int, mode: str = "pi_r
     if weight.shape[-2:] == (patch_size, patch_size):
         return weight
     if mode == "pi_resize":
-        return resample_patch_embed(weight.float(), [patch_size, patch_size]).to(weight.dtype)
+        return pi_resize_kernel(weight.float(), patch_size).to(weight.dtype)
     return F.interpolate(weight.float(), size=(patch_size, patch_size), mode="bilinear", align_corners=False,
                          antialias=patch_size < weight.shape[-1]).to(weight.dtype)
 

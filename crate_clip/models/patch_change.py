@@ -59,12 +59,30 @@ def load_clip_weights_at_patch(model: nn.Module, source: Union[str, Path, Dict[s
     trunk = _image_tower(model)
     saved = checkpoint_patch_size(sd)
     if trunk is not None and saved is not None:
+        target = trunk.img_size
         trunk.set_patch_size(saved)   # shapes only: the load below replaces the values
+        grid = _saved_grid(sd)
+        if patch_size is not None and grid is not None and target[0] == target[1] and target[0] // patch_size == grid:
+            # the new patch size keeps the saved grid (e.g. 21 px / p7 -> 28 px / p9): load at the saved size,
+            # then only the kernel changes (PI-resize), the position embedding is kept exactly
+            trunk.set_input_size(grid * saved)
+            load_clip_weights(model, sd, pos_embed_resize=pos_embed_resize)
+            trunk.img_size = target
+            trunk.set_patch_size(patch_size, resize)
+            return
     load_clip_weights(model, sd, pos_embed_resize=pos_embed_resize)
     if patch_size is not None:
         if trunk is None:
             raise ValueError(f"patch_size {patch_size}: only a CRATE-alpha image tower can change its patch size")
         trunk.set_patch_size(patch_size, resize)
+
+
+def _saved_grid(state_dict: Dict[str, torch.Tensor]) -> Optional[int]:
+    pos = state_dict.get(IMAGE_POS_KEY)
+    try:
+        return square_grid(pos.shape[1])[0] if pos is not None and pos.ndim == 3 else None
+    except ValueError:
+        return None
 
 
 def create_clip_at_patch(model_name: str, source=None, patch_size: Optional[int] = None,
@@ -101,3 +119,44 @@ def register_tower_of(model_cfg: dict) -> None:
     except ValueError:
         return
     register_clip_tower(name)
+
+
+# How a model runs at an image size other than its own (`crate-clip eval --resize`, the stage evaluations):
+# 'grid' grows (or shrinks) the patch grid at the same patch size, the position embedding resampled;
+# 'patch' keeps the grid and PI-resizes the patch kernel (FlexiViT), so each token still covers the same
+# share of the image it covered in training.
+RESOLUTION_RESIZE_MODES = ("grid", "patch")
+
+
+def patch_for_image_size(grid: int, image_size: int) -> int:
+    """The patch size that lays `grid` whole patches across `image_size` px (leftover pixels, fewer than one
+    patch, are dropped by the VALID conv as always); ValueError when none does."""
+    patch = image_size // grid if grid > 0 else 0
+    if patch < 1 or image_size // patch != grid:
+        raise ValueError(f"--resize patch: {image_size} px cannot hold the model's {grid}x{grid} patch grid with "
+                         f"whole patches of one size; use an image size of at least {grid} px that {grid} patches "
+                         f"of {max(patch, 1)}+ px fill, or --resize grid")
+    return patch
+
+
+def set_resolution_by_patch(model: nn.Module, image_size: int) -> int:
+    """Run a CRATE-alpha CLIP at `image_size` with its patch grid and position embedding kept: the kernel is
+    PI-resized to image_size // grid px, and the tower's input is grid x that many px (28 px on a 3x3 grid:
+    patch 9, a 27 px input; the images are resized to it, so the patches tile them as they tiled the training
+    images, where cropping the leftover pixel would shift every patch by a fraction of the scale).
+    Returns the new patch size; the input size is `patch_input_size(model)`."""
+    trunk = _image_tower(model)
+    if trunk is None:
+        raise ValueError("--resize patch: only a CRATE-alpha image tower can change its patch size; use --resize grid")
+    gh, gw = trunk.grid_size
+    if gh != gw:
+        raise ValueError(f"--resize patch: the tower's patch grid {gh}x{gw} is not square")
+    patch = patch_for_image_size(gh, image_size)
+    trunk.img_size = (gh * patch, gh * patch)   # the grid at the new patch size is the old one: pos-embed kept
+    trunk.set_patch_size(patch, "pi_resize")
+    return patch
+
+
+def patch_input_size(model: nn.Module) -> int:
+    """The image side a CRATE-alpha tower takes (its img_size; grid x patch after set_resolution_by_patch)."""
+    return _image_tower(model).img_size[0]

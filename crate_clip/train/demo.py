@@ -23,6 +23,7 @@ from crate_clip.data.sources.debian_packages import DEBIAN_PACKAGES
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo" / "fashion_mnist.yaml"
 DEB_PACKAGE = DEBIAN_PACKAGES["fashion_mnist"]
+STUDY_RESULTS = REPO_ROOT / "docs" / "inverse_scaling.json"   # written by bench/bench_inverse_scaling.py
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,10 +122,64 @@ def summarize(run_dir: Path) -> list[dict]:
         return []
     print(f"\n[demo] zero-shot top-1 on the {results[0]['n_images']:,} Fashion-MNIST test images:")
     for r in results:
+        if r.get("top1") is None:   # a skipped evaluation (its reason is in the training log)
+            continue
         patch = f" / patch {r['patch_size']}" if r.get("patch_size") else ""
-        print(f"  stage {r['stage_index']} {r['stage_name']:<8} trained at {r['stage_image_size']:>3} px{patch}, "
-              f"evaluated at {r['image_size']:>3} px: {100 * r['top1']:6.2f}%")
+        how = " (grid kept, kernel PI-resized)" if r.get("resize") == "patch" else (
+            " (grid grown)" if r["image_size"] != r["stage_image_size"] else "")
+        print(f"  stage {r['stage_index']} {r['stage_name']:<8} trained at {r['stage_image_size']:>3} px, "
+              f"evaluated at {r['image_size']:>3} px{patch}{how}: {100 * r['top1']:6.2f}%")
     return results
+
+
+def training_flops(run_dir: Path) -> tuple[float, int, float] | None:
+    """(the run's training FLOPs, its samples, the last stage's FLOPs per sample), from the step meter's records
+    in metrics.jsonl (flops_per_sample of each stage x its samples)."""
+    from crate_clip.train.metrics_log import METRICS_FILE, read_jsonl
+
+    last: dict[int, dict] = {}
+    for r in read_jsonl(run_dir / METRICS_FILE):
+        if r.get("flops_per_sample") and r.get("samples_seen") is not None:
+            last[r["stage_index"]] = r
+    if not last:
+        return None
+    done, spent = 0, 0.0
+    for index in sorted(last):
+        spent += (last[index]["samples_seen"] - done) * last[index]["flops_per_sample"]
+        done = last[index]["samples_seen"]
+    return spent, done, last[max(last)]["flops_per_sample"]
+
+
+def savings_lines(run_dir: Path, final_top1: float, model: str, study: Path = STUDY_RESULTS) -> list[str]:
+    """What the CLIPA schedule saved: this run's FLOPs against the same samples in the full-resolution recipe (the
+    study's full arm per sample; without the study, the last stage's), and the compute-matched study's recorded
+    result (the FLOPs the CLIPA arm needed to reach the full arm's accuracy)."""
+    rec = json.loads(study.read_text()) if study.is_file() else {}
+    rows = {(r["model"], r["arm"]): r for r in rec.get("rows", [])}
+    lines, flops = [], training_flops(run_dir)
+    if flops:
+        spent, samples, last = flops
+        full = rows.get((model, "full"))
+        per_sample = full["total_flops"] / sum(full["samples"]) if full else last
+        what = "28 px / patch 7, 16 text tokens, the study's full arm" if full else "its last stage's"
+        lines.append(f"reached {100 * final_top1:.2f}% with {spent / 1e12:.2f} TFLOP of training (step meter): "
+                     f"{100 * spent / (samples * per_sample):.0f}% of the same {samples:,} samples at full "
+                     f"resolution ({what})")
+    row = rows.get((model, "clipa"))
+    if row is not None:
+        label = "; " + rec["label"].split(" (")[0] if rec.get("label") else ""
+        where = f"(bench/bench_inverse_scaling.py, {rec['date']}, {row['seeds']} seeds{label})"
+        if row["flops_share_mean"] is None:
+            lines.append(f"at equal FLOPs the CLIPA recipe did not reach the full-resolution recipe's final "
+                         f"top-1 in the study {where}")
+        else:
+            full = rows.get((model, "full"))
+            ends = (f"; final top-1 {row['final_top1_mean']:.2f}% vs {full['final_top1_mean']:.2f}%"
+                    if full and "final_top1_mean" in row else "")
+            lines.append(f"the CLIPA recipe reached the full-resolution recipe's final top-1 with "
+                         f"{100 * row['flops_share_mean']:.0f} ± {100 * row['flops_share_std']:.0f}% of its FLOPs "
+                         f"({row['reached']}/{row['seeds']} seeds{ends}) {where}")
+    return lines
 
 
 def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_images: int) -> dict | None:
@@ -188,6 +243,10 @@ def main(argv=None) -> int:
         print(f"[demo] final model on the {results[-1]['n_images']:,} test images: zero-shot top-1 "
               f"{100 * results[-1]['top1']:.2f}%, "
               f"linear probe top-1 {100 * probe['top1']:.2f}% ({probe['n_train']} labelled training images)")
+    import yaml
+    model = yaml.safe_load(Path(args.config).read_text())["model"]["name"]
+    for line in savings_lines(run_dir, results[-1]["top1"], model) if results else []:
+        print(f"[demo] {line}")
     print(f"[demo] plot: {run_dir / PLOT_FILE}\n[demo] export: {export_dir(run_dir)} "
           f"(open_clip.create_model_and_transforms('local-dir:{export_dir(run_dir)}') after `import crate_clip`)")
     print(f"[demo] finished in {time.perf_counter() - t0:.0f} s")

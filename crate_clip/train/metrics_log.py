@@ -109,13 +109,14 @@ class MetricsLog:
             f.write(json.dumps(record.as_dict()) + "\n")
         numbers = {k: v for k, v in record.results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
-            tag = f"eval/{record.eval}@{record.image_size}px"
+            tag = f"eval/{record.eval}@{record.image_size}px" + ("-patch" if record.resize == "patch" else "")
             for key, value in numbers.items():
                 self._tb.add_scalar(f"{tag}/{key}", value, record.samples_seen)
             self._tb.flush()
         summary = summary or "  ".join(f"{k} {v:.4g}" for k, v in numbers.items())
+        how = " (patch grid kept, kernel PI-resized)" if record.resize == "patch" else ""
         self.print(f"[eval] stage {record.stage_index} ({record.stage_name}) {record.eval} at "
-                   f"{record.image_size} px: {summary}")
+                   f"{record.image_size} px{how}: {summary}")
 
     def close(self) -> None:
         """Flush TensorBoard."""
@@ -193,7 +194,8 @@ def write_plot(run_dir: Path) -> Path | None:
 
     run_dir = Path(run_dir)
     steps = latest_per_step([r for r in read_jsonl(run_dir / METRICS_FILE) if r.get("loss") is not None])
-    results = [r for r in read_jsonl(run_dir / RESULTS_FILE) if r.get("top1") is not None]  # classification
+    results = [r for r in read_jsonl(run_dir / RESULTS_FILE)   # classification, the grids the stages trained on
+               if r.get("top1") is not None and r.get("resize", "grid") == "grid"]
     if not steps:
         return None
     records = latest_per_step(read_jsonl(run_dir / METRICS_FILE))

@@ -1,6 +1,8 @@
 """The evaluations after each stage: which are due, running them on all ranks, recording them in results.jsonl.
 
-A stage's evaluations are due at its own image size and, after a low-resolution stage, at the full size.
+A stage's evaluations are due at its own image size and, after a low-resolution stage, at the full size twice:
+with the patch grid grown (resize 'grid', position embeddings resampled) and with the grid kept and the patch
+kernel PI-resized (resize 'patch', patch_change.set_resolution_by_patch), when whole patches fit.
 results.jsonl is the record of which are done, so a run killed between two of them runs exactly the missing
 ones on resume, and the stage's final checkpoint is kept (CheckpointManager's `protect`) until all are done.
 """
@@ -12,7 +14,9 @@ from typing import Optional
 import torch.distributed as tdist
 
 from crate_clip.core.errors import UserError
-from crate_clip.models.patch_change import tower_patch_size
+from crate_clip.models.open_clip_configs import image_patch_size
+from crate_clip.models.patch_change import (patch_for_image_size, patch_input_size, set_resolution_by_patch,
+                                           tower_patch_size)
 from crate_clip.train.checkpoints import Progress, checkpoint_tag
 from crate_clip.train.engine import DistInfo
 from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl
@@ -40,6 +44,7 @@ class EvalRecord:
     image_size: int
     stage_image_size: int
     patch_size: Optional[int]
+    resize: str                    # how the weights reached image_size: 'grid' (also: at their own size) or 'patch'
     context_length: int
     samples_seen: int
     global_step: int
@@ -58,22 +63,27 @@ def evaluate_after_stage(cfg: RunConfig, stage: ResolvedStage, weights: dict, pr
     training precision (bf16 matmuls are several times faster)."""
     spec_types = {e.name: e.type for e in cfg.eval.evals}
     records = []
-    for size, evals in agreed_missing_evals(cfg, stage.index, dist).items():
-        model = stage.build_model(weights, image_size=size, train=False).to(dist.device).eval()
+    for (size, resize), evals in agreed_missing_evals(cfg, stage.index, dist).items():
+        try:
+            model = build_eval_model(stage, weights, size, resize).to(dist.device).eval()
+        except ValueError as exc:   # 'patch': the tower cannot keep its grid at `size` (recorded, not retried)
+            records += _skipped(stage, evals, size, resize, progress, log, str(exc))
+            continue
+        pixels = size if resize == "grid" else patch_input_size(model)   # 'patch': resized to whole patches
         try:
             check_finite_weights(model, f"stage {stage.index} ({stage.name})")
             results = evaluate_stage(model, model_name=cfg.model.name, evals=evals,
-                                     image_size=size, device=dist.device, precision=cfg.precision,
+                                     image_size=pixels, device=dist.device, precision=cfg.precision,
                                      cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main,
                                      bert_vocab=cfg.model.bert_vocab)
         except (ValueError, FileNotFoundError) as exc:   # the evaluations' refusals and data errors
             raise EvalRefusedError(
-                f"stage {stage.index} ({stage.name}) evaluation at {size} px: {exc}. The stage's final checkpoint "
-                f"{checkpoint_tag(stage.index, stage.steps)} is kept; once this is fixed, --resume latest runs the "
-                "missing evaluations") from exc
+                f"stage {stage.index} ({stage.name}) evaluation at {size} px ({resize}): {exc}. The stage's final "
+                f"checkpoint {checkpoint_tag(stage.index, stage.steps)} is kept; once this is fixed, --resume latest "
+                "runs the missing evaluations") from exc
         for name, res in results.items():
             record = EvalRecord(stage.index, stage.name, name, size, stage.image_size, tower_patch_size(model),
-                                stage.context_length, progress.samples_seen, progress.global_step,
+                                resize, stage.context_length, progress.samples_seen, progress.global_step,
                                 {k: v for k, v in res.items() if isinstance(v, (int, float, str, list)) or v is None})
             records.append(record.as_dict())
             log.log_eval(record, summary_line(res, eval_type=spec_types[name]))
@@ -81,19 +91,58 @@ def evaluate_after_stage(cfg: RunConfig, stage: ResolvedStage, weights: dict, pr
     return records
 
 
-def missing_evals(cfg: RunConfig, stage_index: int) -> dict[int, list]:
-    """image size -> the declared evaluations of the stage not yet in results.jsonl at that size."""
+def _skipped(stage: ResolvedStage, evals: list, size: int, resize: str, progress: Progress, log: MetricsLog,
+             reason: str) -> list[dict]:
+    """Rows saying why the evaluations at (size, resize) were not run (they count as done)."""
+    rows = []
+    for spec in evals:
+        record = EvalRecord(stage.index, stage.name, spec.name, size, stage.image_size, stage.patch_size, resize,
+                            stage.context_length, progress.samples_seen, progress.global_step, {"skipped": reason})
+        rows.append(record.as_dict())
+        log.log_eval(record, f"skipped: {reason}")
+    return rows
+
+
+def build_eval_model(stage: ResolvedStage, weights: dict, size: int, resize: str):
+    """The stage's weights at `size`: the grid resized to it ('grid'), or the grid kept and the kernel PI-resized
+    ('patch')."""
+    if resize == "grid":
+        return stage.build_model(weights, image_size=size, train=False)
+    model = stage.build_model(weights, train=False)
+    set_resolution_by_patch(model, size)
+    return model
+
+
+def eval_points(cfg: RunConfig, stage_index: int) -> list[tuple[int, str]]:
+    """(image size, resize) of the stage's evaluations: its own size; after a low-resolution stage the full
+    size by grid growth and, when the stage's patch grid fits the full size in whole patches, by patch resize."""
+    stage = cfg.stages[stage_index]
+    full = cfg.full_image_size
+    if full == stage.image_size:
+        return [(stage.image_size, "grid")]
+    points = [(stage.image_size, "grid"), (full, "grid")]
+    patch = cfg.patch_size_at(stage_index) or image_patch_size(cfg.model.name)
+    try:
+        patch_for_image_size(stage.image_size // patch, full)
+        points.append((full, "patch"))
+    except (ValueError, TypeError):   # no whole-patch fit (or no known patch size): grid growth only
+        pass
+    return points
+
+
+def missing_evals(cfg: RunConfig, stage_index: int) -> dict[tuple[int, str], list]:
+    """(image size, resize) -> the declared evaluations of the stage not yet in results.jsonl there (rows of
+    earlier versions, without 'resize', are grid rows)."""
     if not (cfg.eval.after_each_stage and cfg.eval.evals):
         return {}
-    stage = cfg.stages[stage_index]
-    sizes = [stage.image_size] + ([cfg.full_image_size] if cfg.full_image_size != stage.image_size else [])
-    done = {(r.get("eval"), r.get("image_size")) for r in read_jsonl(cfg.run_dir / RESULTS_FILE)
-            if r.get("stage_index") == stage_index}
-    missing = {size: [e for e in cfg.eval.evals if (e.name, size) not in done] for size in sizes}
-    return {size: evals for size, evals in missing.items() if evals}
+    rows = [r for r in read_jsonl(cfg.run_dir / RESULTS_FILE) if r.get("stage_index") == stage_index]
+    done = {(r.get("eval"), r.get("image_size"), r.get("resize", "grid")) for r in rows}
+    missing = {point: [e for e in cfg.eval.evals if (e.name, *point) not in done]
+               for point in eval_points(cfg, stage_index)}
+    return {point: evals for point, evals in missing.items() if evals}
 
 
-def agreed_missing_evals(cfg: RunConfig, stage_index: int, dist: DistInfo) -> dict[int, list]:
+def agreed_missing_evals(cfg: RunConfig, stage_index: int, dist: DistInfo) -> dict[tuple[int, str], list]:
     """missing_evals as rank 0 (which writes results.jsonl) sees it, on every rank: all run the same ones."""
     missing = missing_evals(cfg, stage_index)
     if dist.world_size == 1:

@@ -1,0 +1,297 @@
+"""CLIPA's inverse-scaling claim on the demo data, at equal training FLOPs as the step meter counts them.
+
+Two arms per model width and seed, both trained by the real trainer (torchrun, DeepSpeed ZeRO-2, webdataset
+shards of Fashion-MNIST) from the demo config (configs/demo/fashion_mnist.yaml: data, optimizer, batch):
+  full   28 px / patch 7 (16 image tokens), 16 text tokens, the demo's peak rate, for `--samples` samples;
+  clipa  21 px / patch 7 (9 tokens, image resize) with 8 text tokens (the 'random' text mask) for most samples,
+         then a short full-length fine-tune (28 px, 16 text tokens) at a lower peak rate; its sample counts are
+         set so that its training FLOPs (ResolvedStage.counts x samples, what the throughput meter counts) equal
+         the full arm's.
+Checkpoints are evaluated zero-shot at 28 px on `--eval-images` test images spread over the classes (the clipa
+arm's low-resolution checkpoints with the patch grid kept, `--resize patch`). For each arm: the final top-1 and
+the training FLOPs it needs to reach the full arm's final top-1 (the first crossing, linear between checkpoints;
+"not reached" otherwise). Writes docs/inverse_scaling.md, docs/inverse_scaling.json and docs/inverse_scaling.png.
+
+    python bench/bench_inverse_scaling.py                 # the study (under 90 min on the idle 2-core machine)
+    python bench/bench_inverse_scaling.py --smoke         # a few seconds of training: the script works
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = ROOT / "configs" / "demo" / "fashion_mnist.yaml"
+DOCS = ROOT / "docs"
+WIDTHS = {"w128": "CRATE-alpha-CLIPA-tiny", "w64": "CRATE-alpha-CLIPA-tiny-w64"}
+FULL, LOW = dict(image_size=28, context_length=16, text_mask="truncate"), \
+    dict(image_size=21, context_length=8, text_mask="random")
+FINETUNE_SHARE = 0.2      # of the full arm's samples: CLIPA's short full-length stage (the paper: ~17%)
+FINETUNE_LR_RATIO = 0.1   # its peak rate / the first stage's (the paper: 1/20; the demo: see its config)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", type=int, default=51200, help="the full arm's training samples (default 51200)")
+    p.add_argument("--evals", type=int, default=8, help="checkpoints evaluated per arm (default 8)")
+    p.add_argument("--eval-images", type=int, default=2000, help="test images per evaluation (default 2000)")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--widths", nargs="+", default=list(WIDTHS), choices=list(WIDTHS))
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "inverse_scaling", help="runs folder")
+    p.add_argument("--docs", type=Path, default=DOCS, help="where the table, JSON and plot go (default docs/)")
+    p.add_argument("--label", default="", help="a note printed above the table (e.g. 'reduced configuration')")
+    p.add_argument("--smoke", action="store_true", help="tiny runs (1 seed, 1 width, 256 samples): checks the "
+                                                        "script, measures nothing; writes under --out only")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.samples, args.evals, args.eval_images, args.seeds, args.widths = 256, 2, 100, 1, ["w64"]
+        args.docs = args.out / "docs"
+        args.label = args.label or "smoke run: measures nothing"
+    return args
+
+
+def stage(name: str, shape: dict, samples: int, lr: float, base: dict, warmup: int) -> dict:
+    """A run-config stage of the demo's batch, weight decay and patch 7 with `shape` (size, text length, mask)."""
+    warmup = max(0, min(warmup, samples // base["global_batch"] // 4))   # short (smoke) stages: a shorter warm-up
+    return {**{k: base[k] for k in ("global_batch", "weight_decay", "image_mask")}, "name": name, "patch_size": 7,
+            **shape, "samples": samples, "lr": lr, "warmup_steps": warmup}
+
+
+def flops_per_sample(cfg_dict: dict) -> list[float]:
+    """Training FLOPs per sample of each stage, as the step meter counts them (ResolvedStage.counts)."""
+    from crate_clip.train.run_config import config_from_dict
+    from crate_clip.train.stage_model import resolve_stage
+
+    cfg = config_from_dict(cfg_dict, check_paths=False)
+    return [resolve_stage(cfg, i).counts.flops for i in range(len(cfg.stages))]
+
+
+def arm_stages(arm: str, model: str, samples: int, base_cfg: dict) -> list[dict]:
+    """The arm's stages; the clipa arm's sample counts set to the full arm's FLOPs (whole batches)."""
+    base, lr, batch = base_cfg["stages"][0], base_cfg["stages"][0]["lr"], base_cfg["stages"][0]["global_batch"]
+    full = [stage("full", FULL, samples, lr, base, 40)]
+    if arm == "full":
+        return full
+    probe = {**base_cfg, "model": {"name": model},
+             "stages": [stage("low", LOW, 4 * batch, lr, base, 1), stage("fine", FULL, 4 * batch, lr, base, 1)]}
+    f_low, f_full = flops_per_sample(probe)
+    fine = max(batch, round(FINETUNE_SHARE * samples / batch) * batch)
+    low = max(batch, int((samples * f_full - fine * f_full) / f_low) // batch * batch)
+    return [stage("low", LOW, low, lr, base, 40),
+            stage("fine", FULL, fine, lr * FINETUNE_LR_RATIO, base, max(1, fine // batch // 10))]
+
+
+def run_config(model: str, seed: int, stages: list[dict], run_dir: Path, base_cfg: dict, every: int,
+               data_dir: Path) -> dict:
+    """The demo config with this arm's model, seed and stages; checkpoints every `every` steps, all kept; no
+    after-stage evaluations or probes (the study evaluates the checkpoints itself)."""
+    cfg = copy.deepcopy(base_cfg)
+    cfg["run"].update(output_dir=str(run_dir), seed=seed, name=run_dir.name)
+    cfg["model"]["name"] = model
+    cfg["stages"] = stages
+    cfg["data"]["sources"] = [str(data_dir / "train")]
+    cfg["deepspeed"]["config"] = str((DEMO_CONFIG.parent / cfg["deepspeed"]["config"]).resolve())
+    cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "every_steps": every, "keep_last": 10_000}
+    cfg["eval"]["after_each_stage"] = False
+    cfg["eval"]["evals"][0]["data"] = str(data_dir / "test")
+    cfg["logging"]["diagnostics_every"] = 0
+    return cfg
+
+
+def train(cfg: dict, run_dir: Path, nproc: int) -> float:
+    """One training run by the real trainer (torchrun); returns its wall seconds. A finished run is reused."""
+    from crate_clip.train.demo import launch_command
+
+    config = run_dir.with_suffix(".yaml")
+    done = run_dir.with_suffix(".done")
+    text = yaml.safe_dump(cfg, sort_keys=False)
+    if done.is_file() and config.is_file() and config.read_text() == text:
+        return json.loads(done.read_text())["wall_seconds"]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(text)
+    cmd = launch_command(str(config), nproc, [], resume=False, overwrite=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)))
+    t0 = time.perf_counter()
+    with run_dir.with_suffix(".log").open("w") as log:
+        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    wall = time.perf_counter() - t0
+    if rc:
+        raise RuntimeError(f"{run_dir}: training failed (exit {rc}); see {run_dir.with_suffix('.log')}")
+    done.write_text(json.dumps({"wall_seconds": wall}))
+    return wall
+
+
+def evaluate_checkpoints(run_dir: Path, cfg: dict, flops: list[float], eval_images: int) -> list[dict]:
+    """(training FLOPs, samples, top-1) of every checkpoint of the run, zero-shot at 28 px."""
+    import torch
+
+    from crate_clip.checkpoint_io.deepspeed_checkpoints import read_info
+    from crate_clip.eval.model_loading import load_eval_model
+    from crate_clip.eval.registry import EvalContext, parse_eval, run_task
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    batch = cfg["stages"][0]["global_batch"]
+    steps = [s["samples"] // batch for s in cfg["stages"]]
+    spec = {**cfg["eval"]["evals"][0], "max_images": eval_images, "batch_size": 500, "num_workers": 0}
+    points = []
+    for tag in sorted((run_dir / "checkpoints").iterdir()):
+        if not (tag.is_dir() and _complete(tag)):
+            continue
+        info = read_info(tag)
+        idx, step = info["stage_index"], info["step"]
+        done_flops = sum(steps[i] * batch * flops[i] for i in range(idx)) + step * batch * flops[idx]
+        resize = "grid" if cfg["stages"][idx]["image_size"] == FULL["image_size"] else "patch"
+        model, preprocess, tokenizer, _ = load_eval_model(str(tag), image_size=FULL["image_size"], resize=resize)
+        ctx = EvalContext(tokenizer=tokenizer, preprocess=preprocess, device="cpu", precision="fp32",
+                          cache_dir=None, progress=False)
+        top1 = run_task(model, parse_eval(spec), ctx)["top1"]
+        points.append({"stage": idx, "step": step, "flops": done_flops, "top1": top1,
+                       "samples": info["samples_seen"]})
+    return sorted(points, key=lambda p: p["flops"])
+
+
+def _complete(tag: Path) -> bool:
+    from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE
+    return (tag / INFO_FILE).is_file()
+
+
+def flops_to_reach(points: list[dict], target: float) -> float | None:
+    """The training FLOPs at which the curve first reaches `target` (linear between points), None if never."""
+    prev = {"flops": 0.0, "top1": 0.1}   # an untrained 10-class model: chance
+    for p in points:
+        if p["top1"] >= target:
+            if p["top1"] == prev["top1"]:
+                return p["flops"]
+            t = (target - prev["top1"]) / (p["top1"] - prev["top1"])
+            return prev["flops"] + max(0.0, min(1.0, t)) * (p["flops"] - prev["flops"])
+        prev = p
+    return None
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per width and arm: final top-1 and FLOPs to the full arm's final top-1 (same width and seed), over seeds."""
+    rows = []
+    for width in sorted({r["width"] for r in runs}):
+        per_seed_full = {r["seed"]: r for r in runs if r["width"] == width and r["arm"] == "full"}
+        for arm in ("full", "clipa"):
+            mine = [r for r in runs if r["width"] == width and r["arm"] == arm and r["seed"] in per_seed_full]
+            if not mine:
+                continue
+            finals = [100 * r["points"][-1]["top1"] for r in mine]
+            need = [flops_to_reach(r["points"], per_seed_full[r["seed"]]["points"][-1]["top1"]) for r in mine]
+            reached = [n / per_seed_full[r["seed"]]["total_flops"] for n, r in zip(need, mine) if n is not None]
+            rows.append({"width": width, "model": WIDTHS[width], "arm": arm, "seeds": len(mine),
+                         "final_top1_mean": float(np.mean(finals)), "final_top1_std": float(np.std(finals, ddof=0)),
+                         "total_flops": float(np.mean([r["total_flops"] for r in mine])),
+                         "reached": len(reached),
+                         "flops_share_mean": float(np.mean(reached)) if reached else None,
+                         "flops_share_std": float(np.std(reached)) if reached else None,
+                         "samples": mine[0]["samples"]})
+    return rows
+
+
+def write_docs(args, runs: list[dict], rows: list[dict], started: str, wall: float) -> None:
+    args.docs.mkdir(parents=True, exist_ok=True)
+    meta = {"date": started, "machine": f"{platform.machine()} {os.cpu_count()} CPU cores (shared)",
+            "command": shlex.join(["python", "bench/bench_inverse_scaling.py", *sys.argv[1:]]), "wall_seconds": wall,
+            "label": args.label, "samples": args.samples, "eval_images": args.eval_images,
+            "finetune_share": FINETUNE_SHARE, "finetune_lr_ratio": FINETUNE_LR_RATIO}
+    (args.docs / "inverse_scaling.json").write_text(json.dumps({**meta, "rows": rows, "runs": runs}, indent=1))
+    lines = ["# Inverse scaling on Fashion-MNIST: full resolution vs CLIPA at equal training FLOPs", "",
+             "Written by `bench/bench_inverse_scaling.py` (do not edit by hand).", ""]
+    if args.label:
+        lines += [f"**{args.label}**", ""]
+    lines += [f"{meta['date']}, {meta['machine']}, `{meta['command']}`, {wall / 60:.0f} min.", "",
+              f"Arms: **full** = 28 px / patch 7, 16 text tokens, {args.samples:,} samples; **clipa** = 21 px / "
+              f"patch 7 with 8 text tokens (random text mask), then a fine-tune at 28 px / 16 tokens on "
+              f"{FINETUNE_SHARE:.0%} of the full arm's samples at {FINETUNE_LR_RATIO:g}x the peak rate, its "
+              f"first stage sized to the same training FLOPs (step meter). Zero-shot top-1 at 28 px on "
+              f"{args.eval_images:,} test images (low-res checkpoints: patch grid kept, `--resize patch`); "
+              "'FLOPs to ...' is the first checkpoint crossing, so an arm may reach it before its end.", "",
+              "| width | arm | seeds | samples | final top-1 (%) | FLOPs to the full arm's final top-1 |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+        share = ("not reached" if r["flops_share_mean"] is None else
+                 f"{100 * r['flops_share_mean']:.0f} ± {100 * r['flops_share_std']:.0f}% of the full arm's"
+                 + ("" if r["reached"] == r["seeds"] else f" ({r['reached']}/{r['seeds']} seeds reached it)"))
+        samples = " + ".join(f"{s:,}" for s in r["samples"])
+        lines.append(f"| {r['model']} | {r['arm']} | {r['seeds']} | {samples} | "
+                     f"{r['final_top1_mean']:.2f} ± {r['final_top1_std']:.2f} | {share} |")
+    lines += ["", "± is the standard deviation over seeds. ![top-1 vs FLOPs](inverse_scaling.png)", ""]
+    (args.docs / "inverse_scaling.md").write_text("\n".join(lines))
+    plot(runs, args.docs / "inverse_scaling.png")
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {("w128", "full"): "tab:blue", ("w128", "clipa"): "tab:red",
+              ("w64", "full"): "tab:cyan", ("w64", "clipa"): "tab:orange"}
+    labelled = set()
+    for r in runs:
+        key = (r["width"], r["arm"])
+        xs = [p["flops"] / 1e12 for p in r["points"]]
+        ys = [100 * p["top1"] for p in r["points"]]
+        ax.plot(xs, ys, "o-", ms=3, lw=1, color=colors.get(key), alpha=0.8,
+                label=None if key in labelled else f"{WIDTHS[r['width']]} {r['arm']}")
+        labelled.add(key)
+    ax.set_xlabel("training FLOPs (TFLOP, step meter)")
+    ax.set_ylabel("zero-shot top-1 at 28 px (%)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from crate_clip.train.demo import prepare_data
+
+    base_cfg = yaml.safe_load(DEMO_CONFIG.read_text())
+    data_dir = ROOT / "data" / "fashion_mnist"
+    prepare_data(data_dir / "train", data_dir / "test")
+    started, t0 = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), time.perf_counter()
+    batch = base_cfg["stages"][0]["global_batch"]
+    runs = []
+    for seed in range(args.seeds):            # seed-major: an interrupted study still has whole seeds
+        for width in args.widths:
+            for arm in ("full", "clipa"):
+                stages = arm_stages(arm, WIDTHS[width], args.samples, base_cfg)
+                total_steps = sum(s["samples"] for s in stages) // batch
+                every = max(1, total_steps // args.evals)
+                run_dir = args.out / f"{width}_{arm}_s{seed}"
+                cfg = run_config(WIDTHS[width], seed, stages, run_dir, base_cfg, every, data_dir)
+                flops = flops_per_sample({**cfg, "stages": stages})
+                print(f"[inverse-scaling] {run_dir.name}: stages {[s['samples'] for s in stages]} samples, "
+                      f"{sum(s['samples'] * f for s, f in zip(stages, flops)) / 1e12:.2f} TFLOP", flush=True)
+                wall = train(cfg, run_dir, args.nproc)
+                points = evaluate_checkpoints(run_dir, cfg, flops, args.eval_images)
+                runs.append({"width": width, "arm": arm, "seed": seed, "wall_seconds": wall, "points": points,
+                             "samples": [s["samples"] for s in stages],
+                             "total_flops": sum(s["samples"] * f for s, f in zip(stages, flops))})
+                print(f"[inverse-scaling] {run_dir.name}: final top-1 {100 * points[-1]['top1']:.2f}% "
+                      f"({wall:.0f} s training)", flush=True)
+                write_docs(args, runs, summarize(runs), started, time.perf_counter() - t0)   # kept up to date
+    print((args.docs / "inverse_scaling.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
