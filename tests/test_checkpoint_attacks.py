@@ -263,7 +263,7 @@ MALFORMED = {
 @pytest.mark.parametrize("what", [*MALFORMED, "crate_clip.json deleted"])
 def test_a_malformed_manifest_marks_its_checkpoint_damaged_and_latest_falls_back(trained, tmp_path, capsys, what):
     from crate_clip.train.checkpoints import CheckpointManager
-    from crate_clip.train.intact_checkpoints import intact_checkpoint
+    from crate_clip.train.checkpoints import intact_checkpoint
 
     run = _copy(trained, tmp_path)
     tag = run / "checkpoints" / TAGS[3]
@@ -367,7 +367,7 @@ def test_universal_folder_has_a_manifest_verified_before_use_and_counts_links_on
 def test_checksum_names_outside_the_folder_are_refused_without_looking(trained, tmp_path):
     from crate_clip.checkpoint_io.file_checksums import ChecksumMismatchError, verify_recorded_checksums
     from crate_clip.train.checkpoints import CheckpointManager
-    from crate_clip.train.intact_checkpoints import checkpoint_damage
+    from crate_clip.train.checkpoints import checkpoint_damage
 
     run = _copy(trained, tmp_path)
     tag = run / "checkpoints" / TAGS[3]

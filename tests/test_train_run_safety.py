@@ -202,7 +202,7 @@ def test_an_explicit_damaged_checkpoint_is_an_error_and_each_kind_of_damage_is_f
     """`--resume <tag folder>` of a damaged checkpoint names the file and the fix (another checkpoint is never taken
     silently); each kind of damage, and a crate_clip.json that does not parse, is found."""
     from crate_clip.train.checkpoints import CheckpointManager, ResumeError
-    from crate_clip.train.intact_checkpoints import checkpoint_damage, intact_checkpoint
+    from crate_clip.train.checkpoints import checkpoint_damage, intact_checkpoint
 
     ckpts = tmp_path / "checkpoints"
     shutil.copytree(raced["run_dir"] / "checkpoints", ckpts)

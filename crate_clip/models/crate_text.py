@@ -236,4 +236,4 @@ def text_tower_param_count(embed_dim: int, cfg: Dict) -> int:
 register_text_tower(TextTowerKind(
     name=TOWER_NAME, label="CRATE-alpha", module_class=CrateAlphaText, state_key_suffix=".ista.D",
     build=CrateAlphaText.from_cfg, checkpoint_hint="the export or a checkpoint of a *-crate-text run",
-    model_hint="the checkpoint's *-crate-text model.name"))
+    model_hint="the checkpoint's *-crate-text model.name", check_cfg=CrateTextCfg.from_dict))

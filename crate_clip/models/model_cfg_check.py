@@ -17,8 +17,7 @@ import open_clip.model as open_clip_model
 
 from crate_clip.core.errors import UserError
 from crate_clip.models.clip_tower_names import FAMILY, parse_clip_tower_name
-from crate_clip.models.crate_text import CrateTextCfg
-from crate_clip.models.open_clip_text_tower import is_crate_text_cfg
+from crate_clip.models.open_clip_text_tower import text_tower_kind
 
 # sizes bounded by the registered configs (image_size may be [h, w])
 SIZE_KEYS = {"vision_cfg": ("width", "layers", "heads", "image_size", "patch_size", "head_width"),
@@ -78,9 +77,10 @@ def check_model_cfg(model_cfg, source) -> None:
 
 def _tower_problems(part: str, tower: dict, maxima: dict) -> list[str]:
     problems = []
-    if part == "text_cfg" and is_crate_text_cfg(tower):
+    kind = text_tower_kind(tower) if part == "text_cfg" else None
+    if kind is not None and kind.check_cfg is not None:
         try:
-            CrateTextCfg.from_dict(tower)   # its own keys and values
+            kind.check_cfg(tower)   # a registered text tower kind checks its own keys and values
         except (ValueError, TypeError) as exc:
             problems.append(f"text_cfg: {exc}")
     else:

@@ -34,6 +34,7 @@ class TextTowerKind:
     checkpoint_hint: str                       # where to get a checkpoint with such a text tower
     model_hint: str                            # the model.name to use for a checkpoint with such a text tower
     note: str = ""                             # said of a checkpoint with this kind
+    check_cfg: Optional[Callable[[dict], object]] = None   # raises ValueError/TypeError for a text_cfg it can't take
 
 
 # open_clip's own text transformer: every text_cfg that names no registered tower

@@ -10,8 +10,8 @@ text_lock.py     a locked text tower (and logit scale): parameters as replicated
 disk_space.py    a full disk said in one line (what to free, the last complete checkpoint); the check before a resume
 checkpoints.py   atomic, durable, resumable DeepSpeed checkpoints with per-rank client state and file checksums;
                  retention; the records they carry (Progress, CheckpointInfo, ResumePoint); the layout and
-                 consolidation live in crate_clip/checkpoint_io, shared with eval/
-intact_checkpoints.py  a resume verifies its checkpoint and takes the newest intact one, naming the damaged
+                 consolidation live in crate_clip/checkpoint_io, shared with eval/; a resume verifies its
+                 checkpoint and takes the newest intact one, naming the damaged
 planner.py       memory fit, micro-batch, FLOP and token counts, wall time and GPU-hours of a stage
 stage_model.py   ResolvedStage: a stage resolved once from the run config and the launch; the one model builder
 throughput.py    the step meter: samples/s, tokens/s, TFLOP/s and MFU, data wait

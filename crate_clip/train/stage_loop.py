@@ -36,7 +36,7 @@ from crate_clip.train.elastic_resume import (STREAM_TABLE, gather_stream_table, 
                                              resolve_auto, resume_seed, settle_canonical_streams)
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype
 from crate_clip.export.writer import export_checkpoint
-from crate_clip.train.intact_checkpoints import intact_checkpoint
+from crate_clip.train.checkpoints import intact_checkpoint
 from crate_clip.train.metrics_log import PLOT_FILE, MetricsLog, set_aside_rows_after, write_plot
 from crate_clip.train.run_config import RunConfig, check_runtime
 from crate_clip.train.run_dir import check_run_dir, move_run_aside
@@ -129,7 +129,7 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
 
 
 def _intact(ckpts: CheckpointManager, resume: Optional[str]) -> Optional[str]:
-    """The checkpoint `resume` names, or for 'latest' the newest intact one (intact_checkpoints.py)."""
+    """The checkpoint `resume` names, or for 'latest' the newest intact one (checkpoints.intact_checkpoint)."""
     return resume and str(intact_checkpoint(ckpts, ckpts.resolve(resume), resume))
 
 
