@@ -90,7 +90,7 @@ def test_an_unknown_model_name_is_one_line_not_open_clips_list(capsys):
 # ---------------------------------------------------------------- an export config from a file
 @pytest.fixture(scope="module")
 def tiny_export(tmp_path_factory):
-    from crate_clip.train.export import export_open_clip
+    from crate_clip.export.writer import export_open_clip
 
     model = shared_crate_tiny()
     out = tmp_path_factory.mktemp("export") / "export"
