@@ -136,6 +136,16 @@ def test_the_untouched_export_still_loads(tiny_export):
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in shared_crate_tiny().parameters())
 
 
+def test_every_registered_config_passes_the_check():
+    """The check refuses only what no registered config (open_clip's, CoCa and ResNet ones included) has."""
+    import open_clip.factory
+
+    from crate_clip.models.model_cfg_check import check_model_cfg
+
+    for name, cfg in open_clip.factory._MODEL_CONFIGS.items():
+        check_model_cfg(cfg, name)
+
+
 def test_a_parametric_tower_name_beyond_the_registered_families_allocates_nothing():
     """timm builds a tower from its name alone: the bounds hold for every caller, not only for exports."""
     import timm
