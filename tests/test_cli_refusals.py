@@ -90,7 +90,7 @@ def test_an_unknown_model_name_is_one_line_not_open_clips_list(capsys):
 # ---------------------------------------------------------------- an export config from a file
 @pytest.fixture(scope="module")
 def tiny_export(tmp_path_factory):
-    from crate_clip.train.export import export_open_clip
+    from crate_clip.export.writer import export_open_clip
 
     model = shared_crate_tiny()
     out = tmp_path_factory.mktemp("export") / "export"
@@ -134,6 +134,16 @@ def test_the_untouched_export_still_loads(tiny_export):
 
     model = load_eval_model(f"local-dir:{tiny_export}")[0]
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in shared_crate_tiny().parameters())
+
+
+def test_every_registered_config_passes_the_check():
+    """The check refuses only what no registered config (open_clip's, CoCa and ResNet ones included) has."""
+    import open_clip.factory
+
+    from crate_clip.models.model_cfg_check import check_model_cfg
+
+    for name, cfg in open_clip.factory._MODEL_CONFIGS.items():
+        check_model_cfg(cfg, name)
 
 
 def test_a_parametric_tower_name_beyond_the_registered_families_allocates_nothing():

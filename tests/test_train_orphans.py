@@ -1,6 +1,6 @@
 """A killed launcher's workers stop: SIGKILL of the torchrun process of a 2-process run ends both training processes
 within seconds (crate_clip/train/launcher_watch.py) instead of leaving them to train unsupervised; the last complete
-checkpoint is kept, and `--resume latest` continues the run, taking over the run-folder lock the killed rank 0 left.
+checkpoint is kept, and `--resume latest` continues the run (the run-folder lock was released by the stopping rank 0).
 """
 from __future__ import annotations
 
@@ -60,15 +60,13 @@ def test_sigkill_of_the_launcher_stops_its_workers_and_the_run_resumes(tiny_fmni
     assert stopped_after < 3, f"workers ran on for {stopped_after:.1f} s after their launcher was killed"
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     assert max(steps) < 10 and not (run_dir / "export").exists()   # they did not train on unsupervised
-    holder = lock.read_text()   # rank 0 died holding it: stale now
+    assert not lock.exists()   # rank 0 released it on its way out (the parent-death SIGTERM, or the watchdog)
     latest = (run_dir / "checkpoints" / "latest").read_text()
     assert latest in ("stage0-step00000002", "stage0-step00000004", "stage0-step00000006")
 
     resumed = run_job(torchrun_cmd(2, "--config", str(config), "--resume", "latest", module="crate_clip.train.cli"))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
     out = resumed.stdout + resumed.stderr
-    rank0 = next(pid for pid in workers if f'"pid": {pid},' in holder)
-    assert f"took over the stale lock {lock} of PID {rank0} on this host" in out
-    assert "(no longer running)" in out and f"resuming from {run_dir / 'checkpoints' / latest}" in out
+    assert "took over the stale lock" not in out and f"resuming from {run_dir / 'checkpoints' / latest}" in out
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 11))
     assert (run_dir / "export" / "open_clip_model.safetensors").is_file() and not lock.exists()

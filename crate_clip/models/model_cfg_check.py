@@ -19,7 +19,7 @@ from crate_clip.core.errors import UserError
 from crate_clip.models.clip_tower_names import FAMILY, parse_clip_tower_name
 from crate_clip.models.open_clip_text_tower import text_tower_kind
 
-# sizes bounded by the registered configs (image_size may be [h, w])
+# sizes bounded by the registered configs (image_size may be [h, w], a ResNet tower's layers one count per stage)
 SIZE_KEYS = {"vision_cfg": ("width", "layers", "heads", "image_size", "patch_size", "head_width"),
              "text_cfg": ("width", "layers", "heads", "context_length", "vocab_size")}
 
@@ -33,7 +33,9 @@ def _init_keys(cls) -> set[str]:
             if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
-TOP_KEYS = _init_keys(open_clip_model.CLIP) | _init_keys(open_clip_model.CustomTextCLIP) | {"custom_text"}
+# custom_text: which class open_clip builds; multimodal_cfg: CoCa's decoder
+TOP_KEYS = (_init_keys(open_clip_model.CLIP) | _init_keys(open_clip_model.CustomTextCLIP)
+            | {"custom_text", "multimodal_cfg"})
 TOWER_KEYS = {"vision_cfg": {f.name for f in dataclasses.fields(open_clip_model.CLIPVisionCfg)},
               "text_cfg": {f.name for f in dataclasses.fields(open_clip_model.CLIPTextCfg)}}
 
@@ -100,7 +102,7 @@ def _tower_problems(part: str, tower: dict, maxima: dict) -> list[str]:
 def _size_problems(key: str, value, maxima: dict, required: bool = False) -> list[str]:
     if value is None:
         return [f"{key} missing"] if required else []
-    values = value if isinstance(value, (list, tuple)) and key.endswith("image_size") else [value]
+    values = value if isinstance(value, (list, tuple)) and value else [value]   # [h, w]; a ResNet's layers
     bound = maxima.get(key)
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -10,8 +10,8 @@ itself orphaned already (its launcher died while it started) ends at once. The k
 parent *thread* that started the process exits; the launchers start their workers from their main thread.
 
 Whatever moment this comes at, the last complete checkpoint is kept (saves are atomic); a save cut short leaves a
-`.saving` folder that the next save or resume removes, and rank 0's run-folder lock is then stale (its PID is
-gone) and taken over by the resume.
+`.saving` folder that the next save or resume removes, and rank 0 releases its run-folder lock before it ends (a
+lock left by SIGKILL is stale: its PID is gone, and the resume takes it over).
 """
 from __future__ import annotations
 
@@ -83,4 +83,7 @@ def _stop(pid: int) -> None:
     rank = os.environ.get("RANK", "?")
     print(f"crate-clip train: rank {rank}: its launcher (PID {pid}) is gone; stopping. The last complete checkpoint "
           "is kept: relaunch with --resume latest", file=sys.stderr, flush=True)
+    from crate_clip.train.run_lock import release_held_locks   # here: the watchdog needs it only when it acts
+
+    release_held_locks()   # os._exit skips the `finally` that would: the relaunch finds the folder free
     os._exit(EXIT_LAUNCHER_GONE)

@@ -23,7 +23,8 @@ refreshes the file's modification time every HEARTBEAT_S seconds. Another proces
 Taking over renames the stale file aside (of two processes taking over at once, one rename wins) and creates a new
 one. A holder whose lock was taken over (it was stopped for longer than STALE_AFTER_S) exits at its next heartbeat
 rather than write beside the new holder. SIGTERM and SIGINT of the holder release its lock first (then SIGTERM ends
-the process as before, SIGINT raises KeyboardInterrupt); only SIGKILL, a crash of the host or os._exit leave it.
+the process as before, SIGINT raises KeyboardInterrupt), and so does launcher_watch before it ends a process whose
+launcher is gone; only SIGKILL, a crash of the host or another os._exit leave it.
 """
 from __future__ import annotations
 
@@ -183,6 +184,17 @@ def _age_s(path: Path) -> float:
     return now - path.stat().st_mtime
 
 
+_held: list["RunLock"] = []   # the locks this process holds, for release_held_locks
+
+
+def release_held_locks() -> None:
+    """Release every lock this process holds: for a thread about to end the process with os._exit (the launcher
+    watchdog), which skips the `finally` that would."""
+    for lock in list(_held):
+        with contextlib.suppress(OSError):
+            lock.release()
+
+
 class RunLock:
     """The lock this process holds on a run folder; `release()` (or the end of `run_folder_lock`) gives it up."""
 
@@ -205,6 +217,7 @@ class RunLock:
                 lock = cls(path, holder)
                 lock._thread.start()
                 lock._release_on_signals()
+                _held.append(lock)
                 return lock, note
             note = _take_over_if_stale(path, run_dir, holder, take_over)
         raise RunLockedError(f"run.output_dir {run_dir}: could not take its lock {path} (other processes keep "
@@ -247,6 +260,8 @@ class RunLock:
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock file, if it is still this process's."""
+        with contextlib.suppress(ValueError):
+            _held.remove(self)
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()   # a beat in progress must not find the file gone and take that for a takeover
