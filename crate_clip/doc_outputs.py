@@ -100,6 +100,19 @@ def _shuffle_memory() -> str:
     return f"{streams} x {samples} x {kb} KB = {size}"
 
 
+MASKED_L14 = ["stages.0.context_length=8", "stages.0.image_mask=random", "stages.0.image_mask_ratio=0.5",
+              "model.lock_text=false", "model.lock_logit_scale=false", "model.text_pretrained=null"]
+
+
+def _masked_l14_flops() -> str:
+    """Training FLOPs per sample of the L/14 config's 84 px stage at 8 tokens with half the patches masked."""
+    from crate_clip.train.run_config import load_run_config
+    from crate_clip.train.stage_model import resolve_stage
+
+    cfg = load_run_config(REPO / L14, MASKED_L14, check_paths=False)
+    return f"{resolve_stage(cfg, 0).counts.flops / 1e9:.1f} GFLOP"
+
+
 def _validate_block() -> str:
     from crate_clip.train.cli import main
 
@@ -125,6 +138,7 @@ GENERATORS: dict[str, Generator] = {
     "plan l-14 memory": Generator(lambda: _plan_block(True), slow=True),
     "plan l-14 shuffle buffers": Generator(_shuffle_memory),
     "validate b-16": Generator(_validate_block),
+    "flops l-14 masked": Generator(_masked_l14_flops),
     "model counts": Generator(_model_counts),
 }
 

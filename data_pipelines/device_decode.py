@@ -10,8 +10,8 @@ decodes as the CPU path does, counted as `decode_cpu_fallback`.
 Main-process side (`DeviceJpegBatch.join`, `.to_images`): the workers' parts of one step joined, then one
 batched `torchvision.io.decode_jpeg` on the device (nvjpeg on CUDA; libjpeg-turbo on CPU), then per image
 PIL's own box resampling as two small matmuls (the weights of PIL's Resample.c for the crop's filter,
-data.crop_interpolation: bicubic with a = -0.5 or bilinear, support widened by the downscale factor, read beyond the box up to the image edge, each pass rounded to
-uint8), then normalise. An image the device decoder rejects is decoded with PIL in the main process
+data.crop_interpolation: bicubic with a = -0.5 or bilinear, support widened by the downscale factor, read
+beyond the box up to the image edge, each pass rounded to uint8), then normalise. An image the device decoder rejects is decoded with PIL in the main process
 (`decode_device_failed`); one that PIL cannot decode either is replaced, image and caption, by another
 sample of the batch (`decode_substituted`), since a rank's batch size is fixed by then.
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
+from crate_clip.core.image_normalization import OPENAI_MEAN, OPENAI_STD
 from crate_clip.data.device_decode import crop_resize
 from crate_clip.data.train_stream import StreamConfig, build_train_stream
-from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
 
 from data_fixtures import write_tar
 
