@@ -25,7 +25,7 @@ from bench.report import machine_line, write_section  # noqa: E402
 from crate_clip.eval.class_sets import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES  # noqa: E402
 from crate_clip.eval.eval_datasets import classification_dataset  # noqa: E402
 from crate_clip.eval.model_loading import eval_transform  # noqa: E402
-from crate_clip.eval.zeroshot import build_text_classifier, cached_text_classifier, zero_shot_evaluate  # noqa: E402
+from crate_clip.eval.tasks.zeroshot import build_text_classifier, cached_text_classifier, zero_shot_evaluate  # noqa: E402
 
 IMAGE_MODEL = "CRATE-alpha-CLIP-B-16"      # the real-size B/16 tower, at 224 px (CLIP-BPE text: no hub)
 TEXT_MODEL = "CRATE-alpha-CLIPA-tiny"      # a CPU cannot push 80,000 prompts through a B/16 text tower quickly

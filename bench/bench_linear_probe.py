@@ -31,7 +31,7 @@ DEMO_MODEL = "CRATE-alpha-CLIPA-tiny"
 
 def features(model, preprocess, settings, cache_dir: Path):
     """(train features, labels, test features, labels) through the probe's own cached extraction."""
-    from crate_clip.eval import linear_probe
+    from crate_clip.eval.tasks import linear_probe
     from crate_clip.eval.eval_datasets import classification_dataset
 
     out = []
@@ -50,7 +50,7 @@ def sklearn_top1(xtr, ytr, xte, yte, settings) -> tuple[float, float]:
     (top-1, chosen C)."""
     from sklearn.linear_model import LogisticRegression
 
-    from crate_clip.eval import linear_probe
+    from crate_clip.eval.tasks import linear_probe
     tr, va = linear_probe.split_train_val(ytr, settings.val_proportion, settings.seed)
     best = None
     for c in (0.1, 1.0, 10.0, 100.0, 1000.0):
@@ -64,7 +64,7 @@ def sklearn_top1(xtr, ytr, xte, yte, settings) -> tuple[float, float]:
 
 def evaluate(label: str, model, preprocess, settings, cache_dir: Path, with_sklearn: bool) -> dict:
     """Full probe, 10-shot over SEEDS, optionally the sklearn cross-check, on one model's features."""
-    from crate_clip.eval import linear_probe
+    from crate_clip.eval.tasks import linear_probe
 
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -108,7 +108,7 @@ def main() -> int:
     import crate_clip  # noqa: F401  (registers the towers)
     from crate_clip.models.patch_change import create_clip_at_patch
     from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_eval_folder
-    from crate_clip.eval import linear_probe
+    from crate_clip.eval.tasks import linear_probe
     from crate_clip.eval.model_loading import load_eval_model
 
     data_dir = Path(args.data_dir)

@@ -15,7 +15,7 @@ SUBCOMMANDS = {
     "inspect": ("crate_clip.eval.inspect_cli", "white-box maps (attention per head, PCA) and a caption's attention and atoms"),
     "segment": ("crate_clip.eval.segment_cli", "zero-shot segmentation (MaskCut) as PNG overlays + COCO RLE JSON"),
     "convert": ("crate_clip.convert_cli", "released CRATE-alpha-CLIPA weights -> an open_clip local-dir: export"),
-    "export": ("crate_clip.train.export_cli", "a training checkpoint -> an open_clip local-dir: / hf-hub: folder"),
+    "export": ("crate_clip.export.cli", "a training checkpoint -> an open_clip local-dir: / hf-hub: folder"),
 }
 
 

@@ -10,7 +10,7 @@ import open_clip
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
 from crate_clip.core.errors import USER_ERRORS, report_error
 from crate_clip.models import clip_tokenizer, load_official_clipa
-from crate_clip.train.export import check_out_dir, export_open_clip, verify_export
+from crate_clip.export.writer import check_out_dir, export_open_clip, verify_export
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -55,7 +55,7 @@ from pydantic import Field, field_validator
 from torch.utils.data import DataLoader
 
 from crate_clip.core.config_schema import Bool, Float, Int, Section
-from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
+from crate_clip.core.image_normalization import OPENAI_MEAN, OPENAI_STD
 
 from .device_decode import DECODE_COUNTERS, Decode, DeviceJpegBatch
 from .epoch_sizes import adopt_real_sizes

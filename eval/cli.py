@@ -15,7 +15,7 @@ from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_tokenizers import TokenizerUnavailableError
 from crate_clip.eval.distributed_batches import rank_and_world
 from crate_clip.eval.eval_settings import EvalSettings
-from crate_clip.eval.linear_probe import TIMM_PREFIX, load_timm_classifier
+from crate_clip.eval.tasks.linear_probe import TIMM_PREFIX, load_timm_classifier
 from crate_clip.eval.model_loading import load_eval_model
 from crate_clip.eval.registry import TASKS, EvalContext, parse_eval, run_task
 

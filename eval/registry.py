@@ -1,6 +1,6 @@
-"""The evaluation tasks (one module each in eval/tasks/) and what the trainer, the CLI and the logger need
-of them: the settings schema of every task (one union, told apart by `type`), parsing with errors that
-name the key, and running a declared evaluation."""
+"""The evaluation tasks (one module each in eval/tasks/, registered by being there) and what the trainer, the
+CLI and the logger need of them: the settings schema of every task (one union, told apart by `type`), parsing
+with errors that name the key, and running a declared evaluation."""
 from __future__ import annotations
 
 import importlib

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
+from crate_clip.core.image_normalization import OPENAI_MEAN, OPENAI_STD
 from crate_clip.eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU, maskcut
 from crate_clip.eval.whitebox_maps import block_maps, display_scale
 

@@ -205,7 +205,7 @@ def distributed_worker(rank: int, world: int, workdir: str, port: int) -> None:
     from crate_clip.eval.class_sets import FASHION_MNIST_TEMPLATES
     from crate_clip.eval.eval_datasets import classification_dataset
     from crate_clip.eval.model_loading import eval_transform
-    from crate_clip.eval.zeroshot import zero_shot_evaluate
+    from crate_clip.eval.tasks.zeroshot import zero_shot_evaluate
 
     workdir = Path(workdir)
     tokenizer = open_clip.get_tokenizer(CRATE_TINY)

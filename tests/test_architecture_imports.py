@@ -63,9 +63,9 @@ def test_checker_sees_a_violation(tmp_path, monkeypatch):
     """The scan itself works: a planted forbidden import is reported."""
     bad = tmp_path / "pkg"
     bad.mkdir()
-    (bad / "m.py").write_text("import os\nfrom crate_clip.eval.zeroshot import x\n")
+    (bad / "m.py").write_text("import os\nfrom crate_clip.eval.tasks.zeroshot import x\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    assert list(_violations("pkg", ("crate_clip.eval",))) == ["pkg/m.py:2 imports crate_clip.eval.zeroshot"]
+    assert list(_violations("pkg", ("crate_clip.eval",))) == ["pkg/m.py:2 imports crate_clip.eval.tasks.zeroshot"]
 
 
 def _module_name(path: Path) -> str:

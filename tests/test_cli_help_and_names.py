@@ -12,7 +12,7 @@ from crate_clip.cli import SUBCOMMANDS, main
 
 PARSERS = {"eval": ("crate_clip.eval.cli", "build_parser"), "shards": ("crate_clip.data.cli", "_parser"),
            "plan": ("crate_clip.train.plan_cli", "build_parser"), "train": ("crate_clip.train.cli", "build_parser"),
-           "export": ("crate_clip.train.export_cli", "build_parser")}
+           "export": ("crate_clip.export.cli", "build_parser")}
 
 
 def _help_exit(argv) -> int:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
+from crate_clip.core.image_normalization import OPENAI_MEAN, OPENAI_STD
 from crate_clip.data.device_decode import DEVICE_FAILED, FALLBACK, SUBSTITUTED, DeviceJpegBatch, ShippedImage
 from crate_clip.data.train_stream import StreamConfig, build_train_stream
 

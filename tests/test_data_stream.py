@@ -10,7 +10,7 @@ from PIL import Image
 
 from crate_clip.data.image_decode import decode_eval, decode_train, to_rgb
 from crate_clip.data.shard_writer import encode_jpeg
-from crate_clip.models.image_normalization import OPENAI_MEAN, OPENAI_STD
+from crate_clip.core.image_normalization import OPENAI_MEAN, OPENAI_STD
 from crate_clip.data.train_stream import StreamConfig, build_train_stream
 
 from data_fixtures import jpeg_bytes, write_numbered_shards, write_tar

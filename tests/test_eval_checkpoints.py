@@ -11,7 +11,7 @@ from crate_clip.models.clip_factory import CheckpointMismatchError
 from crate_clip.eval.class_sets import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES
 from crate_clip.eval.eval_datasets import classification_dataset
 from crate_clip.eval.model_loading import consolidate_deepspeed_checkpoint, eval_transform, load_eval_model
-from crate_clip.eval.zeroshot import zero_shot_evaluate
+from crate_clip.eval.tasks.zeroshot import zero_shot_evaluate
 from eval_fixtures import (CRATE_TINY, DIST_BATCH, DIST_MAX_IMAGES, DS_STAGES, assert_accuracies_agree,
                            distributed_worker, free_port, shared_crate_tiny, shared_eval_sets)
 

@@ -14,7 +14,7 @@ pytest.importorskip("clip_benchmark", reason="CLIP_benchmark is not installed he
                                              "(pip install '.[clip-benchmark]', docs/export.md#clip_benchmark)")
 
 from crate_clip.cli import main as crate_clip_main  # noqa: E402
-from crate_clip.train.export import export_open_clip  # noqa: E402
+from crate_clip.export.writer import export_open_clip  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "export.md"
 

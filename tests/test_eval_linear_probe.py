@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from crate_clip.cli import main as crate_clip_main
-from crate_clip.eval import linear_probe
+from crate_clip.eval.tasks import linear_probe
 from eval_fixtures import PER_CLASS, read_idx
 
 
@@ -104,7 +104,7 @@ def test_run_config_needs_the_training_split_of_a_probe():
 
 def test_demo_prints_the_probe_of_its_export(sets, tmp_path, capsys):
     from crate_clip.train.demo import linear_probe_final
-    from crate_clip.train.export import export_open_clip
+    from crate_clip.export.writer import export_open_clip
     from eval_fixtures import shared_crate_tiny
 
     run_dir = tmp_path / "run"

@@ -158,7 +158,7 @@ def test_folder_matching_rules():
 @pytest.fixture
 def export_dir(tmp_path):
     """The tiny CRATE CLIP exported as an open_clip local-dir: folder."""
-    from crate_clip.train.export import export_open_clip
+    from crate_clip.export.writer import export_open_clip
 
     state = shared_crate_tiny().state_dict()
     return export_open_clip(state, CRATE_TINY, tmp_path / "export", image_size=28, context_length=32)
@@ -207,7 +207,7 @@ def test_an_export_is_verified_against_the_checksum_its_config_records(export_di
     weights.write_bytes(weights.read_bytes()[:-4])
     with pytest.raises(ChecksumMismatchError, match=r"bytes where .* records"):
         load_eval_model(f"local-dir:{export_dir}")
-    from crate_clip.train.export import load_export
+    from crate_clip.export.writer import load_export
     with pytest.raises(ChecksumMismatchError):   # the convenience loader verifies too
         load_export(export_dir)
     unrecorded = json.loads(config.read_text())

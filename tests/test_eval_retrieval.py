@@ -9,7 +9,7 @@ import io
 
 from crate_clip.eval.eval_datasets import ShardSamples, shard_urls
 from crate_clip.eval.model_loading import eval_transform
-from crate_clip.eval.retrieval import recall_metrics, retrieval_evaluate
+from crate_clip.eval.tasks.retrieval import recall_metrics, retrieval_evaluate
 from eval_fixtures import PER_CLASS
 
 

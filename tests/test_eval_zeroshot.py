@@ -13,7 +13,7 @@ from crate_clip.eval.class_sets import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_T
 from crate_clip.eval.eval_datasets import classification_dataset, imagenet_wnids, read_label_file
 from crate_clip.eval.model_loading import eval_transform
 from crate_clip.eval.unreadable_images import UnreadableDataError
-from crate_clip.eval.zeroshot import build_text_classifier, zero_shot_evaluate
+from crate_clip.eval.tasks.zeroshot import build_text_classifier, zero_shot_evaluate
 from eval_fixtures import CRATE_TINY, PER_CLASS, assert_accuracies_agree, shared_crate_tiny
 
 NAMES = list(FASHION_MNIST_CLASSNAMES)

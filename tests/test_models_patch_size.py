@@ -62,7 +62,7 @@ def _two_stage_config(patch0, patch1, resize="pi_resize"):
 
 @pytest.mark.parametrize("resize", ["pi_resize", "bilinear"])
 def test_stage_change_resizes_the_kernel_and_eval_export_know_the_patch(resize, tmp_path):
-    from crate_clip.train.export import export_open_clip, load_export
+    from crate_clip.export.writer import export_open_clip, load_export
     from crate_clip.train.stage_model import resolve_stage
 
     cfg = _two_stage_config(7, 4, resize)
@@ -90,7 +90,7 @@ def test_stage_change_resizes_the_kernel_and_eval_export_know_the_patch(resize, 
 def test_eval_of_an_exports_weights_file_rebuilds_at_its_patch_image_size_and_context(tmp_path, capsys):
     """`crate-clip eval --model CONFIG --pretrained export/open_clip_model.safetensors` of a patch-7, 21 px,
     16-token export: the model is the export's (rebuilt as saved), and a note names the local-dir: form."""
-    from crate_clip.train.export import WEIGHTS_FILE, export_open_clip, load_export
+    from crate_clip.export.writer import WEIGHTS_FILE, export_open_clip, load_export
     from crate_clip.eval.model_loading import load_eval_model
 
     torch.manual_seed(0)

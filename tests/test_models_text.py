@@ -139,7 +139,7 @@ def test_context_length_change_resizes_the_text_position_embedding(tmp_path):
 
 
 def test_export_loads_in_a_fresh_interpreter_with_only_import_crate_clip(tmp_path, tiny_text_clip):
-    from crate_clip.train.export import export_open_clip
+    from crate_clip.export.writer import export_open_clip
 
     model = tiny_text_clip.eval()
     export_open_clip(model.state_dict(), TINY_TEXT, tmp_path / "export", image_size=28, context_length=32)

@@ -117,7 +117,7 @@ def test_exports_load_in_a_fresh_interpreter_with_the_trained_features(bert_conf
     from PIL import Image
 
     from crate_clip.models import clip_tokenizer
-    from crate_clip.train.export import export_open_clip
+    from crate_clip.export.writer import export_open_clip
     from crate_clip.train.stage_model import resolve_stage
     from crate_clip.data.image_decode import normalize_batch
 
@@ -169,7 +169,7 @@ def test_identical_exports_are_byte_identical_and_the_header_is_sorted(tmp_path)
     from safetensors.torch import load_file
 
     from crate_clip.models.patch_change import create_clip_at_patch
-    from crate_clip.train.export import CONFIG_FILE, WEIGHTS_FILE, export_open_clip
+    from crate_clip.export.writer import CONFIG_FILE, WEIGHTS_FILE, export_open_clip
 
     torch.manual_seed(0)
     state = create_clip_at_patch(TINY, None, 7, image_size=21, context_length=16).state_dict()
@@ -187,7 +187,7 @@ def test_identical_exports_are_byte_identical_and_the_header_is_sorted(tmp_path)
 
 
 def test_an_export_never_replaces_a_folder_that_is_not_an_export(tmp_path):
-    from crate_clip.train.export import export_open_clip
+    from crate_clip.export.writer import export_open_clip
 
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import yaml
 
-from crate_clip.train.export_source import ExportSource
-from crate_clip.train.model_card import model_card, project_license, public_name
+from crate_clip.export.source import ExportSource
+from crate_clip.export.model_card import model_card, project_license, public_name
 from crate_clip.eval.linear_probe import summary
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

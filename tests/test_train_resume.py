@@ -160,7 +160,7 @@ def test_stage_transition_resizes_pos_embed_and_evaluates(reference_run):
 def test_export_loads_with_open_clip_local_dir(reference_run):
     import open_clip
 
-    from crate_clip.train.export import load_export
+    from crate_clip.export.writer import load_export
 
     model, preprocess, tokenizer = load_export(reference_run / "export")
     weights = _export(reference_run)
@@ -186,7 +186,7 @@ def test_crate_clip_export_of_any_checkpoint_and_of_the_last_is_the_trainers_exp
 
     from crate_clip.cli import main
     from crate_clip.train.checkpoints import consolidated_state_dict
-    from crate_clip.train.export import export_state_equal, load_export
+    from crate_clip.export.writer import export_state_equal, load_export
 
     assert main(["export", str(reference_run), "--out", str(tmp_path / "final"), "--no-verify"]) == 0
     files = sorted(p.name for p in (reference_run / "export").iterdir())

@@ -169,7 +169,7 @@ def test_a_crate_alpha_text_tower_loads_from_its_own_kind_and_locks(tmp_path):
 
 
 def test_sources_local_dir_and_open_clip_tag(tmp_path):
-    from crate_clip.train.export import export_open_clip
+    from crate_clip.export.writer import export_open_clip
     from crate_clip.models.text_sources import TextTowerError, read_text_source, resolve_text_source
 
     source = _text_source(tmp_path / "text.pt")
@@ -222,7 +222,7 @@ def test_config_keys_and_errors():
 def test_run_with_locked_text_resumes_without_the_text_file_and_exports(tiny_fmnist, tmp_path):
     from safetensors.torch import load_file
 
-    from crate_clip.train.export import load_export
+    from crate_clip.export.writer import load_export
     from crate_clip.train.text_lock import is_text_key
 
     source = _text_source(tmp_path / "text.pt")

@@ -73,7 +73,7 @@ print("RESULT", json.dumps({"tower": type(model.text).__name__, "context": token
 
 
 def test_export_loads_in_a_fresh_interpreter_with_only_import_crate_clip(both_crate_run):
-    from crate_clip.train.export import load_export
+    from crate_clip.export.writer import load_export
 
     run_dir, _, _ = both_crate_run
     proc = subprocess.run([sys.executable, "-c", FRESH_INTERPRETER, str(run_dir / "export")], env=run_env(),

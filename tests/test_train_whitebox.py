@@ -46,7 +46,7 @@ def test_crate_clip_export_of_a_mid_run_zero3_checkpoint(both_crate_run, tmp_pat
     through open_clip with exactly its consolidated weights."""
     from crate_clip.cli import main
     from crate_clip.train.checkpoints import consolidated_state_dict
-    from crate_clip.train.export import export_state_equal, load_export
+    from crate_clip.export.writer import export_state_equal, load_export
 
     run_dir, _, _ = both_crate_run
     assert main(["export", str(run_dir), "--stage", "0", "--out", str(tmp_path / "s0")]) == 0

@@ -18,7 +18,7 @@ from timm.layers import DropPath, resample_patch_embed, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from crate_clip.models.image_normalization import IMAGENET_MEAN, IMAGENET_STD
+from crate_clip.core.image_normalization import IMAGENET_MEAN, IMAGENET_STD
 from crate_clip.models.ista import ISTA
 from crate_clip.models.mssa import MSSA
 from crate_clip.models.pos_embed import resize_image_pos_embed, square_grid

@@ -17,7 +17,7 @@ from typing import Dict, List
 import open_clip
 
 from crate_clip.models.clip_tower_names import register_clip_tower, tower_arch
-from crate_clip.models.image_normalization import IMAGENET_MEAN, IMAGENET_STD, OPENAI_MEAN, OPENAI_STD
+from crate_clip.core.image_normalization import IMAGENET_MEAN, IMAGENET_STD, OPENAI_MEAN, OPENAI_STD
 from crate_clip.models.open_clip_text_tower import check_text_tower_config
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"

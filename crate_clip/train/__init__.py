@@ -24,9 +24,8 @@ elastic_resume.py  resume at another world size or ZeRO stage (DeepSpeed's unive
                  stream-state table), --resume auto
 train_step.py    one optimizer step: forward, contrastive loss, backward (k micro-batches, exact gradients)
 batch_agreement.py  batches fetched in agreement: a data error on one rank stops every rank with its message
-export_source.py what a checkpoint says about its export;  model_card.py: the export's README.md
-export.py        open_clip model folders (local-dir:, the hf-hub: layout) of weights or of any checkpoint
 stage_loop.py    the run, from the entry point down: where to resume, one stage, its steps, checkpoints, export
-cli.py           `crate-clip train`;  plan_cli.py: `crate-clip plan`;  export_cli.py: `crate-clip export`;
+                 (crate_clip/export)
+cli.py           `crate-clip train`;  plan_cli.py: `crate-clip plan`;
                  demo.py: the README's first command
 """

@@ -129,7 +129,7 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     import torch
 
     from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_eval_folder
-    from crate_clip.eval import linear_probe
+    from crate_clip.eval.tasks import linear_probe
     from crate_clip.eval.model_loading import load_eval_model
 
     export = run_dir / "export"
@@ -143,8 +143,8 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     model, preprocess, _, _ = load_eval_model(f"local-dir:{export}", image_size=size)
     settings = linear_probe.Settings(train_data=str(train_dir), data=str(test_dir), dataset="fashion_mnist",
                                      batch_size=500)
-    metrics = linear_probe.run(model, preprocess=preprocess, settings=settings, progress=False,
-                               cache_dir=run_dir / "eval_cache")
+    metrics = linear_probe.linear_probe_evaluate(model, preprocess=preprocess, settings=settings, progress=False,
+                                                 cache_dir=run_dir / "eval_cache")
     print(f"[demo] {linear_probe.summary(metrics)} in {metrics['extract_seconds'] + metrics['probe_seconds']:.0f} s")
     (run_dir / "linear_probe.json").write_text(json.dumps(metrics, indent=1))
     _card_with_probe(run_dir, export, metrics)
@@ -155,9 +155,9 @@ def _card_with_probe(run_dir: Path, export: Path, metrics: dict) -> None:
     """Rewrite the export's model card with the probe just measured on it: the card lists every measured result
     of the run, and the probe runs after the trainer wrote the export (of the run's last checkpoint)."""
     from crate_clip.checkpoint_io.atomic_files import atomic_write_text
-    from crate_clip.train.export import CARD_FILE
-    from crate_clip.train.export_source import export_source
-    from crate_clip.train.model_card import model_card
+    from crate_clip.export.writer import CARD_FILE
+    from crate_clip.export.source import export_source
+    from crate_clip.export.model_card import model_card
 
     config = json.loads((export / "open_clip_config.json").read_text())
     atomic_write_text(export / CARD_FILE, model_card(export_source(run_dir / "checkpoints"), config, probes=[metrics]))

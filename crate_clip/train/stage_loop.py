@@ -34,7 +34,7 @@ from crate_clip.train.disk_space import check_space_for_next_save
 from crate_clip.train.elastic_resume import (STREAM_TABLE, gather_stream_table, load_resume_state, needs_universal,
                                              resolve_auto, resume_seed, settle_canonical_streams)
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype
-from crate_clip.train.export import export_checkpoint
+from crate_clip.export.writer import export_checkpoint
 from crate_clip.train.intact_checkpoints import intact_checkpoint
 from crate_clip.train.metrics_log import PLOT_FILE, MetricsLog, set_aside_rows_after, write_plot
 from crate_clip.train.run_config import RunConfig, check_runtime

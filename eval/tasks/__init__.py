@@ -1,2 +1,3 @@
-"""Evaluation tasks, one module each: `Settings` (its schema), `run(model, settings, context) -> dict of
-numbers` and `summary(metrics) -> str` (one line); crate_clip.eval.registry finds them. A new task is a new file here."""
+"""Evaluation tasks, one module each, registered by being here (crate_clip.eval.registry finds them): `Settings`
+(its schema), `run(model, settings, context) -> dict of numbers` and `summary(metrics) -> str` (one line), beside
+the task's own evaluation loop. A new task is a new file here."""

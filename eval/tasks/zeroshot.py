@@ -1,19 +1,154 @@
-"""Zero-shot classification: top-1, top-5 and mean per-class accuracy against prompt-built class embeddings."""
+"""Zero-shot classification: text classifier from class names x templates, then top-1/top-5 accuracy.
+The task `zeroshot` (`crate-clip eval zeroshot`, `type: zeroshot`): its settings, run, summary and checks are here.
+
+Numbers match open_clip's zero-shot path (build_zero_shot_classifier + open_clip_train.zero_shot):
+classifier = normalised mean of normalised template embeddings; logits = 100 * image_features @ classifier.
+"""
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
+import torch
 from pydantic import Field
+from tqdm import tqdm
 
 from crate_clip.eval.class_sets import (BUILTIN_CLASSNAMES, BUILTIN_TEMPLATES, CLASSNAMES_FILE, DEFAULT_DATASET,
                                         DEFAULT_TEMPLATES, TEMPLATES_FILE, dataset_name, resolve_classnames,
-                                        resolve_templates)
-from crate_clip.eval.eval_datasets import classification_dataset
+                                        resolve_templates, template_text)
+from crate_clip.eval.classifier_cache import cache_path, classifier_key, load_cached, save_cached
+from crate_clip.eval.distributed_batches import all_ranks_agree, all_reduce_sum, lockstep, rank_and_world
+from crate_clip.eval.eval_datasets import classification_dataset, loader_length, make_loader
 from crate_clip.eval.eval_settings import EvalSettings
-from crate_clip.eval.zeroshot import zero_shot_evaluate
+from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
+from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
+
+CLASSES_PER_BATCH = 10   # as open_clip: 10 classes x all templates per text forward
 
 
+@torch.no_grad()
+def build_text_classifier(model, tokenizer, classnames: Sequence[str], templates: Sequence, *, device="cpu",
+                          precision: str = "fp32", progress: bool = True) -> torch.Tensor:
+    """[embed_dim, num_classes] classifier: per class the normalised mean of normalised template embeddings."""
+    chunks = []
+    starts = range(0, len(classnames), CLASSES_PER_BATCH)
+    for start in tqdm(starts, desc="text classifier", unit="batch", disable=not progress):
+        names = classnames[start:start + CLASSES_PER_BATCH]
+        tokens = tokenizer([template_text(t, c) for c in names for t in templates]).to(device)
+        feats = text_features(model, tokens, precision).reshape(len(names), len(templates), -1).mean(dim=1)
+        chunks.append(feats / feats.norm(dim=1, keepdim=True))
+    return torch.cat(chunks).T.contiguous()
+
+
+def cached_text_classifier(model, tokenizer, classnames, templates, *, device="cpu", precision="fp32",
+                           cache_dir: str | Path | None = None, progress: bool = True) -> tuple[torch.Tensor, dict]:
+    """The text classifier from the on-disk cache when every rank has it, else built (rank 0 saves it)."""
+    start = time.perf_counter()
+    info = {"cache_hit": False, "cache_path": None}
+    cached = None
+    if cache_dir is not None:
+        path = cache_path(cache_dir, classifier_key(model, tokenizer, classnames, templates, precision))
+        info["cache_path"] = str(path)
+        cached = load_cached(path, len(classnames))
+    # All ranks build together (ZeRO-3 text forwards are collective) unless every rank has the file.
+    if all_ranks_agree(cached is not None):
+        weights, info["cache_hit"] = cached.to(device), True
+    else:
+        weights = build_text_classifier(model, tokenizer, classnames, templates, device=device,
+                                        precision=precision, progress=progress)
+        if cache_dir is not None and rank_and_world()[0] == 0:
+            save_cached(Path(info["cache_path"]), weights)
+    info["classifier_seconds"] = time.perf_counter() - start
+    return weights, info
+
+
+def zero_shot_evaluate(model, tokenizer, dataset, classnames: Sequence[str], templates: Sequence, *,
+                       batch_size: int = 256, device="cpu", precision: str = "fp32",
+                       cache_dir: str | Path | None = None, num_workers: int = 0, progress: bool = True,
+                       max_images: int | None = None,
+                       max_unreadable_fraction: float = DEFAULT_MAX_UNREADABLE_FRACTION) -> dict:
+    """Zero-shot top-1/top-5/mean-per-class accuracy of `model` on `dataset` (all ranks call this); refused
+    (UnreadableDataError) when more than `max_unreadable_fraction` of the images cannot be read."""
+    check_precision(precision)
+    classnames = list(classnames)
+    _check_class_count(dataset, classnames)
+    rank, world = rank_and_world()
+    was_training = model.training
+    model.eval()
+    classifier, cache_info = cached_text_classifier(model, tokenizer, classnames, templates, device=device,
+                                                    precision=precision, cache_dir=cache_dir,
+                                                    progress=progress and rank == 0)
+    counts = torch.zeros(3, len(classnames), dtype=torch.float64)   # images, top-1 hits, top-5 hits per class
+    unreadable = []
+    loader = make_loader(dataset, batch_size=batch_size, num_workers=num_workers, rank=rank, world=world,
+                         max_images=max_images)
+    bar = tqdm(total=loader_length(dataset, max_images, world, batch_size), desc="zero-shot images",
+               unit="batch", disable=not (progress and rank == 0))
+    start = time.perf_counter()
+    for batch in lockstep(loader):
+        bar.update(1)
+        unreadable += batch.unreadable if batch is not None else []
+        if batch is None or batch.images is None:
+            image_features(model, dummy_images(model, device), precision)   # keeps ZeRO-3 ranks in step
+        else:
+            _score_batch(model, batch, classifier, counts, device=device, precision=precision)
+    bar.close()
+    model.train(was_training)
+    metrics = _summary(all_reduce_sum(counts), unreadable, world, classnames, cache_info,
+                       time.perf_counter() - start)
+    check_unreadable(f"zero-shot on {data_name(dataset)}", metrics["n_images"], metrics["n_unreadable"],
+                     max_unreadable_fraction, unreadable)
+    return metrics
+
+
+def _score_batch(model, batch, classifier: torch.Tensor, counts: torch.Tensor, *, device, precision: str) -> None:
+    # As open_clip_train.zero_shot: logits = 100 * features @ classifier; a hit is the label in the top-k.
+    labels = batch.targets
+    _check_labels(labels, counts.shape[1])
+    logits = 100.0 * image_features(model, batch.images.to(device), precision) @ classifier
+    hits = logits.topk(min(5, counts.shape[1]), dim=1).indices.cpu() == labels.view(-1, 1)
+    counts[0].index_add_(0, labels, torch.ones(len(labels), dtype=torch.float64))
+    counts[1].index_add_(0, labels, hits[:, 0].double())
+    counts[2].index_add_(0, labels, hits.any(dim=1).double())
+
+
+def _check_class_count(dataset, classnames) -> None:
+    expected = getattr(dataset, "num_classes", None) or len(getattr(dataset, "classes", classnames))
+    if expected is not None and expected != len(classnames):
+        raise ValueError(f"{len(classnames)} class names but the data set has {expected} classes; they must agree")
+
+
+def _check_labels(labels: torch.Tensor, num_classes: int) -> None:
+    if labels.numel() and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ValueError(f"label {int(labels.max())} outside 0..{num_classes - 1}: the data has more classes "
+                         f"than the {num_classes} class names")
+
+
+def _summary(counts: torch.Tensor, unreadable: list[str], world: int, classnames, cache_info: dict,
+             seconds: float) -> dict:
+    n_unreadable = int(all_reduce_sum(torch.tensor([len(unreadable)], dtype=torch.int64)).item())
+    images, top1, top5 = counts
+    n = int(images.sum().item())
+    seen = images > 0
+    per_class = [{"class": name, "n": int(images[i]), "top1": float(top1[i] / images[i]) if seen[i] else None,
+                  "top5": float(top5[i] / images[i]) if seen[i] else None} for i, name in enumerate(classnames)]
+    return {
+        "top1": float(top1.sum() / n) if n else 0.0,
+        "top5": float(top5.sum() / n) if n else 0.0,
+        "mean_per_class": float((top1[seen] / images[seen]).mean()) if n else 0.0,
+        "per_class": per_class,
+        "n_images": n,
+        "n_unreadable": n_unreadable,
+        "unreadable_examples": unreadable[:20],   # this rank's first few, for the report
+        "num_classes": len(classnames),
+        "world_size": world,
+        "images_per_second": n / seconds if seconds > 0 else None,
+        **cache_info,
+    }
+
+
+# ---------------------------------------------------------------- the task
 class Settings(EvalSettings):
     """Zero-shot classification settings."""
 

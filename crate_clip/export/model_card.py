@@ -11,7 +11,7 @@ import hashlib
 from importlib import metadata
 from pathlib import Path, PurePosixPath
 
-from crate_clip.train.export_source import ExportSource
+from crate_clip.export.source import ExportSource
 
 DISTRIBUTION = "crate-clip"
 SETUP_CFG = Path(__file__).resolve().parents[2] / "setup.cfg"   # a source checkout that is not installed

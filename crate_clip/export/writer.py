@@ -31,7 +31,7 @@ from crate_clip.models import clip_tokenizer, preprocess_cfg_for, tokenizer_reco
 from crate_clip.models.clip_factory import quiet_random_init
 from crate_clip.models.clip_tower_names import tower_arch, tower_name_at
 from crate_clip.models.patch_change import checkpoint_patch_size
-from crate_clip.train.export_source import export_source
+from crate_clip.export.source import export_source
 
 WEIGHTS_FILE = "open_clip_model.safetensors"
 CONFIG_FILE = "open_clip_config.json"
@@ -61,7 +61,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: Path, *, stage: int | Non
     """Export a training checkpoint (a run folder, its `checkpoints/` folder following `latest`, or one
     `<tag>/` folder; `stage`: that stage's last checkpoint) as an open_clip model folder with its model card;
     `state`: its consolidated weights when the caller has them. Returns OUT."""
-    from crate_clip.train.model_card import model_card
+    from crate_clip.export.model_card import model_card
 
     source = export_source(checkpoint, stage, bert_vocab)
     state = consolidated_state_dict(source.tag_dir) if state is None else state

@@ -38,8 +38,8 @@ def main(argv=None) -> int:
     from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
     from crate_clip.core.errors import USER_ERRORS, report_error
     from crate_clip.models import TokenizerUnavailableError
-    from crate_clip.train.export import check_out_dir, export_checkpoint, verify_export
-    from crate_clip.train.export_source import export_source
+    from crate_clip.export.writer import check_out_dir, export_checkpoint, verify_export
+    from crate_clip.export.source import export_source
 
     try:
         source = export_source(args.checkpoint, args.stage, args.bert_vocab)
