@@ -7,7 +7,7 @@ import yaml
 
 from crate_clip.export.source import ExportSource
 from crate_clip.export.model_card import model_card, project_license, public_name
-from crate_clip.eval.linear_probe import summary
+from crate_clip.eval.tasks.linear_probe import summary
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"model_cfg": {"vision_cfg": {"image_size": 28, "patch_size": 7, "timm_model_name": "crate_alpha_x"},

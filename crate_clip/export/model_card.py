@@ -127,7 +127,7 @@ def _result_lines(source: ExportSource, run: dict) -> list[str]:
 
 def _probe_lines(probes: list) -> list[str]:
     """One line per linear probe measured on the exported weights."""
-    from crate_clip.eval.linear_probe import summary
+    from crate_clip.eval.tasks.linear_probe import summary
 
     return [f"- measured on the exported weights after the run, {summary(m)}" for m in probes]
 
