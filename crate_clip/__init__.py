@@ -1,9 +1,82 @@
 """crate-clip: CLIPA-style contrastive pretraining with a CRATE-alpha image tower.
 
-Importing this package registers the CRATE / CRATE-alpha towers with timm and the CRATE-alpha CLIP
-model configs with open_clip, so `timm.create_model('crate_alpha_base_patch16_224')` and
-`open_clip.create_model_and_transforms('CRATE-alpha-CLIPA-L-14')` work afterwards.
+Importing this package makes the CRATE / CRATE-alpha towers available to timm and the CRATE-alpha CLIP model
+configs to open_clip, so `timm.create_model('crate_alpha_base_patch16_224')` and
+`open_clip.create_model_and_transforms('CRATE-alpha-CLIPA-L-14')` work afterwards, whichever is imported first.
+
+The registration (crate_clip.models: torch, timm and open_clip, seconds of CPU) happens when it is needed: at
+once when timm or open_clip is already imported, else right after the first of them finishes importing (a
+post-import hook), so `import crate_clip` alone, and every `crate-clip ... --help`, stays cheap.
 """
-from crate_clip import models  # noqa: F401  (registers timm models and open_clip configs)
+import importlib
+import importlib.abc
+import sys
 
 __version__ = "0.1.0"
+
+_REGISTRY_MODULE = "crate_clip.models"
+_HOOKED = ("timm", "open_clip")
+_importing: set = set()   # hooked modules whose own import is under way (open_clip imports timm midway)
+
+
+def _register_when_ready() -> None:
+    """Import crate_clip.models (which registers everything) once no hooked module is half-imported."""
+    if not _importing and _REGISTRY_MODULE not in sys.modules:
+        importlib.import_module(_REGISTRY_MODULE)
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    """The hooked module's own loader, then the registration."""
+
+    def __init__(self, loader, name: str):
+        self._loader, self._name = loader, name
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = self._loader   # the module's own loader for its resources and reloads
+        module.__spec__.loader = self._loader
+        _importing.add(self._name)
+        try:
+            self._loader.exec_module(module)
+        finally:
+            _importing.discard(self._name)
+        _register_when_ready()
+
+    def __getattr__(self, attr):   # get_filename, is_package, get_resource_reader, ...
+        return getattr(self._loader, attr)
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Finds timm / open_clip with the other finders and wraps their loader."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in _HOOKED:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _RegisteringLoader(spec.loader, name)
+                return spec
+        return None
+
+
+def _install() -> None:
+    if any(name in sys.modules for name in _HOOKED):
+        _register_when_ready()
+    if not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())
+
+
+def __getattr__(name: str):
+    """`crate_clip.models` (and its registration) on first use."""
+    if name == "models":
+        return importlib.import_module(_REGISTRY_MODULE)
+    raise AttributeError(f"module 'crate_clip' has no attribute {name!r}")
+
+
+_install()

@@ -22,7 +22,8 @@ SUBCOMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: crate-clip [--debug] <command> [options]", "", "commands:"]
+    lines = ["usage: crate-clip [--debug] [--version] <command> [options]   (crate-clip <command> --help: its options)",
+             "", "commands:"]
     lines += [f"  {name:<8}{help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
@@ -32,6 +33,10 @@ def main(argv=None) -> int:
     argv = pop_debug_flag(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from crate_clip import __version__
+        print(f"crate-clip {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:

@@ -13,11 +13,12 @@ from crate_clip.core.writable_folders import UnwritableFolderError, check_writab
 def _add_writer_args(p: argparse.ArgumentParser, default_max_side: int | None = 512) -> None:
     """Options shared by every shard-writing command."""
     p.add_argument("--out", required=True, help="output folder for {shard:08d}.tar + _stats.json")
-    p.add_argument("--samples-per-shard", type=POSITIVE_INT, default=10_000)
+    p.add_argument("--samples-per-shard", type=POSITIVE_INT, default=10_000,
+                   help="samples per .tar shard (default: 10,000)")
     p.add_argument("--max-side", type=NON_NEGATIVE_INT, default=default_max_side,
                    help="shrink images whose longer side exceeds this (DataComp: 512; 0 keeps sizes)")
     p.add_argument("--parquet", action="store_true", help="also write {shard:08d}.parquet (needs pyarrow)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,62 +28,67 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("fashion-mnist", help="Fashion-MNIST idx files -> captioned shards")
     _add_writer_args(p, default_max_side=None)
-    p.add_argument("--split", default="train", choices=("train", "test"))
+    p.add_argument("--split", default="train", choices=("train", "test"), help="Fashion-MNIST split (default: train)")
     p.add_argument("--source-dir", default=None, help="folder of the idx .gz files (default: auto-found)")
-    p.add_argument("--limit", type=POSITIVE_INT, default=None)
+    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="write only the first N samples (default: all)")
     p.add_argument("--upscale", type=POSITIVE_INT, default=None, help="resize the 28 px images to this size")
 
     p = sub.add_parser("folder", help="ImageFolder tree <root>/<class>/<image> -> shards captioned by class")
-    p.add_argument("root")
+    p.add_argument("root", help="ImageFolder root: <root>/<class>/<image>")
     _add_writer_args(p)
 
     p = sub.add_parser("table", help="CSV/TSV/parquet table of image path + caption -> shards")
-    p.add_argument("table")
-    p.add_argument("--image-col", default="image")
-    p.add_argument("--caption-col", default="caption")
+    p.add_argument("table", help="CSV/TSV/parquet file with an image-path and a caption column")
+    p.add_argument("--image-col", default="image", help="column of image paths (default: image)")
+    p.add_argument("--caption-col", default="caption", help="column of captions (default: caption)")
     p.add_argument("--root", default=None, help="folder that relative image paths are relative to")
     _add_writer_args(p)
 
     p = sub.add_parser("emoji", help="Noto Color Emoji renderings captioned with their Unicode names")
     _add_writer_args(p)
-    p.add_argument("--limit", type=POSITIVE_INT, default=None)
+    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="write only the first N samples (default: all)")
     p.add_argument("--size", type=POSITIVE_INT, default=136, help="canvas size in px")
 
     p = sub.add_parser("eval-folder", help="Fashion-MNIST split as an ImageNet-val-style ImageFolder")
-    p.add_argument("--out", required=True)
-    p.add_argument("--split", default="test", choices=("train", "test"))
-    p.add_argument("--source-dir", default=None)
-    p.add_argument("--limit", type=POSITIVE_INT, default=None)
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--split", default="test", choices=("train", "test"), help="Fashion-MNIST split (default: test)")
+    p.add_argument("--source-dir", default=None, help="folder of the Fashion-MNIST idx .gz files (default: auto-found)")
+    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="write only the first N samples (default: all)")
 
     p = sub.add_parser("eval-shards", help="Fashion-MNIST split as classification shards (.jpg + .cls) in "
                                            "CLIP_benchmark's wds/ layout (OUT/<split>/N.tar, classnames, templates)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--split", default="test", choices=("train", "test"))
-    p.add_argument("--source-dir", default=None)
-    p.add_argument("--limit", type=POSITIVE_INT, default=None)
-    p.add_argument("--samples-per-shard", type=POSITIVE_INT, default=10_000)
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--split", default="test", choices=("train", "test"), help="Fashion-MNIST split (default: test)")
+    p.add_argument("--source-dir", default=None, help="folder of the Fashion-MNIST idx .gz files (default: auto-found)")
+    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="write only the first N samples (default: all)")
+    p.add_argument("--samples-per-shard", type=POSITIVE_INT, default=10_000,
+                   help="samples per .tar shard (default: 10,000)")
 
     p = sub.add_parser("scenes", help="segmentation eval set: 1-3 Fashion-MNIST test objects on textured "
                                       "backgrounds, ground-truth silhouette masks as COCO RLE in each .json")
-    p.add_argument("--out", required=True)
-    p.add_argument("--count", type=POSITIVE_INT, default=500)
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--count", type=POSITIVE_INT, default=500, help="number of scenes (default: 500)")
     p.add_argument("--size", type=POSITIVE_INT, default=56, help="square scene side in px")
-    p.add_argument("--max-objects", type=POSITIVE_INT, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--source-dir", default=None)
-    p.add_argument("--samples-per-shard", type=POSITIVE_INT, default=10_000)
+    p.add_argument("--max-objects", type=POSITIVE_INT, default=3, help="objects per scene, at most (default: 3)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the layouts (default: 0)")
+    p.add_argument("--source-dir", default=None, help="folder of the Fashion-MNIST idx .gz files (default: auto-found)")
+    p.add_argument("--samples-per-shard", type=POSITIVE_INT, default=10_000,
+                   help="samples per .tar shard (default: 10,000)")
 
     p = sub.add_parser("inspect", help="stream a few batches from shards and print sizes, skips, POS source")
     p.add_argument("sources", nargs="+", help="brace patterns, folders, globs, pipe: commands")
     p.add_argument("--batches", type=POSITIVE_INT, default=2,
                    help="batches to read (epoch mode stops at the end of the pass)")
-    p.add_argument("--batch-size", type=POSITIVE_INT, default=16)
-    p.add_argument("--image-size", type=POSITIVE_INT, default=84)
-    p.add_argument("--context-length", type=POSITIVE_INT, default=8)
-    p.add_argument("--text-mask", default="syntax", choices=("truncate", "random", "block", "syntax"))
-    p.add_argument("--mode", default="resampled", choices=("resampled", "epoch"))
-    p.add_argument("--num-workers", type=NON_NEGATIVE_INT, default=0)
-    p.add_argument("--num-samples", type=POSITIVE_INT, default=None)
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=16, help="samples per batch (default: 16)")
+    p.add_argument("--image-size", type=POSITIVE_INT, default=84, help="crop size in px (default: 84)")
+    p.add_argument("--context-length", type=POSITIVE_INT, default=8, help="text tokens per caption (default: 8)")
+    p.add_argument("--text-mask", default="syntax", choices=("truncate", "random", "block", "syntax"),
+                   help="how captions are cut to the context length (default: syntax)")
+    p.add_argument("--mode", default="resampled", choices=("resampled", "epoch"),
+                   help="shard sampling: resampled (with replacement) or one epoch pass (default: resampled)")
+    p.add_argument("--num-workers", type=NON_NEGATIVE_INT, default=0, help="data-loader worker processes (default: 0)")
+    p.add_argument("--num-samples", type=POSITIVE_INT, default=None,
+                   help="samples per epoch of the stream (default: the shards' count)")
     return parser
 
 

@@ -4,6 +4,8 @@ from pathlib import Path
 from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
 
 from crate_clip.core.class_names import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES
+from crate_clip.eval.class_folders import name_key
+
 BUILTIN_CLASSNAMES = {"imagenet1k": tuple(IMAGENET_CLASSNAMES), "fashion_mnist": FASHION_MNIST_CLASSNAMES}
 BUILTIN_TEMPLATES = {
     "openai": tuple(OPENAI_IMAGENET_TEMPLATES),   # callables: lambda c: f"... {c}."
@@ -30,19 +32,56 @@ def _beside(data: str | Path | None, name: str) -> list[Path]:
     return [root / name, root.parent / name]
 
 
-def resolve_classnames(dataset: str, data: str | Path | None = None, classnames_file: str | Path | None = None) -> list[str]:
-    """Class names in label order: an explicit file, a built-in set, or `classnames.txt` beside the data."""
+DEFAULT_DATASET = "imagenet1k"   # the data set when neither a name nor the data's own classnames.txt says
+
+
+def own_classnames_file(data: str | Path | None) -> Path | None:
+    """The data set's own class-names file (CLIP_benchmark's classnames.txt in or beside the data), if any."""
+    return next((p for p in _beside(data, CLASSNAMES_FILE) if p.is_file()), None)
+
+
+def dataset_name(dataset: str | None, data: str | Path | None) -> str:
+    """The data set meant: the name given, else 'custom' when the data has its own class names (they win over
+    the default), else DEFAULT_DATASET."""
+    if dataset:
+        return dataset
+    return "custom" if own_classnames_file(data) else DEFAULT_DATASET
+
+
+def _names_shown(names: list[str]) -> str:
+    return f"{len(names)} classes: " + ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def check_same_classes(chosen: list[str], chosen_from: str, own: list[str], own_from: str) -> None:
+    """ValueError naming both class sets when they differ in count or in any name (label order counts):
+    a zero-shot or probe number against the wrong class set would be silently wrong."""
+    if len(chosen) == len(own) and all(name_key(a) == name_key(b) for a, b in zip(chosen, own)):
+        return
+    raise ValueError(f"{chosen_from} ({_names_shown(chosen)}) disagrees with {own_from} ({_names_shown(own)}); "
+                     f"fix: leave out the dataset/classnames option to use the data's own class names, or "
+                     f"point the data at the set those classes belong to")
+
+
+def resolve_classnames(dataset: str | None, data: str | Path | None = None,
+                       classnames_file: str | Path | None = None) -> list[str]:
+    """Class names in label order: an explicit file or a built-in set (refused when the data's own
+    classnames.txt disagrees), else the data's own classnames.txt, else the default data set's."""
+    own_file = own_classnames_file(data)
     if classnames_file:
-        return read_lines(classnames_file)
-    if dataset in BUILTIN_CLASSNAMES:
-        return list(BUILTIN_CLASSNAMES[dataset])
-    candidates = _beside(data, CLASSNAMES_FILE)
-    for path in candidates:
-        if path.is_file():
-            return read_lines(path)
-    raise FileNotFoundError(
-        f"no class names for dataset {dataset!r}: pass a class-names file (one name per line, in label order) "
-        f"or put {CLASSNAMES_FILE} beside the data (looked at {[str(p) for p in candidates]})")
+        chosen, chosen_from = read_lines(classnames_file), f"classnames file {str(classnames_file)!r}"
+    elif dataset in BUILTIN_CLASSNAMES:
+        chosen, chosen_from = list(BUILTIN_CLASSNAMES[dataset]), f"dataset {dataset!r}"
+    elif own_file:
+        return read_lines(own_file)
+    elif not dataset:
+        return list(BUILTIN_CLASSNAMES[DEFAULT_DATASET])
+    else:
+        raise FileNotFoundError(
+            f"no class names for dataset {dataset!r}: pass a class-names file (one name per line, in label order) "
+            f"or put {CLASSNAMES_FILE} beside the data (looked at {[str(p) for p in _beside(data, CLASSNAMES_FILE)]})")
+    if own_file:
+        check_same_classes(chosen, chosen_from, read_lines(own_file), f"the data's own {own_file}")
+    return chosen
 
 
 def resolve_templates(templates: str | None, dataset: str, data: str | Path | None = None) -> list:

@@ -61,12 +61,14 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bert-vocab", help="folder holding vocab.txt: the BERT tokenizer of CLIPA-text models "
                                              "without the HuggingFace hub (default: hub / HF cache, or what a "
                                              "DeepSpeed checkpoint recorded)")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="evaluation precision (default: fp32)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--output", type=Path, help="write the metrics as JSON here")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "crate_clip" / "zeroshot"),
                         help="cache of what a task can reuse, e.g. zero-shot text classifiers ('' disables)")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
 
 
@@ -77,10 +79,14 @@ def _task_keys(task) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     """The `crate-clip eval` argument parser: one sub-command per task of eval/tasks/."""
     parser = argparse.ArgumentParser(prog="crate-clip eval", description="evaluate a model: "
-                                     + ", ".join(TASKS))
+                                     + ", ".join(name.replace("_", "-") for name in TASKS))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, task in TASKS.items():
-        cmd = sub.add_parser(name, help=(task.__doc__ or name).splitlines()[0])
+        # one naming style, hyphens (`eval linear-probe`, as `shards eval-shards`); the task's own name stays an alias
+        hyphenated = name.replace("_", "-")
+        cmd = sub.add_parser(hyphenated, aliases=[name] if hyphenated != name else [],
+                             help=(task.__doc__ or name).splitlines()[0])
+        cmd.set_defaults(task=name)
         _model_args(cmd)
         for key in _task_keys(task):
             _option(cmd, "--" + key.replace("_", "-"), task.Settings.model_fields[key])
@@ -100,9 +106,9 @@ def _init_distributed(device: str) -> None:
 
 def _settings(args) -> EvalSettings:
     """The task's settings from the options given (the others keep the schema's defaults)."""
-    keys = list(COMMON_OPTIONS.values()) + _task_keys(TASKS[args.command])
+    keys = list(COMMON_OPTIONS.values()) + _task_keys(TASKS[args.task])
     given = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
-    return parse_eval({"name": args.command, "type": args.command, **given})
+    return parse_eval({"name": args.task, "type": args.task, **given})
 
 
 def main(argv=None) -> int:
@@ -130,8 +136,8 @@ def main(argv=None) -> int:
         return report_error("crate-clip eval", err)
     if rank_and_world()[0] == 0:
         if getattr(args, "details", False):
-            print(TASKS[args.command].details(metrics))
-        print(TASKS[args.command].summary(metrics))
+            print(TASKS[args.task].details(metrics))
+        print(TASKS[args.task].summary(metrics))
         if args.output:
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps({"model": args.model, "data": args.data, **metrics}, indent=1))

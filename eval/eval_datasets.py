@@ -59,7 +59,7 @@ class ClassificationFolder(Dataset):
 
 
 def image_folder(root: str | Path, transform: Callable, *, num_classes: int, imagenet: bool = False,
-                 classnames: list[str] | None = None) -> ClassificationFolder:
+                 classnames: list[str] | None = None, dataset: str = "custom") -> ClassificationFolder:
     """ImageNet-val layout `<root>/<class dir>/<image>`; with `classnames` each folder is matched to its class
     by name or index (crate_clip.eval.class_folders), else (and for ImageNet's WordNet ids) class index = sorted order."""
     root = Path(root)
@@ -69,8 +69,11 @@ def image_folder(root: str | Path, transform: Callable, *, num_classes: int, ima
     if imagenet:
         _check_imagenet_classes(root, classes)
     elif len(classes) != num_classes:
-        raise ValueError(f"{root}: found {len(classes)} class folders but {num_classes} class names; "
-                         f"they must agree (one folder per class)")
+        if len(classes) == IMAGENET_NUM_CLASSES and set(classes) <= set(imagenet_wnids()):
+            raise ValueError(f"{root} holds the 1,000 ImageNet-1K WordNet-id class folders but dataset {dataset!r} "
+                             f"has {num_classes} class names; fix: --dataset imagenet1k (or leave it out)")
+        raise ValueError(f"{root}: found {len(classes)} class folders but {num_classes} class names of dataset "
+                         f"{dataset!r}; they must agree (one folder per class)")
     if classnames is not None and not imagenet:
         class_to_idx = map_class_folders(root, classes, list(classnames))
     else:
@@ -346,4 +349,5 @@ def classification_dataset(data: str | Path, transform: Callable, *, dataset: st
     if labels_file:
         names = imagenet_wnids() if imagenet else None
         return flat_folder(data, labels_file, transform, num_classes=num_classes, label_names=names)
-    return image_folder(data, transform, num_classes=num_classes, imagenet=imagenet, classnames=classnames)
+    return image_folder(data, transform, num_classes=num_classes, imagenet=imagenet, classnames=classnames,
+                        dataset=dataset)

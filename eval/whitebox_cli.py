@@ -266,10 +266,14 @@ INSPECT_COMMANDS = {"maps": maps_main, "text": text_main}
 def inspect_entry(argv=None) -> int:
     """`crate-clip inspect maps ...` (image tower) or `crate-clip inspect text ...` (CRATE-alpha text tower)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = ("usage: crate-clip inspect maps --model ... --images ... --out DIR [--layer N]\n"
+             "       crate-clip inspect text CAPTION --model ... [--layer N] [--atoms K] [--json] [--out DIR]\n"
+             "(crate-clip inspect maps --help / text --help: their options)")
+    if argv and argv[0] in ("-h", "--help"):   # asked for: the usage, exit 0 as every --help
+        print(usage)
+        return 0
     if not argv or argv[0] not in INSPECT_COMMANDS:
-        print("usage: crate-clip inspect maps --model ... --images ... --out DIR [--layer N]\n"
-              "       crate-clip inspect text CAPTION --model ... [--layer N] [--atoms K] [--json] [--out DIR]",
-              file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     return _run(INSPECT_COMMANDS[argv[0]], argv[1:], f"crate-clip inspect {argv[0]}")
 

@@ -1,5 +1,5 @@
 """`crate-clip export CHECKPOINT [--stage N] [--out DIR] [--hub-id ORG/NAME]`: any training checkpoint as an
-open_clip model folder (`local-dir:`, and the Hugging Face Hub layout for `huggingface-cli upload`), without
+open_clip model folder (`local-dir:`, and the Hugging Face Hub layout for `hf upload`), without
 training further. The trainer's final export is this command on the run's last checkpoint.
 """
 from __future__ import annotations

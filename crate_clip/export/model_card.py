@@ -6,30 +6,70 @@ results.jsonl, nothing from the clock, so the card of one checkpoint is the same
 """
 from __future__ import annotations
 
+import configparser
+import hashlib
+from importlib import metadata
+from pathlib import Path, PurePosixPath
+
 from crate_clip.export.source import ExportSource
+
+DISTRIBUTION = "crate-clip"
+SETUP_CFG = Path(__file__).resolve().parents[2] / "setup.cfg"   # a source checkout that is not installed
+INSTALL = ("Loading it needs the crate-clip package, which no package registry serves: install it from its "
+           "source (`pip install .` in a checkout) or from a wheel built there (`pip wheel --no-deps .`, then "
+           "`pip install crate_clip-*.whl`), and `import crate_clip`, which registers the CRATE-alpha towers "
+           "with timm.")
 
 STAGE_COLUMNS = (("name", "stage"), ("image_size", "image px"), ("patch_size", "patch"),
                  ("context_length", "text tokens"), ("samples", "samples"), ("global_batch", "batch"),
                  ("lr", "lr"), ("image_mask", "image mask"), ("text_mask", "text mask"))
 
 
-def model_card(source: ExportSource, config: dict, hub_id: str | None = None) -> str:
-    """The README.md of the export of `source` written with `config` (open_clip_config.json's content)."""
+def project_license() -> str:
+    """The project's licence (setup.cfg's `license`, as the installed distribution's metadata records it)."""
+    try:
+        return metadata.metadata(DISTRIBUTION)["License"]
+    except metadata.PackageNotFoundError:
+        parser = configparser.ConfigParser()
+        parser.read(SETUP_CFG)
+        return parser["metadata"]["license"]
+
+
+def public_name(location: str, run_dir: str | Path | None = None) -> str:
+    """A data or tokenizer location fit for a published card: URLs and hub names as they are, a path inside
+    the run folder relative to it, any other local path as its last component plus a hash of the whole path
+    (the same path gives the same name, and nothing about the machine it was on is published)."""
+    text = str(location)
+    if "://" in text or text.startswith(("hf-hub:", "pipe:")) or not (text.startswith(("/", "~", ".")) or
+                                                                        Path(text).exists()):
+        return text
+    path = Path(text).expanduser()
+    if run_dir is not None:
+        try:
+            return str(PurePosixPath(path.resolve().relative_to(Path(run_dir).resolve())))
+        except ValueError:
+            pass
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    return f"{path.name or 'data'} (local path, sha256 {digest})"
+
+
+def model_card(source: ExportSource, config: dict, hub_id: str | None = None, probes: list | None = None) -> str:
+    """The README.md of the export of `source` written with `config` (open_clip_config.json's content);
+    `probes`: linear-probe metrics measured on this export after the run (the demo's), listed with the results."""
     run = source.run_config
     vision, text = config["model_cfg"]["vision_cfg"], config["model_cfg"]["text_cfg"]
     name = (run.get("run") or {}).get("name") or source.model_name
     info = source.info
-    lines = ["---", "tags:", "- clip", "- crate-alpha", "- crate-clip", "library_name: open_clip",
-             "pipeline_tag: zero-shot-image-classification", "---", "",
+    lines = ["---", f"license: {project_license().lower()}", "tags:", "- clip", "- crate-alpha", "- crate-clip",
+             "library_name: open_clip", "pipeline_tag: zero-shot-image-classification", "---", "",
              f"# {name}: {source.model_name} at {vision['image_size']} px",
              "",
              "A CLIP model whose image tower is CRATE-alpha (a white-box transformer), trained with crate-clip "
-             "(CLIPA-style stages). Loading it needs `pip install crate-clip` and `import crate_clip`, which "
-             "registers the CRATE-alpha towers with timm.",
+             "(CLIPA-style stages). " + INSTALL,
              "", "## Model", "",
              f"- open_clip config: `{source.model_name}`; image tower `{vision.get('timm_model_name', 'ViT')}` "
              f"(patch {vision.get('patch_size')} px, {vision['image_size']} px input); text context "
-             f"{text['context_length']} tokens, tokenizer `{text.get('hf_tokenizer_name') or 'CLIP BPE'}`",
+             f"{text['context_length']} tokens, tokenizer `{public_name(text.get('hf_tokenizer_name') or 'CLIP BPE')}`",
              f"- checkpoint `{source.tag_dir.name}`: stage {info.get('stage_index')} "
              f"({info.get('stage_name')}), step {info.get('step')} of {info.get('stage_steps')}, "
              f"{info.get('samples_seen', 0):,} samples seen, {info.get('precision')} training",
@@ -38,8 +78,8 @@ def model_card(source: ExportSource, config: dict, hub_id: str | None = None) ->
              f"{_numbers(config['preprocess_cfg']['mean'])}, std {_numbers(config['preprocess_cfg']['std'])}",
              "", "## Training stages", ""]
     lines += _stage_table(run)
-    lines += ["", "## Data", ""] + _data_lines(run)
-    lines += ["", "## Results", ""] + _result_lines(source, run)
+    lines += ["", "## Data", ""] + _data_lines(run, source.tag_dir.parent.parent)
+    lines += ["", "## Results", ""] + _result_lines(source, run) + _probe_lines(probes or [])
     lines += ["", "## Usage", ""] + _usage(hub_id)
     return "\n".join(lines) + "\n"
 
@@ -60,9 +100,9 @@ def _stage_table(run: dict) -> list[str]:
     return rows if stages else ["(the checkpoint records no stages)"]
 
 
-def _data_lines(run: dict) -> list[str]:
+def _data_lines(run: dict, run_dir: Path) -> list[str]:
     data = run.get("data") or {}
-    sources = ", ".join(f"`{s}`" for s in data.get("sources") or []) or "(not recorded)"
+    sources = ", ".join(f"`{public_name(s, run_dir)}`" for s in data.get("sources") or []) or "(not recorded)"
     return [f"- shards: {sources} ({data.get('mode', 'resampled')})",
             f"- random-resized crops of scale {data.get('crop_scale')}; seed {(run.get('run') or {}).get('seed')}"]
 
@@ -84,6 +124,13 @@ def _result_lines(source: ExportSource, run: dict) -> list[str]:
         lines.append(f"- stage {row.get('stage_index')} ({row.get('stage_name')}), `{row.get('eval')}` at "
                      f"{row.get('image_size')} px{how}: {summary}")
     return lines
+
+
+def _probe_lines(probes: list) -> list[str]:
+    """One line per linear probe measured on the exported weights."""
+    from crate_clip.eval.tasks.linear_probe import summary
+
+    return [f"- measured on the exported weights after the run, {summary(m)}" for m in probes]
 
 
 def _usage(hub_id: str | None) -> list[str]:

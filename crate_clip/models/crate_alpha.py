@@ -232,6 +232,7 @@ class CrateAlpha(nn.Module):
             token_mask, token_drop_ratio = "random", patch_drop_rate
         check_token_mask(token_mask, token_drop_ratio)
         self.num_classes = num_classes
+        self.in_chans = in_chans   # timm's model attribute (input channels; default_cfg input_size[0])
         self.global_pool = global_pool
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.num_prefix_tokens = 1
@@ -319,7 +320,12 @@ class CrateAlpha(nn.Module):
                 raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
             self.global_pool = global_pool
         self.num_classes = num_classes
-        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        # the new head matches the model: its dtype and device (a float64 or meta model keeps working) and its
+        # train/eval mode, as timm's reset_classifier contract asks
+        like = self.cls_token
+        head = nn.Linear(self.embed_dim, num_classes, device=like.device, dtype=like.dtype) if num_classes > 0 \
+            else nn.Identity()
+        self.head = head.train(self.training)
 
     # ----- input size -----
     def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None,

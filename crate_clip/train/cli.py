@@ -27,8 +27,13 @@ PROG = "crate-clip train"
 
 def build_parser() -> argparse.ArgumentParser:
     """The `crate-clip train` argument parser."""
-    p = argparse.ArgumentParser(prog=PROG, description="Train a CRATE-alpha CLIP from a run config.")
-    p.add_argument("--config", required=True, help="run config YAML (see configs/)")
+    p = argparse.ArgumentParser(prog=PROG, description="Train a CRATE-alpha CLIP from a run config.",
+                                epilog="Every run-config key, its type, default and meaning: docs/config.md; how a "
+                                       "run uses them: docs/training.md.")
+    p.add_argument("config", nargs="?", default=None, metavar="CONFIG",
+                   help="run config YAML (see configs/ and docs/config.md), as `crate-clip plan CONFIG` takes it")
+    p.add_argument("--config", dest="config_option", default=None, metavar="CONFIG",
+                   help="the run config YAML (same as the positional; the form launchers' docs use)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set stages.0.lr=1e-3 (repeatable)")
     p.add_argument("--resume", default=None, metavar="latest|auto|PATH",
@@ -48,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Run `crate-clip train`; returns the exit code."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if (args.config is None) == (args.config_option is None):
+        parser.error("give the run config once: `crate-clip train CONFIG` or `crate-clip train --config CONFIG`")
+    args.config = args.config or args.config_option
     watch_launcher()   # under torchrun / deepspeed / accelerate: stop when the launcher is gone
     # DeepSpeed 0.19 and open_clip's ClipLoss (gather_with_grad) still call torch collectives under their old
     # names: torch's deprecation notices (one per rank and collective) say nothing a user can act on

@@ -206,7 +206,20 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
                                                  cache_dir=run_dir / "eval_cache")
     print(f"[demo] {linear_probe.summary(metrics)} in {metrics['extract_seconds'] + metrics['probe_seconds']:.0f} s")
     (run_dir / "linear_probe.json").write_text(json.dumps(metrics, indent=1))
+    _card_with_probe(run_dir, export, metrics)
     return metrics
+
+
+def _card_with_probe(run_dir: Path, export: Path, metrics: dict) -> None:
+    """Rewrite the export's model card with the probe just measured on it: the card lists every measured result
+    of the run, and the probe runs after the trainer wrote the export (of the run's last checkpoint)."""
+    from crate_clip.checkpoint_io.atomic_files import atomic_write_text
+    from crate_clip.export.writer import CARD_FILE
+    from crate_clip.export.source import export_source
+    from crate_clip.export.model_card import model_card
+
+    config = json.loads((export / "open_clip_config.json").read_text())
+    atomic_write_text(export / CARD_FILE, model_card(export_source(run_dir / "checkpoints"), config, probes=[metrics]))
 
 
 def main(argv=None) -> int:

@@ -7,6 +7,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text
@@ -16,6 +17,15 @@ from crate_clip.checkpoint_io.run_layout import (METRICS_FILE, PLOT_FILE, RESULT
 from crate_clip.train.whitebox_log import draw_whitebox_curves, whitebox_keys, whitebox_scalars
 
 
+
+
+def flop_rate(tflops_per_rank: float, on_gpu: bool) -> tuple[str, str]:
+    """(label, value) of a per-rank FLOP rate in the unit that fits: TFLOP/s from 1 TFLOP/s up, GFLOP/s below
+    (a CPU's rate, which TFLOP/s with one decimal shows as 0.0); per gpu on GPUs, per rank on CPUs."""
+    per = "gpu" if on_gpu else "rank"
+    if tflops_per_rank >= 1:
+        return f"TFLOP/s/{per}", f"{tflops_per_rank:.1f}"
+    return f"GFLOP/s/{per}", f"{1000 * tflops_per_rank:.3g}"
 
 class MetricsLog:
     """Everything a run reports; only rank 0 writes, other ranks get a no-op log."""
@@ -60,10 +70,12 @@ class MetricsLog:
 
     def show_throughput(self, perf) -> None:
         """Keep the latest MFU / TFLOP/s / data-wait figures (a ThroughputRecord) for the progress bar."""
-        keys = (("mfu", "mfu", "{:.0%}"), ("tflops_per_gpu", "TFLOP/s/gpu", "{:.1f}"),
-                ("data_wait_frac", "wait", "{:.0%}"))
+        keys = (("mfu", "mfu", "{:.0%}"), ("data_wait_frac", "wait", "{:.0%}"))
         self._perf_post = {label: fmt.format(getattr(perf, k)) for k, label, fmt in keys
                            if getattr(perf, k) is not None}
+        if getattr(perf, "tflops_per_gpu", None) is not None:
+            label, value = flop_rate(perf.tflops_per_gpu, on_gpu=torch.cuda.is_available())
+            self._perf_post[label] = value
 
     def end_stage(self) -> None:
         """Close the stage's progress bar."""

@@ -66,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None, help=f"GPU type for the bf16 peak: {', '.join(GPU_TABLE)}")
     p.add_argument("--mfu", type=_mfu, default=DEFAULT_MFU,
                    help=f"model FLOPs utilisation assumed for time, in (0, 1] (default: {DEFAULT_MFU})")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--config", dest="config_option", default=None, metavar="CONFIG",
+                   help="the run config YAML, as `crate-clip train --config` takes it (same as the positional)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set stages.0.global_batch=4096 (repeatable), as train does")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--no-memory", action="store_true",
                    help="skip the activation trace (minutes on a CPU for the largest models): FLOPs, time and "
@@ -107,7 +110,12 @@ def format_resume(s: dict) -> str:
 
 def main(argv=None) -> int:
     """Run `crate-clip plan`; returns the exit code."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.config_option is not None:   # `plan --config FILE`, as `train --config FILE`
+        if args.config is not None:
+            parser.error("give the run config once: as the positional or with --config")
+        args.config = args.config_option
     gpu_key = (args.gpu or "").lower()
     try:
         if args.gpu_memory is None and gpu_key not in GPU_TABLE:

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from crate_clip.eval.class_sets import resolve_classnames, resolve_templates, template_text
+from crate_clip.eval.class_sets import dataset_name, resolve_classnames, resolve_templates, template_text
 from crate_clip.eval.eval_datasets import ShardSamples, classification_dataset, subset_indices
 from crate_clip.eval.model_loading import eval_tokenizer, eval_transform
 from crate_clip.eval.whitebox import find_crate_tower, layer_diagnostics
@@ -32,7 +32,7 @@ TOWER_KEYS = {WHITEBOX_KEY: ("whitebox", "image tower"), WHITEBOX_TEXT_KEY: ("wh
 def _probe_set(cfg) -> tuple:
     """(eval entry, data-set name, class names) of the first eval set, the white-box probes' source."""
     spec = cfg.eval.evals[0]
-    dataset = getattr(spec, "dataset", "custom")
+    dataset = dataset_name(getattr(spec, "dataset", "custom"), spec.data)
     return spec, dataset, resolve_classnames(dataset, spec.data, getattr(spec, "classnames", None))
 
 

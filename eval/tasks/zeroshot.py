@@ -14,8 +14,9 @@ import torch
 from pydantic import Field
 from tqdm import tqdm
 
-from crate_clip.eval.class_sets import (BUILTIN_CLASSNAMES, BUILTIN_TEMPLATES, CLASSNAMES_FILE, DEFAULT_TEMPLATES,
-                                        TEMPLATES_FILE, resolve_classnames, resolve_templates, template_text)
+from crate_clip.eval.class_sets import (BUILTIN_CLASSNAMES, BUILTIN_TEMPLATES, CLASSNAMES_FILE, DEFAULT_DATASET,
+                                        DEFAULT_TEMPLATES, TEMPLATES_FILE, dataset_name, resolve_classnames,
+                                        resolve_templates, template_text)
 from crate_clip.eval.classifier_cache import cache_path, classifier_key, load_cached, save_cached
 from crate_clip.eval.distributed_batches import all_ranks_agree, all_reduce_sum, rank_and_world
 from crate_clip.eval.eval_datasets import classification_dataset
@@ -142,8 +143,10 @@ class Settings(EvalSettings):
     """Zero-shot classification settings."""
 
     type: Literal["zeroshot"] = Field("zeroshot", description="the task (an entry without a type is a zeroshot one)")
-    dataset: str = Field("imagenet1k", description="imagenet1k | fashion_mnist (built-in class names) | any "
-                                                   "name with classnames or classnames.txt beside the data")
+    dataset: Optional[str] = Field(None, description="imagenet1k | fashion_mnist (built-in class names) | any "
+                                   f"name with classnames or {CLASSNAMES_FILE} beside the data (default: the data's "
+                                   f"own {CLASSNAMES_FILE}, else {DEFAULT_DATASET}; a built-in set that disagrees "
+                                   "with the data's own is refused)")
     templates: Optional[str] = Field(None, description=f"{' | '.join(BUILTIN_TEMPLATES)} | a file of '{{}}' "
                                                        f"or '{{c}}' lines (default: {TEMPLATES_FILE} beside the "
                                                        f"data, else the dataset's, {DEFAULT_TEMPLATES})")
@@ -155,8 +158,9 @@ class Settings(EvalSettings):
 def run(model, settings: Settings, context) -> dict:
     """Zero-shot metrics of `model` on the settings' data (all ranks call this)."""
     classnames = resolve_classnames(settings.dataset, settings.data, settings.classnames)
-    templates = resolve_templates(settings.templates, settings.dataset, settings.data)
-    dataset = classification_dataset(settings.data, context.preprocess, dataset=settings.dataset,
+    name = dataset_name(settings.dataset, settings.data)
+    templates = resolve_templates(settings.templates, name, settings.data)
+    dataset = classification_dataset(settings.data, context.preprocess, dataset=name,
                                      num_classes=len(classnames), labels_file=settings.labels, classnames=classnames)
     return zero_shot_evaluate(model, context.tokenizer, dataset, classnames, templates,
                               cache_dir=context.cache_dir, **context.loop_args(settings))
@@ -172,6 +176,8 @@ def data_problems(settings: Settings) -> list[tuple[str, str]]:
                                "line, in label order")]
     try:
         resolve_classnames(settings.dataset, settings.data)
+    except ValueError as err:   # a built-in set that disagrees with the data's own classnames.txt
+        return [("dataset", str(err))]
     except FileNotFoundError:
         return [("dataset", f"{settings.dataset!r} has no built-in class names ({', '.join(BUILTIN_CLASSNAMES)}) "
                             f"and there is no {CLASSNAMES_FILE} beside {settings.data!r}; fix: set classnames: "

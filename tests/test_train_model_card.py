@@ -1,0 +1,58 @@
+"""The export's model card publishes what a reader can act on: the project's licence, how to install crate-clip
+(which no registry serves) from its source or a wheel, every measured result (the demo's linear probe too), and
+no local path of the machine the run was on."""
+from pathlib import Path
+
+import yaml
+
+from crate_clip.export.source import ExportSource
+from crate_clip.export.model_card import model_card, project_license, public_name
+from crate_clip.eval.tasks.linear_probe import summary
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG = {"model_cfg": {"vision_cfg": {"image_size": 28, "patch_size": 7, "timm_model_name": "crate_alpha_x"},
+                        "text_cfg": {"context_length": 16}},
+          "preprocess_cfg": {"resize_mode": "shortest", "interpolation": "bicubic", "mean": [0.5] * 3,
+                             "std": [0.25] * 3}}
+PROBE = {"top1": 0.8431, "top5": 0.995, "mean_per_class_recall": 0.8431, "features": "image", "feature_dim": 64,
+         "weight_decay": 1e-4, "n_train": 10000, "n_test": 10000}
+
+
+def _source(tmp_path: Path, sources: list[str]) -> ExportSource:
+    tag = tmp_path / "runs" / "demo" / "checkpoints" / "stage1-step00000010"
+    tag.mkdir(parents=True)
+    run = {"run": {"name": "demo", "seed": 0}, "stages": [{"name": "full", "samples": 64, "global_batch": 32}],
+           "data": {"sources": sources, "crop_scale": [0.9, 1.0]}}
+    info = {"model_name": "CRATE-alpha-CLIPA-tiny", "image_size": 28, "context_length": 16, "stage_index": 0,
+            "stage_name": "full", "step": 2, "stage_steps": 2, "run_config": run}
+    results = [{"stage_index": 0, "stage_name": "full", "eval": "zeroshot", "image_size": 28, "top1": 0.841,
+                "top5": 0.9954, "mean_per_class": 0.841, "n_images": 10000, "n_unreadable": 0}]
+    return ExportSource(tag, info, None, results)
+
+
+def test_card_has_the_projects_license_and_a_source_install(tmp_path):
+    card = model_card(_source(tmp_path, ["s3://bucket/{0..9}.tar"]), CONFIG)
+    front = yaml.safe_load(card.split("---")[1])
+    setup_license = next(line.split("=", 1)[1].strip() for line in (REPO_ROOT / "setup.cfg").read_text().splitlines()
+                         if line.startswith("license"))
+    assert front["license"] == setup_license.lower() == project_license().lower() == "apache-2.0"
+    assert "pip install crate-clip" not in card
+    assert "`pip install .` in a checkout" in card and "pip wheel --no-deps ." in card
+
+
+def test_card_publishes_no_local_path(tmp_path):
+    inside = tmp_path / "runs" / "demo" / "data" / "train"
+    outside = tmp_path / "elsewhere" / "fashion_mnist" / "train"
+    source = _source(tmp_path, [str(inside), str(outside), "s3://bucket/{0..9}.tar"])
+    card = model_card(source, CONFIG)
+    assert str(tmp_path) not in card and "/elsewhere/" not in card
+    assert "`data/train`" in card and "`s3://bucket/{0..9}.tar`" in card
+    assert f"`{public_name(str(outside))}`" in card and public_name(str(outside)).startswith("train (local path, ")
+    assert public_name(str(outside)) != public_name(str(tmp_path / "other" / "train"))   # the hash tells them apart
+
+
+def test_card_lists_every_measured_result_with_the_linear_probe(tmp_path):
+    card = model_card(_source(tmp_path, ["s3://b/x.tar"]), CONFIG, probes=[PROBE])
+    results = card.split("## Results")[1].split("## Usage")[0]
+    assert "top-1 84.10%" in results
+    assert summary(PROBE) in results and "top-1 84.31%" in results
