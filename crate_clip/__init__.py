@@ -19,14 +19,32 @@ _HOOKED = ("timm", "open_clip")
 _importing: set = set()   # hooked modules whose own import is under way (open_clip imports timm midway)
 
 
-def _register_when_ready() -> None:
-    """Import crate_clip.models (which registers everything) once no hooked module is half-imported."""
-    if not _importing and _REGISTRY_MODULE not in sys.modules:
+_pending = False   # timm / open_clip finished importing while the registration could not run yet
+
+
+def _crate_clip_half_imported(done: str = "") -> bool:
+    """A crate_clip submodule other than `done` (whose code has just run) is still executing: one that imports
+    open_clip at its top (core.image_normalization) would be imported back by the registration, a circular import."""
+    return any(getattr(getattr(module, "__spec__", None), "_initializing", False)
+               for name, module in list(sys.modules.items()) if name.startswith("crate_clip.") and name != done)
+
+
+def _register_when_ready(done: str = "") -> None:
+    """Import crate_clip.models (which registers everything) once no hooked module and no crate_clip submodule is
+    half-imported; until then it is pending, and the end of each crate_clip submodule's import tries again."""
+    global _pending
+    if _REGISTRY_MODULE in sys.modules:
+        _pending = False
+    elif _importing or _crate_clip_half_imported(done):
+        _pending = True
+    else:
+        _pending = False
         importlib.import_module(_REGISTRY_MODULE)
 
 
 class _RegisteringLoader(importlib.abc.Loader):
-    """The hooked module's own loader, then the registration."""
+    """The module's own loader, then the registration: after timm or open_clip, and after a crate_clip submodule
+    while the registration is pending."""
 
     def __init__(self, loader, name: str):
         self._loader, self._name = loader, name
@@ -37,22 +55,25 @@ class _RegisteringLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         module.__loader__ = self._loader   # the module's own loader for its resources and reloads
         module.__spec__.loader = self._loader
-        _importing.add(self._name)
+        hooked = self._name in _HOOKED
+        if hooked:
+            _importing.add(self._name)
         try:
             self._loader.exec_module(module)
         finally:
             _importing.discard(self._name)
-        _register_when_ready()
+        if hooked or _pending:
+            _register_when_ready(done=self._name)
 
     def __getattr__(self, attr):   # get_filename, is_package, get_resource_reader, ...
         return getattr(self._loader, attr)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds timm / open_clip with the other finders and wraps their loader."""
+    """Finds timm, open_clip and crate_clip's submodules with the other finders and wraps their loader."""
 
     def find_spec(self, name, path=None, target=None):
-        if name not in _HOOKED:
+        if name not in _HOOKED and not name.startswith("crate_clip."):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
