@@ -5,13 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
-import open_clip
-
-from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
+from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING
 from crate_clip.core.errors import USER_ERRORS, UserError, report_error
 from crate_clip.core.writable_folders import check_writable
-from crate_clip.models import clip_tokenizer, load_official_clipa
-from crate_clip.export.writer import check_out_dir, export_open_clip, verify_export
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_model_name(name: str) -> None:
     """ValueError listing the known CRATE-alpha configs when `name` is no registered open_clip config."""
+    import open_clip
+
     if open_clip.get_model_config(name) is None:
         known = [m for m in open_clip.list_models() if m.startswith("CRATE-alpha")]
         raise ValueError(f"--model {name}: no such open_clip model config; known CRATE-alpha models: "
@@ -52,6 +50,11 @@ def check_checkpoint_file(path: Path) -> None:
 def main(argv=None) -> int:
     """Run `crate-clip convert ...`; returns the exit code."""
     args = build_parser().parse_args(argv)
+    # torch, open_clip and the models after parsing (seconds of CPU), so that --help is instant
+    from crate_clip.checkpoint_io.safe_unpickling import trusted_checkpoints
+    from crate_clip.export.writer import check_out_dir, export_open_clip, verify_export
+    from crate_clip.models import clip_tokenizer, load_official_clipa
+
     try:
         check_model_name(args.model)
         check_out_dir(args.out)   # fail before the slow part

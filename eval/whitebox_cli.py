@@ -10,10 +10,9 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 
-from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
+from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING
 from crate_clip.core.cli_numbers import NON_NEGATIVE_INT, POSITIVE_INT, bounded
 from crate_clip.core.errors import report_error
 from crate_clip.eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU
@@ -39,6 +38,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _load_model(args, **options):
     """(model, transform, tokenizer, name) of --model / --pretrained, read as --trust-checkpoint allows."""
+    import torch
+
+    from crate_clip.checkpoint_io.safe_unpickling import trusted_checkpoints
     from crate_clip.eval.model_loading import load_eval_model
 
     torch.manual_seed(0)  # a random-init tower (no --pretrained) is the same on every call
@@ -101,15 +103,23 @@ def _report_skipped(prog: str, skipped: list[str], total: int, kept: int) -> Non
 # ---------------------------------------------------------------- inspect maps
 def maps_main(argv) -> int:
     """`crate-clip inspect maps`: class-token attention per head + average, and joint PCA, per image."""
-    from crate_clip.eval.segmentation import to_tensor
-    from crate_clip.eval.whitebox_maps import attention_strip, block_maps, joint_pca, pca_strip
-
     p = argparse.ArgumentParser(prog="crate-clip inspect maps", description=maps_main.__doc__)
     _model_args(p)
     p.add_argument("--images", nargs="+", required=True)
     p.add_argument("--facet", default="projection", choices=("projection", "output"),
                    help="PCA features: U^T LN(Z) (ViT: keys) or the block output (default projection)")
     args = p.parse_args(argv)
+    import torch   # after parsing (seconds of CPU): --help is instant
+
+    with torch.no_grad():
+        return _maps(args, p)
+
+
+def _maps(args, p: argparse.ArgumentParser) -> int:
+    """maps_main once its command line is parsed: the model loaded, the outputs written."""
+    from crate_clip.eval.segmentation import to_tensor
+    from crate_clip.eval.whitebox_maps import attention_strip, block_maps, joint_pca, pca_strip
+
     clip = _load(args)
     skipped = []
     kept = _read_images(args.images, patch_grid(clip), skipped)
@@ -140,8 +150,6 @@ def maps_main(argv) -> int:
 def text_main(argv) -> int:
     """`crate-clip inspect text CAPTION`: per-head attention over the words and the most active dictionary atoms per
     token, at one block of a CRATE-alpha text tower; per-block coding rate and code sparsity of the caption."""
-    from crate_clip.eval.whitebox_text import draw_attention, format_inspection, inspect_caption
-
     p = argparse.ArgumentParser(prog="crate-clip inspect text", description=text_main.__doc__)
     p.add_argument("caption")
     _source_args(p)
@@ -151,6 +159,16 @@ def text_main(argv) -> int:
     p.add_argument("--json", action="store_true", help="print the inspection as JSON instead of tables")
     p.add_argument("--out", type=Path, help="also draw the attention heatmaps into this folder (PNG)")
     args = p.parse_args(argv)
+    import torch   # after parsing (seconds of CPU): --help is instant
+
+    with torch.no_grad():
+        return _text(args, p)
+
+
+def _text(args, p: argparse.ArgumentParser) -> int:
+    """text_main once its command line is parsed: the model loaded, the outputs written."""
+    from crate_clip.eval.whitebox_text import draw_attention, format_inspection, inspect_caption
+
     clip, _, tokenizer, _ = _load_model(args, bert_vocab=args.bert_vocab)
     ins = inspect_caption(clip.float().eval(), tokenizer, args.caption, args.layer, args.atoms)
     print(json.dumps(ins.__dict__) if args.json else format_inspection(ins))
@@ -201,8 +219,6 @@ def scene_shards(data: str, limit: int | None = None, grid: tuple[int, int] = (1
 
 def segment_main(argv) -> int:
     """`crate-clip segment`: MaskCut masks as PNG overlays + COCO RLE JSON; with --data, AP50 and best IoU too."""
-    from crate_clip.eval.segmentation import coco_evaluate, mask_records, overlay_masks, segment_batch, write_results
-
     p = argparse.ArgumentParser(prog="crate-clip segment", description=segment_main.__doc__)
     _model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
@@ -219,6 +235,16 @@ def segment_main(argv) -> int:
     p.add_argument("--overlays", type=NON_NEGATIVE_INT, default=None,
                    help="write at most this many overlay PNGs (default all)")
     args = p.parse_args(argv)
+    import torch   # after parsing (seconds of CPU): --help is instant
+
+    with torch.no_grad():
+        return _segment(args, p)
+
+
+def _segment(args, p: argparse.ArgumentParser) -> int:
+    """segment_main once its command line is parsed: the model loaded, the outputs written."""
+    from crate_clip.eval.segmentation import coco_evaluate, mask_records, overlay_masks, segment_batch, write_results
+
     clip = _load(args)
     skipped = []
     if args.images:
@@ -254,8 +280,7 @@ def segment_main(argv) -> int:
 
 def _run(fn, argv, prog) -> int:
     try:
-        with torch.no_grad():
-            return fn(argv)
+        return fn(argv)   # each command runs under torch.no_grad once parsed
     except USAGE_ERRORS as exn:
         return report_error(prog, exn)
 

@@ -94,6 +94,20 @@ def test_import_crate_clip_and_help_import_no_torch():
     assert out.strip().splitlines()[-1] == "[]"
 
 
+# `--help` builds the parser from light modules; the command imports torch & co. once parsed. `eval` is not yet:
+# its options come from the tasks' settings schemas, defined beside the tasks (torch) in eval/tasks/.
+LIGHT_HELP = [["train"], ["plan"], ["export"], ["convert"], ["demo"], ["shards"], ["inspect"], ["inspect", "maps"],
+              ["inspect", "text"], ["segment"]]
+
+
+@pytest.mark.parametrize("argv", LIGHT_HELP, ids=" ".join)
+def test_subcommand_help_imports_no_torch(argv):
+    out = _python("import sys\nfrom crate_clip.cli import main\ntry:\n"
+                  f"    code = main({argv + ['--help']!r})\nexcept SystemExit as exc:\n    code = exc.code\n"
+                  "print(code, sorted(m for m in ('torch', 'timm', 'open_clip', 'deepspeed') if m in sys.modules))")
+    assert out.strip().splitlines()[-1] == "0 []", out[-2000:]
+
+
 @pytest.mark.parametrize("order", ["import crate_clip, timm, open_clip", "import open_clip, crate_clip",
                                    "import timm, crate_clip, open_clip", "import crate_clip, open_clip"])
 def test_crate_towers_are_registered_in_either_import_order(order):

@@ -7,6 +7,7 @@ deepspeed_checkpoints.py  the layout of a DeepSpeed checkpoint (tag folders, `la
                           its consolidation to one fp32 state dict, for any ZeRO stage
 safe_unpickling.py        torch files read with weights_only=True and the allow-list of DeepSpeed's classes;
                           the one-line refusal and the --trust-checkpoint opt-in
+trust_flag.py             that opt-in's flag, help and warning (no torch: the command parsers take them)
 deepspeed_objects.py      the allow-listed DeepSpeed objects rebuilt from validated fields (no other state)
 bounded_reads.py          record files (crate_clip.json, latest, configs) read only as small regular files
 manifest_schema.py        what a well-formed crate_clip.json and file_checksums record hold

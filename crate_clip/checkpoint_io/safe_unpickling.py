@@ -29,12 +29,8 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from crate_clip.checkpoint_io.deepspeed_objects import REFUSED_OBJECT, standins
+from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING  # noqa: F401 (the CLIs')
 
-TRUST_FLAG = "--trust-checkpoint"
-TRUST_HELP = ("unpickle checkpoint and weights files without the allow-list (they can run code): only for files "
-              "you trust, e.g. your own checkpoints of an earlier version (docs/safety.md)")
-TRUST_WARNING = (f"[warn] {TRUST_FLAG}: checkpoint and weights files are unpickled without the allow-list; a file "
-                 "from elsewhere can run code with it (docs/safety.md)")
 # dotted name -> what DeepSpeed stores it for
 DEEPSPEED_CLASSES = {
     "deepspeed.runtime.fp16.loss_scaler.LossScaler": "the ZeRO optimizer's static loss scale (fp32, bf16)",

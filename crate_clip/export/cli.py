@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from crate_clip.checkpoint_io.safe_unpickling import TRUST_FLAG, TRUST_HELP, TRUST_WARNING, trusted_checkpoints
+from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     import crate_clip  # noqa: F401  (registers the model configs the checkpoint names)
     from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
+    from crate_clip.checkpoint_io.safe_unpickling import trusted_checkpoints
     from crate_clip.core.errors import USER_ERRORS, report_error
     from crate_clip.core.writable_folders import check_writable
     from crate_clip.checkpoint_io.run_layout import checkpoint_export_dir

@@ -20,6 +20,7 @@ import open_clip
 from crate_clip.core.errors import UserError
 from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR
 
+HUB_PROBE_TIMEOUT_S = 5   # one request to the hub before transformers' own retries
 BERT_TOKENIZER_CONFIG = {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 512}
 
 
@@ -78,6 +79,30 @@ def _text_cfg(model_name: str) -> Dict:
     return (open_clip.get_model_config(model_name) or {}).get("text_cfg", {})
 
 
+def _hub_unreachable(repo: str) -> Optional[str]:
+    """Why the HuggingFace tokenizer `repo` cannot come from the hub now, or None (a local folder, in the HF
+    cache, or the hub answers). Asked first because transformers, offline without HF_HUB_OFFLINE, retries
+    the hub for tens of seconds before failing; this is one request with a short timeout."""
+    if Path(repo).is_dir():
+        return None
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if any(isinstance(huggingface_hub.try_to_load_from_cache(repo, name), str)
+           for name in ("tokenizer_config.json", "vocab.txt", "tokenizer.json")):
+        return None
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return "not in the HuggingFace cache, and HF_HUB_OFFLINE is set"
+    try:
+        huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo, "tokenizer_config.json"),
+                                             timeout=HUB_PROBE_TIMEOUT_S)
+    except HfHubHTTPError:   # the hub answered (a missing file or repo): transformers gives its own error
+        return None
+    except Exception as err:   # no network, DNS, proxy, timeout: whatever the HTTP client raises
+        return f"not in the HuggingFace cache, and the hub is not reachable ({type(err).__name__}: {err})"
+    return None
+
+
 def clip_tokenizer(model_name: str, context_length: Optional[int] = None, bert_vocab: Union[str, Path, None] = None,
                    cache_dir: Union[str, Path, None] = None):
     """The tokenizer of an open_clip model name or `local-dir:` export; `bert_vocab` (a folder with
@@ -88,7 +113,10 @@ def clip_tokenizer(model_name: str, context_length: Optional[int] = None, bert_v
         raise ValueError(f"a BERT vocabulary ({bert_vocab}) was given but {model_name} uses CLIP's BPE tokenizer; "
                          f"remove it (model.bert_vocab / --bert-vocab) or pick a CLIPA-text model")
     if bert_vocab is None:
+        unreachable = _hub_unreachable(hf_name) if hf_name and ":" not in model_name else None
         try:
+            if unreachable:
+                raise OSError(unreachable)
             return open_clip.get_tokenizer(model_name, context_length=context_length)
         except (OSError, ValueError) as err:
             raise TokenizerUnavailableError(

@@ -12,6 +12,7 @@ checkpoints.py   atomic, durable, resumable DeepSpeed checkpoints with per-rank 
                  retention; the records they carry (Progress, CheckpointInfo, ResumePoint); the layout and
                  consolidation live in crate_clip/checkpoint_io, shared with eval/; a resume verifies its
                  checkpoint and takes the newest intact one, naming the damaged
+plan_inputs.py   the planner's command-line inputs: known GPUs, default MFU, byte sizes (no torch)
 planner.py       memory fit, micro-batch, FLOP and token counts, wall time and GPU-hours of a stage
 stage_model.py   ResolvedStage: a stage resolved once from the run config and the launch; the one model builder
 throughput.py    the step meter: samples/s, tokens/s, TFLOP/s and MFU, data wait

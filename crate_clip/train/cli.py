@@ -9,18 +9,8 @@ import argparse
 import sys
 import warnings
 
-import torch.distributed as tdist
+from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP
 
-from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, TRUST_HELP, UntrustedCheckpointError,
-                                                      trusted_checkpoints)
-from crate_clip.checkpoint_io.write_failures import is_no_space
-from crate_clip.core.errors import USER_ERRORS, ConfigError, report_error, show_exit_code
-from crate_clip.core.shard_sources import shell_commands
-from crate_clip.core.writable_folders import unwritable_error
-from crate_clip.train.disk_space import no_space_while_writing
-from crate_clip.train.launcher_watch import watch_launcher
-from crate_clip.train.run_config import load_run_config
-from crate_clip.train.stage_loop import run_training
 
 PROG = "crate-clip train"
 
@@ -58,6 +48,19 @@ def main(argv=None) -> int:
     if (args.config is None) == (args.config_option is None):
         parser.error("give the run config once: `crate-clip train CONFIG` or `crate-clip train --config CONFIG`")
     args.config = args.config or args.config_option
+    # the run's modules (torch, DeepSpeed, open_clip: seconds of CPU) after parsing, so that --help is instant
+    import torch.distributed as tdist
+
+    from crate_clip.checkpoint_io.safe_unpickling import UntrustedCheckpointError, trusted_checkpoints
+    from crate_clip.checkpoint_io.write_failures import is_no_space
+    from crate_clip.core.errors import USER_ERRORS, ConfigError, report_error
+    from crate_clip.core.shard_sources import shell_commands
+    from crate_clip.core.writable_folders import unwritable_error
+    from crate_clip.train.disk_space import no_space_while_writing
+    from crate_clip.train.launcher_watch import watch_launcher
+    from crate_clip.train.run_config import load_run_config
+    from crate_clip.train.stage_loop import run_training
+
     watch_launcher()   # under torchrun / deepspeed / accelerate: stop when the launcher is gone
     # DeepSpeed 0.19 and open_clip's ClipLoss (gather_with_grad) still call torch collectives under their old
     # names: torch's deprecation notices (one per rank and collective) say nothing a user can act on
@@ -100,4 +103,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":   # `python -m crate_clip.train.cli`, what torchrun and the demo start
+    from crate_clip.core.errors import show_exit_code
+
     sys.exit(show_exit_code(main()))

@@ -17,7 +17,6 @@ from pathlib import Path
 from crate_clip.core.cli_numbers import NON_NEGATIVE_INT, POSITIVE_INT
 from crate_clip.core.errors import EXIT_USAGE
 from crate_clip.checkpoint_io.run_layout import PLOT_FILE, checkpoints_dir, export_dir
-from crate_clip.models.export_files import CONFIG_FILE
 from crate_clip.data.sources.debian_packages import DEBIAN_PACKAGES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -190,6 +189,7 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_eval_folder
     from crate_clip.eval.tasks import linear_probe
     from crate_clip.eval.model_loading import load_eval_model
+    from crate_clip.models.export_files import CONFIG_FILE   # crate_clip.models: torch, so not at module level
 
     export = export_dir(run_dir)
     if train_images <= 0 or not (export / CONFIG_FILE).is_file():

@@ -6,13 +6,8 @@ import argparse
 import json
 import sys
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, read_info
 from crate_clip.core.errors import ConfigError, report_error
-from crate_clip.train.checkpoints import ResumeError
-from crate_clip.train.elastic_resume import checkpoint_of, resume_summary
-from crate_clip.train.planner import DEFAULT_MFU, GPU_TABLE, format_plan, parse_bytes, plan_run, plans_as_dicts
-from crate_clip.train.run_config import apply_override, check_runtime, config_from_dict, load_run_config
-from crate_clip.train.stage_model import resolve_stage
+from crate_clip.train.plan_inputs import DEFAULT_MFU, GPU_TABLE, parse_bytes
 
 PROG = "crate-clip plan"
 
@@ -79,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plan_stages(config: str, overrides: list[str], gpus: int) -> list:
     """The run's stages resolved for `gpus` ranks (what training resolves, without a device's micro_batch auto)."""
+    from crate_clip.train.run_config import check_runtime, load_run_config
+    from crate_clip.train.stage_model import resolve_stage
+
     cfg = load_run_config(config, overrides, check_paths=False)
     check_runtime(cfg, gpus, "cuda")   # the batches must split over the GPUs, as training checks it
     return [resolve_stage(cfg, i, gpus) for i in range(len(cfg.stages))]
@@ -86,6 +84,11 @@ def plan_stages(config: str, overrides: list[str], gpus: int) -> list:
 
 def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int) -> tuple[dict, list]:
     """(how the run in progress would resume on `gpus` ranks, its remaining stages resolved for them)."""
+    from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, read_info
+    from crate_clip.train.elastic_resume import checkpoint_of, resume_summary
+    from crate_clip.train.run_config import apply_override, check_runtime, config_from_dict, load_run_config
+    from crate_clip.train.stage_model import resolve_stage
+
     tag_dir = checkpoint_of(resume)
     if config is not None:
         cfg = load_run_config(config, overrides, check_paths=False)
@@ -116,6 +119,10 @@ def main(argv=None) -> int:
         if args.config is not None:
             parser.error("give the run config once: as the positional or with --config")
         args.config = args.config_option
+    # the planner's modules (torch, open_clip, DeepSpeed: seconds of CPU) after parsing: --help stays instant
+    from crate_clip.train.checkpoints import ResumeError
+    from crate_clip.train.planner import format_plan, plan_run, plans_as_dicts
+
     gpu_key = (args.gpu or "").lower()
     try:
         if args.gpu_memory is None and gpu_key not in GPU_TABLE:
