@@ -115,15 +115,15 @@ def main() -> int:
         if torch.distributed.get_rank() == 0:
             (out / name).write_text(json.dumps({**state, **extra}, indent=1))
 
-    def loading(ckpts, engine, stage, tag_dir, dist, universal):
+    def loading(run, engine, stage, tag_dir, universal):
         start = time.perf_counter()
-        rank_state = load(ckpts, engine, stage, tag_dir, dist, universal)
+        rank_state = load(run, engine, stage, tag_dir, universal)
         seconds = time.perf_counter() - start
         write_state(engine, "state_loaded.json", load_seconds=seconds, universal=universal)
         return rank_state
 
-    def saving(ckpts, engine, cfg, stage, progress, stream):
-        tag_dir = save(ckpts, engine, cfg, stage, progress, stream)
+    def saving(run, engine, stage, progress, stream):
+        tag_dir = save(run, engine, stage, progress, stream)
         if tag_dir.name == args.dump_at:
             write_state(engine, "state_saved.json")
         return tag_dir

@@ -86,8 +86,10 @@ def resumed_run(tmp_path_factory, tiny_fmnist):
 def test_kill_between_evaluations_is_finished_on_resume(resumed_run):
     results = read_jsonl(resumed_run["run_dir"] / "results.jsonl")
     # each evaluation exactly once: the missing 28 px one of stage 0 was run, the 16 px one not repeated
-    assert [(r["stage_index"], r["image_size"]) for r in results] == [(0, 16), (0, 28), (1, 28)]
-    assert [r["global_step"] for r in results] == [4, 4, 7]
+    # after the low-resolution stage the full size is evaluated twice: grid grown and patch kernel resized
+    assert [(r["stage_index"], r["image_size"], r["resize"]) for r in results] == [
+        (0, 16, "grid"), (0, 28, "grid"), (0, 28, "patch"), (1, 28, "grid")]
+    assert [r["global_step"] for r in results] == [4, 4, 4, 7]
     ckpts = resumed_run["run_dir"] / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if (p / "crate_clip.json").is_file()) == [
         "stage1-step00000002", "stage1-step00000003"]
@@ -183,4 +185,5 @@ def test_resave_mid_stage_1_keeps_the_old_checkpoint_and_one_metrics_row_per_ste
     assert keys == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2), (1, 3)]  # step (1, 3) once: the re-run's
     superseded = read_jsonl(run_dir / "metrics.superseded.jsonl")
     assert [(r["stage_index"], r["step"]) for r in superseded] == [(1, 3)]  # the cut-short segment's row, kept
-    assert [(r["stage_index"], r["image_size"]) for r in read_jsonl(run_dir / "results.jsonl")] == [(0, 16), (0, 28)]
+    assert [(r["stage_index"], r["image_size"], r["resize"]) for r in read_jsonl(run_dir / "results.jsonl")] == [
+        (0, 16, "grid"), (0, 28, "grid"), (0, 28, "patch")]

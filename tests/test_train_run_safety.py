@@ -92,8 +92,8 @@ def test_two_trainers_started_together_one_trains_one_is_refused(raced):
     assert f"lock {run_dir}.lock" in loser.stderr and "Traceback" not in loser.stderr
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [(r["stage_index"], r["step"]) for r in rows] == [(0, s) for s in range(1, 7)]   # one writer
-    assert [(r["eval"], r["image_size"]) for r in read_jsonl(run_dir / "results.jsonl")] == [("fmnist", 16),
-                                                                                           ("fmnist", 28)]
+    assert [(r["eval"], r["image_size"], r["resize"]) for r in read_jsonl(run_dir / "results.jsonl")] == [
+        ("fmnist", 16, "grid"), ("fmnist", 28, "grid"), ("fmnist", 28, "patch")]
     assert rows[-1]["samples_seen"] == 48 and not Path(f"{run_dir}.lock").exists()   # released at the end
     assert ("[note] stages.0.samples: 52 is not a multiple of global_batch 8: the stage trains 6 steps = 48 samples"
             in winner.stdout)

@@ -217,9 +217,12 @@ def _card_with_probe(run_dir: Path, export: Path, metrics: dict) -> None:
     from crate_clip.export.writer import CARD_FILE
     from crate_clip.export.source import export_source
     from crate_clip.export.model_card import model_card
+    from crate_clip.models.export_files import CONFIG_FILE
 
-    config = json.loads((export / "open_clip_config.json").read_text())
-    atomic_write_text(export / CARD_FILE, model_card(export_source(run_dir / "checkpoints"), config, probes=[metrics]))
+    if not checkpoints_dir(run_dir).is_dir():   # an export without its run: no training results to list beside it
+        return
+    config = json.loads((export / CONFIG_FILE).read_text())
+    atomic_write_text(export / CARD_FILE, model_card(export_source(checkpoints_dir(run_dir)), config, probes=[metrics]))
 
 
 def main(argv=None) -> int:

@@ -78,7 +78,8 @@ def evaluate_after_stage(cfg: RunConfig, stage: ResolvedStage, weights: dict, pr
                                      bert_vocab=cfg.model.bert_vocab)
         except (ValueError, FileNotFoundError) as exc:   # the evaluations' refusals and data errors
             raise EvalRefusedError(
-                f"stage {stage.index} ({stage.name}) evaluation at {size} px ({resize}): {exc}. The stage's final "
+                f"stage {stage.index} ({stage.name}) evaluation at {size} px"
+                f"{'' if size == stage.image_size else f' ({resize})'}: {exc}. The stage's final "
                 f"checkpoint {checkpoint_tag(stage.index, stage.steps)} is kept; once this is fixed, --resume latest "
                 "runs the missing evaluations") from exc
         for name, res in results.items():
