@@ -75,6 +75,8 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name not in _HOOKED and not name.startswith("crate_clip."):
             return None
+        if _REGISTRY_MODULE in sys.modules:   # registered: nothing left to wait for, imports go on unwrapped
+            return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
