@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, LATEST_FILE, read_info
+from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, LATEST_FILE, latest_problem, read_info, read_latest_tag
 from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, checkpoints_in, read_jsonl, run_dir_of
 from crate_clip.models import preprocess_cfg_for
 from crate_clip.models.clip_tokenizers import tokenizer_record
@@ -105,8 +105,14 @@ def _tag_dir(path: Path, stage: int | None) -> Path:
         return _stage_end(root, stage)
     if is_tag:
         return path
-    if (root / LATEST_FILE).is_file():
-        tag = (root / LATEST_FILE).read_text(errors="replace").strip()
+    if (root / LATEST_FILE).exists():
+        # bounded and checked like a resume's read: a FIFO, a huge file or a tag naming a path outside the
+        # checkpoints folder ("../x") is refused, not followed
+        tag = read_latest_tag(root)
+        if tag is None:
+            why = latest_problem(root) or "not one checkpoint folder's name"
+            raise ExportSourceError(f"{root / LATEST_FILE}: {why}; pass one of "
+                                    f"{_complete(root) or 'the checkpoint folders'} instead")
         if read_info(root / tag) is None:
             raise ExportSourceError(f"{root / LATEST_FILE} names {tag!r}, which is not a complete checkpoint; "
                                     f"pass one of {_complete(root) or 'the checkpoint folders'} instead")
