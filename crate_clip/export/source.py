@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, LATEST_FILE, latest_problem, read_info, read_latest_tag
+from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE, latest_problem, read_info,
+                                                            read_latest_tag)
 from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, checkpoints_in, read_jsonl, run_dir_of
 from crate_clip.models import preprocess_cfg_for
 from crate_clip.models.clip_tokenizers import tokenizer_record
