@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -74,10 +75,39 @@ def raced(tmp_path_factory, tiny_fmnist):
     shutil.copytree(tiny_fmnist / "test", test_dir)   # its own copy: a test breaks and mends it
     config = write_config(_config(root / "run", test_dir, tiny_fmnist), root / "run.yaml")
     procs = [_start(*TRAIN, "--config", str(config)) for _ in range(2)]
+    _hold_the_winner_while_the_other_arrives(root / "run.lock", procs)
     outs = [p.communicate(timeout=600) for p in procs]
     done = [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
     return {"root": root, "run_dir": root / "run", "config": config, "test_dir": test_dir, "data": tiny_fmnist,
             "procs": procs, "done": done}
+
+
+def _hold_the_winner_while_the_other_arrives(lock: Path, procs: list) -> None:
+    """Stop the process that took the lock until the other one has exited. Both race for the lock, but on a loaded
+    machine one can import, train its 6 steps and release the lock before the other gets there (it then finds a
+    finished run: exit 2, not the race this test is about); a stopped holder is a live one, so the late one is
+    refused whenever it arrives."""
+    from crate_clip.train.run_lock import _parse_holder
+
+    pids = {p.pid: p for p in procs}
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        holder, _ = _parse_holder(lock)
+        if holder is not None and holder.pid in pids:
+            break
+        if any(p.poll() is not None for p in procs):
+            return   # one ended before taking the lock: the assertions show its output
+        time.sleep(0.02)
+    else:
+        return
+    winner = pids[holder.pid]
+    os.kill(winner.pid, signal.SIGSTOP)
+    try:
+        for p in procs:
+            if p is not winner:
+                p.wait(timeout=300)
+    finally:
+        os.kill(winner.pid, signal.SIGCONT)
 
 
 def test_two_trainers_started_together_one_trains_one_is_refused(raced):
