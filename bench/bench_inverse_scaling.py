@@ -6,9 +6,11 @@ shards of Fashion-MNIST) from the demo config (configs/demo/fashion_mnist.yaml: 
   clipa  21 px / patch 7 (9 tokens, image resize) with 8 text tokens (the 'random' text mask) for most samples,
          then a short full-length fine-tune (28 px, 16 text tokens) at a lower peak rate; its sample counts are
          set so that its training FLOPs (ResolvedStage.counts x samples, what the throughput meter counts) equal
-         the full arm's.
+         the full arm's. The fine-tune is the paper's: patch 7, so the grid grows from 3x3 to 4x4;
+  clipa-p9  the same, but the fine-tune keeps the 3x3 grid at patch 9 (the kernel PI-resized from 7, what the
+         demo does): its fine-tune costs fewer FLOPs per sample, so its first stage gets more samples.
 Checkpoints are evaluated zero-shot at 28 px on `--eval-images` test images spread over the classes (the clipa
-arm's low-resolution checkpoints with the patch grid kept, `--resize patch`). For each arm: the final top-1 and
+arms' low-resolution checkpoints with the patch grid kept, `--resize patch`). For each arm: the final top-1 and
 the training FLOPs it needs to reach the full arm's final top-1 (the first crossing, linear between checkpoints;
 "not reached" otherwise). Writes docs/inverse_scaling.md, docs/inverse_scaling.json and docs/inverse_scaling.png.
 
@@ -40,6 +42,8 @@ FULL, LOW = dict(image_size=28, context_length=16, text_mask="truncate"), \
     dict(image_size=21, context_length=8, text_mask="random")
 FINETUNE_SHARE = 0.2      # of the full arm's samples: CLIPA's short full-length stage (the paper: ~17%)
 FINETUNE_LR_RATIO = 0.1   # its peak rate / the first stage's (the paper: 1/20; the demo: see its config)
+ARMS = ("full", "clipa", "clipa-p9")
+FINE_PATCH = {"clipa": 7, "clipa-p9": 9}   # the fine-tune's patch at 28 px: the grid grows (4x4) or is kept (3x3)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,25 +53,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-images", type=int, default=2000, help="test images per evaluation (default 2000)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--widths", nargs="+", default=list(WIDTHS), choices=list(WIDTHS))
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "inverse_scaling", help="runs folder")
     p.add_argument("--docs", type=Path, default=DOCS, help="where the table, JSON and plot go (default docs/)")
     p.add_argument("--label", default="", help="a note printed above the table (e.g. 'reduced configuration')")
-    p.add_argument("--smoke", action="store_true", help="tiny runs (1 seed, 1 width, 256 samples): checks the "
-                                                        "script, measures nothing; writes under --out only")
+    p.add_argument("--smoke", action="store_true", help="tiny runs (1 seed, 1 width, 256 samples, the full and "
+                                                        "clipa-p9 arms unless --arms is given): checks the script, "
+                                                        "measures nothing; writes under --out only")
     args = p.parse_args(argv)
     if args.smoke:
         args.samples, args.evals, args.eval_images, args.seeds, args.widths = 256, 2, 100, 1, ["w64"]
+        if "--arms" not in (argv if argv is not None else sys.argv[1:]):
+            args.arms = ["full", "clipa-p9"]
         args.docs = args.out / "docs"
         args.label = args.label or "smoke run: measures nothing"
     return args
 
 
-def stage(name: str, shape: dict, samples: int, lr: float, base: dict, warmup: int) -> dict:
-    """A run-config stage of the demo's batch, weight decay and patch 7 with `shape` (size, text length, mask)."""
+def stage(name: str, shape: dict, samples: int, lr: float, base: dict, warmup: int, patch: int = 7) -> dict:
+    """A run-config stage of the demo's batch and weight decay with `shape` (size, text length, mask) and `patch`."""
     warmup = max(0, min(warmup, samples // base["global_batch"] // 4))   # short (smoke) stages: a shorter warm-up
-    return {**{k: base[k] for k in ("global_batch", "weight_decay", "image_mask")}, "name": name, "patch_size": 7,
-            **shape, "samples": samples, "lr": lr, "warmup_steps": warmup}
+    return {**{k: base[k] for k in ("global_batch", "weight_decay", "image_mask")}, "name": name,
+            "patch_size": patch, **shape, "samples": samples, "lr": lr, "warmup_steps": warmup}
 
 
 def flops_per_sample(cfg_dict: dict) -> list[float]:
@@ -85,13 +93,15 @@ def arm_stages(arm: str, model: str, samples: int, base_cfg: dict) -> list[dict]
     full = [stage("full", FULL, samples, lr, base, 40)]
     if arm == "full":
         return full
+    patch = FINE_PATCH[arm]
     probe = {**base_cfg, "model": {"name": model},
-             "stages": [stage("low", LOW, 4 * batch, lr, base, 1), stage("fine", FULL, 4 * batch, lr, base, 1)]}
-    f_low, f_full = flops_per_sample(probe)
+             "stages": [stage("low", LOW, 4 * batch, lr, base, 1), stage("fine", FULL, 4 * batch, lr, base, 1, patch),
+                        stage("full", FULL, 4 * batch, lr, base, 1)]}
+    f_low, f_fine, f_full = flops_per_sample(probe)
     fine = max(batch, round(FINETUNE_SHARE * samples / batch) * batch)
-    low = max(batch, int((samples * f_full - fine * f_full) / f_low) // batch * batch)
+    low = max(batch, int((samples * f_full - fine * f_fine) / f_low) // batch * batch)
     return [stage("low", LOW, low, lr, base, 40),
-            stage("fine", FULL, fine, lr * FINETUNE_LR_RATIO, base, max(1, fine // batch // 10))]
+            stage("fine", FULL, fine, lr * FINETUNE_LR_RATIO, base, max(1, fine // batch // 10), patch)]
 
 
 def run_config(model: str, seed: int, stages: list[dict], run_dir: Path, base_cfg: dict, every: int,
@@ -186,7 +196,7 @@ def summarize(runs: list[dict]) -> list[dict]:
     rows = []
     for width in sorted({r["width"] for r in runs}):
         per_seed_full = {r["seed"]: r for r in runs if r["width"] == width and r["arm"] == "full"}
-        for arm in ("full", "clipa"):
+        for arm in ARMS:
             mine = [r for r in runs if r["width"] == width and r["arm"] == arm and r["seed"] in per_seed_full]
             if not mine:
                 continue
@@ -218,7 +228,9 @@ def write_docs(args, runs: list[dict], rows: list[dict], started: str, wall: flo
               f"Arms: **full** = 28 px / patch 7, 16 text tokens, {args.samples:,} samples; **clipa** = 21 px / "
               f"patch 7 with 8 text tokens (random text mask), then a fine-tune at 28 px / 16 tokens on "
               f"{FINETUNE_SHARE:.0%} of the full arm's samples at {FINETUNE_LR_RATIO:g}x the peak rate, its "
-              f"first stage sized to the same training FLOPs (step meter). Zero-shot top-1 at 28 px on "
+              f"first stage sized to the same training FLOPs (step meter); the fine-tune at patch 7 (the paper's: "
+              f"the grid grows to 4x4); **clipa-p9** = the same with the fine-tune at patch 9 (the 3x3 grid kept, "
+              f"the kernel PI-resized; the demo's shape). Zero-shot top-1 at 28 px on "
               f"{args.eval_images:,} test images (low-res checkpoints: patch grid kept, `--resize patch`); "
               "'FLOPs to ...' is the first checkpoint crossing, so an arm may reach it before its end.", "",
               "| width | arm | seeds | samples | final top-1 (%) | FLOPs to the full arm's final top-1 |",
@@ -241,8 +253,8 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {("w128", "full"): "tab:blue", ("w128", "clipa"): "tab:red",
-              ("w64", "full"): "tab:cyan", ("w64", "clipa"): "tab:orange"}
+    colors = {("w128", "full"): "tab:blue", ("w128", "clipa"): "tab:red", ("w128", "clipa-p9"): "tab:green",
+              ("w64", "full"): "tab:cyan", ("w64", "clipa"): "tab:orange", ("w64", "clipa-p9"): "tab:olive"}
     labelled = set()
     for r in runs:
         key = (r["width"], r["arm"])
@@ -272,7 +284,7 @@ def main(argv=None) -> int:
     runs = []
     for seed in range(args.seeds):            # seed-major: an interrupted study still has whole seeds
         for width in args.widths:
-            for arm in ("full", "clipa"):
+            for arm in args.arms:
                 stages = arm_stages(arm, WIDTHS[width], args.samples, base_cfg)
                 total_steps = sum(s["samples"] for s in stages) // batch
                 every = max(1, total_steps // args.evals)

@@ -24,17 +24,22 @@ def test_the_clipa_arm_spends_the_full_arms_flops_as_the_step_meter_counts_them(
     base = yaml.safe_load(bench.DEMO_CONFIG.read_text())
     for model in bench.WIDTHS.values():
         full = bench.arm_stages("full", model, 12800, base)
-        clipa = bench.arm_stages("clipa", model, 12800, base)
         f_full = bench.flops_per_sample({**base, "model": {"name": model}, "stages": full})
-        f_clipa = bench.flops_per_sample({**base, "model": {"name": model}, "stages": clipa})
         spent_full = sum(s["samples"] * f for s, f in zip(full, f_full))
-        spent_clipa = sum(s["samples"] * f for s, f in zip(clipa, f_clipa))
-        assert abs(spent_clipa - spent_full) <= base["stages"][0]["global_batch"] * f_clipa[0]   # one batch
-        low, fine = clipa
-        assert (low["image_size"], low["context_length"], low["text_mask"]) == (21, 8, "random")
-        assert (fine["image_size"], fine["context_length"]) == (28, 16) and fine["lr"] < low["lr"]
-        assert fine["samples"] == pytest.approx(bench.FINETUNE_SHARE * 12800, abs=64)
-        assert f_clipa[0] < 0.7 * f_full[0]   # fewer image and text tokens per sample
+        lows = {}
+        for arm, patch in (("clipa", 7), ("clipa-p9", 9)):
+            clipa = bench.arm_stages(arm, model, 12800, base)
+            f_clipa = bench.flops_per_sample({**base, "model": {"name": model}, "stages": clipa})
+            spent_clipa = sum(s["samples"] * f for s, f in zip(clipa, f_clipa))
+            assert abs(spent_clipa - spent_full) <= base["stages"][0]["global_batch"] * f_clipa[0]   # one batch
+            low, fine = clipa
+            assert (low["image_size"], low["patch_size"], low["context_length"], low["text_mask"]) == (21, 7, 8,
+                                                                                                      "random")
+            assert (fine["image_size"], fine["patch_size"], fine["context_length"]) == (28, patch, 16)
+            assert fine["lr"] < low["lr"] and fine["samples"] == pytest.approx(bench.FINETUNE_SHARE * 12800, abs=64)
+            assert f_clipa[0] < 0.7 * f_full[0]   # fewer image and text tokens per sample
+            lows[arm] = low["samples"]
+        assert lows["clipa-p9"] > lows["clipa"]   # its 3x3 fine-tune is cheaper: the first stage gets the rest
 
 
 def test_flops_to_reach_reads_the_first_crossing_linearly():
@@ -52,10 +57,10 @@ def test_smoke_run_trains_both_arms_and_writes_the_table_and_plot(tmp_path, fash
     bench = _bench()
     assert bench.main(["--smoke", "--out", str(tmp_path), "--nproc", "1"]) == 0
     record = json.loads((tmp_path / "docs" / "inverse_scaling.json").read_text())
-    assert [(r["arm"], r["seeds"]) for r in record["rows"]] == [("full", 1), ("clipa", 1)]
+    assert [(r["arm"], r["seeds"]) for r in record["rows"]] == [("full", 1), ("clipa-p9", 1)]
     assert all(len(run["points"]) >= 2 and 0 <= run["points"][-1]["top1"] <= 1 for run in record["runs"])
     full, clipa = record["runs"]
     assert abs(full["total_flops"] - clipa["total_flops"]) < 0.15 * full["total_flops"]   # whole batches
     table = (tmp_path / "docs" / "inverse_scaling.md").read_text()
-    assert "smoke run: measures nothing" in table and "| CRATE-alpha-CLIPA-tiny-w64 | clipa | 1 |" in table
+    assert "smoke run: measures nothing" in table and "| CRATE-alpha-CLIPA-tiny-w64 | clipa-p9 | 1 |" in table
     assert (tmp_path / "docs" / "inverse_scaling.png").stat().st_size > 1000
