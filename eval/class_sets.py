@@ -5,6 +5,8 @@ from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMA
 
 from crate_clip.core.class_names import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES
 from crate_clip.eval.class_folders import name_key
+from crate_clip.eval.task_settings import (BUILTIN_DATASETS, CLASSNAMES_FILE, DEFAULT_DATASET,  # noqa: F401
+                                           DEFAULT_TEMPLATES, TEMPLATE_SETS, TEMPLATES_FILE)
 
 BUILTIN_CLASSNAMES = {"imagenet1k": tuple(IMAGENET_CLASSNAMES), "fashion_mnist": FASHION_MNIST_CLASSNAMES}
 BUILTIN_TEMPLATES = {
@@ -13,9 +15,8 @@ BUILTIN_TEMPLATES = {
     "fashion_mnist": FASHION_MNIST_TEMPLATES,
     "plain": ("a photo of a {}.",),
 }
-DEFAULT_TEMPLATES = {"imagenet1k": "openai", "fashion_mnist": "fashion_mnist"}
-CLASSNAMES_FILE = "classnames.txt"
-TEMPLATES_FILE = "zeroshot_classification_templates.txt"   # CLIP_benchmark's name; `{c}` for the class
+# the settings' help names these sets without importing open_clip: the two lists must agree
+assert tuple(BUILTIN_CLASSNAMES) == BUILTIN_DATASETS and tuple(BUILTIN_TEMPLATES) == TEMPLATE_SETS
 
 
 def read_lines(path: str | Path) -> list[str]:
@@ -32,7 +33,6 @@ def _beside(data: str | Path | None, name: str) -> list[Path]:
     return [root / name, root.parent / name]
 
 
-DEFAULT_DATASET = "imagenet1k"   # the data set when neither a name nor the data's own classnames.txt says
 
 
 def own_classnames_file(data: str | Path | None) -> Path | None:

@@ -6,22 +6,13 @@ import sys
 from pathlib import Path
 from typing import get_args
 
-import torch
-
-from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, TRUST_HELP, TRUST_WARNING,
-                                                      trusted_checkpoints)
+# Light imports only up to build_parser: `crate-clip eval --help` and a refused option cost no torch import;
+# the model, data and task code are imported by main() once the command line is parsed.
+from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING
 from crate_clip.core.cli_numbers import bounded
-from crate_clip.core.errors import report_error
-from crate_clip.models.checkpoint_errors import CheckpointMismatchError
-from crate_clip.models.clip_tokenizers import TokenizerUnavailableError
-from crate_clip.models.patch_change import RESOLUTION_RESIZE_MODES
-from crate_clip.eval.distributed_batches import rank_and_world
+from crate_clip.core.resize_modes import RESOLUTION_RESIZE_MODES
 from crate_clip.eval.eval_settings import EvalSettings
-from crate_clip.eval.tasks.linear_probe import TIMM_PREFIX, load_timm_classifier
-from crate_clip.eval.model_loading import load_eval_model
-from crate_clip.eval.registry import TASKS, EvalContext, parse_eval, run_task
-
-USAGE_ERRORS = (ValueError, FileNotFoundError, CheckpointMismatchError, TokenizerUnavailableError)
+from crate_clip.eval.task_settings import TASK_SETTINGS, TIMM_PREFIX, task_help
 # command-line option -> the shared eval setting it sets (defaults come from the settings schema)
 COMMON_OPTIONS = {"--data": "data", "--batch-size": "batch_size", "--workers": "num_workers",
                   "--max-images": "max_images", "--max-unreadable-fraction": "max_unreadable_fraction"}
@@ -63,8 +54,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                                              "DeepSpeed checkpoint recorded)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="evaluation precision (default: fp32)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--output", type=Path, help="write the metrics as JSON here")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "crate_clip" / "zeroshot"),
                         help="cache of what a task can reuse, e.g. zero-shot text classifiers ('' disables)")
@@ -72,25 +62,25 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
 
 
-def _task_keys(task) -> list[str]:
-    return [k for k in task.Settings.model_fields if k not in EvalSettings.model_fields]
+def _task_keys(name: str) -> list[str]:
+    return [k for k in TASK_SETTINGS[name].model_fields if k not in EvalSettings.model_fields]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `crate-clip eval` argument parser: one sub-command per task of eval/tasks/."""
     parser = argparse.ArgumentParser(prog="crate-clip eval", description="evaluate a model: "
-                                     + ", ".join(name.replace("_", "-") for name in TASKS))
+                                     + ", ".join(name.replace("_", "-") for name in TASK_SETTINGS))
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, task in TASKS.items():
+    for name, settings in TASK_SETTINGS.items():
         # one naming style, hyphens (`eval linear-probe`, as `shards eval-shards`); the task's own name stays an alias
         hyphenated = name.replace("_", "-")
         cmd = sub.add_parser(hyphenated, aliases=[name] if hyphenated != name else [],
-                             help=(task.__doc__ or name).splitlines()[0])
+                             help=task_help(name))
         cmd.set_defaults(task=name)
         _model_args(cmd)
-        for key in _task_keys(task):
-            _option(cmd, "--" + key.replace("_", "-"), task.Settings.model_fields[key])
-        if hasattr(task, "details"):
+        for key in _task_keys(name):
+            _option(cmd, "--" + key.replace("_", "-"), settings.model_fields[key])
+        if settings.has_details:
             cmd.add_argument("--details", "--per-class", dest="details", action="store_true",
                              help="also print the task's detail table (e.g. per-class accuracy)")
     return parser
@@ -98,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _init_distributed(device: str) -> None:
     # Under torchrun every rank evaluates its share of the images; counts are summed at the end.
+    import torch
+
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
         if device.startswith("cuda"):
@@ -106,14 +98,37 @@ def _init_distributed(device: str) -> None:
 
 def _settings(args) -> EvalSettings:
     """The task's settings from the options given (the others keep the schema's defaults)."""
-    keys = list(COMMON_OPTIONS.values()) + _task_keys(TASKS[args.task])
+    from crate_clip.eval.registry import parse_eval
+
+    keys = list(COMMON_OPTIONS.values()) + _task_keys(args.task)
     given = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     return parse_eval({"name": args.task, "type": args.task, **given})
+
+
+def _default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def main(argv=None) -> int:
     """Run `crate-clip eval ...`; returns the exit code."""
     args = build_parser().parse_args(argv)
+    args.device = args.device or _default_device()
+    return _evaluate(args)
+
+
+def _evaluate(args) -> int:
+    """The parsed command: load the model, run the task, print (and write) its metrics."""
+    from crate_clip.checkpoint_io.safe_unpickling import trusted_checkpoints
+    from crate_clip.core.errors import report_error
+    from crate_clip.eval.distributed_batches import rank_and_world
+    from crate_clip.eval.model_loading import load_eval_model
+    from crate_clip.eval.registry import EvalContext, run_task, task_module
+    from crate_clip.eval.tasks.linear_probe import load_timm_classifier
+    from crate_clip.models.checkpoint_errors import CheckpointMismatchError
+    from crate_clip.models.clip_tokenizers import TokenizerUnavailableError
+
+    usage_errors = (ValueError, FileNotFoundError, CheckpointMismatchError, TokenizerUnavailableError)
     device = args.device if args.device != "cuda" else f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     _init_distributed(args.device)
     if args.trust_checkpoint and rank_and_world()[0] == 0:
@@ -132,12 +147,13 @@ def main(argv=None) -> int:
         context = EvalContext(tokenizer=tokenizer, preprocess=preprocess, device=device, precision=args.precision,
                               cache_dir=args.cache_dir or None, progress=not args.no_progress)
         metrics = run_task(model, settings, context)
-    except USAGE_ERRORS as err:
+    except usage_errors as err:
         return report_error("crate-clip eval", err)
     if rank_and_world()[0] == 0:
+        task = task_module(args.task)
         if getattr(args, "details", False):
-            print(TASKS[args.task].details(metrics))
-        print(TASKS[args.task].summary(metrics))
+            print(task.details(metrics))
+        print(task.summary(metrics))
         if args.output:
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps({"model": args.model, "data": args.data, **metrics}, indent=1))

@@ -18,12 +18,13 @@ from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FI
                                                           consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint,
                                                           newest_complete_tag, resolve_checkpoint_tag)
 from crate_clip.core.errors import UserError
+from crate_clip.core.resize_modes import RESOLUTION_RESIZE_MODES
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
 from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR, WEIGHTS_FILES
 from crate_clip.models.export_loading import create_from_export
-from crate_clip.models.patch_change import (RESOLUTION_RESIZE_MODES, checkpoint_input_sizes, create_clip_at_patch,
-                                           patch_input_size, set_resolution_by_patch, tower_patch_size)
+from crate_clip.models.patch_change import (checkpoint_input_sizes, create_clip_at_patch, patch_input_size,
+                                           set_resolution_by_patch, tower_patch_size)
 from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
 
 

@@ -1,31 +1,36 @@
-"""The evaluation tasks (one module each in eval/tasks/, registered by being there) and what the trainer, the
-CLI and the logger need of them: the settings schema of every task (one union, told apart by `type`), parsing
-with errors that name the key, and running a declared evaluation."""
+"""The evaluation tasks and what the trainer, the CLI and the logger need of them: the settings schema of every task
+(one union, told apart by `type`), parsing with errors that name the key, and running a declared evaluation.
+
+A task NAME is its settings class in crate_clip.eval.task_settings (TASK_SETTINGS) and its module
+crate_clip.eval.tasks.NAME (`run`, `summary`, optionally `details` and `data_problems`), imported only when
+the task runs: parsing a config or building the CLI's --help loads no torch."""
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Annotated, Any, Union
 
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 
-import crate_clip.eval.tasks
 from crate_clip.core.config_schema import error_lines
 from crate_clip.eval.eval_settings import EvalSettings
+from crate_clip.eval.task_settings import TASK_SETTINGS
 
 DEFAULT_TYPE = "zeroshot"   # an evaluation declared without a type
-TASKS = {info.name: importlib.import_module(f"crate_clip.eval.tasks.{info.name}")
-         for info in pkgutil.iter_modules(crate_clip.eval.tasks.__path__) if not info.name.startswith("_")}
-EVAL_TYPES = tuple(TASKS)
+
+
+def task_module(name: str) -> ModuleType:
+    """The code of task `name` (eval/tasks/NAME.py)."""
+    return importlib.import_module(f"crate_clip.eval.tasks.{name}")
 
 
 def _type_of(value: Any) -> Any:
     return value.get("type", DEFAULT_TYPE) if isinstance(value, dict) else getattr(value, "type", None)
 
 
-EvalSpec = Annotated[Union[tuple(Annotated[task.Settings, Tag(name)] for name, task in TASKS.items())],
+EvalSpec = Annotated[Union[tuple(Annotated[cls, Tag(name)] for name, cls in TASK_SETTINGS.items())],
                      Discriminator(_type_of)]
 _ADAPTER = TypeAdapter(EvalSpec)
 
@@ -64,16 +69,16 @@ class EvalContext:
 def run_task(model, settings: dict | EvalSettings, context: EvalContext) -> dict:
     """Run one declared evaluation; returns its metrics (numbers, plus lists such as per-class rows)."""
     settings = parse_eval(settings)
-    return TASKS[settings.type].run(model, settings, context)
+    return task_module(settings.type).run(model, settings, context)
 
 
 def data_problems(settings: EvalSettings) -> list[tuple[str, str]]:
     """What the declared evaluation's files lack (key, problem with the fix), found before any model exists:
     the task's own `data_problems`, none for a task without one."""
-    check = getattr(TASKS[settings.type], "data_problems", None)
+    check = getattr(task_module(settings.type), "data_problems", None)
     return check(settings) if check else []
 
 
 def summary_line(metrics: dict, *, eval_type: str) -> str:
     """The task's one-line summary of its metrics."""
-    return TASKS[eval_type].summary(metrics)
+    return task_module(eval_type).summary(metrics)

@@ -94,10 +94,11 @@ def test_import_crate_clip_and_help_import_no_torch():
     assert out.strip().splitlines()[-1] == "[]"
 
 
-# `--help` builds the parser from light modules; the command imports torch & co. once parsed. `eval` is not yet:
-# its options come from the tasks' settings schemas, defined beside the tasks (torch) in eval/tasks/.
+# `--help` builds the parser from light modules; the command imports torch & co. once parsed (`eval`'s options
+# come from the tasks' settings schemas, crate_clip.eval.task_settings, apart from the tasks' code).
 LIGHT_HELP = [["train"], ["plan"], ["export"], ["convert"], ["demo"], ["shards"], ["inspect"], ["inspect", "maps"],
-              ["inspect", "text"], ["segment"]]
+              ["inspect", "text"], ["segment"], ["eval"], ["eval", "zeroshot"], ["eval", "linear-probe"],
+              ["eval", "retrieval"]]
 
 
 @pytest.mark.parametrize("argv", LIGHT_HELP, ids=" ".join)
@@ -106,6 +107,21 @@ def test_subcommand_help_imports_no_torch(argv):
                   f"    code = main({argv + ['--help']!r})\nexcept SystemExit as exc:\n    code = exc.code\n"
                   "print(code, sorted(m for m in ('torch', 'timm', 'open_clip', 'deepspeed') if m in sys.modules))")
     assert out.strip().splitlines()[-1] == "0 []", out[-2000:]
+
+
+def test_each_task_module_has_its_settings_registered_and_the_parts_the_cli_names():
+    import pkgutil
+
+    import crate_clip.eval.tasks
+    from crate_clip.eval.registry import task_module
+    from crate_clip.eval.task_settings import TASK_SETTINGS
+
+    modules = sorted(i.name for i in pkgutil.iter_modules(crate_clip.eval.tasks.__path__) if not i.name.startswith("_"))
+    assert sorted(TASK_SETTINGS) == modules   # a task file without registered settings (or the reverse) is caught
+    for name, settings in TASK_SETTINGS.items():
+        task = task_module(name)
+        assert task.Settings is settings and callable(task.run) and callable(task.summary)
+        assert hasattr(task, "details") == settings.has_details   # `--details` is offered exactly where it works
 
 
 @pytest.mark.parametrize("order", ["import crate_clip, timm, open_clip", "import open_clip, crate_clip",

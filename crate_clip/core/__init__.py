@@ -6,4 +6,5 @@ config_schema.py  the pydantic base of every config section and its one-line err
 shard_sources.py  shard source strings (local globs, brace ranges, s3:// gs:// https:// and pipe:) expanded
 class_names.py    the built-in class names and prompt templates (Fashion-MNIST; ImageNet from open_clip)
 image_normalization.py  the image mean and std (OpenAI's, ImageNet's) of the towers, the stream and the evaluations
+resize_modes.py   the names of the ways a model runs at another image size (grid, patch)
 """

@@ -121,13 +121,6 @@ def register_tower_of(model_cfg: dict) -> None:
     register_clip_tower(name)
 
 
-# How a model runs at an image size other than its own (`crate-clip eval --resize`, the stage evaluations):
-# 'grid' grows (or shrinks) the patch grid at the same patch size, the position embedding resampled;
-# 'patch' keeps the grid and PI-resizes the patch kernel (FlexiViT), so each token still covers the same
-# share of the image it covered in training.
-RESOLUTION_RESIZE_MODES = ("grid", "patch")
-
-
 def patch_for_image_size(grid: int, image_size: int) -> int:
     """The patch size that lays `grid` whole patches across `image_size` px (leftover pixels, fewer than one
     patch, are dropped by the VALID conv as always); ValueError when none does."""

@@ -20,23 +20,20 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Literal, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import nn
 
-from crate_clip.core.config_schema import Float, Int
 from crate_clip.eval.class_sets import resolve_classnames
 from crate_clip.eval.distributed_batches import gather_objects, rank_and_world
 from crate_clip.eval.eval_datasets import classification_dataset
 from crate_clip.eval.eval_loop import EvalPass
-from crate_clip.eval.eval_settings import EvalSettings
 from crate_clip.eval.model_calls import autocast_context, check_precision, image_features, unwrap_model
 from crate_clip.eval.model_loading import check_finite_weights
-from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
+from crate_clip.eval.task_settings import LinearProbeSettings
+from crate_clip.eval.unreadable_images import check_unreadable, data_name
 
 NAME = "linear_probe"
 CACHE_VERSION = 2   # 2: keyed by the class each folder of an ImageFolder split is matched to
@@ -45,38 +42,7 @@ WD_COARSE = list(range(0, len(WD_GRID), 16))     # its 7 coarse points (1e-6, ..
 WD_FIRST_SPAN = 8                                # then +-8, +-4, +-2, +-1 grid steps around the best
 
 
-class Settings(EvalSettings):
-    """Linear-probe settings: the keys of a `type: linear_probe` eval entry and the options of
-    `crate-clip eval linear_probe`. The test split is `data`; `batch_size` is the feature-extraction batch."""
-
-    type: Literal["linear_probe"] = Field("linear_probe", description="the task")
-    train_data: str = Field("", description="training split: ImageFolder, flat folder (with train_labels) or .cls shards")
-    dataset: str = Field("custom", description="fashion_mnist / imagenet1k (built-in class lists) or any name")
-    classnames: Optional[str] = Field(None, description="class-name file: the classes that folders are matched to; "
-                                                        "default classnames.txt beside the data")
-    train_labels: Optional[str] = Field(None, description="label file of a flat training folder")
-    labels: Optional[str] = Field(None, description="label file of a flat test folder")
-    features: Literal["auto", "image", "tower"] = Field("auto", description="image: CLIP image embedding; tower: "
-                                                        "pooled pre-projection features (auto: image for CLIP, "
-                                                        "tower for a timm:NAME classifier)")
-    normalize: bool = Field(True, description="L2-normalise the features")
-    max_train_images: Optional[Int] = Field(None, ge=1, description="use this many training images (spread evenly)")
-    fewshot_k: Optional[Int] = Field(None, ge=1, description="k training images per class (few-shot probe)")
-    fewshot_seeds: Int = Field(3, ge=1, description="few-shot draws (seeds 0..n-1): mean and spread")
-    weight_decay: Optional[Float] = Field(None, ge=0, description="fixed weight decay (skips the validation search)")
-    epochs: Int = Field(10, ge=1, description="probe training epochs")
-    lr: Float = Field(0.1, gt=0, description="AdamW learning rate of the probe (cosine schedule, no warm-up)")
-    probe_batch_size: Int = Field(64, ge=1, description="batch size of the probe's training")
-    val_proportion: Float = Field(0.2, gt=0, lt=1, description="share of the training split held out to choose "
-                                                                "the weight decay")
-    seed: Int = Field(0, description="seed of the held-out split and of the probe's initialisation and order")
-
-    def checks(self) -> list[tuple[str, str]]:
-        """The training split is required."""
-        problems = super().checks()
-        if not str(self.train_data).strip():
-            problems.append(("train_data", "empty; fix: the labelled training split of the linear probe"))
-        return problems
+Settings = LinearProbeSettings   # the task's schema: crate_clip.eval.task_settings (light, for the CLI)
 
 
 # ---------------------------------------------------------------- features
@@ -396,9 +362,6 @@ def summary(metrics: dict) -> str:
 
 
 # ---------------------------------------------------------------- command line
-TIMM_PREFIX = "timm:"
-
-
 def load_timm_classifier(name: str, pretrained: str | None, image_size: int | None, device="cpu"):
     """(model, eval preprocessing) of a timm classifier `name` with an optional weights file."""
     import timm

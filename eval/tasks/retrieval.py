@@ -3,17 +3,15 @@ The task `retrieval` (`crate-clip eval retrieval`, `type: retrieval`): its setti
 from __future__ import annotations
 
 import time
-from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field
 
 from crate_clip.eval.distributed_batches import all_reduce_sum, gather_objects
 from crate_clip.eval.eval_datasets import ShardSamples, shard_urls
 from crate_clip.eval.eval_loop import EvalPass
-from crate_clip.eval.eval_settings import EvalSettings
 from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
+from crate_clip.eval.task_settings import RetrievalSettings
 from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
 
 RECALL_KS = (1, 5, 10)
@@ -84,10 +82,7 @@ def recall_metrics(image_feats: torch.Tensor, text_feats: torch.Tensor) -> dict:
 
 
 # ---------------------------------------------------------------- the task
-class Settings(EvalSettings):
-    """Retrieval settings (only the shared ones)."""
-
-    type: Literal["retrieval"] = Field("retrieval", description="the task")
+Settings = RetrievalSettings   # the task's schema: crate_clip.eval.task_settings (light, for the CLI)
 
 
 def run(model, settings: Settings, context) -> dict:

@@ -8,21 +8,19 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Sequence
 
 import torch
-from pydantic import Field
 from tqdm import tqdm
 
-from crate_clip.eval.class_sets import (BUILTIN_CLASSNAMES, BUILTIN_TEMPLATES, CLASSNAMES_FILE, DEFAULT_DATASET,
-                                        DEFAULT_TEMPLATES, TEMPLATES_FILE, dataset_name, resolve_classnames,
+from crate_clip.eval.class_sets import (BUILTIN_CLASSNAMES, CLASSNAMES_FILE, dataset_name, resolve_classnames,
                                         resolve_templates, template_text)
 from crate_clip.eval.classifier_cache import cache_path, classifier_key, load_cached, save_cached
 from crate_clip.eval.distributed_batches import all_ranks_agree, all_reduce_sum, rank_and_world
 from crate_clip.eval.eval_datasets import classification_dataset
 from crate_clip.eval.eval_loop import EvalPass, evaluation_mode
-from crate_clip.eval.eval_settings import EvalSettings
 from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
+from crate_clip.eval.task_settings import ZeroshotSettings
 from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
 
 CLASSES_PER_BATCH = 10   # as open_clip: 10 classes x all templates per text forward
@@ -139,20 +137,7 @@ def _summary(counts: torch.Tensor, unreadable: list[str], world: int, classnames
 
 
 # ---------------------------------------------------------------- the task
-class Settings(EvalSettings):
-    """Zero-shot classification settings."""
-
-    type: Literal["zeroshot"] = Field("zeroshot", description="the task (an entry without a type is a zeroshot one)")
-    dataset: Optional[str] = Field(None, description="imagenet1k | fashion_mnist (built-in class names) | any "
-                                   f"name with classnames or {CLASSNAMES_FILE} beside the data (default: the data's "
-                                   f"own {CLASSNAMES_FILE}, else {DEFAULT_DATASET}; a built-in set that disagrees "
-                                   "with the data's own is refused)")
-    templates: Optional[str] = Field(None, description=f"{' | '.join(BUILTIN_TEMPLATES)} | a file of '{{}}' "
-                                                       f"or '{{c}}' lines (default: {TEMPLATES_FILE} beside the "
-                                                       f"data, else the dataset's, {DEFAULT_TEMPLATES})")
-    classnames: Optional[str] = Field(None, description="file with one class name per line, in label order")
-    labels: Optional[str] = Field(None, description="ground truth for a flat val folder (`file label` lines, "
-                                                    "one label per line, or Kaggle's LOC_val_solution.csv)")
+Settings = ZeroshotSettings   # the task's schema: crate_clip.eval.task_settings (light, for the CLI)
 
 
 def run(model, settings: Settings, context) -> dict:
