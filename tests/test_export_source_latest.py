@@ -44,3 +44,10 @@ def test_a_latest_naming_an_incomplete_checkpoint_is_refused(tmp_path):
     (ckpts / "latest").write_text("stage1-step00000002\n")
     with pytest.raises(ExportSourceError, match="not a complete checkpoint"):
         _tag_dir(tmp_path / "run", None)
+
+
+def test_a_latest_that_is_a_dangling_link_is_named_so(tmp_path):
+    ckpts = _run_with_latest(tmp_path)
+    (ckpts / "latest").symlink_to(tmp_path / "gone")
+    with pytest.raises(ExportSourceError, match="latest: a link to nothing"):
+        _tag_dir(tmp_path / "run", None)

@@ -7,6 +7,7 @@ from the checkpoint's crate_clip.json, so an export of it is the same wherever a
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,7 +107,7 @@ def _tag_dir(path: Path, stage: int | None) -> Path:
         return _stage_end(root, stage)
     if is_tag:
         return path
-    if (root / LATEST_FILE).exists():
+    if os.path.lexists(root / LATEST_FILE):   # a link to nothing is a broken `latest`, said so below
         # bounded and checked like a resume's read: a FIFO, a huge file or a tag naming a path outside the
         # checkpoints folder ("../x") is refused, not followed
         tag = read_latest_tag(root)
