@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["cpu_cost"]   # each test's CPU time, its processes included: the 15 costliest after every run
+
 # Nothing may be fetched from a model or data hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
