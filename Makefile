@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.14.1 torchvision==0.29.1
 # Debian packages holding the real local data sets used by the demo and the tests (one list, in Python).
 DEB_DATA := $(shell $(PYTHON) data_pipelines/sources/debian_packages.py)
 
-.PHONY: install system-data demo test bench clip-benchmark clean
+.PHONY: install system-data demo test bench clip-benchmark timm-model-tests clean
 
 install: $(VENV)/.installed
 
@@ -55,6 +55,24 @@ $(CB_VENV)/.installed: setup.cfg pyproject.toml
 	$(CB_VENV)/bin/python -m pip install -q --upgrade pip
 	$(CB_VENV)/bin/python -m pip install -q $(TORCH_PIN) '.[clip-benchmark]'
 	@touch $@
+
+# timm's own tests/test_models.py (from the sdist of the installed timm, on PyPI) on every registered CRATE tower.
+# One line is added: 'crate_*' joins NON_STD_FILTERS, the list timm keeps for its own transformers with token
+# outputs (vit_*, deit*, eva_*, ...), whose feature maps are not the NCHW grid the standard checks expect.
+# TIMM_K selects the models (the huge and large towers take about an hour of CPU: TIMM_K='crate and not huge').
+TIMM_TESTS ?= build/timm-tests
+TIMM_K ?= crate
+timm-model-tests: install
+	rm -rf $(TIMM_TESTS) && mkdir -p $(TIMM_TESTS)
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(TIMM_TESTS) \
+	    "timm==$$($(PY) -c 'import timm; print(timm.__version__)')"
+	tar xzf $(TIMM_TESTS)/timm-*.tar.gz -C $(TIMM_TESTS) --strip-components=2 --wildcards \
+	    'timm-*/tests/test_models.py' 'timm-*/tests/conftest.py'
+	sed -i "s/^NON_STD_FILTERS = \[/NON_STD_FILTERS = [\n    'crate_*',  # crate-clip's towers: transformers, as vit_*/" \
+	    $(TIMM_TESTS)/test_models.py
+	printf '\nimport crate_clip  # registers the CRATE towers with timm\n' >> $(TIMM_TESTS)/conftest.py
+	printf '[pytest]\n' > $(TIMM_TESTS)/pytest.ini   # timm's settings, not this project's (strict markers)
+	cd $(TIMM_TESTS) && $(abspath $(PY)) -m pytest -q -p no:cacheprovider test_models.py -k "$(TIMM_K)"
 
 clean:
 	rm -rf $(VENV) runs bench/out

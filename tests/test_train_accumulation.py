@@ -5,14 +5,14 @@ import math
 
 import pytest
 
-from train_fixtures import run_job, torchrun_cmd
+from train_fixtures import ranks_cmd, run_job
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
 def _probe(tmp_path_factory, mode):
     out = tmp_path_factory.mktemp(mode) / f"{mode}.json"
-    proc = run_job(torchrun_cmd(2, mode, str(out)), timeout=400)
+    proc = run_job(ranks_cmd(2, mode, str(out)), timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 

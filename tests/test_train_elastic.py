@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from elastic_workers import global_batches, losses
-from train_fixtures import REPO_ROOT, read_jsonl, run_env, run_job, tiny_config, torchrun_cmd, write_config
+from train_fixtures import REPO_ROOT, ranks_cmd, read_jsonl, run_env, run_job, tiny_config, torchrun_cmd, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -40,7 +40,7 @@ LOSS_RTOL = 1e-5   # fp32 losses of the same steps, reduced over another number 
 
 
 def _elastic_cmd(nproc: int, config: Path, out: Path, *extra: str) -> list[str]:
-    cmd = torchrun_cmd(nproc, str(config), str(out), *extra)
+    cmd = ranks_cmd(nproc, str(config), str(out), *extra)
     return [str(ELASTIC) if part.endswith("train_workers.py") else part for part in cmd]
 
 

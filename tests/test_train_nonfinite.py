@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from train_fixtures import read_jsonl, run_job, tiny_config, torchrun_cmd, write_config
+from train_fixtures import ranks_cmd, read_jsonl, run_job, tiny_config, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -20,7 +20,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tiny_fmnist, tmp_p
     # checked by test_train_accumulation.py's gradpoison case, the lock and resume runs train in bf16
     cfg = tiny_config(run_dir, tiny_fmnist, precision="fp32", stages=stages, every_steps=6, evals=False,
                       run={"max_nonfinite_in_a_row": 3})
-    proc = run_job(torchrun_cmd(2, "nonfinite", str(write_config(cfg, tmp_path / "run.yaml"))), timeout=240)
+    proc = run_job(ranks_cmd(2, "nonfinite", str(write_config(cfg, tmp_path / "run.yaml"))), timeout=240)
     out = proc.stdout + proc.stderr
     assert "NONFINITE-STOP" in out, out[-6000:]
     # rank 1 saw NaN at batch 3 (one skip), then inf/NaN at 7, 8, 9: the third in a row stops the run

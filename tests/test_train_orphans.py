@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from train_fixtures import (REPO_ROOT, read_jsonl, run_env, run_job, tiny_config,
-                            torchrun_cmd, write_config)
+from train_fixtures import REPO_ROOT, ranks_cmd, read_jsonl, run_env, run_job, tiny_config, torchrun_cmd, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -64,7 +63,7 @@ def test_sigkill_of_the_launcher_stops_its_workers_and_the_run_resumes(tiny_fmni
     latest = (run_dir / "checkpoints" / "latest").read_text()
     assert latest in ("stage0-step00000002", "stage0-step00000004", "stage0-step00000006")
 
-    resumed = run_job(torchrun_cmd(2, "--config", str(config), "--resume", "latest", module="crate_clip.train.cli"))
+    resumed = run_job(ranks_cmd(2, "--config", str(config), "--resume", "latest", module="crate_clip.train.cli"))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
     out = resumed.stdout + resumed.stderr
     assert "took over the stale lock" not in out and f"resuming from {run_dir / 'checkpoints' / latest}" in out

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_fixtures import (REPO_ROOT, default_stages, read_jsonl, run_env, run_job, tiny_config,
-                            torchrun_cmd, write_config)
+from train_fixtures import REPO_ROOT, default_stages, ranks_cmd, read_jsonl, run_env, run_job, tiny_config, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -25,7 +24,7 @@ KILL_AT_STEP = 5  # of stage 0's 10 steps: after the step-3 checkpoint, before t
 
 
 def _train_cmd(config: Path, *extra: str) -> list[str]:
-    return torchrun_cmd(2, "--config", str(config), *extra, module="crate_clip.train.cli")
+    return ranks_cmd(2, "--config", str(config), *extra, module="crate_clip.train.cli")
 
 
 def _descendants(pid: int) -> list[int]:

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from train_fixtures import run_job, tiny_config, torchrun_cmd, write_config
+from train_fixtures import ranks_cmd, run_job, tiny_config, write_config
 
 MODEL = "CRATE-alpha-CLIPA-tiny"
 CRATE_TEXT = "CRATE-alpha-CLIPA-tiny-crate-text"
@@ -28,7 +28,7 @@ def _text_source(path, seed=123):
 def lock_probe(tmp_path_factory):
     out = tmp_path_factory.mktemp("lock")
     _text_source(out / "text.pt")
-    proc = run_job(torchrun_cmd(2, "lock", str(out)), timeout=400)
+    proc = run_job(ranks_cmd(2, "lock", str(out)), timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((out / "lock.json").read_text())
 
@@ -242,7 +242,7 @@ def test_run_with_locked_text_resumes_without_the_text_file_and_exports(tiny_fmn
         return write_config(cfg, tmp_path / f"{name}.yaml")
 
     def train(cfg, *extra):
-        proc = run_job(torchrun_cmd(2, "--config", str(cfg), *extra, module="crate_clip.train.cli"), timeout=400)
+        proc = run_job(ranks_cmd(2, "--config", str(cfg), *extra, module="crate_clip.train.cli"), timeout=400)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         return load_file(str(cfg.parent / cfg.stem / "export" / "open_clip_model.safetensors"))
 

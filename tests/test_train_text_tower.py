@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from test_train_resume import _export, _kill_at, _losses
-from train_fixtures import REPO_ROOT, both_crate_config, read_jsonl, run_env, run_job, torchrun_cmd, write_config
+from train_fixtures import REPO_ROOT, both_crate_config, ranks_cmd, read_jsonl, run_env, run_job, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -18,7 +18,7 @@ KILL_AT_STEP = 3   # of stage 0's 6: after its step-2 checkpoint
 
 
 def _train_cmd(config, *extra):
-    return torchrun_cmd(2, "--config", str(config), *extra, module="crate_clip.train.cli")
+    return ranks_cmd(2, "--config", str(config), *extra, module="crate_clip.train.cli")
 
 
 def test_both_crate_run_evaluates_each_stage_and_logs_both_towers(both_crate_run):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from train_fixtures import run_job, tiny_clip_params, torchrun_cmd
+from train_fixtures import ranks_cmd, run_job, tiny_clip_params
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero") / "zero.json"
-    proc = run_job(torchrun_cmd(2, "zero", str(out)), timeout=300)
+    proc = run_job(ranks_cmd(2, "zero", str(out)), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 

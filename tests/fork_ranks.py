@@ -1,0 +1,108 @@
+"""Tests only: N ranks of a training entry point forked from one interpreter that has imported the training code,
+where torchrun starts N fresh interpreters (on the 2-core machine each pays ~5 s of CPU importing torch, DeepSpeed
+and open_clip before its first step; a 2-rank torchrun job ~12 s with the launcher's own import).
+
+    python tests/fork_ranks.py NPROC -m MODULE ARGS...     # as `torchrun --nproc_per_node NPROC -m MODULE ARGS`
+    python tests/fork_ranks.py NPROC SCRIPT.py ARGS...
+
+Each rank gets the variables torchrun gives a worker (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT, GROUP_RANK) and runs the entry point as `python -m MODULE ARGS` would. When a rank fails the others
+are ended (SIGTERM), as torchrun does, and the exit code is the first failing rank's (0 when all succeed). The
+tests of the launchers themselves (torchrun's restarts and rendezvous, a killed launcher's orphans, the exit-code
+line under torchrun) keep torchrun: train_fixtures.torchrun_cmd; the others use train_fixtures.ranks_cmd."""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib
+import os
+import runpy
+import signal
+import socket
+import sys
+import threading
+
+# What every rank would import first; imported here once, before the fork, so the ranks start warm. Nothing in
+# them starts a thread or a thread pool at import (the ranks create their process groups and pools themselves).
+PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "crate_clip.train.stage_loop", "crate_clip.train.cli")
+PR_SET_PDEATHSIG = 1
+_children: dict[int, int] = {}   # pid -> rank
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_rank(rank: int, nproc: int, port: int, target: list[str]) -> None:
+    """In the forked child: become rank `rank` and run the entry point; never returns."""
+    # the kernel ends the rank when this launcher dies (SIGKILL included), as torchrun's workers stop
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = 0
+    try:
+        if target[0] == "-m":
+            sys.argv = [target[1], *target[2:]]
+            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(target)
+            runpy.run_path(target[0], run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:   # noqa: BLE001 - a crashed rank prints its traceback and fails, as a worker would
+        import traceback
+        traceback.print_exc()
+        code = 1
+    # what the interpreter does at exit, in its order (os._exit below skips it; leaving this frame would go on
+    # running the launcher's code): join the non-daemon threads, run the atexit functions, flush
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: list[str]) -> int:
+    nproc, target = int(argv[0]), argv[1:]
+    for name in PRELOAD:
+        importlib.import_module(name)
+    port = _free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            _run_rank(rank, nproc, port, target)
+        _children[pid] = rank
+    first_failure = 0
+    while _children:
+        pid, status = os.wait()
+        rank = _children.pop(pid, None)
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:   # said as torchrun says it, so that train_fixtures.run_job sees a SIGABRT at teardown
+            print(f"fork_ranks: rank {rank} (pid {pid}) died of signal {signal.Signals(-code).name}", file=sys.stderr)
+        if code != 0 and first_failure == 0:
+            first_failure = code if code > 0 else 128 - code   # killed by signal N: 128 + N, as a shell says
+            _end_children()
+    return first_failure
+
+
+def _end_children(*_) -> None:
+    for pid in list(_children):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def _on_sigterm(*_) -> None:
+    _end_children()
+    os._exit(143)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    sys.exit(main(sys.argv[1:]))
