@@ -24,7 +24,8 @@ import threading
 
 # What every rank would import first; imported here once, before the fork, so the ranks start warm. Nothing in
 # them starts a thread or a thread pool at import (the ranks create their process groups and pools themselves).
-PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "crate_clip.train.stage_loop", "crate_clip.train.cli")
+# (Not the entry point itself: runpy runs it afresh as __main__.)
+PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "crate_clip.train.stage_loop")
 PR_SET_PDEATHSIG = 1
 _children: dict[int, int] = {}   # pid -> rank
 
