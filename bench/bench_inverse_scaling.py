@@ -215,7 +215,9 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def write_docs(args, runs: list[dict], rows: list[dict], started: str, wall: float) -> None:
     args.docs.mkdir(parents=True, exist_ok=True)
-    meta = {"date": started, "machine": f"{platform.machine()} {os.cpu_count()} CPU cores (shared)",
+    load = os.getloadavg()[2] if hasattr(os, "getloadavg") else float("nan")   # how busy the machine was
+    meta = {"date": started, "machine": f"{platform.machine()} {os.cpu_count()} CPU cores, load {load:.1f} "
+                                        f"(15-min average when written)",
             "command": shlex.join(["python", "bench/bench_inverse_scaling.py", *sys.argv[1:]]), "wall_seconds": wall,
             "label": args.label, "samples": args.samples, "eval_images": args.eval_images,
             "finetune_share": FINETUNE_SHARE, "finetune_lr_ratio": FINETUNE_LR_RATIO}
