@@ -27,10 +27,17 @@ def test_the_saving_is_read_from_the_meter_and_the_studys_recorded_result(tmp_pa
                                  "rows": rows}))
     full_line, study_line = savings_lines(run, 0.85, "M", study=study)
     assert "48% of the same 10,000 samples at full resolution (28 px / patch 7" in full_line   # 6e11 / (1e4 * 1.25e8)
-    assert study_line == ("the CLIPA recipe reached the full-resolution recipe's final top-1 with 62 ± 5% of its "
-                          "FLOPs (3/3 seeds; final top-1 33.80% vs 44.90%) (bench/bench_inverse_scaling.py, "
-                          "2026-12-02 04:00 UTC, 3 seeds; REDUCED configuration)")
+    assert study_line == ("the paper's CLIPA shape (fine-tune at patch 7, the grid grown to 4x4) reached the "
+                          "full-resolution recipe's final top-1 with 62 ± 5% of its FLOPs (3/3 seeds; final top-1 "
+                          "33.80% vs 44.90%) (bench/bench_inverse_scaling.py, 2026-12-02 04:00 UTC, 3 seeds; REDUCED "
+                          "configuration)")
     rows[1].update(flops_share_mean=None, flops_share_std=None, reached=0)
+    rows.append({"model": "M", "arm": "clipa-p9", "flops_share_mean": 0.66, "flops_share_std": 0.01, "reached": 3,
+                 "seeds": 3, "final_top1_mean": 46.0})
     study.write_text(json.dumps({"date": "d", "rows": rows}))
-    assert "did not reach" in savings_lines(run, 0.85, "M", study=study)[1]
+    _, demo_arm, paper_arm = savings_lines(run, 0.85, "M", study=study)   # the demo's shape first
+    assert demo_arm.startswith("the CLIPA recipe as the demo runs it (fine-tune at patch 9, the 3x3 grid kept) "
+                               "reached the full-resolution recipe's final top-1 with 66 ± 1% of its FLOPs (3/3 "
+                               "seeds; final top-1 46.00% vs 44.90%)")
+    assert "did not reach" in paper_arm
     assert len(savings_lines(run, 0.85, "other model", study=study)) == 1   # the study measured another model

@@ -149,10 +149,27 @@ def training_flops(run_dir: Path) -> tuple[float, int, float] | None:
     return spent, done, last[max(last)]["flops_per_sample"]
 
 
+# the study's CLIPA arms, the demo's shape first
+STUDY_ARMS = {"clipa-p9": "the CLIPA recipe as the demo runs it (fine-tune at patch 9, the 3x3 grid kept)",
+              "clipa": "the paper's CLIPA shape (fine-tune at patch 7, the grid grown to 4x4)"}
+
+
+def _study_line(rec: dict, row: dict, full: dict | None, what: str) -> str:
+    """One study arm's recorded result: the FLOPs it needed to reach the full arm's final top-1."""
+    label = "; " + rec["label"].split(" (")[0] if rec.get("label") else ""
+    where = f"(bench/bench_inverse_scaling.py, {rec['date']}, {row['seeds']} seeds{label})"
+    if row["flops_share_mean"] is None:
+        return f"at equal FLOPs {what} did not reach the full-resolution recipe's final top-1 in the study {where}"
+    ends = (f"; final top-1 {row['final_top1_mean']:.2f}% vs {full['final_top1_mean']:.2f}%"
+            if full and "final_top1_mean" in row else "")
+    return (f"{what} reached the full-resolution recipe's final top-1 with {100 * row['flops_share_mean']:.0f} ± "
+            f"{100 * row['flops_share_std']:.0f}% of its FLOPs ({row['reached']}/{row['seeds']} seeds{ends}) {where}")
+
+
 def savings_lines(run_dir: Path, final_top1: float, model: str, study: Path = STUDY_RESULTS) -> list[str]:
     """What the CLIPA schedule saved: this run's FLOPs against the same samples in the full-resolution recipe (the
     study's full arm per sample; without the study, the last stage's), and the compute-matched study's recorded
-    result (the FLOPs the CLIPA arm needed to reach the full arm's accuracy)."""
+    result (the FLOPs each CLIPA arm needed to reach the full arm's accuracy)."""
     rec = json.loads(study.read_text()) if study.is_file() else {}
     rows = {(r["model"], r["arm"]): r for r in rec.get("rows", [])}
     lines, flops = [], training_flops(run_dir)
@@ -164,20 +181,10 @@ def savings_lines(run_dir: Path, final_top1: float, model: str, study: Path = ST
         lines.append(f"reached {100 * final_top1:.2f}% with {spent / 1e12:.2f} TFLOP of training (step meter): "
                      f"{100 * spent / (samples * per_sample):.0f}% of the same {samples:,} samples at full "
                      f"resolution ({what})")
-    row = rows.get((model, "clipa"))
-    if row is not None:
-        label = "; " + rec["label"].split(" (")[0] if rec.get("label") else ""
-        where = f"(bench/bench_inverse_scaling.py, {rec['date']}, {row['seeds']} seeds{label})"
-        if row["flops_share_mean"] is None:
-            lines.append(f"at equal FLOPs the CLIPA recipe did not reach the full-resolution recipe's final "
-                         f"top-1 in the study {where}")
-        else:
-            full = rows.get((model, "full"))
-            ends = (f"; final top-1 {row['final_top1_mean']:.2f}% vs {full['final_top1_mean']:.2f}%"
-                    if full and "final_top1_mean" in row else "")
-            lines.append(f"the CLIPA recipe reached the full-resolution recipe's final top-1 with "
-                         f"{100 * row['flops_share_mean']:.0f} ± {100 * row['flops_share_std']:.0f}% of its FLOPs "
-                         f"({row['reached']}/{row['seeds']} seeds{ends}) {where}")
+    for arm, what in STUDY_ARMS.items():
+        row = rows.get((model, arm))
+        if row is not None:
+            lines.append(_study_line(rec, row, rows.get((model, "full")), what))
     return lines
 
 
