@@ -33,8 +33,6 @@ def _beside(data: str | Path | None, name: str) -> list[Path]:
     return [root / name, root.parent / name]
 
 
-
-
 def own_classnames_file(data: str | Path | None) -> Path | None:
     """The data set's own class-names file (CLIP_benchmark's classnames.txt in or beside the data), if any."""
     return next((p for p in _beside(data, CLASSNAMES_FILE) if p.is_file()), None)

@@ -36,10 +36,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_rank(rank: int, nproc: int, port: int, target: list[str]) -> None:
+def _run_rank(rank: int, nproc: int, port: int, target: list[str], launcher: int) -> None:
     """In the forked child: become rank `rank` and run the entry point; never returns."""
     # the kernel ends the rank when this launcher dies (SIGKILL included), as torchrun's workers stop
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher:   # it died before the kernel was asked to tell
+        os._exit(143)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -73,10 +75,11 @@ def main(argv: list[str]) -> int:
     port = _free_port()
     sys.stdout.flush()
     sys.stderr.flush()
+    launcher = os.getpid()
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            _run_rank(rank, nproc, port, target)
+            _run_rank(rank, nproc, port, target, launcher)
         _children[pid] = rank
     first_failure = 0
     while _children:
