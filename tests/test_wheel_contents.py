@@ -12,14 +12,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# what the build must not see: environments, earlier builds, run folders (they would only slow the copy or leave
-# stale files in build/)
-TOP_LEVEL_SKIP = {".venv", ".git", "build", "dist", "runs", "data", ".pytest_cache", ".whl"}
+# what the build must not see: environments, earlier builds, run and benchmark outputs (gigabytes: they would only
+# slow the copy, fill the disk, or leave stale files in build/). In a git checkout only the files git would commit
+# are copied; elsewhere these names are left out.
+TOP_LEVEL_SKIP = {".git", "build", "dist", "runs", "data", ".pytest_cache", ".whl"}
 
 
 def _not_source(folder, names):
     top = TOP_LEVEL_SKIP if Path(folder) == ROOT else set()
-    return [n for n in names if n in top or n == "__pycache__" or n.endswith(".egg-info")]
+    out = Path(folder) == ROOT / "bench"
+    return [n for n in names if n in top or n.startswith(".venv") or (out and n == "out") or n == "__pycache__"
+            or n.endswith(".egg-info")]
+
+
+def _copy_source(dest: Path) -> None:
+    """The repository's own files into `dest`: tracked or untracked-but-not-ignored, as git lists them."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True)
+    if listed.returncode != 0:   # not a git checkout (an unpacked sdist): the names above left out
+        shutil.copytree(ROOT, dest, ignore=_not_source)
+        return
+    for name in listed.stdout.decode().split("\0"):
+        path = ROOT / name
+        if name and path.is_file():   # a tracked file deleted in the working tree is not there
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dest / name)
 
 # setuptools' warnings are classes named ...Warning (BuildBackendWarning, SetuptoolsDeprecationWarning), the older
 # distutils ones lines starting with "warning:"
@@ -32,7 +49,7 @@ def built_wheel(tmp_path_factory):
     (the build backend is the one installed here)."""
     tmp = tmp_path_factory.mktemp("wheel")
     source = tmp / "src"
-    shutil.copytree(ROOT, source, ignore=_not_source)
+    _copy_source(source)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}   # else distutils warns
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
                            "--no-index", "-w", str(tmp / "out"), str(source)],
