@@ -180,8 +180,11 @@ def test_sigterm_and_sigint_release_the_lock(tmp_path, signum):
     KeyboardInterrupt (which, uncaught, ends Python by SIGINT too). Both first remove the lock, so the next run
     or requeue finds the folder free."""
     run_dir, path = tmp_path / "run", tmp_path / "run.lock"
+    # SIGINT at its default, as a terminal gives it: a pytest-xdist worker ignores SIGINT, and a process that starts
+    # with it ignored keeps it ignored (Python installs KeyboardInterrupt only where SIGINT is not ignored)
     proc = subprocess.Popen([sys.executable, "-c", HOLDER.format(repo=str(REPO_ROOT), run_dir=str(run_dir))],
-                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "held" and path.exists()
         proc.send_signal(signum)
