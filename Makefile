@@ -61,7 +61,7 @@ $(CB_VENV)/.installed: setup.cfg pyproject.toml
 # timm's own tests/test_models.py (from the sdist of the installed timm, on PyPI) on every registered CRATE tower.
 # One line is added: 'crate_*' joins NON_STD_FILTERS, the list timm keeps for its own transformers with token
 # outputs (vit_*, deit*, eva_*, ...), whose feature maps are not the NCHW grid the standard checks expect.
-# TIMM_K selects the models (the huge and large towers take about an hour of CPU: TIMM_K='crate and not huge').
+# TIMM_K selects the models (all 200 tests of the CRATE names: about 10 min on 2 cores; TIMM_K='crate and not huge').
 TIMM_TESTS ?= build/timm-tests
 TIMM_K ?= crate
 timm-model-tests: install
