@@ -5,7 +5,7 @@ from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMA
 
 from crate_clip.core.class_names import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES
 from crate_clip.eval.class_folders import name_key
-from crate_clip.eval.task_settings import (BUILTIN_DATASETS, CLASSNAMES_FILE, DEFAULT_DATASET,  # noqa: F401
+from crate_clip.eval.task_settings import (BUILTIN_DATASETS, CLASSNAMES_FILE, DEFAULT_DATASET,
                                            DEFAULT_TEMPLATES, TEMPLATE_SETS, TEMPLATES_FILE)
 
 BUILTIN_CLASSNAMES = {"imagenet1k": tuple(IMAGENET_CLASSNAMES), "fashion_mnist": FASHION_MNIST_CLASSNAMES}

@@ -18,7 +18,6 @@ import importlib
 import os
 import runpy
 import signal
-import socket
 import sys
 import threading
 
@@ -28,12 +27,6 @@ import threading
 PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "crate_clip.train.stage_loop")
 PR_SET_PDEATHSIG = 1
 _children: dict[int, int] = {}   # pid -> rank
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_rank(rank: int, nproc: int, port: int, target: list[str], launcher: int) -> None:
@@ -72,6 +65,8 @@ def main(argv: list[str]) -> int:
     nproc, target = int(argv[0]), argv[1:]
     for name in PRELOAD:
         importlib.import_module(name)
+    from crate_clip.train.engine import _free_port   # the trainer's own (preloaded above)
+
     port = _free_port()
     sys.stdout.flush()
     sys.stderr.flush()

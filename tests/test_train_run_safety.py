@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from crate_clip.checkpoint_io.run_layout import lock_path
 from train_fixtures import REPO_ROOT, read_jsonl, run_env, tiny_config, write_config
 
 pytestmark = [pytest.mark.slow]
@@ -75,7 +76,7 @@ def raced(tmp_path_factory, tiny_fmnist):
     shutil.copytree(tiny_fmnist / "test", test_dir)   # its own copy: a test breaks and mends it
     config = write_config(_config(root / "run", test_dir, tiny_fmnist), root / "run.yaml")
     procs = [_start(*TRAIN, "--config", str(config)) for _ in range(2)]
-    _hold_the_winner_while_the_other_arrives(root / "run.lock", procs)
+    _hold_the_winner_while_the_other_arrives(lock_path(root / "run"), procs)
     outs = [p.communicate(timeout=600) for p in procs]
     done = [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
     return {"root": root, "run_dir": root / "run", "config": config, "test_dir": test_dir, "data": tiny_fmnist,
@@ -87,12 +88,12 @@ def _hold_the_winner_while_the_other_arrives(lock: Path, procs: list) -> None:
     machine one can import, train its 6 steps and release the lock before the other gets there (it then finds a
     finished run: exit 2, not the race this test is about); a stopped holder is a live one, so the late one is
     refused whenever it arrives."""
-    from crate_clip.train.run_lock import _parse_holder
+    from crate_clip.train.run_lock import _read_holder
 
     pids = {p.pid: p for p in procs}
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        holder, _ = _parse_holder(lock)
+        holder = _read_holder(lock)
         if holder is not None and holder.pid in pids:
             break
         if any(p.poll() is not None for p in procs):

@@ -13,14 +13,14 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from crate_clip.eval.class_sets import (BUILTIN_CLASSNAMES, CLASSNAMES_FILE, dataset_name, resolve_classnames,
-                                        resolve_templates, template_text)
+from crate_clip.eval.class_sets import (BUILTIN_CLASSNAMES, dataset_name, resolve_classnames, resolve_templates,
+                                        template_text)
 from crate_clip.eval.classifier_cache import cache_path, classifier_key, load_cached, save_cached
 from crate_clip.eval.distributed_batches import all_ranks_agree, all_reduce_sum, rank_and_world
 from crate_clip.eval.eval_datasets import classification_dataset
 from crate_clip.eval.eval_loop import EvalPass, evaluation_mode
 from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
-from crate_clip.eval.task_settings import ZeroshotSettings
+from crate_clip.eval.task_settings import CLASSNAMES_FILE, ZeroshotSettings
 from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
 
 CLASSES_PER_BATCH = 10   # as open_clip: 10 classes x all templates per text forward
