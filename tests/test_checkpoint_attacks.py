@@ -25,6 +25,7 @@ from crate_clip.checkpoint_io.deepspeed_checkpoints import (DamagedCheckpointErr
                                                             read_info, read_info_checked)
 from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, file_checksum
 from crate_clip.checkpoint_io.safe_unpickling import UntrustedCheckpointError, load_torch_file
+import warm_python
 from train_fixtures import (REPO_ROOT, run_env, run_job, tiny_config, tiny_fmnist,  # noqa: F401
                             torchrun_cmd, write_config)
 
@@ -408,7 +409,7 @@ def test_a_fifo_latest_gives_one_line_and_does_not_block(trained, tmp_path):
     os.mkfifo(run / "checkpoints" / "latest")
     code = ("import sys; from crate_clip.cli import main; sys.exit(main(['eval', 'zeroshot', '--model', sys.argv[1], "
             "'--data', 'unused', '--dataset', 'fashion_mnist', '--device', 'cpu', '--no-progress']))")
-    proc = subprocess.run([sys.executable, "-c", code, str(run / "checkpoints")], env=run_env(), cwd=REPO_ROOT,
+    proc = warm_python.run([sys.executable, "-c", code, str(run / "checkpoints")], env=run_env(), cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
     line = _one_line(proc.stderr)
     assert proc.returncode == 2 and "latest: a FIFO, not a regular file" in line, line

@@ -77,7 +77,9 @@ def torchrun_2(*args: str, timeout: int = 180):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), str(Path(__file__).with_name("reliability_workers.py")), *args]
-    return subprocess.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    import warm_python
+
+    return warm_python.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import torch
 
 import crate_clip  # noqa: F401
 from crate_clip.models import register_open_clip_configs
+import warm_python
 from train_fixtures import run_env, tiny_config, write_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -208,7 +209,7 @@ def test_two_identical_runs_give_byte_identical_exports(tiny_fmnist, tmp_path):
                           logging={"tensorboard": False, "plot": False, "progress": False})
         cfg["data"]["num_workers"] = 0
         config = write_config(cfg, tmp_path / f"{name}.yaml")
-        procs.append(subprocess.Popen([sys.executable, "-m", "crate_clip.train.cli", "--config", str(config)],
+        procs.append(warm_python.Popen([sys.executable, "-m", "crate_clip.train.cli", "--config", str(config)],
                                       env=run_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     for proc in procs:

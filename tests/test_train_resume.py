@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import warm_python
 from train_fixtures import REPO_ROOT, default_stages, ranks_cmd, read_jsonl, run_env, run_job, tiny_config, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -96,7 +97,7 @@ def reference_run(tmp_path_factory, tiny_fmnist):
 
 def _kill_at(cmd: list[str], run_dir: Path, stage: int, step: int) -> list[int]:
     """Run the job until metrics.jsonl holds `step` of `stage`, then SIGKILL it; returns the steps it logged."""
-    proc = subprocess.Popen(cmd, env=run_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+    proc = warm_python.Popen(cmd, env=run_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     metrics, deadline, killed = run_dir / "metrics.jsonl", time.time() + 300, []
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import warm_python
 from train_fixtures import REPO_ROOT, read_jsonl, run_env, tiny_config, write_config
 
 pytestmark = [pytest.mark.slow]
@@ -40,7 +41,7 @@ def _config(run_dir: Path, data: Path, pretrained: Path, stages=STAGES, evals: b
 
 
 def _run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True,
+    return warm_python.run([sys.executable, *args], env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from crate_clip.checkpoint_io.run_layout import lock_path
+import warm_python
 from train_fixtures import REPO_ROOT, read_jsonl, run_env, tiny_config, write_config
 
 pytestmark = [pytest.mark.slow]
@@ -51,12 +52,12 @@ def _env(**extra: str) -> dict:
 
 
 def _start(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], env=env or run_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+    return warm_python.Popen([sys.executable, *args], env=env or run_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], env=env or run_env(), cwd=REPO_ROOT, capture_output=True,
+    return warm_python.run([sys.executable, *args], env=env or run_env(), cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=600)
 
 
@@ -76,18 +77,18 @@ def raced(tmp_path_factory, tiny_fmnist):
     shutil.copytree(tiny_fmnist / "test", test_dir)   # its own copy: a test breaks and mends it
     config = write_config(_config(root / "run", test_dir, tiny_fmnist), root / "run.yaml")
     procs = [_start(*TRAIN, "--config", str(config)) for _ in range(2)]
-    _hold_the_winner_while_the_other_arrives(lock_path(root / "run"), procs)
+    how = _hold_the_winner_while_the_other_arrives(lock_path(root / "run"), procs)
     outs = [p.communicate(timeout=600) for p in procs]
     done = [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
     return {"root": root, "run_dir": root / "run", "config": config, "test_dir": test_dir, "data": tiny_fmnist,
-            "procs": procs, "done": done}
+            "procs": procs, "done": done, "how": how}
 
 
-def _hold_the_winner_while_the_other_arrives(lock: Path, procs: list) -> None:
+def _hold_the_winner_while_the_other_arrives(lock: Path, procs: list) -> str:
     """Stop the process that took the lock until the other one has exited. Both race for the lock, but on a loaded
     machine one can import, train its 6 steps and release the lock before the other gets there (it then finds a
     finished run: exit 2, not the race this test is about); a stopped holder is a live one, so the late one is
-    refused whenever it arrives."""
+    refused whenever it arrives. Returns what happened, for the assertion messages."""
     from crate_clip.train.run_lock import _read_holder
 
     pids = {p.pid: p for p in procs}
@@ -96,11 +97,12 @@ def _hold_the_winner_while_the_other_arrives(lock: Path, procs: list) -> None:
         holder = _read_holder(lock)
         if holder is not None and holder.pid in pids:
             break
-        if any(p.poll() is not None for p in procs):
-            return   # one ended before taking the lock: the assertions show its output
+        ended = [(p.pid, p.returncode) for p in procs if p.poll() is not None]
+        if ended:   # one ended before a holder was seen: the assertions show its output
+            return f"no holder seen before (pid, exit code) {ended} ended; lock holder {holder}"
         time.sleep(0.02)
     else:
-        return
+        return f"no holder among {sorted(pids)} in 300 s; lock holder {holder}"
     winner = pids[holder.pid]
     os.kill(winner.pid, signal.SIGSTOP)
     try:
@@ -109,12 +111,13 @@ def _hold_the_winner_while_the_other_arrives(lock: Path, procs: list) -> None:
                 p.wait(timeout=300)
     finally:
         os.kill(winner.pid, signal.SIGCONT)
+    return f"held {winner.pid} (stopped) until the other exited"
 
 
 def test_two_trainers_started_together_one_trains_one_is_refused(raced):
     run_dir, (first, second) = raced["run_dir"], raced["done"]
     codes = sorted([first.returncode, second.returncode])
-    assert codes == [0, 5], _show(first) + _show(second)
+    assert codes == [0, 5], raced["how"] + "\n" + _show(first) + _show(second)
     winner, loser = (first, second) if first.returncode == 0 else (second, first)
     winner_pid = raced["procs"][raced["done"].index(winner)].pid
     assert _ours(loser.stderr) == [

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import warm_python
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "train_workers.py"
 FORK_RANKS = Path(__file__).resolve().parent / "fork_ranks.py"
@@ -130,15 +132,16 @@ def run_env() -> dict:
 
 
 def run_job(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    """Run a launched job to completion (output captured; shown on failure by the caller). A job whose worker
+    """Run a launched job to completion (output captured; shown on failure by the caller), forked by the warm
+    interpreter where it can be (warm_python.py). A job whose worker
     aborted (SIGABRT from C++ destructors at interpreter exit: "terminate called without an active exception",
     seen in ~1 of 20 runs of two train_workers probes, which skip that teardown) runs once more, with a
     warning in pytest's summary that carries the crash."""
-    proc = subprocess.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = warm_python.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 and "SIGABRT" in proc.stderr:
         warnings.warn(f"a worker of {' '.join(cmd[-3:])} aborted; ran the job again. Its stderr:\n"
                       f"{proc.stderr[-4000:]}")
-        proc = subprocess.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+        proc = warm_python.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
     return proc
 
 
@@ -148,8 +151,8 @@ def run_jobs(cmds: list[list[str]], parallel: int = 2, timeout: int = 600) -> li
     aborted runs once more, alone (as in run_job)."""
     done: list[subprocess.CompletedProcess] = []
     for at in range(0, len(cmds), parallel):
-        batch = [subprocess.Popen(cmd, env=run_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for cmd in cmds[at:at + parallel]]
+        batch = [warm_python.Popen(cmd, env=run_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True) for cmd in cmds[at:at + parallel]]
         for proc in batch:
             out, err = proc.communicate(timeout=timeout)
             done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))

@@ -1,0 +1,393 @@
+"""Tests only: the suite's `python -m crate_clip...` and `python tests/<script>.py` commands forked from one warm
+interpreter (a "zygote" per pytest process) that has imported torch, DeepSpeed, open_clip and the training code,
+instead of each paying that import again in a fresh interpreter (~9 s of CPU each on the 2-core machine; the suite
+launches a few hundred).
+
+    proc = warm_python.Popen([sys.executable, "-m", "crate_clip.train.cli", ...], env=..., cwd=..., stdout=PIPE)
+    done = warm_python.run(cmd, env=..., cwd=..., capture_output=True, text=True, timeout=600)
+
+They take subprocess's arguments and give its objects: `pid` is the command's own process (a test may stop, kill
+or look it up by that PID), `returncode` is its exit code, or -N when signal N ended it; the output goes to the
+caller's pipes or files. The command runs as `python CMD` would (its arguments, environment and working folder,
+`__main__`, the exit at the end: threads joined, atexit functions run) and its CPU is added to the test's
+(cpu_cost.py). What a fresh interpreter decides at start-up is redone after the fork where the project reads it
+(core.errors.STARTED_BY_LAUNCHER, the temporary folder, faulthandler, unbuffered output).
+
+A command runs in a fresh interpreter instead (subprocess itself) when the warm one could differ from it: interpreter
+options (`python -X ...`), a variable read when a library loads (OMP_*, MALLOC_*, LD_*, PYTHONPATH, ...) set
+differently from the zygote's, or Popen arguments beyond these (preexec_fn, pass_fds, ...). The zygote is started at
+the first command and ends with the pytest process (the kernel ends it: PR_SET_PDEATHSIG).
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib
+import io
+import json
+import os
+import runpy
+import select
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+PIPE, STDOUT, DEVNULL, TimeoutExpired = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL, subprocess.TimeoutExpired
+# What the commands import first (fork_ranks.PRELOAD, and the CLIs' modules). None starts a thread at import.
+PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "open_clip", "crate_clip.train.stage_loop", "crate_clip.train.cli",
+           "crate_clip.cli", "crate_clip.eval.cli", "crate_clip.export.cli")
+# Variables a library reads as it loads (or the interpreter as it starts): a command that sets one differently from
+# the zygote runs in a fresh interpreter.
+LOAD_TIME_VARS = ("OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME",
+                  "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTORCH_", "TORCH_", "DS_", "HF_", "TRANSFORMERS_",
+                  "CUDA_", "NCCL_")
+PR_SET_PDEATHSIG = 1
+_CHILD_CPU = [0.0]   # user + system s of the finished warm commands of this process (read by cpu_cost.py)
+_zygote: dict = {}
+
+
+def launched_cpu_s() -> float:
+    """CPU seconds of the warm commands that ended in this process so far."""
+    return _CHILD_CPU[0]
+
+
+# ----------------------------------------------------------------------------------------------- the caller's side
+def run(cmd, *, input=None, capture_output=False, timeout=None, check=False, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run for the suite's Python commands: warm when it can be (see the module docstring)."""
+    if capture_output:
+        kwargs.update(stdout=PIPE, stderr=PIPE)
+    if input is not None:
+        kwargs["stdin"] = PIPE
+    with Popen(cmd, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(input, timeout=timeout)
+        except TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+def Popen(cmd, *, env=None, cwd=None, stdin=None, stdout=None, stderr=None, text=False, start_new_session=False,
+          **others):
+    """subprocess.Popen for the suite's Python commands: a WarmProcess when it can be, else a subprocess.Popen."""
+    env = dict(os.environ if env is None else env)
+    if others or not _forkable(list(map(str, cmd)), env):
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
+                                start_new_session=start_new_session, **others)
+    return WarmProcess(list(map(str, cmd)), env, cwd, stdin, stdout, stderr, text, start_new_session)
+
+
+def _forkable(cmd: list[str], env: dict) -> bool:
+    """A `python -m MODULE`, `python -c CODE` or `python SCRIPT.py` command whose load-time variables are the
+    zygote's (its environment is the first such command's)."""
+    if len(cmd) < 2 or cmd[0] != sys.executable or (cmd[1].startswith("-") and cmd[1] not in ("-m", "-c")):
+        return False
+    if cmd[1] in ("-m", "-c") and len(cmd) < 3:
+        return False
+    zygote_env = _zygote.get("env", env)
+    return all(env.get(k) == zygote_env.get(k) for k in set(env) | set(zygote_env) if k.startswith(LOAD_TIME_VARS))
+
+
+def _connect(env: dict) -> socket.socket:
+    """A connection to this process's zygote, started at the first command with that command's environment."""
+    if "socket" not in _zygote:
+        folder = tempfile.mkdtemp(prefix="warm-python-")
+        path = os.path.join(folder, "socket")
+        proc = subprocess.Popen([sys.executable, __file__, path], env=env, cwd=folder, stdin=DEVNULL,
+                                stdout=PIPE, text=True)
+        said = []   # what the imports print (DeepSpeed's accelerator line), then "ready"
+        while not said or said[-1] not in ("ready\n", ""):
+            said.append(proc.stdout.readline())
+        proc.stdout.close()
+        if said[-1] != "ready\n":
+            raise RuntimeError(f"the warm Python did not start (exit code {proc.wait()}): {''.join(said)[-3000:]}")
+        _zygote.update(socket=path, proc=proc, env={k: v for k, v in env.items() if k.startswith(LOAD_TIME_VARS)})
+        atexit.register(_stop_zygote)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(_zygote["socket"])
+    return sock
+
+
+def _stop_zygote() -> None:
+    proc = _zygote.get("proc")
+    if proc and proc.poll() is None:
+        proc.terminate()
+        proc.wait()
+
+
+class WarmProcess:
+    """A command forked by the zygote, with the parts of subprocess.Popen's interface the tests use."""
+
+    def __init__(self, args, env, cwd, stdin, stdout, stderr, text, start_new_session):
+        self.args, self.returncode, self._text = args, None, text
+        self.stdin = self.stdout = self.stderr = None
+        self._read: dict = {}
+        self._readers: list[threading.Thread] = []
+        ends, theirs = self._streams(stdin, stdout, stderr)
+        request = {"argv": args[1:], "env": env, "cwd": str(cwd or os.getcwd()), "new_session": start_new_session,
+                   "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN}
+        self._conn = _connect(env)
+        try:
+            socket.send_fds(self._conn, [json.dumps(request).encode()], theirs)
+            reply = json.loads(self._conn.recv(4096) or b"{}")
+        finally:
+            for fd in ends:
+                os.close(fd)
+        if "pid" not in reply:
+            raise RuntimeError(f"the warm Python did not start {args}: {reply}")
+        self.pid = reply["pid"]
+
+    def _streams(self, stdin, stdout, stderr) -> tuple[list[int], list[int]]:
+        """(the descriptors to close here once sent, the command's stdin, stdout and stderr descriptors)."""
+        ends: list[int] = []
+
+        def target(spec, fd: int, writing: bool, name: str) -> int:
+            if spec is None:
+                return fd
+            if spec == DEVNULL:
+                ends.append(os.open(os.devnull, os.O_WRONLY if writing else os.O_RDONLY))
+                return ends[-1]
+            if spec == PIPE:
+                r, w = os.pipe()
+                mine, theirs = (r, w) if writing else (w, r)
+                ends.append(theirs)
+                mode = ("r" if writing else "w") + ("" if self._text else "b")
+                setattr(self, name, open(mine, mode, **({"encoding": "utf-8", "errors": "strict"} if self._text else
+                                                         {})))
+                return theirs
+            return spec if isinstance(spec, int) else spec.fileno()
+
+        fds = [target(stdin, 0, False, "stdin"), target(stdout, 1, True, "stdout")]
+        fds.append(fds[1] if stderr == STDOUT else target(stderr, 2, True, "stderr"))
+        return ends, fds
+
+    # waiting
+    def poll(self):
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self._ended()
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise TimeoutExpired(self.args, timeout)
+            self._ended()
+        return self.returncode
+
+    def _ended(self) -> None:
+        reply = json.loads(self._conn.recv(4096) or b'{"code": null}')
+        if reply.get("code") is None:
+            raise RuntimeError(f"the warm Python ended while running {self.args}")
+        self.returncode = reply["code"]
+        _CHILD_CPU[0] += reply.get("cpu_s", 0.0)
+        self._conn.close()
+
+    def communicate(self, input=None, timeout=None):
+        """Both outputs read to their end (by threads, as subprocess does on a timeout: a later call goes on)."""
+        if input is not None and self.stdin:
+            self.stdin.write(input)
+        if self.stdin and not self.stdin.closed:
+            self.stdin.close()
+        if not self._readers:
+            for name in ("stdout", "stderr"):
+                stream = getattr(self, name)
+                if stream is not None:
+                    self._read[name] = []
+                    self._readers.append(threading.Thread(target=lambda s=stream, n=name: self._read[n].append(
+                        s.read()), daemon=True))
+                    self._readers[-1].start()
+        deadline = None if timeout is None else _now() + timeout
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(0.0, deadline - _now()))
+            if reader.is_alive():
+                raise TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - _now()))
+        outputs = []
+        for name in ("stdout", "stderr"):
+            stream = getattr(self, name)
+            outputs.append(self._read[name][0] if stream is not None else None)
+            if stream is not None:
+                stream.close()
+        return tuple(outputs)
+
+    # signals
+    def send_signal(self, sig) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for stream in (self.stdin, self.stdout, self.stderr):
+            if stream is not None and not stream.closed:
+                stream.close()
+        self.wait()
+
+
+def _now() -> float:
+    import time
+    return time.monotonic()
+
+
+# ----------------------------------------------------------------------------------------------- the zygote's side
+def serve(path: str) -> None:
+    """Preload, then fork each requested command; send its PID, then its exit code and CPU time when it ends."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(64)
+    mine = selectors.DefaultSelector()
+    mine.register(listener, selectors.EVENT_READ)
+    running: dict[int, tuple[int, socket.socket]] = {}   # pidfd -> (pid, connection)
+    print("ready", flush=True)
+    os.dup2(2, 1)   # the caller stopped reading this pipe
+    while True:
+        for key, _ in mine.select():
+            if key.fileobj is listener:
+                conn, _ = listener.accept()
+                try:
+                    started = _fork(conn, listener, mine, running)
+                except OSError:
+                    conn.close()
+                    continue
+                if started:
+                    pid, pidfd = started
+                    running[pidfd] = (pid, conn)
+                    mine.register(pidfd, selectors.EVENT_READ)
+            else:
+                pid, conn = running.pop(key.fd)
+                mine.unregister(key.fd)
+                os.close(key.fd)
+                _, status, usage = os.wait4(pid, 0)
+                try:
+                    conn.send(json.dumps({"code": os.waitstatus_to_exitcode(status),
+                                          "cpu_s": usage.ru_utime + usage.ru_stime}).encode())
+                except OSError:
+                    pass   # the caller is gone
+                conn.close()
+
+
+def _fork(conn: socket.socket, listener, mine, running) -> tuple[int, int] | None:
+    """Fork the command `conn` asks for; (its PID, a pidfd that becomes readable when it ends)."""
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    request = json.loads(data)
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:   # forking with another thread running could copy a held lock: refuse, loudly
+        conn.send(json.dumps({"error": f"the zygote runs {threads} threads"}).encode())
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return None
+    pid = os.fork()
+    if pid == 0:
+        for fd in [listener.fileno(), mine.fileno(), *running, *(c.fileno() for _, c in running.values())]:
+            os.close(fd)
+        _become(request, fds, conn)
+    for fd in fds:
+        os.close(fd)
+    conn.send(json.dumps({"pid": pid}).encode())
+    return pid, os.pidfd_open(pid)
+
+
+def _become(request: dict, fds: list[int], conn: socket.socket) -> None:
+    """In the forked child: become `python ARGV` in its environment and folder; never returns."""
+    conn.close()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0)   # the command outlives the zygote, as a process
+    if request["new_session"]:
+        os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _as_at_start(request["sigint_ignored"])
+    argv = request["argv"]
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = request["cwd"]
+            sys.modules.pop(argv[1], None)   # preloaded: run afresh as __main__, as `python -m` finds it
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path[0] = ""
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = str(Path(argv[0]).resolve().parent)
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException:   # noqa: BLE001 - as the interpreter: the traceback, exit code 1
+        import traceback
+        traceback.print_exc()
+        code = 1
+    _exit(code)
+
+
+def _exit_code(value) -> int:
+    if value is None or isinstance(value, int):
+        return value or 0
+    print(value, file=sys.stderr)   # sys.exit("message"): said on stderr, exit code 1
+    return 1
+
+
+def _exit(code: int) -> None:
+    """What the interpreter does at its end, in its order (os._exit skips it): join the non-daemon threads, run the
+    atexit functions, flush the outputs."""
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def _as_at_start(sigint_ignored: bool) -> None:
+    """Redo what a fresh interpreter or the project decides at start-up from the environment."""
+    import faulthandler
+    import crate_clip.core.errors as errors
+
+    errors.STARTED_BY_LAUNCHER = any(k in os.environ for k in errors.LAUNCHER_ENV)
+    tempfile.tempdir = None   # TMPDIR may differ
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()
+    elif faulthandler.is_enabled():
+        faulthandler.disable()
+    if os.environ.get("PYTHONUNBUFFERED"):   # as `python -u`: no buffer below the text layer
+        for name in ("stdout", "stderr"):
+            old = getattr(sys, name)
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(old.fileno(), "w", closefd=False), encoding=old.encoding,
+                                                errors=old.errors, write_through=True))
+    # a fresh interpreter keeps an ignored SIGINT ignored (an xdist worker's children) and else installs its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN if sigint_ignored else signal.default_int_handler)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
