@@ -67,18 +67,17 @@ def test_resampled_stream_reads_no_stats_file_until_its_size_is_asked(four_shard
 
 
 def torchrun_2(*args: str, timeout: int = 180):
-    """Run tests/reliability_workers.py on 2 gloo ranks; the completed process."""
-    import subprocess
+    """Run tests/reliability_workers.py on 2 gloo ranks under torchrun (its launcher forked by warm_python); the
+    completed process."""
     import sys
     from pathlib import Path
 
+    import warm_python
     from eval_fixtures import free_port as _free_port
     from train_fixtures import REPO_ROOT, run_env
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), str(Path(__file__).with_name("reliability_workers.py")), *args]
-    import warm_python
-
     return warm_python.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 

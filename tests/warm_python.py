@@ -29,12 +29,14 @@ import os
 import runpy
 import select
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 PIPE, STDOUT, DEVNULL, TimeoutExpired = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL, subprocess.TimeoutExpired
@@ -110,7 +112,7 @@ def _connect(env: dict) -> socket.socket:
         proc.stdout.close()
         if said[-1] != "ready\n":
             raise RuntimeError(f"the warm Python did not start (exit code {proc.wait()}): {''.join(said)[-3000:]}")
-        _zygote.update(socket=path, proc=proc, env={k: v for k, v in env.items() if k.startswith(LOAD_TIME_VARS)})
+        _zygote.update(socket=path, proc=proc, folder=folder, env={k: v for k, v in env.items() if k.startswith(LOAD_TIME_VARS)})
         atexit.register(_stop_zygote)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.connect(_zygote["socket"])
@@ -122,6 +124,7 @@ def _stop_zygote() -> None:
     if proc and proc.poll() is None:
         proc.terminate()
         proc.wait()
+    shutil.rmtree(_zygote.get("folder", ""), ignore_errors=True)
 
 
 class WarmProcess:
@@ -241,7 +244,6 @@ class WarmProcess:
 
 
 def _now() -> float:
-    import time
     return time.monotonic()
 
 

@@ -60,7 +60,8 @@ def evaluate_after_stage(cfg: RunConfig, stage: ResolvedStage, weights: dict, pr
     """Zero-shot evaluation of the stage's consolidated weights on all ranks (images split across them),
     at the stage's resolution and, after a low-resolution stage, also at the full resolution; evaluations
     already in results.jsonl are not repeated; returns their rows. The fp32 weights run under autocast in the
-    training precision (bf16 matmuls are several times faster)."""
+    training precision (bf16 matmuls are several times faster on GPUs and CPUs with bf16 instructions; on a CPU
+    without them, AVX2 only, about 20x slower than fp32: BENCHMARKS.md, "Test suite")."""
     spec_types = {e.name: e.type for e in cfg.eval.evals}
     records = []
     for (size, resize), evals in agreed_missing_evals(cfg, stage.index, dist).items():
