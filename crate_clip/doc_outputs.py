@@ -7,7 +7,7 @@ output), written into README.md, BENCHMARKS.md and docs/ between markers, so no 
 
     python -m crate_clip.doc_outputs                # rewrite every block
     python -m crate_clip.doc_outputs --check        # exit 1 naming the stale blocks; write nothing
-    python -m crate_clip.doc_outputs --check --slow # also the blocks that take minutes (the plan's memory trace)
+    python -m crate_clip.doc_outputs --check --slow # also the slow blocks (the plan's memory trace, ~25 s)
 
 Measured figures (timings, accuracies) are not generated: they keep the date, machine and command they were
 measured with. Counting runs on the meta device (no weights allocated), so the fast blocks take seconds.
@@ -36,7 +36,7 @@ VALIDATE_B16 = ["--config", "configs/datacomp/crate_alpha_clipa_b-16.yaml", "--v
 
 @dataclass(frozen=True)
 class Generator:
-    """What a block holds: `make()` gives its text; `slow`: minutes on a CPU, checked only with --slow."""
+    """What a block holds: `make()` gives its text; `slow`: tens of seconds on a CPU, checked only with --slow."""
     make: Callable[[], str]
     slow: bool = False
 
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     """Rewrite the generated blocks, or with --check list the stale ones (exit 1)."""
     p = argparse.ArgumentParser(prog=REGENERATE, description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="exit 1 when a block is stale; write nothing")
-    p.add_argument("--slow", action="store_true", help="also the blocks that take minutes (the plan's memory trace)")
+    p.add_argument("--slow", action="store_true", help="also the slow blocks (the plan's memory trace, ~25 s)")
     args = p.parse_args(argv)
     stale = []
     for path in doc_files():

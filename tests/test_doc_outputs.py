@@ -58,6 +58,6 @@ def test_check_reports_stale_pages_and_writes_nothing(tmp_path, monkeypatch, cap
 
 @pytest.mark.slow
 def test_the_slow_blocks_are_current():
-    """The plan with its activation trace (minutes on a CPU)."""
+    """The plan with its activation trace (~25 s on a CPU)."""
     text = (REPO / "BENCHMARKS.md").read_text()
     assert stale_blocks(text, slow=True) == [], f"run `{REGENERATE} --slow` and commit the result"

@@ -116,6 +116,29 @@ def test_depth_cut_trace_matches_the_full_trace():
     assert cut.activation_bytes_per_sample_ckpt < 0.8 * cut.activation_bytes_per_sample
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_fake_tensor_trace_holds_the_bytes_of_a_real_cpu_step(precision):
+    """The planner runs its traced step on fake tensors (no values computed); the same step on real CPU
+    tensors holds the same bytes at every batch, with and without checkpointing: the CPU's fused attention
+    kernel, and in bf16 the locked text tower's autocast (its weights cast at each call)."""
+    import torch
+
+    from crate_clip.train.planner import _peak_bytes, _trace
+    from crate_clip.train.run_config import config_from_dict
+
+    raw = dict(_cfg(28), precision=precision)
+    raw["model"].update(lock_text=True, text_pretrained="text.pt")
+    stage = resolve_stage(config_from_dict(raw, check_paths=False), 0)
+    fake = _trace(stage.build_model(read_files=False, device="meta", train=False), stage, (2, 4))
+    model, real = stage.build_model(read_files=False, train=False).train(), {}
+    for ckpt in (False, True):
+        model.set_grad_checkpointing(ckpt)
+        for b in (1, 2, 4):
+            images, tokens = torch.randn(b, 3, 28, 28), torch.randint(1, 1000, (b, 16))
+            real[f"{'ckpt' if ckpt else 'peak'}{b}"] = _peak_bytes(model, images, tokens, None, track_memory=b > 1)
+    assert fake == {key: value for key, value in real.items() if not key.endswith("1")}
+
+
 @pytest.mark.slow
 def test_memory_prediction_matches_the_real_cpu_peak():
     from crate_clip.train.planner import logits_bytes, measure_stage, state_bytes_per_rank

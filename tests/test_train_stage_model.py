@@ -75,7 +75,7 @@ def test_locked_text_tower_meter_flops_equal_planner_flops():
 @pytest.mark.slow
 @pytest.mark.parametrize("config", SHIPPED, ids=[p.stem for p in SHIPPED])
 def test_plan_and_step_meter_report_the_same_flops_for_every_shipped_stage(config, capsys):
-    # --no-memory: the activation trace (minutes on a CPU for H/14) does not touch the FLOP count
+    # --no-memory: the activation trace does not touch the FLOP count
     assert plan_main([str(config), "--gpus", str(PLAN_GPUS), "--gpu", "h100", "--json", "--no-memory"]) == 0
     plans = json.loads(capsys.readouterr().out)
     cfg = load_run_config(config, check_paths=False)

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config value, e.g. --set stages.0.global_batch=4096 (repeatable), as train does")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--no-memory", action="store_true",
-                   help="skip the activation trace (minutes on a CPU for the largest models): FLOPs, time and "
+                   help="skip the activation trace (seconds per stage): FLOPs, time and "
                         "GPU-hours at the run config's micro-batch, not checked to fit")
     return p
 

@@ -8,9 +8,11 @@
                       which is the part of the forward autograd records: a locked tower's no-grad forward
                       runs once per sample whatever k and checkpointing
     state bytes       weights / grads / AdamW state per rank under the ZeRO stage and precision
-    activations       bytes per sample measured on CPU (live tensors traced through dispatch, batch 2 and 4,
-                      slope = per sample), with and without gradient checkpointing, scaled to the dtype;
-                      towers traced cut to 1 and 2 blocks and extrapolated linearly in depth
+    activations       bytes per sample of a CPU training step (live tensors traced through dispatch, batch 2
+                      and 4, slope = per sample), with and without gradient checkpointing, scaled to the dtype;
+                      towers traced cut to 1 and 2 blocks and extrapolated linearly in depth; the step runs on
+                      fake CPU tensors (FakeTensorMode), so it takes seconds: the CPU's kernels and sizes,
+                      no values
     micro-batch       the largest divisor of global_batch / world that fits, and k accumulation steps
     time              total FLOPs / (GPUs x peak bf16 x MFU); GPU-hours
 
@@ -28,6 +30,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
@@ -73,7 +76,7 @@ class LiveTensorPeak(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.live: dict[int, list] = {}  # storage data_ptr -> [nbytes, tensors alive]
+        self.live: dict[int, list] = {}  # storage address -> [nbytes, tensors alive]
         self.now = self.peak = 0
 
     def _release(self, key: int) -> None:
@@ -87,9 +90,7 @@ class LiveTensorPeak(TorchDispatchMode):
 
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key == 0:
-            return
+        key = storage._cdata   # the storage's own address: a fake tensor has no data pointer
         entry = self.live.get(key)
         if entry is None:
             entry = self.live[key] = [storage.nbytes(), 0]
@@ -101,7 +102,7 @@ class LiveTensorPeak(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor):
                 self._track(t)
         return out
 
@@ -118,8 +119,9 @@ def _contrastive_step(model, images, tokens, after_forward=None) -> None:
     loss.backward()
 
 
-def _peak_bytes(model, images, tokens, track_memory: bool) -> int:
-    """Peak live bytes of one training step (0 without `track_memory`: a warm-up pass)."""
+def _peak_bytes(model, images, tokens, fake: Optional[FakeTensorMode], track_memory: bool) -> int:
+    """Peak live bytes of one training step (0 without `track_memory`: a warm-up pass); in `fake` when the
+    model and inputs are fake tensors."""
     model.zero_grad(set_to_none=True)
     tracer = LiveTensorPeak() if track_memory else None
     # the trace sees a tensor die with its Python object: the cycle collector running at random moments
@@ -128,7 +130,7 @@ def _peak_bytes(model, images, tokens, track_memory: bool) -> int:
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
-        with tracer or contextlib.nullcontext():
+        with fake or contextlib.nullcontext(), tracer or contextlib.nullcontext():
             _contrastive_step(model, images, tokens)
     finally:
         if gc_was_on:
@@ -215,7 +217,7 @@ def count_per_sample(model, image_size: int, context_length: int, batch: int = 2
 # ---------------------------------------------------------------- per-stage measurement
 @dataclass
 class StageMeasure:
-    """What the planner measured for one stage's model (per sample, fp32 on CPU)."""
+    """What the planner measured for one stage's model (per sample, a CPU step in fp32)."""
     trainable_params: int
     frozen_params: int
     flops_per_sample: float          # forward + backward
@@ -227,38 +229,34 @@ class StageMeasure:
     locked_params: int = 0           # a locked tower's weights, held as fp32 buffers (text_lock)
 
 
-def _cut_to_cpu(model, depths: tuple) -> torch.nn.Module:
-    """A meta-device model with each tower cut to `depths` blocks, made real on the CPU with random values
-    (the trace measures sizes, which values do not change)."""
+def _cut(model, depths: tuple) -> torch.nn.Module:
+    """The (meta-device) model with each tower cut to `depths` blocks."""
     for (owner, attr), depth in zip(tower_blocks(model), depths):
         setattr(owner, attr, getattr(owner, attr)[:depth])
-    model = model.to_empty(device="cpu")
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            if t.is_floating_point():
-                t.normal_(0, 0.02, generator=g)
-            else:
-                t.zero_()
     return model
 
 
-def _trace(model, stage, batches) -> dict:
-    """Peak live bytes at each batch, gradient checkpointing off and on."""
+def _trace(meta_model, stage, batches) -> dict:
+    """Peak live bytes at each batch, gradient checkpointing off and on. The model runs on fake CPU tensors
+    (torch's FakeTensorMode): every op is dispatched as on the CPU (its autocast, its fused attention kernel)
+    and gives tensors of the CPU's sizes, but no values are computed. A trace measures sizes only."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        model = meta_model.to_empty(device="cpu")
     model.train()
-    g = torch.Generator().manual_seed(0)
     out = {}
 
     def inputs(b):
-        return (torch.randn(b, 3, stage.image_size, stage.image_size, generator=g),
-                torch.randint(1, 1000, (b, stage.context_length), generator=g))
+        with fake:
+            return (torch.empty(b, 3, stage.image_size, stage.image_size),
+                    torch.ones(b, stage.context_length, dtype=torch.long))
 
     for ckpt in (False, True):
         model.set_grad_checkpointing(ckpt)
         # one untraced pass first in each mode: lazily built state (workspaces, cached masks) is not per-sample
-        _peak_bytes(model, *inputs(1), track_memory=False)
+        _peak_bytes(model, *inputs(1), fake, track_memory=False)
         for b in batches:
-            out[f"{'ckpt' if ckpt else 'peak'}{b}"] = _peak_bytes(model, *inputs(b), track_memory=True)
+            out[f"{'ckpt' if ckpt else 'peak'}{b}"] = _peak_bytes(model, *inputs(b), fake, track_memory=True)
     return out
 
 
@@ -266,14 +264,14 @@ CUT_ABOVE_BLOCKS = 4   # towers this deep or shallower are traced whole (cheaper
 
 
 def measure_stage(stage, batches=(2, 4), full_depth: Optional[bool] = None, memory: bool = True) -> StageMeasure:
-    """Parameters, the stage's FLOP counts, and activations traced at two batch sizes (CPU, fp32); batches of
+    """Parameters, the stage's FLOP counts, and activations traced at two batch sizes (a CPU step in fp32, on fake tensors); batches of
     2 and 4 rather than 1 and 2, so that activations, not the parameter gradients, decide where the peak is.
     `memory=False`: no trace (the activations are NaN), for FLOPs and time alone.
 
     With full_depth False (None: when a tower is deeper than CUT_ABOVE_BLOCKS), the towers are traced cut
     to 1 and 2 blocks and the activations are extrapolated linearly in each tower's depth: the blocks of a
     tower are identical, so each adds the same saved activations (tests/test_train_planner.py checks it
-    against the full trace). L/14 at 224 px then costs seconds on a CPU, not a full fp32 pass."""
+    against the full trace): three small models to trace instead of the whole one."""
     def build(device):
         return stage.build_model(read_files=False, device=device, train=False)
 
@@ -288,14 +286,14 @@ def measure_stage(stage, batches=(2, 4), full_depth: Optional[bool] = None, memo
     if not memory:
         v = dict.fromkeys([f"{kind}{b}" for kind in ("peak", "ckpt") for b in batches], math.nan)
     elif full_depth or depths is None:
-        v = _trace(build("cpu"), stage, batches)
+        v = _trace(meta, stage, batches)
     else:
-        base = _trace(_cut_to_cpu(meta, (1, 1)), stage, batches)
+        base = _trace(_cut(meta, (1, 1)), stage, batches)
         v = dict(base)
         for tower, depth in enumerate(depths):
             if depth < 2:
                 continue
-            more = _trace(_cut_to_cpu(build("meta"), tuple(2 if i == tower else 1 for i in range(2))), stage, batches)
+            more = _trace(_cut(build("meta"), tuple(2 if i == tower else 1 for i in range(2))), stage, batches)
             for key in v:
                 v[key] += (more[key] - base[key]) * (depth - 1)
     b1, b2 = batches
