@@ -12,14 +12,13 @@ tests of the launchers themselves (torchrun's restarts and rendezvous, a killed 
 line under torchrun) keep torchrun: train_fixtures.torchrun_cmd; the others use train_fixtures.ranks_cmd."""
 from __future__ import annotations
 
-import atexit
 import ctypes
 import importlib
 import os
-import runpy
 import signal
 import sys
-import threading
+
+import warm_python
 
 # What every rank would import first; imported here once, before the fork, so the ranks start warm. Nothing in
 # them starts a thread or a thread pool at import (the ranks create their process groups and pools themselves).
@@ -38,27 +37,9 @@ def _run_rank(rank: int, nproc: int, port: int, target: list[str], launcher: int
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    code = 0
-    try:
-        if target[0] == "-m":
-            sys.argv = [target[1], *target[2:]]
-            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(target)
-            runpy.run_path(target[0], run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:   # noqa: BLE001 - a crashed rank prints its traceback and fails, as a worker would
-        import traceback
-        traceback.print_exc()
-        code = 1
-    # what the interpreter does at exit, in its order (os._exit below skips it; leaving this frame would go on
-    # running the launcher's code): join the non-daemon threads, run the atexit functions, flush
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # as torchrun's worker `python -m MODULE` would run and end (a crash: its traceback, exit code 1); ending
+    # here, never returning into the launcher's code
+    warm_python.exit_as_the_interpreter(warm_python.run_as_main(target, os.getcwd()))
 
 
 def main(argv: list[str]) -> int:

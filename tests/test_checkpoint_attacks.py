@@ -26,7 +26,7 @@ from crate_clip.checkpoint_io.deepspeed_checkpoints import (DamagedCheckpointErr
 from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, file_checksum
 from crate_clip.checkpoint_io.safe_unpickling import UntrustedCheckpointError, load_torch_file
 import warm_python
-from train_fixtures import (REPO_ROOT, run_env, run_job, tiny_config, tiny_fmnist,  # noqa: F401
+from train_fixtures import (REPO_ROOT, ranks_cmd, run_env, run_job, tiny_config, tiny_fmnist,  # noqa: F401
                             torchrun_cmd, write_config)
 
 TAGS = [f"stage0-step{s:08d}" for s in range(5)]
@@ -46,10 +46,12 @@ def _config(run_dir: Path, data: Path, steps: int, path: Path, keep_last: int = 
     return write_config(cfg, path)
 
 
-def _train(nproc: int, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+def _train(nproc: int, *args: str, torchrun: bool = False, timeout: int = 400) -> subprocess.CompletedProcess:
+    """One process, or N ranks: forked (ranks_cmd), or under torchrun where its own output is what is checked."""
     if nproc == 1:
         return run_job([sys.executable, "-m", "crate_clip.train.cli", *args], timeout=timeout)
-    return run_job(torchrun_cmd(nproc, *args, module="crate_clip.train.cli"), timeout=timeout)
+    launch = torchrun_cmd if torchrun else ranks_cmd
+    return run_job(launch(nproc, *args, module="crate_clip.train.cli"), timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +110,7 @@ def test_full_disk_mid_save_removes_the_partial_save_and_the_resume_removes_left
     for one more checkpoint but not for the leftovers planted meanwhile (another save's `.saving`, a killed
     conversion's `.universal.converting`), removes them, says so, and finishes."""
     config = _config(tmpfs / "run", tiny_fmnist, 4, tmp_path / "run.yaml")
-    proc = _train(nproc, "--config", str(config))
+    proc = _train(nproc, "--config", str(config), torchrun=True)
     ckpts = tmpfs / "run" / "checkpoints"
     assert proc.returncode != 0, proc.stdout[-2000:]
     if nproc == 1:

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import warm_python
-from train_fixtures import REPO_ROOT, default_stages, ranks_cmd, read_jsonl, run_env, run_job, tiny_config, write_config
+from train_fixtures import (REPO_ROOT, TINY_EVAL_IMAGES, default_stages, ranks_cmd, read_jsonl, run_env, run_job,
+                            tiny_config, write_config)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -161,8 +162,8 @@ def test_stage_transition_resizes_pos_embed_and_evaluates(reference_run):
     results = read_jsonl(reference_run / "results.jsonl")
     seen = {(r["stage_index"], r["image_size"]) for r in results}
     assert seen == {(0, 16), (0, 28), (1, 28)}  # low-res stage: its own and the full resolution
-    for r in results:  # the hook ran on the 200 test images, all 10 classes (14 tiny steps: no accuracy claim)
-        assert r["n_images"] == 200 and 0.0 <= r["top1"] <= r["top5"] <= 1.0 and len(r["per_class"]) == 10
+    for r in results:  # the hook ran on every test image, all 10 classes (14 tiny steps: no accuracy claim)
+        assert r["n_images"] == TINY_EVAL_IMAGES and 0.0 <= r["top1"] <= r["top5"] <= 1.0 and len(r["per_class"]) == 10
         assert r["samples_seen"] == (160 if r["stage_index"] == 0 else 224)
     assert (reference_run / "training_curve.png").stat().st_size > 10_000
     assert list((reference_run / "tensorboard").glob("events.*"))

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from test_train_resume import _export, _kill_at, _losses
-from train_fixtures import REPO_ROOT, both_crate_config, ranks_cmd, read_jsonl, run_env, run_job, write_config
+from train_fixtures import (REPO_ROOT, TINY_EVAL_IMAGES, both_crate_config, ranks_cmd, read_jsonl, run_env, run_job,
+                            write_config)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -28,7 +29,7 @@ def test_both_crate_run_evaluates_each_stage_and_logs_both_towers(both_crate_run
     results = read_jsonl(run_dir / "results.jsonl")
     assert {(r["stage_index"], r["image_size"], r["context_length"]) for r in results} == {
         (0, 16, 8), (0, 28, 8), (1, 28, 16)}
-    assert all(r["n_images"] == 200 and 0 <= r["top1"] <= r["top5"] <= 1 for r in results)
+    assert all(r["n_images"] == TINY_EVAL_IMAGES and 0 <= r["top1"] <= r["top5"] <= 1 for r in results)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     # tokens the model that trains sees: class token + patches, and the stage's text length
     assert {(r["stage_index"], r["tokens_per_sample"]) for r in rows} == {(0, 17 + 8), (1, 50 + 16)}

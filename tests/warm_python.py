@@ -208,12 +208,12 @@ class WarmProcess:
                     self._readers.append(threading.Thread(target=lambda s=stream, n=name: self._read[n].append(
                         s.read()), daemon=True))
                     self._readers[-1].start()
-        deadline = None if timeout is None else _now() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         for reader in self._readers:
-            reader.join(None if deadline is None else max(0.0, deadline - _now()))
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if reader.is_alive():
                 raise TimeoutExpired(self.args, timeout)
-        self.wait(None if deadline is None else max(0.0, deadline - _now()))
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         outputs = []
         for name in ("stdout", "stderr"):
             stream = getattr(self, name)
@@ -241,10 +241,6 @@ class WarmProcess:
             if stream is not None and not stream.closed:
                 stream.close()
         self.wait()
-
-
-def _now() -> float:
-    return time.monotonic()
 
 
 # ----------------------------------------------------------------------------------------------- the zygote's side
@@ -324,12 +320,17 @@ def _become(request: dict, fds: list[int], conn: socket.socket) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     _as_at_start(request["sigint_ignored"])
-    argv = request["argv"]
-    code = 0
+    exit_as_the_interpreter(run_as_main(request["argv"], request["cwd"]))
+
+
+def run_as_main(argv: list[str], cwd: str) -> int:
+    """Run `python ARGV` (-m MODULE ..., -c CODE ..., SCRIPT ...) in this process as the interpreter would start
+    it: sys.argv, sys.path[0] and __main__ as it sets them. Returns the exit code it would end with (tests/
+    fork_ranks.py runs its ranks with it too)."""
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
-            sys.path[0] = request["cwd"]
+            sys.path[0] = cwd
             sys.modules.pop(argv[1], None)   # preloaded: run afresh as __main__, as `python -m` finds it
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         elif argv[0] == "-c":
@@ -341,12 +342,12 @@ def _become(request: dict, fds: list[int], conn: socket.socket) -> None:
             sys.path[0] = str(Path(argv[0]).resolve().parent)
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
-        code = _exit_code(exc.code)
+        return _exit_code(exc.code)
     except BaseException:   # noqa: BLE001 - as the interpreter: the traceback, exit code 1
         import traceback
         traceback.print_exc()
-        code = 1
-    _exit(code)
+        return 1
+    return 0
 
 
 def _exit_code(value) -> int:
@@ -356,7 +357,7 @@ def _exit_code(value) -> int:
     return 1
 
 
-def _exit(code: int) -> None:
+def exit_as_the_interpreter(code: int) -> None:
     """What the interpreter does at its end, in its order (os._exit skips it): join the non-daemon threads, run the
     atexit functions, flush the outputs."""
     try:
