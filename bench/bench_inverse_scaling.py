@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "inverse_scaling", help="runs folder")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="training shards (DIR/train) and zero-shot set (DIR/test) already written; default: the "
+                        "demo's, data/fashion_mnist, written first if missing")
     p.add_argument("--docs", type=Path, default=DOCS, help="where the table, JSON and plot go (default docs/)")
     p.add_argument("--label", default="", help="a note printed above the table (e.g. 'reduced configuration')")
     p.add_argument("--smoke", action="store_true", help="tiny runs (1 seed, 1 width, 256 samples, the full and "
@@ -122,7 +125,8 @@ def run_config(model: str, seed: int, stages: list[dict], run_dir: Path, base_cf
 
 
 def train(cfg: dict, run_dir: Path, nproc: int) -> float:
-    """One training run by the real trainer (torchrun); returns its wall seconds. A finished run is reused."""
+    """One training run by the real trainer (torchrun; one process: the trainer alone); returns its wall seconds.
+    A finished run is reused."""
     from crate_clip.train.demo import launch_command
 
     config = run_dir.with_suffix(".yaml")
@@ -133,6 +137,8 @@ def train(cfg: dict, run_dir: Path, nproc: int) -> float:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(text)
     cmd = launch_command(str(config), nproc, [], resume=False, overwrite=True)
+    if nproc == 1:   # one process needs no launcher (torchrun's own start-up: ~3 s of CPU)
+        cmd = [sys.executable, "-m", "crate_clip.train.cli", *cmd[cmd.index("--config"):]]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)))
     t0 = time.perf_counter()
     with run_dir.with_suffix(".log").open("w") as log:
@@ -274,13 +280,24 @@ def plot(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def data_folder(given: Path | None) -> Path:
+    """The folder holding train/ and test/: the one given (checked), or the demo's, written if missing."""
     from crate_clip.train.demo import prepare_data
 
+    if given is None:
+        given = ROOT / "data" / "fashion_mnist"
+        prepare_data(given / "train", given / "test")
+    elif not (given / "train").is_dir() or not (given / "test" / "classnames.txt").is_file():
+        raise SystemExit(f"bench_inverse_scaling: --data-dir {given}: no train/ shards and test/classnames.txt "
+                         "there; fix: give a folder the demo wrote (python -m crate_clip.train.demo --data-dir DIR), "
+                         "or leave --data-dir out")
+    return given
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     base_cfg = yaml.safe_load(DEMO_CONFIG.read_text())
-    data_dir = ROOT / "data" / "fashion_mnist"
-    prepare_data(data_dir / "train", data_dir / "test")
+    data_dir = data_folder(args.data_dir)
     started, t0 = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), time.perf_counter()
     batch = base_cfg["stages"][0]["global_batch"]
     runs = []

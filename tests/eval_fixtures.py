@@ -253,7 +253,7 @@ def distributed_worker(rank: int, world: int, workdir: str, port: int) -> None:
     torch.distributed.destroy_process_group()
     # leave without the interpreter's teardown, as tests/train_workers.py does: with every output written, C++
     # destructors at exit aborted a rank now and then ("terminate called without an active exception", SIGABRT),
-    # which mp.spawn reports as a failed fixture
+    # which the launcher (fork_ranks.py) reports as a failed job
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -53,9 +53,10 @@ def test_flops_to_reach_reads_the_first_crossing_linearly():
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_smoke_run_trains_both_arms_and_writes_the_table_and_plot(tmp_path, fashion_mnist_dir):
+def test_smoke_run_trains_both_arms_and_writes_the_table_and_plot(tmp_path, tiny_fmnist):
     bench = _bench()
-    assert bench.main(["--smoke", "--out", str(tmp_path), "--nproc", "1"]) == 0
+    # the session's small data set (1,200 training pairs, 50 test images), not the demo's 70,000 images
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--nproc", "1", "--data-dir", str(tiny_fmnist)]) == 0
     record = json.loads((tmp_path / "docs" / "inverse_scaling.json").read_text())
     assert [(r["arm"], r["seeds"]) for r in record["rows"]] == [("full", 1), ("clipa-p9", 1)]
     assert all(len(run["points"]) >= 2 and 0 <= run["points"][-1]["top1"] <= 1 for run in record["runs"])
@@ -64,3 +65,10 @@ def test_smoke_run_trains_both_arms_and_writes_the_table_and_plot(tmp_path, fash
     table = (tmp_path / "docs" / "inverse_scaling.md").read_text()
     assert "smoke run: measures nothing" in table and "| CRATE-alpha-CLIPA-tiny-w64 | clipa-p9 | 1 |" in table
     assert (tmp_path / "docs" / "inverse_scaling.png").stat().st_size > 1000
+
+
+def test_a_data_dir_without_the_demos_data_is_refused_in_one_line(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        _bench().main(["--smoke", "--out", str(tmp_path), "--data-dir", str(tmp_path / "nothing")])
+    assert "no train/ shards and test/classnames.txt there; fix:" in str(exc.value)
+    assert not (tmp_path / "docs").exists()

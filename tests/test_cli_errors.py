@@ -1,5 +1,6 @@
 """Clear errors of the CLIs: one line naming the file and the fix, exit code 2, traceback with --debug."""
 import json
+import re
 
 import pytest
 import torch
@@ -139,3 +140,7 @@ def test_under_torchrun_the_process_code_is_the_last_line(tmp_path):
     ours = [line for line in proc.stderr.splitlines() if line.startswith("crate-clip")]
     assert "stagez: unknown key" in proc.stderr and not (tmp_path / "run").exists()
     assert ours[-1].startswith("crate-clip: exit code 2 (configuration or input error"), ours
+    # torchrun follows a failing worker with its own ChildFailedError traceback: none of its frames are ours
+    # (the forked ranks of test_checkpoint_attacks' full-disk run print no traceback at all)
+    assert "ChildFailedError" in proc.stderr and not re.search(r'File "[^"]*crate_clip/', proc.stderr), \
+        proc.stderr[-3000:]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 
+import warm_python
 from train_fixtures import REPO_ROOT, ranks_cmd, read_jsonl, run_env, run_job, tiny_config, torchrun_cmd, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -36,7 +36,8 @@ def test_sigkill_of_the_launcher_stops_its_workers_and_the_run_resumes(tiny_fmni
     config = write_config(cfg, tmp_path / "run.yaml")
     cmd = torchrun_cmd(2, "--config", str(config), module="crate_clip.train.cli")
     with open(tmp_path / "killed.log", "w") as log:
-        launcher = subprocess.Popen(cmd, env=run_env(), cwd=REPO_ROOT, stdout=log, stderr=log, start_new_session=True)
+        launcher = warm_python.Popen(cmd, env=run_env(), cwd=REPO_ROOT, stdout=log, stderr=log,
+                                     start_new_session=True)   # the launcher forked warm; its workers fresh
         try:
             deadline = time.time() + 300
             while time.time() < deadline and launcher.poll() is None:

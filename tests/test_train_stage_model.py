@@ -72,6 +72,29 @@ def test_locked_text_tower_meter_flops_equal_planner_flops():
     assert meter.counts.flops < trainable.flops and meter.counts.forward_flops == trainable.forward_flops
 
 
+@pytest.mark.parametrize("config, changes", [
+    ("crate_alpha_clipa_b-16", {}),                                        # 12 + 24 blocks, the text tower locked
+    ("crate_alpha_clipa_h-14_clipa_v2", {}),                               # 32 + 24 blocks, both trainable
+    ("crate_alpha_clipa_b-16", {"lock_text": "false", "image_mask": "random", "image_mask_ratio": 0.5}),
+], ids=["b16-locked-text", "h14-trainable", "b16-masked"])
+def test_the_cut_count_of_deep_towers_is_the_whole_models_count(config, changes):
+    """planner.count_cut_per_sample, on towers cut to 1 and 2 blocks and extrapolated in depth, gives the counts of
+    the whole model to the FLOP (and its tokens), for deep towers (the stages' counts use it above 4 blocks)."""
+    from crate_clip.train import planner
+
+    sets = [f"{'model' if key == 'lock_text' else 'stages.0'}.{key}={value}" for key, value in changes.items()]
+    cfg = load_run_config(REPO / "configs" / "datacomp" / f"{config}.yaml", sets, check_paths=False)
+    stage = resolve_stage(cfg, 0)
+    with torch.random.fork_rng(devices=[]):
+        model = stage.build_model(read_files=False, device="meta", train=False)
+        depths = [len(getattr(owner, attr)) for owner, attr in planner.tower_blocks(model)]
+        cut = planner.count_cut_per_sample(model, stage.image_size, stage.context_length)
+        assert [len(getattr(owner, attr)) for owner, attr in planner.tower_blocks(model)] == depths   # put back
+        whole = planner.count_per_sample(model, stage.image_size, stage.context_length)
+    assert min(depths) > planner.CUT_ABOVE_BLOCKS and cut == whole and whole.forward_flops > 0
+    assert (whole.grad_forward_flops < whole.forward_flops) == cfg.model.lock_text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", SHIPPED, ids=[p.stem for p in SHIPPED])
 def test_plan_and_step_meter_report_the_same_flops_for_every_shipped_stage(config, capsys):

@@ -5,6 +5,7 @@
     train_workers.py accum OUT.json         gradients / updated weights with k = 4 micro-batches vs k = 1
     train_workers.py gradpoison OUT.json    a finite loss with an infinite gradient on rank 1 at step 1
     train_workers.py lock OUT_DIR           ZeRO 2/3 engines with a locked pretrained text tower vs trainable
+    train_workers.py evaluate WORKDIR       eval_fixtures.distributed_worker: distributed zero-shot, ZeRO 0/2/3
 """
 from __future__ import annotations
 
@@ -305,6 +306,10 @@ if __name__ == "__main__":
     elif mode == "lock":
         lock_probe(arg)
         code = 0
+    elif mode == "evaluate":   # ends the process itself
+        from eval_fixtures import distributed_worker
+        distributed_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), str(arg),
+                           int(os.environ["MASTER_PORT"]))
     else:
         code = nonfinite_run(arg)
     torch.distributed.destroy_process_group()

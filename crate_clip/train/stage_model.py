@@ -89,13 +89,14 @@ class ResolvedStage:
     @functools.cached_property
     def counts(self) -> planner.SampleCounts:
         """FLOPs and tokens per sample of one training step of the stage's model, counted on a meta-device copy
-        (no memory, no compute): token mask, text length and text lock as configured; checkpointing's
-        recomputation and the accumulation's extra forward are not model FLOPs and are not counted in `flops`
-        (`grad_forward_flops` is what they repeat: the planner's time adds it)."""
+        (no memory, no compute; deep towers on 1 and 2 of their blocks: planner.count_cut_per_sample): token
+        mask, text length and text lock as configured; checkpointing's recomputation and the accumulation's
+        extra forward are not model FLOPs and are not counted in `flops` (`grad_forward_flops` is what they
+        repeat: the planner's time adds it)."""
         # the token mask draws from torch's global generator even on the meta device: a count must not move it
         with torch.random.fork_rng(devices=[]):
             model = self.build_model(read_files=False, device="meta", train=False)
-            return planner.count_per_sample(model, self.image_size, self.context_length)
+            return planner.count_cut_per_sample(model, self.image_size, self.context_length)
 
 
 def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str = "cpu") -> ResolvedStage:
