@@ -139,7 +139,8 @@ def train(cfg: dict, run_dir: Path, nproc: int) -> float:
     cmd = launch_command(str(config), nproc, [], resume=False, overwrite=True)
     if nproc == 1:   # one process needs no launcher (torchrun's own start-up: ~3 s of CPU)
         cmd = [sys.executable, "-m", "crate_clip.train.cli", *cmd[cmd.index("--config"):]]
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)))
+    env = dict(os.environ)   # a thread count the user set is kept; else the cores shared by the processes
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
     t0 = time.perf_counter()
     with run_dir.with_suffix(".log").open("w") as log:
         rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode

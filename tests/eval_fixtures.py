@@ -180,14 +180,6 @@ def assert_accuracies_agree(got: dict, want: dict, flips: int = 1) -> None:
             assert same, (key, g, w)
 
 
-def free_port() -> int:
-    """An unused local TCP port for a gloo rendezvous."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 DIST_MAX_IMAGES = 73    # 37 + 36 images over 2 ranks in batches of 12: rank 0 makes 4 forward calls, rank 1 3 (+1 dummy)
 DIST_BATCH = 12
 DS_STAGES = (0, 2, 3)

@@ -1,4 +1,4 @@
-"""Two-rank (gloo) bodies of the reliability tests, launched with torchrun (not collected by pytest).
+"""Two-rank (gloo) bodies of the reliability tests, launched by tests/fork_ranks.py (not collected by pytest).
 
     reliability_workers.py epoch-sizes DATA OUT   epoch mode over shards whose _stats.json over-claim
     reliability_workers.py agreement OUT          rank 1's data raises mid-loop (eval lockstep, training fetch)

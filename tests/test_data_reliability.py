@@ -66,19 +66,16 @@ def test_resampled_stream_reads_no_stats_file_until_its_size_is_asked(four_shard
     assert stream.num_samples == 12 and calls == [4]
 
 
-def torchrun_2(*args: str, timeout: int = 180):
-    """Run tests/reliability_workers.py on 2 gloo ranks under torchrun (its launcher forked by warm_python); the
-    completed process."""
+def ranks_2(*args: str, timeout: int = 180):
+    """Run tests/reliability_workers.py on 2 gloo ranks, forked from a warm interpreter (train_fixtures.ranks_cmd's
+    launcher, tests/fork_ranks.py: torchrun's environment); the completed process."""
     import sys
     from pathlib import Path
 
-    import warm_python
-    from eval_fixtures import free_port as _free_port
-    from train_fixtures import REPO_ROOT, run_env
+    from train_fixtures import FORK_RANKS, run_job
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(Path(__file__).with_name("reliability_workers.py")), *args]
-    return warm_python.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    return run_job([sys.executable, str(FORK_RANKS), "2", str(Path(__file__).with_name("reliability_workers.py")),
+                    *args], timeout=timeout)
 
 
 @pytest.mark.slow
@@ -92,7 +89,7 @@ def test_epoch_length_follows_the_real_sample_count(tmp_path):
         members += [(f"{s}{i:05d}.jpg", b"not an image") for i in range(3, 5)]   # counted as successes anyway
         write_tar(d / f"{s:08d}.tar", members)
         (d / f"{s:08d}_stats.json").write_text(json.dumps({"successes": 5}))
-    proc = torchrun_2("epoch-sizes", str(d), str(tmp_path / "out"))
+    proc = ranks_2("epoch-sizes", str(d), str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
     assert [r["batches_per_epoch"] for r in ranks] == [3, 3]    # 6 usable samples per rank, batch 2
@@ -116,7 +113,7 @@ def test_shards_inspect_prints_samples_read_next_to_the_claimed_size(tmp_path, c
 
 @pytest.mark.slow
 def test_a_data_error_on_one_rank_stops_every_rank_with_its_message(tmp_path):
-    proc = torchrun_2("agreement", str(tmp_path / "out"))
+    proc = ranks_2("agreement", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
     for r in ranks:   # eval lock-step loop and training batch fetch: both ranks stop, with rank 1's message

@@ -14,8 +14,22 @@ TINY_RUN = ["stages.0.samples=128", "stages.0.global_batch=64", "stages.0.warmup
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd):
+def _warm_launcher(monkeypatch) -> None:
+    """The demo's torchrun launcher forked warm (warm_python has subprocess.run's interface; torchrun's workers
+    stay fresh interpreters), in the environment of the suite's jobs (one thread per process)."""
+    import warm_python
+    from crate_clip.train import demo
+    from train_fixtures import run_env
+
+    for key, value in run_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(demo, "subprocess", warm_python)
+
+
+def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd, monkeypatch):
     from crate_clip.train.demo import main
+
+    _warm_launcher(monkeypatch)
 
     run = tmp_path / "run"
     argv = ["--data-dir", str(tmp_path / "data"), "--run-dir", str(run), "--nproc", "2",
@@ -40,8 +54,10 @@ def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd
 
 
 @pytest.mark.multiproc
-def test_a_failed_demo_says_so_and_prints_no_results(fashion_mnist_dir, tmp_path, capfd):
+def test_a_failed_demo_says_so_and_prints_no_results(fashion_mnist_dir, tmp_path, capfd, monkeypatch):
     from crate_clip.train.demo import main
+
+    _warm_launcher(monkeypatch)
 
     run = tmp_path / "run"
     argv = ["--data-dir", str(tmp_path / "data"), "--run-dir", str(run), "--nproc", "1",

@@ -249,7 +249,8 @@ def main(argv=None) -> int:
     resume = args.resume and run_dir.exists()
     cmd = launch_command(args.config, args.nproc, overrides, resume, overwrite=not resume,
                          trust_checkpoint=args.trust_checkpoint)
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.nproc)))
+    env = dict(os.environ)   # a thread count the user set is kept; else the cores shared by the processes
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.nproc)))
     print(f"[demo] {' '.join(cmd)}", flush=True)
     rc = subprocess.run(cmd, env=env).returncode
     results = summarize(run_dir)
