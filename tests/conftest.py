@@ -9,6 +9,12 @@ pytest_plugins = ["cpu_cost"]   # each test's CPU time, its processes included: 
 # Nothing may be fetched from a model or data hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# What `import sklearn` (and joblib) put into os.environ, set from the start: otherwise the first test that imports
+# them changes the environment of every later command of its pytest process, and tests/warm_python.py, which forks
+# a command warm only in the environment its interpreter started with (KMP_* is read at load time), would start each
+# of them as a fresh interpreter instead (~7 s of CPU each).
+os.environ.setdefault("KMP_DUPLICATE_LIB_OK", "True")
+os.environ.setdefault("KMP_INIT_AT_FORK", "FALSE")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # NLTK's English tagger for the tests only (see ../shared/nltk_data/README.md); never copied in.

@@ -42,8 +42,8 @@ from pathlib import Path
 PIPE, STDOUT, DEVNULL, TimeoutExpired = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL, subprocess.TimeoutExpired
 # What the commands import first (fork_ranks.PRELOAD, and the CLIs' modules). None starts a thread at import.
 PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "deepspeed.runtime.zero.muon.muon_optimizer", "open_clip",
-           "crate_clip.train.stage_loop", "crate_clip.train.cli", "crate_clip.cli", "crate_clip.eval.cli",
-           "crate_clip.export.cli")
+           "matplotlib.pyplot", "crate_clip.train.stage_loop", "crate_clip.train.cli", "crate_clip.cli",
+           "crate_clip.eval.cli", "crate_clip.export.cli")
 # Variables a library reads as it loads (or the interpreter as it starts): a command that sets one differently from
 # the zygote runs in a fresh interpreter.
 LOAD_TIME_VARS = ("OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME",

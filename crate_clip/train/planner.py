@@ -215,6 +215,9 @@ def count_per_sample(model, image_size: int, context_length: int, batch: int = 2
                         *seen)
 
 
+CUT_ABOVE_BLOCKS = 4   # towers this deep or shallower are traced and counted whole (cheaper than three cut ones)
+
+
 def count_cut_per_sample(model, image_size: int, context_length: int) -> SampleCounts:
     """count_per_sample of `model`, counted on its towers cut to 1 and 2 blocks when one is deeper than
     CUT_ABOVE_BLOCKS: the blocks of a tower are identical, so each adds the same FLOPs and the counts are linear in
@@ -289,12 +292,10 @@ def _trace(meta_model, stage, batches) -> dict:
     return out
 
 
-CUT_ABOVE_BLOCKS = 4   # towers this deep or shallower are traced and counted whole (cheaper than three cut ones)
-
-
 def measure_stage(stage, batches=(2, 4), full_depth: Optional[bool] = None, memory: bool = True) -> StageMeasure:
-    """Parameters, the stage's FLOP counts, and activations traced at two batch sizes (a CPU step in fp32, on fake tensors); batches of
-    2 and 4 rather than 1 and 2, so that activations, not the parameter gradients, decide where the peak is.
+    """Parameters, the stage's FLOP counts, and activations traced at two batch sizes (a CPU step in fp32, on fake
+    tensors); batches of 2 and 4 rather than 1 and 2, so that activations, not the parameter gradients, decide where
+    the peak is.
     `memory=False`: no trace (the activations are NaN), for FLOPs and time alone.
 
     With full_depth False (None: when a tower is deeper than CUT_ABOVE_BLOCKS), the towers are traced cut
