@@ -24,6 +24,28 @@ if SHARED_NLTK.is_dir():
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
+# Modules that share a session fixture costly to build, scheduled as one unit by `make test`'s `--dist loadscope`
+# (one pytest-xdist worker each, so the fixture is built once, not once per worker): module -> the unit's first.
+SAME_WORKER = {
+    "tests/test_train_whitebox.py": "tests/test_train_text_tower.py",   # both_crate_run: a 2-rank ZeRO-3 run, ~20 s
+    "tests/test_eval_retrieval.py": "tests/test_eval_zeroshot.py",      # vit: the tiny ViT CLIP trained once
+    "tests/test_eval_clip_benchmark.py": "tests/test_eval_zeroshot.py",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """loadscope's scheduler with the SAME_WORKER modules in one work unit."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return SAME_WORKER.get(module, super()._split_scope(nodeid))
+
+    return SharedFixtureScheduling(config, log)
+
 
 @pytest.fixture(scope="session")
 def fashion_mnist_dir():
