@@ -31,8 +31,11 @@ SAME_WORKER = {
     "tests/test_eval_retrieval.py": "tests/test_eval_zeroshot.py",      # vit: the tiny ViT CLIP trained once
     "tests/test_eval_clip_benchmark.py": "tests/test_eval_zeroshot.py",
 }
+_renamed = [m for pair in SAME_WORKER.items() for m in pair if not (REPO_ROOT / m).is_file()]
+assert not _renamed, f"tests/conftest.py SAME_WORKER names modules that are gone: {_renamed}"
 
 
+@pytest.hookimpl(optionalhook=True)   # a pytest-xdist hook: without the plugin (-p no:xdist), unused
 def pytest_xdist_make_scheduler(config, log):
     """loadscope's scheduler with the SAME_WORKER modules in one work unit."""
     if config.getoption("dist") != "loadscope":
