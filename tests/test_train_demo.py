@@ -12,8 +12,6 @@ TINY_RUN = ["stages.0.samples=128", "stages.0.global_batch=64", "stages.0.warmup
             "logging.progress=false", "logging.tensorboard=false"]
 
 
-@pytest.mark.slow
-@pytest.mark.multiproc
 def _warm_launcher(monkeypatch) -> None:
     """The demo's torchrun launcher forked warm (warm_python has subprocess.run's interface; torchrun's workers
     stay fresh interpreters), in the environment of the suite's jobs (one thread per process)."""
@@ -26,6 +24,8 @@ def _warm_launcher(monkeypatch) -> None:
     monkeypatch.setattr(demo, "subprocess", warm_python)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd, monkeypatch):
     from crate_clip.train.demo import main
 
