@@ -185,11 +185,11 @@ DIST_BATCH = 12
 DS_STAGES = (0, 2, 3)
 
 
-def distributed_worker(rank: int, world: int, workdir: str, port: int) -> None:
-    """One rank: plain-model zero-shot split over ranks, then a DeepSpeed engine per ZeRO stage
-    (one training step, evaluation through the engine, save_checkpoint). Rank 0 writes results.json."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def distributed_worker(workdir: str) -> None:
+    """One rank (its RANK, WORLD_SIZE and rendezvous in the environment, as a launcher sets them): plain-model
+    zero-shot split over ranks, then a DeepSpeed engine per ZeRO stage (one training step, evaluation through the
+    engine, save_checkpoint). Rank 0 writes results.json."""
+    rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     import deepspeed
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False   # else a one-minute g++ build on CPU

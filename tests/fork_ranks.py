@@ -13,20 +13,12 @@ line under torchrun) keep torchrun: train_fixtures.torchrun_cmd; the others use 
 from __future__ import annotations
 
 import ctypes
-import importlib
 import os
 import signal
 import sys
 
 import warm_python
 
-# What every rank would import first; imported here once, before the fork, so the ranks start warm. Nothing in
-# them starts a thread or a thread pool at import (the ranks create their process groups and pools themselves).
-# (Not the entry point itself: runpy runs it afresh as __main__.) MUON: deepspeed.initialize imports it to check the
-# optimizer (deepspeed/runtime/zero/utils.py), and with it torch.compile's inductor: ~1 s of CPU in every rank.
-# matplotlib.pyplot: rank 0's training curve at the end (~0.4 s; the backend is chosen when the curve is drawn).
-MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
-PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "crate_clip.train.stage_loop", MUON, "matplotlib.pyplot")
 PR_SET_PDEATHSIG = 1
 _children: dict[int, int] = {}   # pid -> rank
 
@@ -47,8 +39,9 @@ def _run_rank(rank: int, nproc: int, port: int, target: list[str], launcher: int
 
 def main(argv: list[str]) -> int:
     nproc, target = int(argv[0]), argv[1:]
-    for name in PRELOAD:
-        importlib.import_module(name)
+    # what every rank would import first (warm_python.RANK_PRELOAD), imported once before the fork so the ranks
+    # start warm (not the entry point itself: run_as_main runs it afresh as __main__)
+    warm_python.preload(warm_python.RANK_PRELOAD)
     from crate_clip.train.engine import _free_port   # the trainer's own (preloaded above)
 
     port = _free_port()

@@ -54,15 +54,11 @@ def test_flops_to_reach_reads_the_first_crossing_linearly():
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_smoke_run_trains_both_arms_and_writes_the_table_and_plot(tmp_path, tiny_fmnist, monkeypatch):
-    import warm_python
-    from train_fixtures import run_env
+    from train_fixtures import warm_subprocess
 
     bench = _bench()
-    # its two trainer processes forked warm (warm_python has subprocess.run's interface), in the environment of
-    # the suite's jobs (one thread each): a fresh trainer spends ~10 s of CPU in imports and start-up
-    for key, value in run_env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(bench, "subprocess", warm_python)
+    warm_subprocess(monkeypatch, bench)   # its two trainer processes forked warm: a fresh one spends ~10 s of CPU
+    # in imports and start-up
     # the session's small data set (1,200 training pairs, 50 test images), not the demo's 70,000 images
     assert bench.main(["--smoke", "--out", str(tmp_path), "--nproc", "1", "--data-dir", str(tiny_fmnist)]) == 0
     record = json.loads((tmp_path / "docs" / "inverse_scaling.json").read_text())

@@ -213,8 +213,7 @@ DRIVER = """
 import json, os, sys
 sys.path.insert(0, os.environ["TESTS"])
 import warm_python
-for module in warm_python.PRELOAD:
-    __import__(module)
+warm_python.preload(warm_python.PRELOAD)
 logs = os.environ["LOGS"]
 for name, argv in json.loads(os.environ["COMMANDS"]):
     pid = os.fork()

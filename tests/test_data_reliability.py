@@ -69,13 +69,11 @@ def test_resampled_stream_reads_no_stats_file_until_its_size_is_asked(four_shard
 def ranks_2(*args: str, timeout: int = 180):
     """Run tests/reliability_workers.py on 2 gloo ranks, forked from a warm interpreter (train_fixtures.ranks_cmd's
     launcher, tests/fork_ranks.py: torchrun's environment); the completed process."""
-    import sys
     from pathlib import Path
 
-    from train_fixtures import FORK_RANKS, run_job
+    from train_fixtures import ranks_cmd, run_job
 
-    return run_job([sys.executable, str(FORK_RANKS), "2", str(Path(__file__).with_name("reliability_workers.py")),
-                    *args], timeout=timeout)
+    return run_job(ranks_cmd(2, *args, script=Path(__file__).with_name("reliability_workers.py")), timeout=timeout)
 
 
 @pytest.mark.slow

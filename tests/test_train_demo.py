@@ -13,15 +13,11 @@ TINY_RUN = ["stages.0.samples=128", "stages.0.global_batch=64", "stages.0.warmup
 
 
 def _warm_launcher(monkeypatch) -> None:
-    """The demo's torchrun launcher forked warm (warm_python has subprocess.run's interface; torchrun's workers
-    stay fresh interpreters), in the environment of the suite's jobs (one thread per process)."""
-    import warm_python
+    """The demo's torchrun launcher forked warm (torchrun's workers stay fresh interpreters)."""
     from crate_clip.train import demo
-    from train_fixtures import run_env
+    from train_fixtures import warm_subprocess
 
-    for key, value in run_env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(demo, "subprocess", warm_python)
+    warm_subprocess(monkeypatch, demo)
 
 
 @pytest.mark.slow

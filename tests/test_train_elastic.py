@@ -41,8 +41,7 @@ LOSS_RTOL = 1e-5   # fp32 losses of the same steps, reduced over another number 
 
 
 def _elastic_cmd(nproc: int, config: Path, out: Path, *extra: str) -> list[str]:
-    cmd = ranks_cmd(nproc, str(config), str(out), *extra)
-    return [str(ELASTIC) if part.endswith("train_workers.py") else part for part in cmd]
+    return ranks_cmd(nproc, str(config), str(out), *extra, script=ELASTIC)
 
 
 def _config(root: Path, name: str, data: Path, zero_stage: int, mode: str, **model) -> Path:

@@ -122,10 +122,11 @@ def torchrun_cmd(nproc: int, *args: str, module: str | None = None) -> list[str]
             "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *target, *args]
 
 
-def ranks_cmd(nproc: int, *args: str, module: str | None = None) -> list[str]:
+def ranks_cmd(nproc: int, *args: str, module: str | None = None, script: Path = WORKERS) -> list[str]:
     """The same N ranks (torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, ...) forked from one interpreter
-    that imported the training code (fork_ranks.py): a 2-rank job costs ~6 s less CPU than under torchrun here."""
-    target = ["-m", module] if module else [str(WORKERS)]
+    that imported the training code (fork_ranks.py), each running `-m module` or `script` (tests/train_workers.py
+    unless given): a 2-rank job costs ~6 s less CPU than under torchrun here."""
+    target = ["-m", module] if module else [str(script)]
     return [sys.executable, str(FORK_RANKS), str(nproc), *target, *args]
 
 
@@ -136,6 +137,15 @@ def run_env() -> dict:
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env
+
+
+def warm_subprocess(monkeypatch, module) -> None:
+    """`module`'s subprocess calls (a launcher it starts) forked by the warm interpreter (warm_python has
+    subprocess.run's interface; what that launcher starts in turn, torchrun's workers, stays fresh), in the
+    environment of the suite's jobs (run_env: one thread per process), so the command can run warm."""
+    for key, value in run_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(module, "subprocess", warm_python)
 
 
 def run_job(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:

@@ -308,8 +308,7 @@ if __name__ == "__main__":
         code = 0
     elif mode == "evaluate":   # ends the process itself
         from eval_fixtures import distributed_worker
-        distributed_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), str(arg),
-                           int(os.environ["MASTER_PORT"]))
+        distributed_worker(str(arg))
     else:
         code = nonfinite_run(arg)
     torch.distributed.destroy_process_group()

@@ -40,10 +40,14 @@ import time
 from pathlib import Path
 
 PIPE, STDOUT, DEVNULL, TimeoutExpired = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL, subprocess.TimeoutExpired
-# What the commands import first (fork_ranks.PRELOAD, and the CLIs' modules). None starts a thread at import.
-PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "deepspeed.runtime.zero.muon.muon_optimizer", "open_clip",
-           "matplotlib.pyplot", "crate_clip.train.stage_loop", "crate_clip.train.cli", "crate_clip.cli",
-           "crate_clip.eval.cli", "crate_clip.export.cli")
+# What every training rank imports first (fork_ranks.py preloads these). None starts a thread at import (the ranks
+# create their process groups and pools themselves). The muon module: deepspeed.initialize imports it to check the
+# optimizer (deepspeed/runtime/zero/utils.py), and with it torch.compile's inductor: ~1 s of CPU in every rank.
+# matplotlib.pyplot: rank 0's training curve at the end (~0.4 s; the backend is chosen when the curve is drawn).
+RANK_PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "deepspeed.runtime.zero.muon.muon_optimizer", "open_clip",
+                "matplotlib.pyplot", "crate_clip.train.stage_loop")
+# What the commands import first: a rank's modules and the CLIs'.
+PRELOAD = RANK_PRELOAD + ("crate_clip.train.cli", "crate_clip.cli", "crate_clip.eval.cli", "crate_clip.export.cli")
 # Variables a library reads as it loads (or the interpreter as it starts): a command that sets one differently from
 # the zygote runs in a fresh interpreter.
 LOAD_TIME_VARS = ("OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME",
@@ -245,11 +249,16 @@ class WarmProcess:
 
 
 # ----------------------------------------------------------------------------------------------- the zygote's side
+def preload(modules) -> None:
+    """Import `modules` once, so that the processes forked from this one start with them."""
+    for name in modules:
+        importlib.import_module(name)
+
+
 def serve(path: str) -> None:
     """Preload, then fork each requested command; send its PID, then its exit code and CPU time when it ends."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    for name in PRELOAD:
-        importlib.import_module(name)
+    preload(PRELOAD)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
