@@ -27,7 +27,7 @@ import gc
 import math
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -218,6 +218,21 @@ def count_per_sample(model, image_size: int, context_length: int, batch: int = 2
 CUT_ABOVE_BLOCKS = 4   # towers this deep or shallower are traced and counted whole (cheaper than three cut ones)
 
 
+def extrapolated_in_depth(measure: Callable[[tuple], dict], depths: tuple) -> dict:
+    """What `measure(depths)` gives for the whole towers, from measures of towers cut to 1 and 2 blocks: the
+    blocks of a tower are identical, so each adds the same amount, and the numbers are linear in each tower's
+    depth. One measure at (1, 1), one more per tower deeper than 1 block."""
+    base = measure((1,) * len(depths))
+    whole = dict(base)
+    for tower, depth in enumerate(depths):
+        if depth < 2:
+            continue
+        more = measure(tuple(2 if i == tower else 1 for i in range(len(depths))))
+        for key in whole:
+            whole[key] += (more[key] - base[key]) * (depth - 1)
+    return whole
+
+
 def count_cut_per_sample(model, image_size: int, context_length: int) -> SampleCounts:
     """count_per_sample of `model`, counted on its towers cut to 1 and 2 blocks when one is deeper than
     CUT_ABOVE_BLOCKS: the blocks of a tower are identical, so each adds the same FLOPs and the counts are linear in
@@ -229,21 +244,21 @@ def count_cut_per_sample(model, image_size: int, context_length: int) -> SampleC
     if not blocks or max(len(b) for b in blocks) <= CUT_ABOVE_BLOCKS:
         return count_per_sample(model, image_size, context_length)
 
-    def at(depths: tuple) -> SampleCounts:
+    tokens = {}   # each tower's tokens, read at its first block: the same at any depth
+
+    def flops_at(depths: tuple) -> dict:
         for (owner, attr), whole, depth in zip(lists, blocks, depths):
             setattr(owner, attr, whole[:depth])
-        return count_per_sample(model, image_size, context_length)
+        counts = asdict(count_per_sample(model, image_size, context_length))
+        tokens.update(image_tokens=counts.pop("image_tokens"), text_tokens=counts.pop("text_tokens"))
+        return counts
 
     try:
-        base, more = at((1, 1)), [at((2, 1)), at((1, 2))]
+        flops = extrapolated_in_depth(flops_at, tuple(len(b) for b in blocks))
     finally:
         for (owner, attr), whole in zip(lists, blocks):
             setattr(owner, attr, whole)
-    totals = {}
-    for name in ("flops", "forward_flops", "grad_forward_flops"):
-        totals[name] = getattr(base, name) + sum((getattr(m, name) - getattr(base, name)) * (len(whole) - 1)
-                                                 for m, whole in zip(more, blocks))
-    return SampleCounts(**totals, image_tokens=base.image_tokens, text_tokens=base.text_tokens)
+    return SampleCounts(**flops, **tokens)
 
 
 # ---------------------------------------------------------------- per-stage measurement
@@ -318,14 +333,12 @@ def measure_stage(stage, batches=(2, 4), full_depth: Optional[bool] = None, memo
     elif full_depth or depths is None:
         v = _trace(meta, stage, batches)
     else:
-        base = _trace(_cut(meta, (1, 1)), stage, batches)
-        v = dict(base)
-        for tower, depth in enumerate(depths):
-            if depth < 2:
-                continue
-            more = _trace(_cut(build("meta"), tuple(2 if i == tower else 1 for i in range(2))), stage, batches)
-            for key in v:
-                v[key] += (more[key] - base[key]) * (depth - 1)
+        models = [meta]   # a trace turns its model into fake tensors: the first cut on this one, the others on new ones
+
+        def trace_cut(cut: tuple) -> dict:
+            return _trace(_cut(models.pop() if models else build("meta"), cut), stage, batches)
+
+        v = extrapolated_in_depth(trace_cut, depths)
     b1, b2 = batches
     per = (v[f"peak{b2}"] - v[f"peak{b1}"]) / (b2 - b1)
     per_ckpt = (v[f"ckpt{b2}"] - v[f"ckpt{b1}"]) / (b2 - b1)
