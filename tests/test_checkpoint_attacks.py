@@ -295,7 +295,10 @@ def test_resume_auto_past_a_manifest_with_a_string_step(trained, tmp_path, tiny_
     proc = _train(1, "--config", str(config), "--resume", "auto")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     warned = [line for line in (proc.stdout + proc.stderr).splitlines() if f"{TAGS[3]} is damaged" in line]
-    assert len(warned) == 1 and "global_step is a string" in warned[0] and f"resuming from {TAGS[2]}" in warned[0]
+    assert len(warned) == 2 and "global_step is a string" in warned[0] and f"resuming from {TAGS[2]}" in warned[0]
+    aside = run / "checkpoints" / f"{TAGS[3]}.damaged"   # its step is saved again: the damaged one is moved aside
+    assert warned[1].endswith(f"moved to {aside}, not deleted; remove it once you no longer need it"), warned[1]
+    assert json.loads((aside / "crate_clip.json").read_text())["global_step"] == "3"
     assert read_info(run / "checkpoints" / TAGS[3])["global_step"] == 3   # saved again, well-formed
 
 

@@ -92,8 +92,8 @@ def test_kill_between_evaluations_is_finished_on_resume(resumed_run):
         (0, 16, "grid"), (0, 28, "grid"), (0, 28, "patch"), (1, 28, "grid")]
     assert [r["global_step"] for r in results] == [4, 4, 4, 7]
     ckpts = resumed_run["run_dir"] / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir() if (p / "crate_clip.json").is_file()) == [
-        "stage1-step00000002", "stage1-step00000003"]
+    assert sorted(p.name for p in ckpts.iterdir() if (p / "crate_clip.json").is_file()) == [   # keep_last=2 and
+        "stage0-step00000004", "stage1-step00000002", "stage1-step00000003"]   # every finished stage's last one
     assert (resumed_run["run_dir"] / "export" / "open_clip_model.safetensors").is_file()
 
 
@@ -142,28 +142,6 @@ def test_overwrite_moves_the_earlier_run_aside(resumed_run, tiny_fmnist, tmp_pat
     assert _snapshot(previous) == kept  # the earlier run, untouched, beside the new one
     assert [r["step"] for r in read_jsonl(earlier / "metrics.jsonl")] == [1]
     assert not (earlier / "results.jsonl").exists()
-
-
-def test_checkpoint_prune_keeps_a_stage_end_until_its_evaluations_are_recorded(tmp_path):
-    import json
-
-    from crate_clip.train.checkpoints import CheckpointManager
-
-    root = tmp_path / "checkpoints"
-    for tag, stage, step, global_step in (("stage0-step00000004", 0, 4, 4), ("stage1-step00000002", 1, 2, 6),
-                                          ("stage1-step00000003", 1, 3, 7)):
-        (root / tag).mkdir(parents=True)
-        (root / tag / "crate_clip.json").write_text(json.dumps(
-            {"stage_index": stage, "step": step, "stage_steps": 4 if stage == 0 else 3, "global_step": global_step}))
-    (root / "latest").write_text("stage1-step00000003")
-    pending = {0}
-    manager = CheckpointManager(root, keep_last=1, rank=0, world_size=1,
-                                protect=lambda info: info["stage_index"] in pending)
-    manager.prune()
-    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["stage0-step00000004", "stage1-step00000003"]
-    pending.clear()  # its evaluations are recorded now
-    manager.prune()
-    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["stage1-step00000003"]
 
 
 def test_resave_mid_stage_1_keeps_the_old_checkpoint_and_one_metrics_row_per_step(resumed_run):

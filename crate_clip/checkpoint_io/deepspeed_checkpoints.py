@@ -58,6 +58,11 @@ def read_info(tag_dir: Path) -> dict | None:
     return read_info_checked(tag_dir)[0]
 
 
+def is_stage_end(info: dict) -> bool:
+    """True for the checkpoint info of a stage's last step (the weights its after-stage evaluations measured)."""
+    return info.get("step", 0) >= info.get("stage_steps", float("inf"))
+
+
 def latest_problem(checkpoints: Path) -> Optional[str]:
     """Why the `latest` file of `checkpoints` cannot be read although something has that name (a FIFO, a folder,
     a file too large), or None."""

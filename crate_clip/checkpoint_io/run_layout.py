@@ -1,7 +1,8 @@
 """The one owner of a run folder's layout (run.output_dir): what a run writes there and where, so a naming change
 touches this module only. The trainer writes it, the export, the demo and `--resume` read it.
 
-    <run>/checkpoints/<tag>/   DeepSpeed checkpoints (stage<i>-step<n>), `latest` naming the newest complete one
+    <run>/checkpoints/<tag>/   DeepSpeed checkpoints (stage<i>-step<n>), `latest` naming the newest complete one;
+                               `.<tag>.saving/` a save in progress, `<tag>.damaged/` a damaged one moved aside
     <run>/metrics.jsonl        one record per logged step;   <run>/results.jsonl   one row per evaluation
     <run>/run_config.yaml      the resolved run config;      <run>/tensorboard/    TensorBoard events
     <run>/training_curve.png   the loss curve at the end
@@ -11,7 +12,9 @@ touches this module only. The trainer writes it, the export, the demo and `--res
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Optional
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"              # DeepSpeed's name: the tag of the newest complete checkpoint
@@ -25,6 +28,49 @@ EXPORTS_DIR = "exports"             # `crate-clip export` of one checkpoint: exp
 LOCK_SUFFIX = ".lock"
 # what a run writes into its folder; any of them means the folder already holds a run
 RUN_FILES = (CHECKPOINTS_DIR, METRICS_FILE, RESULTS_FILE, RUN_CONFIG_FILE, EXPORT_DIR, TENSORBOARD_DIR)
+
+
+# What the trainer names its own checkpoints and the staging folders of its saves: rotation and the clean-up of
+# interrupted saves touch nothing else in checkpoints/ (a user's `my-backup/`, `.notes/` stay where they are).
+_TAG = re.compile(r"^stage(\d+)-step(\d{8,})$")
+STAGING_SUFFIX = ".saving"
+REPLACED_SUFFIX = ".replaced"
+DAMAGED_SUFFIX = ".damaged"       # a checkpoint whose record is damaged, moved aside by the rotation, never deleted
+
+
+def checkpoint_tag(stage_index: int, step: int) -> str:
+    """Tag of the checkpoint after `step` optimizer steps of stage `stage_index` (sorts by time)."""
+    return f"stage{stage_index}-step{step:08d}"
+
+
+def tag_position(name: str) -> Optional[tuple[int, int]]:
+    """(stage index, step) of a name the trainer gives its checkpoints; None for any other name."""
+    match = _TAG.match(name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def staging_name(tag: str) -> str:
+    """The folder a save of `tag` is written into before it is renamed to `tag`."""
+    return f".{tag}{STAGING_SUFFIX}"
+
+
+def is_own_staging(path: Path) -> bool:
+    """True for a real folder named as a save's staging folder (`.stage<i>-step<n>.saving`): an interrupted save."""
+    path = Path(path)
+    name = path.name
+    return (name.startswith(".") and name.endswith(STAGING_SUFFIX) and path.is_dir() and not path.is_symlink()
+            and tag_position(name[1:-len(STAGING_SUFFIX)]) is not None)
+
+
+def linked_outside(tag_dir: Path) -> Optional[Path]:
+    """Where a checkpoint folder that is a symbolic link points, when that is outside the checkpoints folder holding
+    the link and outside its run folder (another run's checkpoint); None for a real folder or a link within."""
+    tag_dir = Path(tag_dir)
+    if not tag_dir.is_symlink():
+        return None
+    target, parent = tag_dir.resolve(), tag_dir.parent
+    holders = (parent.resolve(), parent.parent.resolve()) if parent.name == CHECKPOINTS_DIR else (parent.resolve(),)
+    return None if any(target.is_relative_to(h) and target != h for h in holders) else target
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

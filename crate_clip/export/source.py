@@ -11,15 +11,16 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE, latest_problem, read_info,
-                                                            read_latest_tag)
-from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, checkpoints_in, read_jsonl, run_dir_of
+from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE, is_stage_end,
+                                                            latest_problem, read_info, read_latest_tag)
+from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, checkpoints_in, linked_outside, read_jsonl, run_dir_of
+from crate_clip.core.errors import UserError
 from crate_clip.models import preprocess_cfg_for
 from crate_clip.models.clip_tokenizers import tokenizer_record
 
 
-class ExportSourceError(ValueError):
-    """A checkpoint that cannot be exported; the message names the folder and the fix."""
+class ExportSourceError(UserError, ValueError):
+    """A checkpoint that cannot be exported; the message names the folder and the fix (one line, exit code 2)."""
 
 
 @dataclass(frozen=True)
@@ -79,15 +80,14 @@ class ExportSource:
                 for k in ("mean", "std")}
 
 
-def is_stage_end(info: dict) -> bool:
-    """True for the checkpoint info of a stage's last step (the weights its after-stage evaluations measured)."""
-    return info.get("step", 0) >= info.get("stage_steps", float("inf"))
-
-
 def export_source(checkpoint: str | Path, stage: int | None = None, bert_vocab: str | None = None) -> ExportSource:
     """The checkpoint to export: `checkpoint` is a run folder, its checkpoints folder or one tag folder;
     `stage` picks that stage's last checkpoint. `bert_vocab` stands in for the vocabulary the run recorded."""
     tag_dir = _tag_dir(Path(checkpoint), stage)
+    target = linked_outside(tag_dir)
+    if target is not None:   # its results.jsonl and exports/ would be this run's: refused, not followed silently
+        raise ExportSourceError(f"{tag_dir}: a symbolic link to {target}, outside its run folder (another run's "
+                                f"checkpoint); fix: export {target} itself, or remove the link")
     info = read_info(tag_dir)
     if not info or "model_name" not in info:
         raise ExportSourceError(f"{tag_dir}: {INFO_FILE} missing, unreadable or naming no model (an interrupted "

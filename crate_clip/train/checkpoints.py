@@ -21,12 +21,12 @@ lists, tuples and dicts, read with weights_only=True and no allow-list at all.
 from __future__ import annotations
 
 import json
+import os
 import random
-import re
 import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -38,8 +38,10 @@ from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_wri
 from crate_clip.checkpoint_io.checkpoint_manifest import checksum_share, damage_in_share
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
                                                             complete_tags_in, consolidated_state_dict,
-                                                            INFO_MISSING, latest_complete_tag, read_info,
-                                                            read_info_checked)
+                                                            INFO_MISSING, is_stage_end, latest_complete_tag,
+                                                            read_info, read_info_checked)
+from crate_clip.checkpoint_io.run_layout import (DAMAGED_SUFFIX, REPLACED_SUFFIX, checkpoint_tag,  # noqa: F401
+                                                 is_own_staging, linked_outside, staging_name, tag_position)
 from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY
 from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, UntrustedCheckpointError, check_checkpoint_folder,
                                                       deepspeed_reads, load_torch_file)
@@ -108,11 +110,6 @@ class ResumePoint:
     stage_finished: bool = False  # the checkpoint is its stage's last: only evaluations may be left to do
 
 
-def checkpoint_tag(stage_index: int, step: int) -> str:
-    """Tag of the checkpoint after `step` optimizer steps of stage `stage_index` (sorts by time)."""
-    return f"stage{stage_index}-step{step:08d}"
-
-
 def rng_state() -> dict:
     """This process's random-number generator states (torch CPU and CUDA, numpy, python), as tensors, numbers
     and tuples: what torch.load(weights_only=True) reads back without an allow-list."""
@@ -146,13 +143,11 @@ def rank_state_path(tag_dir: Path, rank: int) -> Path:
 class CheckpointManager:
     """Saves, finds, prunes and loads the checkpoints of one run (`<run_dir>/checkpoints`)."""
 
-    def __init__(self, root: Path, keep_last: int, rank: int, world_size: int,
-                 protect: Optional[Callable[[dict], bool]] = None):
+    def __init__(self, root: Path, keep_last: int, rank: int, world_size: int):
         self.root = Path(root)
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
-        self.protect = protect or (lambda info: False)  # info -> True: never pruned (yet)
 
     # ------------------------------------------------------------ save
     def save(self, engine, tag: str, info: dict, rank_state: dict, shared_files: Optional[dict] = None) -> Path:
@@ -161,7 +156,7 @@ class CheckpointManager:
         from an earlier checkpoint redoes its steps) stays until the new one is whole. `shared_files`
         (name -> text): files of the whole job that rank 0 writes into it (the stream-state table)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        staging = self.root / f".{tag}.saving"
+        staging = self.root / staging_name(tag)
         if self.rank == 0 and staging.exists():  # a leftover of an interrupted save
             shutil.rmtree(staging)
         dist.barrier()
@@ -230,22 +225,31 @@ class CheckpointManager:
         """Rank 0, once every rank's files in `staging` are durable: mark it complete, swap it in as `tag`,
         then move `latest` to it and prune."""
         atomic_write_text(staging / INFO_FILE, json.dumps(info, indent=1))
+        if (self.root / tag).is_dir() and not (self.root / tag).is_symlink():
+            _move_aside_if_damaged(self.root / tag)   # the swap deletes the folder it replaces: only a complete one
         replace_dir(staging, self.root / tag)
         atomic_write_text(self.root / LATEST_FILE, tag)
         self.prune()
 
     def prune(self) -> None:
-        """Keep the newest `keep_last` complete checkpoints and those `protect` asks for; put back a checkpoint
-        whose re-save was cut short between the two renames of its swap; remove the rest and interrupted saves."""
-        for old in self.root.glob(".*.replaced"):
-            restore_replaced(self.root / old.name[1:-len(".replaced")])
+        """Rotation, after each commit: of the checkpoints this run saved (own_checkpoint), keep the newest
+        `keep_last` and every finished stage's last one (export --stage N and a resume's missing evaluations read it),
+        and remove the others. Put back a checkpoint whose re-save was cut short between the two renames of its swap,
+        remove the run's own interrupted saves and move a damaged checkpoint aside, said in one line. Nothing else
+        in the folder is touched."""
+        for old in self.root.glob(f".*{REPLACED_SUFFIX}"):
+            if tag_position(old.name[1:-len(REPLACED_SUFFIX)]):
+                restore_replaced(self.root / old.name[1:-len(REPLACED_SUFFIX)])
         latest = self.latest_tag()
-        for tag in self.complete_tags()[:-self.keep_last]:
-            if tag != latest and not self.protect(read_info(self.root / tag)):
+        own = [(tag, info) for tag in self.complete_tags() if (info := own_checkpoint(self.root / tag))]
+        for tag, info in own[:-self.keep_last]:
+            if tag != latest and not is_stage_end(info):
                 shutil.rmtree(self.root / tag, ignore_errors=True)
-        for path in self.root.iterdir():
-            if path.is_dir() and (path.name.startswith(".") or read_info(path) is None):
+        for path in sorted(self.root.iterdir()):
+            if is_own_staging(path) or _swapped_out(path):
                 shutil.rmtree(path, ignore_errors=True)
+            elif tag_position(path.name) and path.is_dir() and not path.is_symlink():
+                _move_aside_if_damaged(path)
 
     # ------------------------------------------------------------ find
     def complete_tags(self) -> list[str]:
@@ -257,26 +261,31 @@ class CheckpointManager:
         return latest_complete_tag(self.root)
 
     def resolve(self, resume: str) -> Path:
-        """`latest` -> newest complete checkpoint of this run; else a tag folder or a checkpoints folder."""
+        """`latest` -> newest complete checkpoint of this run; else a tag folder or a checkpoints folder. A checkpoint
+        folder that is a link to another run's checkpoint is refused (linked_outside)."""
         if resume == "latest":
-            tag = self.latest_tag()
-            if tag is None:
-                raise ResumeError(f"--resume latest: no complete checkpoint in {self.root}; fix: start without "
-                                  "--resume (with --overwrite if the folder holds the files of a run cut short "
-                                  "before its first checkpoint: they are moved aside)")
-            return self.root / tag
+            return _not_linked_outside(self._latest_dir(), resume)
         path = Path(resume)
         if (path / LATEST_FILE).is_file() or (path.is_dir() and read_info(path) is None and
                                               any(read_info(p) for p in path.iterdir() if p.is_dir())):
             other = CheckpointManager(path, self.keep_last, self.rank, self.world_size)
-            return other.resolve("latest")
+            return _not_linked_outside(other._latest_dir(), resume)
         info, why = read_info_checked(path)
         if info is None:
             what = (f"its {INFO_FILE} {why}: damaged" if why != INFO_MISSING else
                     f"no {INFO_FILE}: missing or an interrupted save")
             raise ResumeError(f"--resume {resume}: not a complete checkpoint ({what}); fix: pass a checkpoint folder "
                               "or 'latest'")
-        return path
+        return _not_linked_outside(path, resume)
+
+    def _latest_dir(self) -> Path:
+        """The newest complete checkpoint's folder; ResumeError when there is none."""
+        tag = self.latest_tag()
+        if tag is None:
+            raise ResumeError(f"--resume latest: no complete checkpoint in {self.root}; fix: start without "
+                              "--resume (with --overwrite if the folder holds the files of a run cut short "
+                              "before its first checkpoint: they are moved aside)")
+        return self.root / tag
 
     # ------------------------------------------------------------ load
     @staticmethod
@@ -311,6 +320,51 @@ class CheckpointManager:
             raise _earlier_rank_state(exc) from None
 
 
+def _not_linked_outside(tag_dir: Path, resume: str) -> Path:
+    """`tag_dir`, unless it is a link leaving its checkpoints and run folder: a resume from it would continue
+    another run's checkpoint under this run's name without a word; ResumeError naming both."""
+    target = linked_outside(tag_dir)
+    if target is not None:
+        raise ResumeError(f"--resume {resume}: {tag_dir} is a symbolic link to {target}, outside its run folder "
+                          f"(another run's checkpoint); fix: remove the link, or pass --resume {target} to continue "
+                          "from that checkpoint knowingly")
+    return tag_dir
+
+
+def own_checkpoint(tag_dir: Path) -> Optional[dict]:
+    """The record of a complete checkpoint the trainer saved: a real folder (not a link) whose name is the tag its
+    own record gives it (stage<i>-step<n>); None for anything else (a user's copy, a link, an incomplete folder)."""
+    info = None if Path(tag_dir).is_symlink() else read_info(tag_dir)
+    if info is None or tag_position(Path(tag_dir).name) != (info.get("stage_index"), info.get("step")):
+        return None
+    return info
+
+
+def _swapped_out(path: Path) -> bool:
+    """A checkpoint's previous copy (`.<tag>.replaced`) left by a swap cut short after the new copy took its name."""
+    name = path.name
+    if not (name.startswith(".") and name.endswith(REPLACED_SUFFIX)) or path.is_symlink() or not path.is_dir():
+        return False
+    tag = name[1:-len(REPLACED_SUFFIX)]
+    return tag_position(tag) is not None and own_checkpoint(path.parent / tag) is not None
+
+
+def _move_aside_if_damaged(tag_dir: Path) -> None:
+    """A folder named as a checkpoint whose crate_clip.json is missing, does not parse or does not match its schema
+    (a save renames its folder only after writing it, so this is damage): renamed to `<tag>.damaged` (or
+    `<tag>.damaged-2`, ...), which nothing of the run reads or removes, with one line; never deleted."""
+    info, why = read_info_checked(tag_dir)
+    if info is not None:
+        return
+    target, n = tag_dir.with_name(f"{tag_dir.name}{DAMAGED_SUFFIX}"), 1
+    while os.path.lexists(target):
+        n += 1
+        target = tag_dir.with_name(f"{tag_dir.name}{DAMAGED_SUFFIX}-{n}")
+    os.rename(tag_dir, target)
+    print(f"[warn] checkpoint {tag_dir.name} is damaged (its {INFO_FILE} {why}): moved to {target}, not deleted; "
+          "remove it once you no longer need it", flush=True)
+
+
 def _earlier_rank_state(exc: UntrustedCheckpointError) -> UntrustedCheckpointError:
     """The refusal, saying so when the file is a rank-state file of an earlier crate-clip version."""
     if not (exc.path.name.startswith("train_state_rank") and set(exc.classes) <= EARLIER_RANK_STATE_CLASSES):
@@ -340,8 +394,6 @@ def find_resume_point(cfg: RunConfig, ckpts: CheckpointManager, resume: Optional
 # silently. A checkpoint of an earlier version, which records no
 # checksums, is not verified.
 
-_TAG = re.compile(r"^stage(\d+)-step(\d+)$")
-
 
 def checkpoint_damage(ckpts: CheckpointManager, tag_dir: Path) -> list[str]:
     """What differs from the record in `tag_dir`'s crate_clip.json, one phrase per file, the same list on every rank
@@ -361,11 +413,11 @@ def _damaged_infos_after(root: Path, tag_dir: Path) -> list[str]:
     """Checkpoint folders newer than `tag_dir` (by their stage-step tag) whose crate_clip.json is missing, does not
     parse or does not match its schema: a damaged record, not an interrupted save (a save is renamed to its tag
     only after its crate_clip.json is written; until then it is `.<tag>.saving`)."""
-    chosen = _TAG.match(tag_dir.name)
+    chosen = tag_position(tag_dir.name)
     newer = []
     for path in sorted(root.iterdir()):
-        match = _TAG.match(path.name)
-        if match and chosen and tuple(map(int, match.groups())) > tuple(map(int, chosen.groups())) and path.is_dir():
+        position = tag_position(path.name)
+        if position and chosen and position > chosen and path.is_dir():
             info, why = read_info_checked(path)
             if info is None:
                 newer.append(f"{path.name} is damaged ({INFO_FILE} {why})")
@@ -381,7 +433,8 @@ def intact_checkpoint(ckpts: CheckpointManager, tag_dir: Path, resume: str) -> P
     damaged = _damaged_infos_after(root, tag_dir)
     manager = ckpts if root == ckpts.root else CheckpointManager(root, ckpts.keep_last, ckpts.rank, ckpts.world_size)
     step = _global_step(tag_dir)
-    earlier = [root / t for t in reversed(manager.complete_tags()) if _global_step(root / t) < step]
+    earlier = [root / t for t in reversed(manager.complete_tags())
+               if _global_step(root / t) < step and linked_outside(root / t) is None]
     candidates = [tag_dir] + [c for c in earlier if c != tag_dir]
     for candidate in candidates:
         problems = checkpoint_damage(manager, candidate)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from crate_clip.checkpoint_io.deepspeed_checkpoints import UNIVERSAL_DIR, latest_complete_tag
-from crate_clip.checkpoint_io.run_layout import checkpoints_dir
+from crate_clip.checkpoint_io.run_layout import checkpoints_dir, is_own_staging, tag_position
 from crate_clip.core.errors import EXIT_NO_SPACE, UserError
 
 
@@ -64,12 +64,14 @@ def save_bytes(tag_dir: Optional[Path]) -> int:
 
 def leftovers(root: Path) -> list[Path]:
     """What interrupted writes left in checkpoints folder `root`: `.<tag>.saving` folders and the
-    `.universal.converting` folders of killed conversions (a `.<tag>.replaced` folder is a checkpoint's previous
-    copy, put back by the checkpoint manager: not a leftover)."""
+    `.universal.converting` folders of killed conversions in checkpoint folders, by the trainer's own names only (a
+    user's folders stay; a `.<tag>.replaced` folder is a checkpoint's previous copy, put back by the checkpoint
+    manager: not a leftover)."""
     if not Path(root).is_dir():
         return []
-    found = sorted(p for p in Path(root).glob(".*.saving") if p.is_dir())
-    return found + sorted(p for p in Path(root).glob(f"*/{CONVERTING_DIR}") if p.is_dir())
+    found = sorted(p for p in Path(root).iterdir() if is_own_staging(p))   # only the trainer's own names
+    return found + sorted(p for p in Path(root).glob(f"*/{CONVERTING_DIR}") if p.is_dir() and
+                          tag_position(p.parent.name) is not None and not p.parent.is_symlink())
 
 
 def remove_leftovers(root: Path) -> list[str]:

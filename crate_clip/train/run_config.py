@@ -191,7 +191,7 @@ class CheckpointSection(Section):
     """Checkpoint cadence (every N steps, plus every stage end) and how many to keep."""
     every_steps: Int = Field(0, ge=0, description="a checkpoint every N steps, and at every stage end; 0 = only "
                                                   "at stage ends")
-    keep_last: Int = Field(3, ge=1, description="checkpoints kept; the newest is needed to resume and to export")
+    keep_last: Int = Field(3, ge=1, description="newest checkpoints kept, and each finished stage's last one")
 
 
 class EvalSection(Section):

@@ -4,7 +4,7 @@ A stage's evaluations are due at its own image size and, after a low-resolution 
 with the patch grid grown (resize 'grid', position embeddings resampled) and with the grid kept and the patch
 kernel PI-resized (resize 'patch', patch_change.set_resolution_by_patch), when whole patches fit.
 results.jsonl is the record of which are done, so a run killed between two of them runs exactly the missing
-ones on resume, and the stage's final checkpoint is kept (CheckpointManager's `protect`) until all are done.
+ones on resume from the stage's final checkpoint, which rotation never removes (CheckpointManager.prune).
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ from crate_clip.train.metrics_log import PLOT_FILE, MetricsLog, set_aside_rows_a
 from crate_clip.train.run_config import RunConfig, check_runtime
 from crate_clip.train.run_dir import check_run_dir, move_run_aside
 from crate_clip.train.run_lock import run_folder_lock
-from crate_clip.train.stage_evals import agreed_missing_evals, evaluate_after_stage, missing_evals
+from crate_clip.train.stage_evals import agreed_missing_evals, evaluate_after_stage
 from crate_clip.train.stage_model import ResolvedStage, resolve_stage
 from crate_clip.train.throughput import StepMeter
 from crate_clip.train.train_step import train_step
@@ -85,8 +85,7 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
     earlier_run = check_run_dir(cfg.run_dir, resume, overwrite)  # again: a run may have ended in the meantime
     check_runtime(cfg, dist.world_size, "cuda" if dist.device.startswith("cuda") else "cpu")
     stream_factory = stream_factory or default_stream_factory
-    ckpts = CheckpointManager(checkpoints_dir(cfg.run_dir), cfg.checkpoint.keep_last, dist.rank, dist.world_size,
-                              protect=lambda info: _evaluations_pending(cfg, info))
+    ckpts = CheckpointManager(checkpoints_dir(cfg.run_dir), cfg.checkpoint.keep_last, dist.rank, dist.world_size)
     start = find_resume_point(cfg, ckpts, _intact(ckpts, resolve_auto(cfg.run_dir, ckpts, resume)))  # before any write
     settle_canonical_streams(cfg, dist.world_size, start.tag_dir, start.progress.stage_index)  # run_config.yaml
     if start.tag_dir is not None:   # every rank: the run's file system, once rank 0 removed what saves left
@@ -204,8 +203,8 @@ def _load_checkpoint(run: RunContext, engine, stage: ResolvedStage, tag_dir: Pat
 
 
 def _evaluate_finished_stage(run: RunContext, i: int) -> list[dict]:
-    """The evaluations of an earlier stage that are not in results.jsonl, from its final checkpoint (kept
-    for that reason by the checkpoint manager's `protect`)."""
+    """The evaluations of an earlier stage that are not in results.jsonl, from its final checkpoint (which
+    rotation never removes: CheckpointManager.prune)."""
     cfg, dist, log = run.cfg, run.dist, run.log
     if not agreed_missing_evals(cfg, i, dist):
         return []
@@ -235,13 +234,6 @@ def _prepare_run_dir(cfg: RunConfig, start: ResumePoint, moved_aside: bool, rest
         set_aside_rows_after(cfg.run_dir, start.progress.global_step)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(cfg.run_dir / RUN_CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
-def _evaluations_pending(cfg: RunConfig, info: dict) -> bool:
-    """True for a stage's final checkpoint whose evaluations are not all in results.jsonl yet."""
-    index = info.get("stage_index", -1)
-    return 0 <= index < len(cfg.stages) and info.get("step", 0) >= cfg.stages[index].steps and bool(
-        missing_evals(cfg, index))
 
 
 def _export(run: RunContext, tag_dir: Path, weights: dict) -> Optional[Path]:
