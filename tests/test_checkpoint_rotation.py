@@ -140,6 +140,19 @@ def test_rotation_keeps_every_stage_end_whatever_keep_last(tmp_path, keep_last):
     assert _real_dirs(root) == sorted({"stage0-step00000003", "stage1-step00000003", *newest})
 
 
+def test_leftovers_and_removable_copies_are_the_runs_own_only(tmp_path):
+    """What a resume removes (interrupted saves and conversions) and names as removable (converted copies): only
+    under the trainer's own names, never in a user's folder that happens to hold such a name."""
+    from crate_clip.train.disk_space import leftovers, removable
+
+    root = tmp_path / "checkpoints"
+    for name in (".stage0-step00000002.saving", ".keep.saving", "stage0-step00000004/.universal.converting",
+                 "stage0-step00000004/universal", "my-backup/.universal.converting", "my-backup/universal"):
+        (root / name).mkdir(parents=True)
+    assert leftovers(root) == [root / ".stage0-step00000002.saving", root / "stage0-step00000004/.universal.converting"]
+    assert [line.split(" ")[0] for line in removable(root, None)] == ["stage0-step00000004/universal"]
+
+
 def test_rotation_and_resume_remove_only_what_the_run_wrote(finished, tmp_path):
     """Resumed from stage 0's end (stage 1 is trained again: two saves, each rotating), with a user's folders and
     files in checkpoints/, two damaged checkpoints and an interrupted save of the run's own."""

@@ -85,9 +85,12 @@ def remove_leftovers(root: Path) -> list[str]:
 
 
 def removable(root: Path, keep: Optional[Path]) -> list[str]:
-    """Converted universal/ copies other than `keep`'s (a resume converts again when it needs one), with sizes."""
+    """Converted universal/ copies of the run's checkpoints other than `keep`'s (a resume converts again when it
+    needs one), with sizes; a user's folders are not named."""
     found = []
     for folder in sorted(Path(root).glob(f"*/{UNIVERSAL_DIR}")) if Path(root).is_dir() else ():
+        if tag_position(folder.parent.name) is None or folder.parent.is_symlink():
+            continue
         if keep is None or folder.parent != Path(keep):
             found.append(f"{folder.relative_to(root)} ({size_text(tree_bytes(folder))}, a converted copy)")
     return found
