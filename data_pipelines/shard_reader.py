@@ -1,7 +1,7 @@
 """Shard lists and tar reading: expand sources, find data set sizes, iterate raw samples, count bad data.
 
 Sources are parsed by crate_clip.core.shard_sources (brace pattern, folder, glob, tar, URL, `pipe:` command).
-Opening uses webdataset's gopen (files, pipes, curl for http) and its tar member iterator; grouping
+Remote shards are opened by remote_retry.py (outages ridden out), members read by webdataset's tar iterator; grouping
 members into samples is done here so that truncated tars, unreadable shards and duplicate keys become
 counted skips instead of exceptions.
 """
@@ -19,6 +19,8 @@ from webdataset.tariterators import base_plus_ext, tar_file_iterator
 
 from crate_clip.core.shard_sources import (PIPE, REMOTE_PREFIXES, STATS_PROBES, ShardListError,  # noqa: F401
                                      expand_source, is_remote, stats_url)
+
+from .remote_retry import RetryPolicy, ShardSourceUnavailable, open_remote_shard
 
 SKIP_REASONS = ("truncated_tar", "unreadable_shard", "undecodable_image", "zero_size_image",
                 "decompression_bomb", "missing_image", "missing_caption", "empty_caption",
@@ -95,17 +97,20 @@ def shard_sizes(shards: list[str], max_remote_probes: int = STATS_PROBES) -> tup
     return sizes, True
 
 
-def _open_shard(url: str):
+def _open_shard(url: str, retry: RetryPolicy | None = None):
     """A readable byte stream for a shard URL (local path, pipe: command, http(s), ...)."""
     if is_remote(url):
-        return gopen(url, bufsize=1 << 20)
+        return open_remote_shard(url, retry)
     return open(url, "rb", buffering=1 << 20)
 
 
-def iter_shard_samples(url: str, skips: Counter) -> Iterator[dict]:
-    """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard; bad data counted in `skips`."""
+def iter_shard_samples(url: str, skips: Counter, retry: RetryPolicy | None = None) -> Iterator[dict]:
+    """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard; bad data counted in `skips`; a remote shard's
+    transient failures retried by `retry` (ShardSourceUnavailable when it gives up)."""
     try:
-        stream = _open_shard(url)
+        stream = _open_shard(url, retry)
+    except ShardSourceUnavailable:
+        raise   # the source is gone, not the shard: the trainer saves and stops (exit code 7)
     except Exception:
         skips["unreadable_shard"] += 1
         return
@@ -129,6 +134,8 @@ def iter_shard_samples(url: str, skips: Counter) -> Iterator[dict]:
         if current is not None:
             yield from _finish(current, seen, skips)
         current = None
+    except ShardSourceUnavailable:
+        raise
     except (tarfile.ReadError, EOFError, OSError) as exn:
         # A stream that never produced a member was not a tar at all; otherwise it stopped mid-way.
         skips["truncated_tar" if current is not None or "unexpected end" in str(exn) else "unreadable_shard"] += 1

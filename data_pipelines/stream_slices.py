@@ -20,6 +20,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .device_decode import DeviceJpegBatch, ship_sample
 from .image_decode import BadImage, decode_train, normalize_batch
+from .remote_retry import RetryPolicy
 from .shard_plan import ShardPlan, interleave
 from .shard_reader import iter_shard_samples, sample_caption, sample_image_bytes
 from .stream_layout import StreamLayout
@@ -45,6 +46,7 @@ class SliceSpec:
     drop_last: bool
     decode: str = "cpu"    # "device": ship JPEG bytes + crop boxes, decoded on the trainer's device
     crop_interpolation: str = "bicubic"   # the crop's resampling filter (image_decode.CROP_FILTERS)
+    retry: RetryPolicy = RetryPolicy()    # how remote shards ride out outages (data.remote_* keys)
 
 
 def fresh_position(skips: Optional[dict] = None) -> dict:
@@ -56,7 +58,7 @@ def _group_raw(plan: ShardPlan, spec: SliceSpec, stream: int, group: int, shards
                skips) -> Iterator[dict]:
     """Raw samples of one group: its shards interleaved at random, then shuffled; bad data counted."""
     tag = f"{plan.rng_seed}-{stream}-{plan.epoch}-{group}"
-    iters = [iter_shard_samples(url, skips) for url in shards]
+    iters = [iter_shard_samples(url, skips, retry=spec.retry) for url in shards]
     # webdataset's buffer shuffle (starts yielding at 100 samples) with a generator seeded by the position:
     # a resume replays the same order from the raw samples alone
     shuffle = wds.shuffle(spec.shuffle_buffer, initial=100, rng=random.Random(f"shuffle-{tag}"))

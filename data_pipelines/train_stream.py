@@ -61,6 +61,7 @@ from .device_decode import DECODE_COUNTERS, Decode, DeviceJpegBatch
 from .epoch_sizes import adopt_real_sizes
 from .image_decode import DEFAULT_MAX_IMAGE_PIXELS, CropInterpolation
 from .pos_tagging import PosSource
+from .remote_retry import RetryPolicy
 from .shard_plan import ShardPlan, resolve_sizes
 from .shard_reader import SKIP_REASONS, ShardListError, check_some_shard_exists, expand_source
 from .stream_layout import (KEY, STATE_VERSION, StreamLayout, default_stream_count, resolve_layout,
@@ -112,6 +113,17 @@ class StreamConfig(Section):
         "bicubic", description="resampling filter of the training crop, antialiased when it shrinks (PIL widens "
         "the filter by the downscale factor; decode: device uses the same weights): bicubic (default, open_clip's) "
         "or bilinear (the official CLIPA / CRATE-alpha pipeline's inception crop, bilinear with antialias)")
+    remote_retry_total_s: Float = Field(
+        1200.0, ge=0, description="remote shards (http(s), pipe:, gs://, hf://): how long one outage is retried (a "
+        "refused or reset connection, DNS error, HTTP 5xx or 429, timeout, a pipe: command's non-zero exit, a stall) "
+        "before the run saves and stops with exit code 7; a broken shard is read on at the byte it broke at. Keep it "
+        "below the process group's 30-minute timeout: the other ranks wait for a retrying one in the step's "
+        "collectives")
+    remote_stall_timeout_s: Float = Field(60.0, gt=0, description="a remote transfer that sends no byte for this "
+                                          "long is broken off and retried")
+    remote_backoff_base_s: Float = Field(1.0, gt=0, description="first wait between retries of a remote shard; "
+                                         "doubled after each failed attempt (with jitter), up to remote_backoff_max_s")
+    remote_backoff_max_s: Float = Field(60.0, gt=0, description="longest wait between retries of a remote shard")
 
     @field_validator("sources", mode="before")
     @classmethod
@@ -131,7 +143,15 @@ class StreamConfig(Section):
                                         "fix: one weight per source, or remove the weights"))
         elif self.weights is not None and (any(w < 0 for w in self.weights) or sum(self.weights) <= 0):
             problems.append(("weights", f"{self.weights}; fix: weights >= 0 with a positive sum"))
+        if self.remote_backoff_base_s > self.remote_backoff_max_s:
+            problems.append(("remote_backoff_base_s", f"{self.remote_backoff_base_s:g} is above remote_backoff_max_s "
+                                                      f"({self.remote_backoff_max_s:g}); fix: base <= max"))
         return problems + crop_scale_problems("crop_scale", self.crop_scale)
+
+    def retry_policy(self) -> RetryPolicy:
+        """How the remote shards' transient failures are retried (the remote_* keys)."""
+        return RetryPolicy(self.remote_retry_total_s, self.remote_stall_timeout_s, self.remote_backoff_base_s,
+                           self.remote_backoff_max_s)
 
 
 def crop_scale_problems(key: str, scale) -> list[tuple[str, str]]:
@@ -432,7 +452,7 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
                      epoch, streams, cfg.shards_per_group, overflow=epoch_mode and cfg.drop_last)
     spec = SliceSpec(image_size, tuple(cfg.crop_scale), tuple(cfg.crop_ratio), tuple(cfg.mean),
                      tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, cfg.shuffle_buffer, cfg.drop_last,
-                     decode, cfg.crop_interpolation)
+                     decode, cfg.crop_interpolation, retry=cfg.retry_policy())
     return TrainStream(cfg, plan, spec, layout, reducer, num_samples, context_length, text_mask, device)
 
 def _data_set_sizes(shards: list[str]) -> dict[str, int]:

@@ -31,6 +31,15 @@ def stats_url(shard: str) -> str:
     return shard.replace(".tar", "_stats.json", 1)
 
 
+def refused_source(source: str) -> str | None:
+    """Why a source is refused, with the form to use instead (s3:// goes through the aws CLI); None if it is not."""
+    source = _resolved(source)
+    if source.startswith("s3://"):
+        return (f"{source!r}: s3:// is read through the aws CLI as a pipe: source; fix: 'pipe:aws s3 cp {source} -' "
+                "(with --endpoint-url URL for another S3-compatible store; docs/data.md)")
+    return None
+
+
 def _resolved(source: str) -> str:
     """A source with `~` and environment variables expanded."""
     return os.path.expandvars(os.path.expanduser(str(source)))
@@ -39,6 +48,9 @@ def _resolved(source: str) -> str:
 def expand_source(source: str) -> list[str]:
     """Shard URLs named by one source: brace pattern, directory, glob, file, URL or pipe: command."""
     source = _resolved(source)
+    refusal = refused_source(source)
+    if refusal:
+        raise ShardListError(refusal)
     if is_remote(source):
         return list(braceexpand.braceexpand(source))
     path = Path(source)

@@ -20,6 +20,7 @@ from crate_clip.models.pos_embed import POS_EMBED_RESIZE_MODES
 from crate_clip.models.text_sources import check_text_source
 from crate_clip.models.token_masks import TokenMask
 from crate_clip.data.device_decode import Decode
+from crate_clip.core.shard_sources import refused_source
 from crate_clip.data.shard_reader import ShardListError, expand_source, is_remote
 from crate_clip.data.text_reduction import TextMask
 from crate_clip.data.train_stream import StreamConfig, crop_scale_problems
@@ -366,6 +367,9 @@ SHARDS_CHECKED = 16   # per source, spread over its list: a header read each, no
 
 def _source_problems(key: str, source: str) -> list[str]:
     """A local source must name shards that exist and are tar files (a sample of them is opened)."""
+    refusal = refused_source(source)
+    if refusal:
+        return [f"{key}: {refusal}"]
     if is_remote(source):
         return []
     fix = "fix: write the shards first (crate-clip shards ...) or correct the path"

@@ -1,0 +1,153 @@
+"""Remote shards that ride out outages: transient failures retried with backoff, a broken transfer resumed at
+the byte it broke at, and one error (exit code 7) when the source stays away past the retry budget.
+
+Why at the byte level: the tar reader above sees one uninterrupted byte stream, so a shard read again after a
+failure yields no sample twice and none out of order, and a run that rides out an outage trains on exactly the
+samples of an undisturbed one. A re-opened transfer reads and discards the bytes already delivered (plain
+`python -m http.server` and `pipe:` commands cannot start mid-file).
+
+Permanent failures (HTTP 404 / 403, a missing object) are PermanentSourceError, an OSError: the shard reader
+counts them as unreadable or truncated shards, as before. How each kind of source is read: remote_transport.py.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from crate_clip.core.errors import EXIT_SOURCE_UNAVAILABLE, UserError
+
+from .remote_transport import PermanentSourceError, TransientSourceError, open_transport, shown_source
+
+log = logging.getLogger(__name__)
+_JITTER = random.SystemRandom()   # timing only: never touches the seeded generators of the data order
+_SKIP_CHUNK = 1 << 20
+
+
+class ShardSourceUnavailable(UserError, RuntimeError):
+    """A remote data source stayed unreachable past the retry budget: the trainer saves a checkpoint of the last
+    completed step and exits with code 7; `--resume latest` continues once the source is back."""
+
+    checkpoint_before_exit = True   # read by the training loop (crate_clip/train): stop at the step boundary
+    exit_code = EXIT_SOURCE_UNAVAILABLE
+
+    def __init__(self, message: str):
+        # PyTorch's DataLoader re-raises a worker's exception as exc_type("Caught ... Original Traceback ...
+        # ShardSourceUnavailable: <line>"): keep only our own final line
+        marker = f"{type(self).__name__}: "
+        self.line = message.rsplit(marker, 1)[-1].strip().splitlines()[0] if marker in message else message
+        super().__init__(self.line)
+
+    def __str__(self) -> str:
+        return self.line   # a reader may append to args (webdataset adds " @ <file>"): the line stays ours
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long and how often a transient failure of a remote shard is retried (the data.remote_* keys)."""
+
+    total_s: float = 1200.0      # one outage, first failure to giving up (under the collectives' 30-min timeout)
+    stall_s: float = 60.0        # a transfer silent this long is broken off and retried
+    backoff_base_s: float = 1.0  # first wait; doubles after each failed attempt
+    backoff_max_s: float = 60.0  # longest wait
+
+
+class _Outage:
+    """The retries of one outage: exponential waits with jitter, capped, until the budget is spent."""
+
+    def __init__(self, policy: RetryPolicy):
+        self.policy, self.attempts, self.deadline = policy, 0, time.monotonic() + policy.total_s
+
+    def next_wait(self) -> float | None:
+        """Seconds to wait before the next attempt, or None when the budget is spent."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            return None
+        full = min(self.policy.backoff_max_s, self.policy.backoff_base_s * 2 ** self.attempts)
+        self.attempts += 1
+        # half fixed, half random: ranks that lost the same server do not come back in lockstep
+        return min(left, full * _JITTER.uniform(0.5, 1.0))
+
+
+def give_up_message(url: str, error: str, policy: RetryPolicy) -> str:
+    """The one line a run ends with when a source does not come back."""
+    return (f"data source {shown_source(url)} still unreachable after {policy.total_s:g} s of retries "
+            f"(data.remote_retry_total_s; last error: {error}); once it is back, continue with --resume latest")
+
+
+class RetryingShardStream(io.RawIOBase):
+    """The bytes of one remote shard, read through transient failures (wrap in io.BufferedReader)."""
+
+    def __init__(self, url: str, policy: RetryPolicy = RetryPolicy()):
+        super().__init__()
+        self.url, self.policy = url, policy
+        self._delivered = 0      # bytes handed to the reader: a re-opened transfer skips them
+        self._outage: _Outage | None = None
+        self._body = self._reopen()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while True:
+            try:
+                n = self._body.readinto(buffer)
+            except TransientSourceError as exn:
+                self._body.close()
+                self._wait(str(exn))
+                self._body = self._reopen()
+                continue
+            if n:
+                self._delivered += n
+                self._outage = None   # new bytes: the source is back, a later failure is a new outage
+            return n
+
+    def _reopen(self):
+        """A transfer positioned at the first byte not yet delivered (retried while it fails transiently)."""
+        while True:
+            body = None
+            try:
+                body = open_transport(self.url, self.policy.stall_s)
+                self._discard(body, self._delivered)
+                return body
+            except TransientSourceError as exn:
+                if body is not None:
+                    body.close()
+                self._wait(str(exn))
+            except BaseException:
+                if body is not None:
+                    body.close()
+                raise
+
+    def _discard(self, body, count: int) -> None:
+        """Read and drop the first `count` bytes of a fresh transfer."""
+        chunk = bytearray(min(_SKIP_CHUNK, max(count, 1)))
+        while count > 0:
+            n = body.readinto(memoryview(chunk)[:min(count, len(chunk))])
+            if n == 0:
+                raise PermanentSourceError(f"{shown_source(self.url)} is shorter than when it was first read")
+            count -= n
+
+    def _wait(self, error: str) -> None:
+        """Log and sleep before the next attempt; ShardSourceUnavailable once the outage's budget is spent."""
+        self._outage = self._outage or _Outage(self.policy)
+        wait = self._outage.next_wait()
+        if wait is None:
+            raise ShardSourceUnavailable(give_up_message(self.url, error, self.policy))
+        log.warning("data source %s: %s; next attempt in %.1f s (attempt %d, retrying up to %g s: "
+                    "data.remote_retry_total_s)", shown_source(self.url), error, wait, self._outage.attempts + 1,
+                    self.policy.total_s)
+        time.sleep(wait)
+
+    def close(self) -> None:
+        if not self.closed and getattr(self, "_body", None) is not None:
+            self._body.close()
+        super().close()
+
+
+def open_remote_shard(url: str, policy: RetryPolicy | None = None, bufsize: int = 1 << 20):
+    """A buffered byte stream of a remote shard that retries transient failures; PermanentSourceError (an
+    OSError) when the source says the shard is not there, ShardSourceUnavailable when the budget is spent."""
+    return io.BufferedReader(RetryingShardStream(url, policy or RetryPolicy()), bufsize)
