@@ -9,6 +9,10 @@ from crate_clip.core.cli_numbers import NON_NEGATIVE_INT, POSITIVE_INT
 from crate_clip.core.errors import report_error
 from crate_clip.core.writable_folders import UnwritableFolderError, check_writable
 
+from .read_bounds import MAX_CAPTION_BYTES as DEFAULT_MAX_CAPTION_BYTES
+from .read_bounds import MAX_IMAGE_BYTES as DEFAULT_MAX_IMAGE_BYTES
+from .read_bounds import MAX_MEMBER_BYTES as DEFAULT_MAX_MEMBER_BYTES
+
 
 def _add_writer_args(p: argparse.ArgumentParser, default_max_side: int | None = 512) -> None:
     """Options shared by every shard-writing command."""
@@ -88,7 +92,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="shard sampling: resampled (with replacement) or one epoch pass (default: resampled)")
     p.add_argument("--num-workers", type=NON_NEGATIVE_INT, default=0, help="data-loader worker processes (default: 0)")
     p.add_argument("--num-samples", type=POSITIVE_INT, default=None,
-                   help="samples per epoch of the stream (default: the shards' count)")
+                   help="samples per epoch of the stream (default: the shards' count; given, no stats are read and "
+                        "the report has no shard_sizes)")
+    p.add_argument("--max-member-bytes", type=POSITIVE_INT, default=DEFAULT_MAX_MEMBER_BYTES,
+                   help=f"skip samples with a tar member above this size, unread (default: {DEFAULT_MAX_MEMBER_BYTES})")
+    p.add_argument("--max-caption-bytes", type=POSITIVE_INT, default=DEFAULT_MAX_CAPTION_BYTES,
+                   help=f"skip samples whose caption is above this size, unread (default: {DEFAULT_MAX_CAPTION_BYTES})")
+    p.add_argument("--max-image-bytes", type=POSITIVE_INT, default=DEFAULT_MAX_IMAGE_BYTES,
+                   help="skip images that would decode to more bytes than this (width x height x channels x bytes "
+                        f"per channel, from the header; default: {DEFAULT_MAX_IMAGE_BYTES})")
     return parser
 
 
@@ -107,7 +119,9 @@ def _inspect(args) -> dict:
     from .train_stream import StreamConfig, build_train_stream
 
     cfg = StreamConfig(sources=args.sources, mode=args.mode, num_workers=args.num_workers,
-                       num_samples=args.num_samples, drop_last=False)   # count every sample read
+                       num_samples=args.num_samples, drop_last=False,   # count every sample read
+                       max_member_bytes=args.max_member_bytes, max_caption_bytes=args.max_caption_bytes,
+                       max_image_bytes=args.max_image_bytes)
     stream = build_train_stream(cfg, image_size=args.image_size, context_length=args.context_length,
                                 text_mask=args.text_mask, batch_size=args.batch_size)
     tok = load_tokenizer()
@@ -121,8 +135,11 @@ def _inspect(args) -> dict:
             break
     # num_samples is what the shards' stats claim; samples_read what this pass decoded (--mode epoch with
     # enough --batches reads the whole data set: the two differ by the bad samples the stats count).
-    return {"num_samples": stream.num_samples, "samples_read": samples_read, "pos_source": stream.pos_source, "batches": shapes,
-            "example_texts": captions, "skip_counts": stream.skip_counts()}
+    report = {"num_samples": stream.num_samples, "samples_read": samples_read, "pos_source": stream.pos_source,
+              "batches": shapes, "example_texts": captions, "skip_counts": stream.skip_counts()}
+    if stream.census is not None:   # what the shards hold: missing, truncated, img2dataset's own counts
+        report["shard_sizes"] = stream.census.report()
+    return report
 
 
 def main(argv=None) -> int:

@@ -30,7 +30,7 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from .image_decode import BadImage, decode_crop, open_image, random_resized_crop_box
+from .image_decode import DEFAULT_MAX_IMAGE_BYTES, BadImage, decode_crop, open_image, random_resized_crop_box
 
 Decode = Literal["cpu", "device"]
 FALLBACK = "decode_cpu_fallback"        # worker: decoded on the CPU path (not a device-decodable JPEG)
@@ -54,13 +54,13 @@ def device_decodable(img, data: bytes) -> bool:
 
 
 def ship_sample(data: bytes, size: int, rng, scale, ratio, max_pixels: int, reduced_decode: bool,
-                counts, interpolation: str = "bicubic") -> ShippedImage:
+                counts, interpolation: str = "bicubic", max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> ShippedImage:
     """Draw the crop box as decode_train does; ship the bytes, or decode here when the device cannot."""
     img = open_image(data, max_pixels)   # raises BadImage, counted by the caller as on the CPU path
     box = random_resized_crop_box(*img.size, rng, scale, ratio)
     if device_decodable(img, data):
         return ShippedImage(box, jpeg=data)
-    pixels = decode_crop(data, size, lambda w, h: box, max_pixels, reduced_decode, interpolation)
+    pixels = decode_crop(data, size, lambda w, h: box, max_pixels, reduced_decode, interpolation, max_bytes)
     counts[FALLBACK] += 1
     return ShippedImage(box, pixels=pixels)
 

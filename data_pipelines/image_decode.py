@@ -13,9 +13,11 @@ import warnings
 from typing import Literal
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageMode
 
-DEFAULT_MAX_IMAGE_PIXELS = 50_000_000  # a DataComp image is at most 512 px a side; 50 MP is already absurd
+from .read_bounds import MAX_IMAGE_BYTES as DEFAULT_MAX_IMAGE_BYTES
+from .read_bounds import MAX_IMAGE_PIXELS as DEFAULT_MAX_IMAGE_PIXELS
+
 RATIO = (3 / 4, 4 / 3)
 
 
@@ -51,6 +53,22 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image
     if w * h > max_pixels:
         raise BadImage("decompression_bomb", f"image has {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
     return img
+
+
+def decoded_bytes(img: Image.Image) -> int:
+    """Bytes the decoded image takes (width x height x channels x bytes per channel of its mode, at least the
+    3 of the RGB it is converted to), from its header: nothing is decoded."""
+    mode = ImageMode.getmode(img.mode)
+    per_pixel = len(mode.bands) * np.dtype(mode.typestr).itemsize
+    return img.size[0] * img.size[1] * max(per_pixel, 3)
+
+
+def check_decoded_bytes(img: Image.Image, max_bytes: int) -> None:
+    """Raise BadImage (decompression_bomb) when decoding `img` would take more than max_bytes."""
+    need = decoded_bytes(img)
+    if need > max_bytes:
+        raise BadImage("decompression_bomb", f"image {img.size[0]}x{img.size[1]} ({img.mode}) decodes to {need:,} "
+                                             f"bytes > max_image_bytes={max_bytes:,}")
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -107,9 +125,10 @@ def center_crop_box(width: int, height: int) -> tuple[int, int, int, int]:
 
 
 def decode_crop(data: bytes, size: int, box_fn, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                reduced_decode: bool = True, interpolation: str = "bicubic") -> np.ndarray:
+                reduced_decode: bool = True, interpolation: str = "bicubic",
+                max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> np.ndarray:
     """Decode `data`, crop box_fn(width, height) and resize it to size x size RGB uint8 (H, W, 3) with the
-    `interpolation` filter (CROP_FILTERS)."""
+    `interpolation` filter (CROP_FILTERS); an image that would decode to more than max_bytes is not decoded."""
     img = open_image(data, max_pixels)
     w, h = img.size
     box = box_fn(w, h)
@@ -122,6 +141,7 @@ def decode_crop(data: bytes, size: int, box_fn, max_pixels: int = DEFAULT_MAX_IM
                       (math.ceil(w * size / bw), math.ceil(h * size / bh)))
             sx, sy = img.size[0] / w, img.size[1] / h
             box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+        check_decoded_bytes(img, max_bytes)   # after draft: a big JPEG decodes at its reduced size
         img = to_rgb(img)
         out = img.resize((size, size), CROP_FILTERS[interpolation], box=box, reducing_gap=None)
         arr = np.asarray(out, dtype=np.uint8)
@@ -136,10 +156,10 @@ def decode_crop(data: bytes, size: int, box_fn, max_pixels: int = DEFAULT_MAX_IM
 
 def decode_train(data: bytes, size: int, rng: random.Random, scale=(0.4, 1.0), ratio=RATIO,
                  max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, reduced_decode: bool = True,
-                 interpolation: str = "bicubic") -> np.ndarray:
+                 interpolation: str = "bicubic", max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> np.ndarray:
     """CLIPA training view: random resized crop (area `scale`, no flip) at size px, uint8 (H, W, 3)."""
     return decode_crop(data, size, lambda w, h: random_resized_crop_box(w, h, rng, scale, ratio),
-                       max_pixels, reduced_decode, interpolation)
+                       max_pixels, reduced_decode, interpolation, max_bytes)
 
 
 def decode_eval(data: bytes, size: int, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,

@@ -15,13 +15,8 @@ from __future__ import annotations
 import heapq
 import math
 import random
-import tarfile
 from dataclasses import dataclass, field
 from typing import Iterator
-
-from webdataset.tariterators import base_plus_ext
-
-from .shard_reader import is_remote, shard_sizes
 
 
 @dataclass
@@ -125,42 +120,3 @@ def interleave(iterators: list[Iterator], rng: random.Random) -> Iterator:
             yield next(active[i])
         except StopIteration:
             active.pop(i)
-
-
-def count_tar_samples(shard: str) -> int:
-    """Samples (distinct keys) in a local tar, reading headers only."""
-    keys = set()
-    with tarfile.open(shard, "r") as tar:
-        for member in tar:
-            if member.isreg():
-                key, _ = base_plus_ext(member.name)
-                if key is not None and not key.split("/")[-1].startswith("__"):
-                    keys.add(key)
-    return len(keys)
-
-
-def resolve_sizes(shards: list[str]) -> tuple[dict[str, int], bool]:
-    """Known or estimated sample count of every shard; the flag says some were estimated."""
-    sizes, estimated = shard_sizes(shards)
-    unknown = [i for i, n in enumerate(sizes) if n is None and not is_remote(shards[i])]
-    # Shards without img2dataset stats (someone else's webdataset): count headers, or a sample of them.
-    probe = unknown if len(unknown) <= 1000 else unknown[:: max(1, len(unknown) // 16)][:16]
-    counted = {}
-    for i in probe:
-        try:
-            counted[i] = count_tar_samples(shards[i])
-        except (OSError, tarfile.TarError):
-            counted[i] = 0
-    for i, n in counted.items():
-        sizes[i] = n
-    if len(probe) < len(unknown):
-        estimated = True
-        mean = round(sum(counted.values()) / max(1, len(counted)))
-        for i in unknown:
-            sizes[i] = counted.get(i, mean)
-    known = [n for n in sizes if n is not None]
-    if len(known) < len(sizes):
-        estimated = True
-        mean = round(sum(known) / len(known)) if known else 0
-        sizes = [mean if n is None else n for n in sizes]
-    return dict(zip(shards, sizes)), estimated

@@ -1,100 +1,66 @@
-"""Shard lists and tar reading: expand sources, find data set sizes, iterate raw samples, count bad data.
+"""Shard lists and tar reading: expand sources, iterate raw samples, count bad data.
 
 Sources are parsed by crate_clip.core.shard_sources (brace pattern, folder, glob, tar, URL, `pipe:` command).
-Remote shards are opened by remote_retry.py (outages ridden out), members read by webdataset's tar iterator; grouping
-members into samples is done here so that truncated tars, unreadable shards and duplicate keys become
-counted skips instead of exceptions.
+Remote shards are opened by remote_retry.py (outages ridden out); members are read within bounds by tar_members.py
+(uncompressed tars only, members above their cap passed over unread); grouping members into samples is done
+here so that truncated tars, unreadable shards, oversized members and duplicate keys become counted skips
+instead of exceptions. Data set sizes: shard_census.py.
 """
 from __future__ import annotations
 
-import json
-import subprocess
+import os
+import stat
 import tarfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from webdataset.gopen import gopen
-from webdataset.tariterators import base_plus_ext, tar_file_iterator
+from webdataset.tariterators import base_plus_ext
 
+from crate_clip.checkpoint_io.bounded_reads import file_kind
 from crate_clip.core.shard_sources import (PIPE, REMOTE_PREFIXES, STATS_PROBES, ShardListError,  # noqa: F401
                                      expand_source, is_remote, stats_url)
 
 from .remote_retry import RetryPolicy, ShardSourceUnavailable, open_remote_shard
+from .read_bounds import MAX_CAPTION_BYTES as DEFAULT_MAX_CAPTION_BYTES
+from .read_bounds import MAX_MEMBER_BYTES as DEFAULT_MAX_MEMBER_BYTES
+from .tar_members import CompressedTarError, TruncatedTarError, iter_members
 
 SKIP_REASONS = ("truncated_tar", "unreadable_shard", "undecodable_image", "zero_size_image",
                 "decompression_bomb", "missing_image", "missing_caption", "empty_caption",
-                "non_utf8_caption", "duplicate_key")
+                "non_utf8_caption", "duplicate_key", "compressed_shard", "oversized_member", "oversized_caption")
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-def check_some_shard_exists(sources: list[str], shards: list[str]) -> None:
-    """Raise ShardListError when every shard is a local path and none exists (a mistyped source).
+SPECIAL_CHECKED = 16   # per source, spread over its list: shards stat-ed at the start for being special files
 
-    A few missing shards among existing ones are counted skips (DataComp downloads have gaps)."""
+
+def special_file_kind(path: str) -> str | None:
+    """'a FIFO', 'a socket', 'a character device', ... when `path` exists and is neither a regular file nor a
+    folder; None otherwise (a missing path included)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else file_kind(mode)
+
+
+def check_some_shard_exists(sources: list[str], shards: list[str]) -> None:
+    """Raise ShardListError when every shard is a local path and none exists (a mistyped source), or when a
+    shard a source names, or one of a sample spread over its list, is a FIFO, device or socket (reading one
+    would block or never end).
+
+    A few missing shards among existing ones are counted skips (DataComp downloads have gaps); a special file
+    outside the sample is a counted unreadable shard when it comes to be read."""
+    local = [s for s in shards if not is_remote(s)]
+    step = max(1, len(local) // SPECIAL_CHECKED)
+    for shard in dict.fromkeys(local[::step][:SPECIAL_CHECKED] + [s for s in sources if s in local]):
+        kind = special_file_kind(shard)
+        if kind:
+            raise ShardListError(f"shard {shard} is {kind}, not a regular file: give .tar files (a FIFO would "
+                                 f"block the reader)")
     if shards and not any(is_remote(s) or Path(s).exists() for s in shards):
         raise ShardListError(f"data source {', '.join(map(str, sources))} does not exist: give a folder of .tar "
                              f"shards, a brace pattern or a glob of existing files, or a pipe: command")
-
-
-def _stats_path(shard: str) -> str:
-    """img2dataset's per-shard stats file beside a tar: 00000012.tar -> 00000012_stats.json."""
-    return shard[: -len(".tar")] + "_stats.json" if shard.endswith(".tar") else shard + "_stats.json"
-
-
-def _read_sizes_json(folder: Path) -> dict[str, int]:
-    """{basename: count} from a webdataset-style sizes.json, or {} if there is none."""
-    f = folder / "sizes.json"
-    if not f.is_file():
-        return {}
-    data = json.loads(f.read_text())
-    return {Path(k).name: int(v) for k, v in data.items()}
-
-
-def local_shard_size(shard: str, sizes_cache: dict) -> int | None:
-    """Number of samples in a local shard from its _stats.json ('successes') or sizes.json; None if unknown."""
-    folder = Path(shard).parent
-    if folder not in sizes_cache:
-        sizes_cache[folder] = _read_sizes_json(folder)
-    if Path(shard).name in sizes_cache[folder]:
-        return sizes_cache[folder][Path(shard).name]
-    stats = Path(_stats_path(shard))
-    if stats.is_file():
-        try:
-            return int(json.loads(stats.read_text())["successes"])
-        except (ValueError, KeyError, json.JSONDecodeError):
-            return None
-    return None
-
-
-def remote_shard_size(shard: str, timeout: float = 60.0) -> int | None:
-    """Samples in a remote shard, read from its _stats.json through the same command/URL; None if unknown."""
-    url = stats_url(shard)
-    try:
-        if url.startswith(PIPE):
-            raw = subprocess.run(url[len(PIPE):], shell=True, capture_output=True, timeout=timeout, check=True).stdout
-        else:
-            with gopen(url) as f:
-                raw = f.read()
-        return int(json.loads(raw)["successes"])
-    except Exception:  # a missing stats file just means "unknown"
-        return None
-
-
-def shard_sizes(shards: list[str], max_remote_probes: int = STATS_PROBES) -> tuple[list[int | None], bool]:
-    """Per-shard sample counts (None where unknown) and whether remote ones were extrapolated."""
-    cache: dict = {}
-    sizes: list[int | None] = [None if is_remote(s) else local_shard_size(s, cache) for s in shards]
-    remote = [i for i, s in enumerate(shards) if is_remote(s)]
-    if not remote:
-        return sizes, False
-    # Reading ~140k stats files over the network would take longer than training starts are worth:
-    # probe a few spread over the list and extrapolate their mean.
-    step = max(1, len(remote) // max_remote_probes)
-    probes = [n for n in (remote_shard_size(shards[i]) for i in remote[::step][:max_remote_probes]) if n is not None]
-    if probes:
-        mean = round(sum(probes) / len(probes))
-        for i in remote:
-            sizes[i] = mean
-    return sizes, True
 
 
 def _open_shard(url: str, retry: RetryPolicy | None = None):
@@ -104,9 +70,27 @@ def _open_shard(url: str, retry: RetryPolicy | None = None):
     return open(url, "rb", buffering=1 << 20)
 
 
-def iter_shard_samples(url: str, skips: Counter, retry: RetryPolicy | None = None) -> Iterator[dict]:
-    """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard; bad data counted in `skips`; a remote shard's
-    transient failures retried by `retry` (ShardSourceUnavailable when it gives up)."""
+@dataclass(frozen=True)
+class MemberCaps:
+    """Sizes above which a tar member is passed over unread and its sample skipped (data.max_member_bytes,
+    data.max_caption_bytes)."""
+
+    member_bytes: int = DEFAULT_MAX_MEMBER_BYTES
+    caption_bytes: int = DEFAULT_MAX_CAPTION_BYTES
+
+    def __call__(self, name: str) -> int:
+        """The cap of the member called `name`."""
+        return self.caption_bytes if name.lower().endswith(".txt") else self.member_bytes
+
+
+def iter_shard_samples(url: str, skips: Counter, caps: MemberCaps = MemberCaps(),
+                       retry: RetryPolicy | None = None) -> Iterator[dict]:
+    """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard; bad data counted in `skips`, members above
+    `caps` never read; a remote shard's transient failures retried by `retry` (ShardSourceUnavailable when it
+    gives up)."""
+    if not is_remote(url) and special_file_kind(url):
+        skips["unreadable_shard"] += 1   # a FIFO would block the open for ever; a device reads without end
+        return
     try:
         stream = _open_shard(url, retry)
     except ShardSourceUnavailable:
@@ -116,29 +100,32 @@ def iter_shard_samples(url: str, skips: Counter, retry: RetryPolicy | None = Non
         return
     seen: set[str] = set()
     current: dict | None = None
-    members = tar_file_iterator(stream, skip_meta=r"__[^/]*__($|/)")
     try:
-        for member in members:
-            key, ext = base_plus_ext(member["fname"])
+        for member in iter_members(stream, caps):
+            key, ext = base_plus_ext(member.name)
             if key is None:
                 continue
             ext = ext.lower()
             if current is not None and key == current["__key__"]:
                 if ext in current:
                     current["__duplicate__"] = True
-                current[ext] = member["data"]
+                _put(current, ext, member.data)
                 continue
             if current is not None:
                 yield from _finish(current, seen, skips)
-            current = {"__key__": key, "__url__": url, ext: member["data"]}
+            current = _put({"__key__": key, "__url__": url}, ext, member.data)
         if current is not None:
             yield from _finish(current, seen, skips)
         current = None
     except ShardSourceUnavailable:
         raise
-    except (tarfile.ReadError, EOFError, OSError) as exn:
-        # A stream that never produced a member was not a tar at all; otherwise it stopped mid-way.
-        skips["truncated_tar" if current is not None or "unexpected end" in str(exn) else "unreadable_shard"] += 1
+    except CompressedTarError:
+        skips["compressed_shard"] += 1
+    except TruncatedTarError:
+        skips["truncated_tar"] += 1
+    except (tarfile.ReadError, EOFError, OSError):
+        # A stream that never produced a member was not a tar at all; otherwise it broke off mid-way.
+        skips["truncated_tar" if current is not None else "unreadable_shard"] += 1
     except Exception:
         skips["unreadable_shard"] += 1
     finally:
@@ -151,14 +138,28 @@ def iter_shard_samples(url: str, skips: Counter, retry: RetryPolicy | None = Non
         yield from _finish(current, seen, skips)
 
 
+def _put(sample: dict, ext: str, data: bytes | None) -> dict:
+    """Add a member to a sample being assembled; a member passed over for its size marks the sample oversized."""
+    if data is None:
+        sample["__oversized__"] = "oversized_caption" if ext == "txt" else "oversized_member"
+    else:
+        sample[ext] = data
+    return sample
+
+
 def _finish(sample: dict, seen: set, skips: Counter) -> Iterator[dict]:
-    """Yield a completed sample unless its key repeats within the shard (counted as duplicate_key)."""
+    """Yield a completed sample unless its key repeats within the shard (counted as duplicate_key) or one of its
+    members was above its cap (oversized_caption / oversized_member)."""
     key = sample["__key__"]
     if sample.pop("__duplicate__", False) or key in seen:
         skips["duplicate_key"] += 1
         seen.add(key)
         return
     seen.add(key)
+    oversized = sample.pop("__oversized__", None)
+    if oversized:
+        skips[oversized] += 1
+        return
     yield sample
 
 

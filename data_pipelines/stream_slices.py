@@ -19,10 +19,10 @@ import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .device_decode import DeviceJpegBatch, ship_sample
-from .image_decode import BadImage, decode_train, normalize_batch
+from .image_decode import DEFAULT_MAX_IMAGE_BYTES, BadImage, decode_train, normalize_batch
 from .remote_retry import RetryPolicy
 from .shard_plan import ShardPlan, interleave
-from .shard_reader import iter_shard_samples, sample_caption, sample_image_bytes
+from .shard_reader import MemberCaps, iter_shard_samples, sample_caption, sample_image_bytes
 from .stream_layout import StreamLayout
 from .text_reduction import TextReducer
 
@@ -47,6 +47,8 @@ class SliceSpec:
     decode: str = "cpu"    # "device": ship JPEG bytes + crop boxes, decoded on the trainer's device
     crop_interpolation: str = "bicubic"   # the crop's resampling filter (image_decode.CROP_FILTERS)
     retry: RetryPolicy = RetryPolicy()    # how remote shards ride out outages (data.remote_* keys)
+    caps: MemberCaps = MemberCaps()       # tar members above these are skipped unread (data.max_*_bytes)
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES   # decoded size above which an image is not decoded
 
 
 def fresh_position(skips: Optional[dict] = None) -> dict:
@@ -58,7 +60,7 @@ def _group_raw(plan: ShardPlan, spec: SliceSpec, stream: int, group: int, shards
                skips) -> Iterator[dict]:
     """Raw samples of one group: its shards interleaved at random, then shuffled; bad data counted."""
     tag = f"{plan.rng_seed}-{stream}-{plan.epoch}-{group}"
-    iters = [iter_shard_samples(url, skips, retry=spec.retry) for url in shards]
+    iters = [iter_shard_samples(url, skips, spec.caps, retry=spec.retry) for url in shards]
     # webdataset's buffer shuffle (starts yielding at 100 samples) with a generator seeded by the position:
     # a resume replays the same order from the raw samples alone
     shuffle = wds.shuffle(spec.shuffle_buffer, initial=100, rng=random.Random(f"shuffle-{tag}"))
@@ -92,10 +94,11 @@ def decode_sample(raw: dict, spec: SliceSpec, reducer: TextReducer, rng: random.
     try:
         if spec.decode == "device":  # same draws, same order: only the pixels are left to the device
             image = ship_sample(data, spec.image_size, rng, spec.crop_scale, spec.crop_ratio,
-                                spec.max_image_pixels, spec.reduced_decode, skips, spec.crop_interpolation)
+                                spec.max_image_pixels, spec.reduced_decode, skips, spec.crop_interpolation,
+                                spec.max_image_bytes)
         else:
             image = decode_train(data, spec.image_size, rng, spec.crop_scale, spec.crop_ratio,
-                                 spec.max_image_pixels, spec.reduced_decode, spec.crop_interpolation)
+                                 spec.max_image_pixels, spec.reduced_decode, spec.crop_interpolation, spec.max_image_bytes)
     except BadImage as exn:
         skips[exn.reason] += 1
         return None

@@ -59,11 +59,13 @@ from crate_clip.core.image_normalization import OPENAI_MEAN, OPENAI_STD
 
 from .device_decode import DECODE_COUNTERS, Decode, DeviceJpegBatch
 from .epoch_sizes import adopt_real_sizes
-from .image_decode import DEFAULT_MAX_IMAGE_PIXELS, CropInterpolation
+from .image_decode import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, CropInterpolation
 from .pos_tagging import PosSource
 from .remote_retry import RetryPolicy
-from .shard_plan import ShardPlan, resolve_sizes
-from .shard_reader import SKIP_REASONS, ShardListError, check_some_shard_exists, expand_source
+from .shard_census import ShardCensus, resolve_sizes
+from .shard_plan import ShardPlan
+from .shard_reader import (DEFAULT_MAX_CAPTION_BYTES, DEFAULT_MAX_MEMBER_BYTES, SKIP_REASONS, MemberCaps,
+                           ShardListError, check_some_shard_exists, expand_source)
 from .stream_layout import (KEY, STATE_VERSION, StreamLayout, default_stream_count, resolve_layout,
                             takes_rank_counters)
 from .stream_slices import SliceSpec, StreamsDataset, fresh_position
@@ -95,6 +97,13 @@ class StreamConfig(Section):
     num_samples: Optional[Int] = Field(None, ge=1, description="samples per epoch; default: from _stats.json")
     max_image_pixels: Int = Field(DEFAULT_MAX_IMAGE_PIXELS, ge=1, description="larger images are counted "
                                   "as decompression bombs and skipped")
+    max_image_bytes: Int = Field(DEFAULT_MAX_IMAGE_BYTES, ge=1, description="larger decoded images (width x height "
+                                 "x channels x bytes per channel, from the header, after the JPEG reduced-size "
+                                 "decode) are counted as decompression bombs and skipped, never decoded")
+    max_member_bytes: Int = Field(DEFAULT_MAX_MEMBER_BYTES, ge=1, description="a sample with a tar member larger "
+                                  "than this is skipped (counted oversized_member); the member is never read")
+    max_caption_bytes: Int = Field(DEFAULT_MAX_CAPTION_BYTES, ge=1, description="a sample whose caption is larger "
+                                   "than this is skipped (counted oversized_caption); the caption is never read")
     crop_scale: tuple[Float, Float] = Field((0.4, 1.0), description="random-resized-crop area range [min, max]")
     mean: tuple[Float, Float, Float] = Field(OPENAI_MEAN, description="per-channel image mean (R, G, B); a run "
                                                                       "uses the model config's unless this is set")
@@ -179,12 +188,15 @@ class TrainStream:
         self._measured: dict[str, int] = {}    # shard -> usable samples, where that differs from its stats
         self._keys: list[str] = []
         self._pos_probe: str | None = None
+        self.census: ShardCensus | None = None   # the shards' sizes and problems, once they have been read
 
     @property
     def num_samples(self) -> int:
         """Samples in the data set: the configured num_samples, else the shards' sizes (read on first use)."""
         if self._num_samples is None:
-            self._num_samples = sum((self.plan.sizes or _data_set_sizes(self.plan.all_shards)).values())
+            if self.census is None and not self.plan.sizes:
+                self.census = _data_set_sizes(self.plan.all_shards)
+            self._num_samples = sum((self.plan.sizes or self.census.sizes).values())
         return self._num_samples
 
     @property
@@ -442,9 +454,10 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
                  len(layout.local_streams), max(1, layout.workers), cfg.num_workers)
     # Resampled mode draws shards without needing their sizes: the ~140k _stats.json of DataComp are read
     # only when someone asks for num_samples (shards inspect), never at a trainer's stage start.
-    sizes, num_samples = {}, cfg.num_samples
+    sizes, num_samples, census = {}, cfg.num_samples, None
     if epoch_mode:
-        sizes = _data_set_sizes(all_shards)
+        census = _data_set_sizes(all_shards)
+        sizes = dict(census.sizes)
         num_samples = num_samples if num_samples is not None else sum(sizes.values())
     tokenizer = _tokenizer(tokenizer_name, bert_vocab)
     reducer = TextReducer(context_length, text_mask, tokenizer, pos_source=cfg.pos_source)
@@ -452,15 +465,22 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
                      epoch, streams, cfg.shards_per_group, overflow=epoch_mode and cfg.drop_last)
     spec = SliceSpec(image_size, tuple(cfg.crop_scale), tuple(cfg.crop_ratio), tuple(cfg.mean),
                      tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, cfg.shuffle_buffer, cfg.drop_last,
-                     decode, cfg.crop_interpolation, retry=cfg.retry_policy())
-    return TrainStream(cfg, plan, spec, layout, reducer, num_samples, context_length, text_mask, device)
+                     decode, cfg.crop_interpolation, retry=cfg.retry_policy(),
+                     caps=MemberCaps(cfg.max_member_bytes, cfg.max_caption_bytes), max_image_bytes=cfg.max_image_bytes)
+    stream = TrainStream(cfg, plan, spec, layout, reducer, num_samples, context_length, text_mask, device)
+    stream.census = census
+    return stream
 
-def _data_set_sizes(shards: list[str]) -> dict[str, int]:
-    """Sample count of every shard (from _stats.json / sizes.json / tar headers); logs when estimated."""
-    sizes, estimated = resolve_sizes(shards)
-    if estimated:
-        log.warning("data set size estimated from a subset of the shards: %d samples", sum(sizes.values()))
-    return sizes
+def _data_set_sizes(shards: list[str]) -> ShardCensus:
+    """The census of every shard (sizes from _stats.json / sizes.json / tar headers); logs estimates and what is
+    wrong with the shards (missing, truncated, compressed, malformed stats), one line each."""
+    census = resolve_sizes(shards)
+    if census.estimated:
+        log.warning("data set size estimated from a subset of the shards: %d samples", sum(census.sizes.values()))
+    problems = census.warning()
+    if problems:
+        log.warning("shard sizes %s", problems)
+    return census
 
 
 def _tokenizer(name: str, bert_vocab: str | None = None):

@@ -21,7 +21,9 @@ from crate_clip.models.text_sources import check_text_source
 from crate_clip.models.token_masks import TokenMask
 from crate_clip.data.device_decode import Decode
 from crate_clip.core.shard_sources import refused_source
-from crate_clip.data.shard_reader import ShardListError, expand_source, is_remote
+from crate_clip.data.shard_census import tar_ending
+from crate_clip.data.shard_reader import ShardListError, expand_source, is_remote, special_file_kind
+from crate_clip.data.tar_members import COMPRESSED_MAGIC
 from crate_clip.data.text_reduction import TextMask
 from crate_clip.data.train_stream import StreamConfig, crop_scale_problems
 from crate_clip.eval.registry import EvalSpec, data_problems
@@ -362,6 +364,7 @@ def _check_paths(cfg: RunConfig, base_dir: Path) -> list[str]:
     return errors
 
 
+COMPRESSIONS = set(COMPRESSED_MAGIC.values())
 SHARDS_CHECKED = 16   # per source, spread over its list: a header read each, not a scan of every shard
 
 
@@ -378,9 +381,18 @@ def _source_problems(key: str, source: str) -> list[str]:
     except ShardListError:
         return [f"{key}: {source!r} names no .tar shard (an empty folder or a pattern that matches nothing); {fix}"]
     step = max(1, len(shards) // SHARDS_CHECKED)
-    present = [shard for shard in shards[::step][:SHARDS_CHECKED] if Path(shard).is_file()]
+    sample = shards[::step][:SHARDS_CHECKED]
+    special = [(shard, kind) for shard in sample if (kind := special_file_kind(shard))]
+    if special:   # a FIFO would block the reader for ever, a device be read without end
+        return [f"{key}: {special[0][0]!r} is {special[0][1]}, not a regular file; fix: give .tar files"]
+    present = [shard for shard in sample if Path(shard).is_file()]
     if not present:   # a few missing shards of a pattern are counted by the stream, not an error
         return [f"{key}: {source!r} does not exist; {fix}"]
+    compressed = [(shard, kind) for shard in present if (kind := tar_ending(shard)) in COMPRESSIONS]
+    if compressed:
+        return [f"{key}: {compressed[0][0]!r} is a {compressed[0][1]}-compressed tar, which the stream skips "
+                "(it reads uncompressed .tar shards, member by member within bounds); fix: decompress the shards "
+                "(e.g. gunzip, then rename to .tar)"]
     not_tar = [shard for shard in present if not tarfile.is_tarfile(shard)]
     if not_tar:
         return [f"{key}: {not_tar[0]!r} is not a tar file; fix: rewrite the shard (crate-clip shards ...) or "

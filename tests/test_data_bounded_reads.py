@@ -1,0 +1,214 @@
+"""Bounded reading and sizes as facts, through the real `crate-clip shards inspect` (and `train --validate`) run as
+subprocesses: compressed shards, oversized members, images and captions are counted skips that cost no memory;
+special files are refused at once; truncated and missing shards and malformed stats are reported, not guessed."""
+import gzip
+import json
+import os
+import struct
+import subprocess
+import sys
+import tarfile
+import zlib
+from pathlib import Path
+
+import pytest
+
+import warm_python
+from data_fixtures import add_member, jpeg_bytes, write_tar
+from train_fixtures import REPO_ROOT, run_env
+
+CLI = [sys.executable, "-m", "crate_clip.data.cli", "inspect"]
+
+
+def good_members(prefix: str, n: int) -> list[tuple[str, bytes]]:
+    """n whole samples (a small JPEG and a caption each) keyed prefix0000i."""
+    return [m for i in range(n)
+            for m in ((f"{prefix}{i:04d}.jpg", jpeg_bytes()), (f"{prefix}{i:04d}.txt", b"a red box"))]
+
+
+def png_16bit_gray(width: int, height: int) -> bytes:
+    """A real, decodable 16-bit grayscale PNG of zeros: small on disk, width x height x 2 bytes decoded."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    row = b"\x00" * (1 + 2 * width)   # filter byte + the row's 16-bit samples
+    packer = zlib.compressobj(9)
+    idat = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 16, 0, 0, 0, 0))
+            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+def gzip_tar_of_zeros(path: Path, member_bytes: int) -> None:
+    """A gzip-compressed tar holding one member of zeros (a few hundred KB on disk)."""
+    with gzip.open(path, "wb", compresslevel=1) as raw, tarfile.open(fileobj=raw, mode="w|") as tar:
+        info = tarfile.TarInfo("00010000.jpg")
+        info.size = member_bytes
+        zeros = open("/dev/zero", "rb")
+        tar.addfile(info, zeros)
+        zeros.close()
+
+
+def sparse_member_tar(path: Path, member_bytes: int) -> None:
+    """A tar whose first member claims member_bytes (a hole on disk), then one whole sample and the end blocks."""
+    with open(path, "wb") as f:
+        info = tarfile.TarInfo("00020000.jpg")
+        info.size = member_bytes
+        f.write(info.tobuf(tarfile.USTAR_FORMAT))
+        f.seek(member_bytes, os.SEEK_CUR)   # sparse: nothing written
+        with tarfile.open(fileobj=f, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
+            for name, data in good_members("0007", 1):
+                add_member(tar, name, data)
+
+
+@pytest.fixture(scope="module")
+def shard_sets(tmp_path_factory):
+    """clean/: one shard of 8 whole samples; bad/: the same shard plus a gzip shard with a 256 MiB member, a member
+    header claiming 1 GiB, a 7000 x 7000 16-bit PNG and a 10 MB caption (each next to one whole sample)."""
+    root = tmp_path_factory.mktemp("bounded")
+    clean, bad = root / "clean", root / "bad"
+    for d in (clean, bad):
+        d.mkdir()
+        write_tar(d / "00000000.tar", good_members("0000", 8))
+    gzip_tar_of_zeros(bad / "00000001.tar", 256 << 20)
+    sparse_member_tar(bad / "00000002.tar", 1 << 30)
+    write_tar(bad / "00000003.tar", [("00030000.png", png_16bit_gray(7000, 7000)), ("00030000.txt", b"huge png")]
+              + good_members("0006", 1))
+    write_tar(bad / "00000004.tar", [("00040000.jpg", jpeg_bytes()), ("00040000.txt", b"word " * (2 << 20))]
+              + good_members("0005", 1))
+    return clean, bad
+
+
+def inspect(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """`crate-clip shards inspect ARGS` forked warm (the real command, its exit code and output)."""
+    return warm_python.run(CLI + list(args), env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=timeout)
+
+
+EPOCH = ("--mode", "epoch", "--batches", "100", "--batch-size", "4")
+
+
+def test_bad_members_are_counted_skips_and_the_rest_is_read(shard_sets):
+    _, bad = shard_sets
+    proc = inspect(str(bad), *EPOCH)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    skips = report["skip_counts"]
+    assert (skips["compressed_shard"], skips["oversized_member"], skips["decompression_bomb"],
+            skips["oversized_caption"]) == (1, 1, 1, 1)
+    assert report["samples_read"] == 8 + 3   # the whole sample beside each bad one is read
+    assert report["shard_sizes"]["compressed"] == {"count": 1, "first": [str(bad / "00000001.tar")]}
+    assert "Traceback" not in proc.stderr
+
+
+def test_peak_memory_with_bad_shards_stays_within_10_percent(shard_sets):
+    """Peak RSS of the real command as a fresh process, without then with the bad shards (RUSAGE_CHILDREN: the
+    largest of the children so far, so the second reading is the larger of the two peaks)."""
+    clean, bad = shard_sets
+    wrapper = ("import json, resource, subprocess, sys\n"
+               "peaks = []\n"
+               "for d in sys.argv[1:]:\n"
+               f"    done = subprocess.run({CLI!r} + [d, *{list(EPOCH)!r}], capture_output=True, text=True)\n"
+               "    assert done.returncode == 0, done.stderr[-2000:]\n"
+               "    peaks.append(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+               "print(json.dumps(peaks))\n")
+    proc = subprocess.run([sys.executable, "-c", wrapper, str(clean), str(bad)], env=run_env(), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    clean_kb, both_kb = json.loads(proc.stdout)
+    assert both_kb <= 1.1 * clean_kb, f"peak RSS {clean_kb} KB without the bad shards, {both_kb} KB with them"
+
+
+def test_caps_are_options_of_inspect(shard_sets):
+    clean, _ = shard_sets
+    proc = inspect(str(clean), *EPOCH, "--max-caption-bytes", "5", "--max-member-bytes", "100000")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["samples_read"] == 0 and report["skip_counts"]["oversized_caption"] == 8   # "a red box": 9 bytes
+
+
+@pytest.mark.parametrize("how", ["named", "in a folder"])
+def test_a_fifo_shard_is_refused_at_once(tmp_path, how):
+    fifo = tmp_path / "00000001.tar"
+    write_tar(tmp_path / "00000000.tar", good_members("0000", 2))
+    os.mkfifo(fifo)
+    proc = inspect(str(fifo) if how == "named" else str(tmp_path), "--batches", "1", timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a FIFO, not a regular file" in lines[0] and str(fifo) in lines[0]
+
+
+def test_train_validate_refuses_a_fifo_and_a_gzip_shard(tmp_path):
+    from train_fixtures import tiny_config, write_config
+
+    fifo, gz = tmp_path / "fifo" / "train" / "00000000.tar", tmp_path / "gz" / "train" / "00000000.tar"
+    fifo.parent.mkdir(parents=True)
+    gz.parent.mkdir(parents=True)
+    os.mkfifo(fifo)
+    with gzip.open(gz, "wb") as raw, tarfile.open(fileobj=raw, mode="w|") as tar:
+        add_member(tar, "00000000.txt", b"a caption")
+    for shard, words in ((fifo, "is a FIFO, not a regular file"), (gz, "is a gzip-compressed tar")):
+        config = write_config(tiny_config(tmp_path / "run", shard.parent.parent, evals=False), tmp_path / "c.yaml")
+        proc = warm_python.run([sys.executable, "-m", "crate_clip.train.cli", "--config", str(config), "--validate"],
+                               env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        problems = [line for line in proc.stderr.splitlines() if line.strip().startswith("data.sources")]
+        assert len(problems) == 1 and words in problems[0] and str(shard) in problems[0], proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_sizes_are_facts(tmp_path):
+    """A truncated tar counts its whole samples before the cut, a missing shard counts 0 whatever its stats say,
+    and img2dataset's own counts are reported."""
+    write_tar(tmp_path / "00000000.tar", good_members("0000", 3))
+    stats = {"count": 5, "successes": 3, "failed_to_download": 1, "failed_to_resize": 1, "status_dict": {}}
+    (tmp_path / "00000000_stats.json").write_text(json.dumps(stats))
+    whole = write_tar(tmp_path / "whole.tmp", good_members("0001", 4))
+    with tarfile.open(whole) as tar:
+        cut = tar.getmember("00010002.jpg").offset_data + 10   # in the third sample's image
+    (tmp_path / "00000001.tar").write_bytes(whole.read_bytes()[:cut])
+    whole.unlink()
+    (tmp_path / "00000001_stats.json").write_text(json.dumps({**stats, "successes": 4}))
+    (tmp_path / "00000002_stats.json").write_text(json.dumps({**stats, "successes": 7}))   # its tar is missing
+    proc = inspect(str(tmp_path / "{00000000..00000002}.tar"), *EPOCH)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    sizes = report["shard_sizes"]
+    assert report["num_samples"] == 3 + 2 == report["samples_read"]
+    assert sizes["truncated"] == {"count": 1, "first": {str(tmp_path / "00000001.tar"): 2}}
+    assert sizes["missing"] == {"count": 1, "first": [str(tmp_path / "00000002.tar")]}
+    assert sizes["img2dataset"] == {"stats_files": 2, "count": 10, "successes": 7, "failed_to_download": 2,
+                                    "failed_to_resize": 2}   # a missing tar's stats are not counted
+    warnings = [line for line in proc.stderr.splitlines() if "shard sizes" in line]
+    assert len(warnings) == 1 and "1 missing" in warnings[0] and "1 truncated" in warnings[0]
+
+
+def test_malformed_stats_and_sizes_are_one_counted_warning(tmp_path):
+    for s, successes in enumerate(("1e309", "-3", '"12"')):
+        write_tar(tmp_path / f"0000000{s}.tar", good_members(f"000{s}", 2))
+        (tmp_path / f"0000000{s}_stats.json").write_text('{"successes": %s}' % successes)
+    (tmp_path / "sizes.json").write_text("[]")
+    proc = inspect(str(tmp_path), *EPOCH)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["num_samples"] == 6 == report["samples_read"]   # counted from the tar headers
+    malformed = report["shard_sizes"]["malformed"]
+    assert malformed["count"] == 4 and any("sizes.json: a list" in m for m in malformed["first"])
+    assert any("successes is Infinity" in m for m in malformed["first"])
+    assert "Traceback" not in proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if "4 malformed" in line]) == 1
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_long_member_names_of_gnu_and_pax_tars_are_read(tmp_path, fmt):
+    """The bounded reader parses the headers tarfile and GNU tar write for names above 100 characters."""
+    from collections import Counter
+
+    from crate_clip.data.shard_reader import iter_shard_samples
+
+    key = "shards/" + "k" * 110 + "\u00e9"   # a last part above ustar's 100 characters, and not ASCII
+    with tarfile.open(tmp_path / "long.tar", "w", format=fmt) as tar:
+        for name, data in ((f"{key}.jpg", jpeg_bytes()), (f"{key}.txt", "caption \u00e9".encode())):
+            add_member(tar, name, data)
+    skips = Counter()
+    samples = list(iter_shard_samples(str(tmp_path / "long.tar"), skips))
+    assert [s["__key__"] for s in samples] == [key] and samples[0]["txt"] == "caption \u00e9".encode()
+    assert sum(skips.values()) == 0
