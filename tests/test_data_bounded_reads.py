@@ -99,6 +99,7 @@ def test_bad_members_are_counted_skips_and_the_rest_is_read(shard_sets):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow   # two fresh interpreters: ~14 s of CPU
 def test_peak_memory_with_bad_shards_stays_within_10_percent(shard_sets):
     """Peak RSS of the real command as a fresh process, without then with the bad shards (RUSAGE_CHILDREN: the
     largest of the children so far, so the second reading is the larger of the two peaks)."""
