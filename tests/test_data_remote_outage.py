@@ -157,9 +157,18 @@ def test_pipe_commands_retried_on_failure_and_stall_skipped_when_the_object_is_m
 
 
 def test_s3_urls_are_refused_with_the_pipe_form_to_use():
+    from crate_clip.core.errors import ConfigError
+    from crate_clip.train.run_config import config_from_dict
+
+    source = "s3://bucket/shards/{00000000..00000009}.tar"
     with pytest.raises(ShardListError) as err:
-        expand_source("s3://bucket/shards/{00000000..00000009}.tar")
-    assert "'pipe:aws s3 cp s3://bucket/shards/{00000000..00000009}.tar -'" in str(err.value)
+        expand_source(source)
+    assert f"'pipe:aws s3 cp {source} -'" in str(err.value)
+    stage = {"name": "s", "image_size": 16, "context_length": 16, "samples": 64, "global_batch": 8, "lr": 1e-3}
+    with pytest.raises(ConfigError) as err:   # what `crate-clip train` says, before any work (exit code 2)
+        config_from_dict({"data": {"sources": [source]}, "stages": [stage]})
+    assert f"data.sources.0: '{source}': s3:// is read through the aws CLI" in str(err.value)
+    assert f"fix: 'pipe:aws s3 cp {source} -'" in str(err.value)
 
 
 def test_s3_through_moto_server_read_with_pipe_aws_s3_cp(shards, monkeypatch):

@@ -411,7 +411,9 @@ def resolve_path(path: str, base_dir: Path) -> Path:
 
 def _resolve_paths(cfg: RunConfig, base_dir: Path) -> None:
     """Make relative local paths found beside the config absolute, so every rank reads the same files."""
-    cfg.data.sources = [s if is_remote(s) else str(resolve_path(s, base_dir)) for s in cfg.data.sources]
+    # a refused URL (s3://) stays as written: its refusal names the pipe: form to use, which a path would mangle
+    cfg.data.sources = [s if is_remote(s) or refused_source(s) else str(resolve_path(s, base_dir))
+                        for s in cfg.data.sources]
     for e in cfg.eval.evals:
         e.data = str(resolve_path(e.data, base_dir)) if e.data else e.data
         if getattr(e, "classnames", None):
