@@ -126,15 +126,19 @@ def test_caps_are_options_of_inspect(shard_sets):
     assert report["samples_read"] == 0 and report["skip_counts"]["oversized_caption"] == 8   # "a red box": 9 bytes
 
 
-@pytest.mark.parametrize("how", ["named", "in a folder"])
-def test_a_fifo_shard_is_refused_at_once(tmp_path, how):
-    fifo = tmp_path / "00000001.tar"
+@pytest.mark.parametrize("how", ["FIFO named", "FIFO in a folder", "link to /dev/zero in a folder"])
+def test_a_special_file_shard_is_refused_at_once(tmp_path, how):
+    special = tmp_path / "00000001.tar"
     write_tar(tmp_path / "00000000.tar", good_members("0000", 2))
-    os.mkfifo(fifo)
-    proc = inspect(str(fifo) if how == "named" else str(tmp_path), "--batches", "1", timeout=60)
+    if how.startswith("FIFO"):
+        os.mkfifo(special)
+    else:
+        special.symlink_to("/dev/zero")
+    proc = inspect(str(special) if how == "FIFO named" else str(tmp_path), "--batches", "1", timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "a FIFO, not a regular file" in lines[0] and str(fifo) in lines[0]
+    kind = "a FIFO" if how.startswith("FIFO") else "a character device"
+    assert len(lines) == 1 and f"{kind}, not a regular file" in lines[0] and str(special) in lines[0]
 
 
 def test_train_validate_refuses_a_fifo_and_a_gzip_shard(tmp_path):
