@@ -8,6 +8,8 @@ PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.14.1 torchvision==0.29.1
 # Debian packages holding the real local data sets used by the demo and the tests (one list, in Python).
 DEB_DATA := $(shell $(PYTHON) data_pipelines/sources/debian_packages.py)
+# Debian packages of the real components some tests run: a one-node Slurm on localhost (tests/slurm_cluster.py).
+DEB_TOOLS := slurm-wlm
 
 .PHONY: install system-data demo test bench clip-benchmark timm-model-tests clean
 
@@ -24,13 +26,14 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install -q $$pin -e '.[dev]'
 	@touch $@
 
-# Installs the Debian data packages when missing (needs root and apt); otherwise says what to install.
+# Installs the Debian data and test-tool packages when missing (needs root and apt); otherwise says what to install.
 system-data:
-	@missing=""; for p in $(DEB_DATA); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@missing=""; for p in $(DEB_DATA) $(DEB_TOOLS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	    if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	        echo "installing Debian data packages:$$missing"; \
-	        (apt-get install -y -qq $$missing || (apt-get update -qq && apt-get install -y -qq $$missing)) >/dev/null; \
+	        (export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq $$missing || \
+	         (apt-get update -qq && apt-get install -y -qq $$missing)) >/dev/null; \
 	    else \
 	        echo "note: Debian packages missing:$$missing (install them with: sudo apt-get install$$missing);" \
 	             "the demo needs $(firstword $(DEB_DATA)), some tests skip without the others"; \

@@ -174,11 +174,13 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1],
+                         ids=["SIGTERM", "SIGINT", "SIGUSR1"])
 def test_sigterm_and_sigint_release_the_lock(tmp_path, signum):
-    """SIGTERM still ends the process by the signal (as a launcher expects); SIGINT still raises
-    KeyboardInterrupt (which, uncaught, ends Python by SIGINT too). Both first remove the lock, so the next run
-    or requeue finds the folder free."""
+    """SIGTERM and SIGUSR1 (Slurm's early warning) still end the process by the signal (as a launcher expects) where
+    the trainer does not make them a stop request (--save-on-signal none; test_slurm_preemption.py: it does by
+    default); SIGINT still raises KeyboardInterrupt (which, uncaught, ends Python by SIGINT too). All first remove
+    the lock, so the next run or requeue finds the folder free."""
     run_dir, path = tmp_path / "run", tmp_path / "run.lock"
     # SIGINT at its default, as a terminal gives it: a pytest-xdist worker ignores SIGINT, and a process that starts
     # with it ignored keeps it ignored (Python installs KeyboardInterrupt only where SIGINT is not ignored)

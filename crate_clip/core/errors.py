@@ -13,6 +13,7 @@ EXIT_RESUME = 4                  # the checkpoint named by --resume cannot be co
 EXIT_LOCKED = 5                  # the run folder is in use by another training run
 EXIT_NO_SPACE = 6                # the disk filled up while a run wrote (the last complete checkpoint is kept)
 EXIT_SOURCE_UNAVAILABLE = 7      # a remote data source stayed unreachable past data.remote_retry_total_s (saved)
+EXIT_PREEMPTED = 8               # stopped by a preemption signal after saving (--save-on-signal)
 # What each exit code of a crate-clip process means; docs/exit_codes.md says the same for users.
 EXIT_MEANINGS = {1: "unexpected error, see the traceback above",
                  EXIT_USAGE: "configuration or input error, see the message above",
@@ -20,7 +21,8 @@ EXIT_MEANINGS = {1: "unexpected error, see the traceback above",
                  EXIT_RESUME: "the checkpoint cannot be resumed by this job",
                  EXIT_LOCKED: "the run folder is in use by another training run",
                  EXIT_NO_SPACE: "no space left on the device the run writes to",
-                 EXIT_SOURCE_UNAVAILABLE: "a data source stayed unreachable; --resume latest continues once it is back"}
+                 EXIT_SOURCE_UNAVAILABLE: "a data source stayed unreachable; --resume latest continues once it is back",
+                 EXIT_PREEMPTED: "stopped by a preemption signal after saving; --resume latest continues"}
 # Set in the processes torchrun, the DeepSpeed launcher and `accelerate launch` start.
 LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION")
 # read as the process starts: a one-process `crate-clip train` sets RANK and LOCAL_RANK itself later

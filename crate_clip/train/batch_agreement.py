@@ -10,9 +10,18 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as tdist
 
+from crate_clip.train.stop_requests import stops_with_checkpoint
+
 
 class OtherRankDataError(RuntimeError):
-    """Another rank's data stream raised; the message is that rank's error."""
+    """Another rank's data stream raised; the message is that rank's error. When that error asks for a checkpoint
+    before the run exits (stop_requests.stops_with_checkpoint), so does this one, with its message and exit code:
+    every rank then saves the same step."""
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.checkpoint_before_exit, self.exit_code = True, exit_code
 
 
 def agreed_batches(stream: Iterable, device: str = "cpu") -> Iterator:
@@ -40,8 +49,18 @@ def _raise_if_any_failed(error: BaseException | None, device: str) -> None:
     if flag.item() == 0:
         return
     messages = [None] * tdist.get_world_size()
-    tdist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    tdist.all_gather_object(messages, None if error is None else _described(error))
     if error is not None:
         raise error
     rank = next(r for r, m in enumerate(messages) if m is not None)
-    raise OtherRankDataError(f"rank {rank}'s data stream failed: {messages[rank]}")
+    text, exit_code = messages[rank]
+    if exit_code is not None:   # that rank's own one-line message (it names the source): every rank says the same
+        raise OtherRankDataError(text, exit_code)
+    raise OtherRankDataError(f"rank {rank}'s data stream failed: {text}")
+
+
+def _described(error: BaseException) -> tuple[str, int | None]:
+    """(the error as another rank reports it, its exit code when it asks for a checkpoint before the exit)."""
+    if stops_with_checkpoint(error):
+        return str(error), error.exit_code
+    return f"{type(error).__name__}: {error}", None

@@ -6,6 +6,7 @@ WORLD_SIZE, MASTER_ADDR; the DeepSpeed launcher also passes --local_rank, accept
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -34,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--take-over-lock", action="store_true",
                    help="take over the run folder's lock even though another host still refreshes it (that run is "
                         "gone: its node was lost or its job cancelled); a running process of this host still refuses")
+    p.add_argument("--save-on-signal", default="USR1,TERM", metavar="SIGNALS",
+                   help="signals that make every rank finish its step, save a checkpoint, release the run folder and "
+                        "exit 8 (Slurm: --signal=B:USR1@120, and the SIGTERM of scancel, preemption and requeue); "
+                        "comma-separated, or none (default: USR1,TERM; docs/training.md#preemption-and-slurm)")
+    p.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=False,
+                   help="after such a stop, requeue this Slurm job (scontrol requeue $SLURM_JOB_ID) unless Slurm is "
+                        "already ending it: it resumes with --resume auto (--no-requeue: the last one given wins)")
     p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
     p.add_argument("--validate", action="store_true",
                    help="check the config, print the shell commands its pipe: sources run, and exit")
@@ -48,6 +56,12 @@ def main(argv=None) -> int:
     if (args.config is None) == (args.config_option is None):
         parser.error("give the run config once: `crate-clip train CONFIG` or `crate-clip train --config CONFIG`")
     args.config = args.config or args.config_option
+    from crate_clip.train import stop_requests   # torch's import, as below
+
+    try:
+        stop_requests.install_signal_handlers(stop_requests.parse_signals(args.save_on_signal))
+    except ValueError as exc:
+        parser.error(str(exc))
     # the run's modules (torch, DeepSpeed, open_clip: seconds of CPU) after parsing, so that --help is instant
     import torch.distributed as tdist
 
@@ -85,6 +99,11 @@ def main(argv=None) -> int:
                                    take_over_lock=args.take_over_lock)
     except UntrustedCheckpointError as exc:   # every rank reads the same files: rank 0 says it
         return report_error(PROG, exc, once_per_job=True)
+    except stop_requests.StopRequested as exc:   # saved, and the run folder's lock released
+        code = report_error(PROG, exc)
+        if args.requeue and os.environ.get("RANK", "0") == "0":
+            stop_requests.requeue_slurm_job()
+        return code
     except USER_ERRORS as exc:   # config, run folder, resume, non-finite losses: a message and their exit code
         return report_error(PROG, exc)
     except Exception as exc:   # a full disk outside a checkpoint save (metrics, run_config.yaml, the export)

@@ -32,6 +32,7 @@ PR_SET_PDEATHSIG = 1
 LAUNCHED_ENV = ("TORCHELASTIC_RUN_ID", "CROSS_RANK", "ACCELERATE_USE_CPU")
 EXIT_LAUNCHER_GONE = 1
 _watching = False
+_parent: list[int] = []   # the launcher process watched (this process's parent when it started)
 
 
 def launched() -> bool:
@@ -46,11 +47,22 @@ def watch_launcher() -> None:
         return
     _watching = True
     parent = os.getppid()
+    _parent.append(parent)
     _set_parent_death_signal()
     watched = [(pid, process_start(pid)) for pid in (parent, _runner_above(parent)) if pid]
     if parent == 1 or os.getppid() != parent:   # gone before the kernel could be asked to tell
         _stop(parent)
     threading.Thread(target=_watch, args=(parent, watched), name="launcher-watch", daemon=True).start()
+
+
+def launcher_gone() -> bool:
+    """True in a launched process whose launcher has exited (the parent-death SIGTERM then means: stop now)."""
+    return bool(_parent) and os.getppid() != _parent[0]
+
+
+def stop_orphan() -> None:
+    """End this process as the watchdog does when its launcher is gone (the lock released first); never returns."""
+    _stop(_parent[0] if _parent else os.getppid())
 
 
 def _set_parent_death_signal() -> None:

@@ -22,9 +22,10 @@ refreshes the file's modification time every HEARTBEAT_S seconds. Another proces
 
 Taking over renames the stale file aside (of two processes taking over at once, one rename wins) and creates a new
 one. A holder whose lock was taken over (it was stopped for longer than STALE_AFTER_S) exits at its next heartbeat
-rather than write beside the new holder. SIGTERM and SIGINT of the holder release its lock first (then SIGTERM ends
-the process as before, SIGINT raises KeyboardInterrupt), and so does launcher_watch before it ends a process whose
-launcher is gone; only SIGKILL, a crash of the host or another os._exit leave it.
+rather than write beside the new holder. SIGTERM, SIGINT and SIGUSR1 of the holder release its lock first (then
+SIGTERM and SIGUSR1 end the process as before, SIGINT raises KeyboardInterrupt), unless the trainer makes them a stop
+request (--save-on-signal, stop_requests.py: it saves, then releases the lock and exits); so does launcher_watch
+before it ends a process whose launcher is gone; only SIGKILL, a crash of the host or another os._exit leave it.
 """
 from __future__ import annotations
 
@@ -236,14 +237,18 @@ class RunLock:
                 os.utime(self.path)
 
     def _release_on_signals(self) -> None:
-        """SIGTERM (Slurm's cancel and time limit, torchrun stopping its workers, the parent-death signal) and
-        SIGINT release the lock before they act: the next run or requeue then finds the folder free. Python runs
+        """SIGTERM (Slurm's cancel and time limit, torchrun stopping its workers, the parent-death signal), SIGINT
+        and SIGUSR1 (Slurm's usual early warning) release the lock before they act: the next run or requeue then finds
+        the folder free. A signal that `crate-clip train --save-on-signal` makes a stop request (stop_requests.py) is
+        left to it: the run finishes its step, saves, and releases the lock on its way out. Python runs
         the handler between bytecodes of the main thread; a process blocked in a collective is ended by
         launcher_watch's thread, and a lock left that way is stale by its PID or its job."""
         if threading.current_thread() is not threading.main_thread():
             return
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             previous = signal.getsignal(signum)
+            if getattr(previous, "releases_lock_itself", False):   # a stop request (stop_requests.py): the run
+                continue                                            # saves, exits and releases the lock itself
             if previous is signal.SIG_IGN or previous is None:   # ignored (nohup), or set outside Python: kept
                 continue
             self._previous_handlers[signum] = previous

@@ -13,7 +13,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ from crate_clip.train.run_dir import check_run_dir, move_run_aside
 from crate_clip.train.run_lock import run_folder_lock
 from crate_clip.train.stage_evals import agreed_missing_evals, evaluate_after_stage
 from crate_clip.train.stage_model import ResolvedStage, resolve_stage
+from crate_clip.train.stop_requests import StopRequested, agreed_stop, request_stop, stops_with_checkpoint
 from crate_clip.train.throughput import StepMeter
 from crate_clip.train.train_step import train_step
 from crate_clip.train.whitebox_log import WhiteboxProbe
@@ -297,13 +298,17 @@ def train_stage(run: RunContext, stage: ResolvedStage, engine, stream, progress:
     with _rng_untouched(dist):
         meter = StepMeter(stage, dist, cfg.data.num_workers)
         probe = WhiteboxProbe.for_stage(cfg, stage, engine, dist, log)  # None unless logging.diagnostics_every
+    stop, first_step = None, progress.step
     while progress.step < stage.steps:
         meter.begin()
+        position = _stream_state(stream)   # before the fetch: a rank whose batch is dropped below must not skip it
         try:
-            images, tokens = next(batches)
-        except StopIteration:  # epoch mode: the next pass over the shards
-            batches = agreed_batches(stream, dist.device)
-            images, tokens = _first_batch_of_epoch(batches, cfg)
+            batches, (images, tokens) = _next_batch(batches, stream, cfg, dist)
+        except Exception as exc:   # a data source given up on: every rank raised at this batch (agreed_batches)
+            if not stops_with_checkpoint(exc):
+                raise
+            request_stop(str(exc), exc.exit_code)
+            _stop(run, engine, stage, progress, stream, agreed_stop(dist), first_step, stream_state=position)
         lr = engine.get_lr()[0]
         meter.data_ready()
         result = train_step(engine, loss_fn, images, tokens, dist, dtype, cfg.model.attention)
@@ -353,22 +358,62 @@ def train_stage(run: RunContext, stage: ResolvedStage, engine, stream, progress:
                 f"{progress.step}, {progress.samples_seen} samples seen. The weights of the last good step are "
                 f"saved in {tag_dir}. Fix: lower stages.{progress.stage_index}.lr or raise its warmup_steps, use "
                 f"precision: bf16/fp32 instead of fp16, or check the data; then resume with --resume latest.")
+        saved = None
         if every_ckpt and progress.step % every_ckpt == 0 and not last:
-            _save(run, engine, stage, progress, stream)
+            saved = _save(run, engine, stage, progress, stream)
+        stop = agreed_stop(dist)   # a preemption signal on any rank: every rank stops after this same step
+        if stop is not None and not last:
+            _stop(run, engine, stage, progress, stream, stop, first_step, saved)
     tag_dir = _save(run, engine, stage, progress, stream)
+    if stop is not None:   # on the stage's last step: its final checkpoint is the save; evaluations on resume
+        _stop(run, engine, stage, progress, stream, stop, first_step, tag_dir)
     log.end_stage()
     return tag_dir
 
 
+def _stop(run: RunContext, engine, stage: ResolvedStage, progress: Progress, stream, stop: tuple[str, int],
+          first_step: int, saved: Optional[Path] = None, stream_state: Optional[dict] = None) -> NoReturn:
+    """Every rank: save the last completed step (unless `saved` holds it, or no step was trained since the checkpoint
+    this stage started from), end the stage's display and raise StopRequested with the stop's reason and exit code
+    (the run folder's lock is released on the way out; stop_requests.py)."""
+    reason, code = stop
+    tag_dir = saved
+    if tag_dir is None and progress.step > first_step:
+        tag_dir = _save(run, engine, stage, progress, stream, stream_state)
+    elif tag_dir is None and progress.step > 0:   # the checkpoint this stage resumed from holds this step
+        tag_dir = run.ckpts.root / checkpoint_tag(progress.stage_index, progress.step)
+    run.log.end_stage()
+    where = f"stage {progress.stage_index} ({stage.name}) step {progress.step}, {progress.samples_seen} samples seen"
+    kept = f"saved in {tag_dir}" if tag_dir else "no step of this stage trained yet: the last checkpoint is kept"
+    resume = "" if "--resume" in reason else "; continue with --resume latest (or --resume auto)"
+    raise StopRequested(f"{reason.rstrip('.')}; at {where}, {kept}{resume}", code)
+
+
+def _next_batch(batches, stream, cfg: RunConfig, dist: DistInfo):
+    """(the batch iterator, the step's batch); in epoch mode a pass that ends starts the next."""
+    try:
+        return batches, next(batches)
+    except StopIteration:  # epoch mode: the next pass over the shards
+        batches = agreed_batches(stream, dist.device)
+        return batches, _first_batch_of_epoch(batches, cfg)
+
+
 # ---------------------------------------------------------------- checkpoints
-def _save(run: RunContext, engine, stage: ResolvedStage, progress: Progress, stream) -> Path:
+def _stream_state(stream) -> Optional[dict]:
+    return stream.state_dict() if hasattr(stream, "state_dict") else None
+
+
+def _save(run: RunContext, engine, stage: ResolvedStage, progress: Progress, stream,
+          stream_state: Optional[dict] = None) -> Path:
+    """Every rank: a checkpoint of the step just trained; `stream_state`: the data position to record (default: the
+    stream's now)."""
     cfg, ckpts = run.cfg, run.ckpts
     info = CheckpointInfo(cfg.model.name, stage.image_size, stage.context_length, tower_patch_size(engine.module),
                           stage.zero_stage, stage.name, stage.steps, cfg.precision, cfg.to_dict(),
                           {"mean": list(stage.mean), "std": list(stage.std)},
                           tokenizer_record(cfg.model.tokenizer or cfg.model.name, cfg.model.bert_vocab),
                           progress)
-    stream_state = stream.state_dict() if hasattr(stream, "state_dict") else None
+    stream_state = stream_state if stream_state is not None else _stream_state(stream)
     rank_state = {"stream": stream_state, "rng": rng_state(), "progress": dataclasses.asdict(progress)}
     table = gather_stream_table(stream_state, ckpts.rank, ckpts.world_size)   # every rank: a collective
     return ckpts.save(engine, checkpoint_tag(progress.stage_index, progress.step), info.as_dict(), rank_state,

@@ -1,0 +1,45 @@
+"""The stop machinery outside Slurm (stop_requests.py; under a real Slurm: test_slurm_preemption.py): which signals
+--save-on-signal takes, and a data source given up on by one rank of two (an error with `checkpoint_before_exit`)
+makes both ranks save the last completed step at the same data position and exit with that error's code and line."""
+import json
+import signal
+
+import pytest
+
+from crate_clip.train.stop_requests import parse_signals
+from train_fixtures import REPO_ROOT, ranks_cmd, read_jsonl, run_job, tiny_config, write_config
+
+
+def test_save_on_signal_names_and_numbers():
+    assert parse_signals("USR1,TERM") == (signal.SIGUSR1, signal.SIGTERM)
+    assert parse_signals("sigusr2, 15") == (signal.SIGUSR2, signal.SIGTERM)
+    assert parse_signals("none") == () and parse_signals("") == ()
+    with pytest.raises(ValueError, match="'BOGUS' is no signal"):
+        parse_signals("USR1,BOGUS")
+    with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
+        parse_signals("KILL")
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_source_given_up_on_one_rank_saves_every_rank_at_the_same_step_and_exits_with_its_code(
+        tiny_fmnist, tmp_path):
+    stage = {"name": "low", "image_size": 16, "context_length": 16, "samples": 160, "global_batch": 16, "lr": 2e-3,
+             "warmup_steps": 1}
+    cfg = tiny_config(tmp_path / "run", tiny_fmnist, precision="fp32", stages=[stage], evals=False,
+                      logging={"every_steps": 1, "progress": False, "tensorboard": False, "plot": False})
+    cfg["data"]["num_workers"] = 0
+    config = write_config(cfg, tmp_path / "run.yaml")
+    done = run_job(ranks_cmd(2, str(config), "1", "4", script=REPO_ROOT / "tests" / "stop_workers.py"))
+    out = done.stdout + done.stderr
+    assert done.returncode == 7, out[-4000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("crate-clip train:")]
+    assert len(lines) == 1 and "http://shards.invalid/{0..2}.tar: unreachable" in lines[0], out[-4000:]
+    assert "step00000003" in lines[0] and lines[0].count("--resume latest") == 1, lines
+    ckpt = tmp_path / "run" / "checkpoints" / "stage0-step00000003"
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == ckpt.name
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    # rank 0 had fetched its 4th batch when rank 1's source failed: its saved position is still after batch 3
+    table = json.loads((ckpt / "stream_table.json").read_text())
+    assert table["batches"] == 3, {k: v for k, v in table.items() if k != "streams"}
+    assert not (tmp_path / "run.lock").exists()
