@@ -17,6 +17,7 @@ import stat
 import subprocess
 import tarfile
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ MAX_COUNT = 10 ** 9            # samples in one shard (DataComp: 10,000)
 MAX_STATS_BYTES = 16 << 20     # a _stats.json with its status_dict: a few KB
 HEADER_COUNT_ALL = 1000        # shards without stats counted from their headers; above, a sample of 16
 LISTED = 10                    # shards named per problem in the report
+LOOKERS = 16                   # threads looking at local shards (I/O bound)
 
 
 class MalformedSizeError(ValueError):
@@ -177,51 +179,71 @@ class ShardCensus:
         return f"of {len(self.sizes):,} shards: " + "; ".join(parts) if parts else None
 
 
-def _claimed(shard: str, folder_sizes: dict, census: ShardCensus) -> int | None:
-    """A local shard's size from sizes.json or its _stats.json (whose counts are summed into the census)."""
-    folder = Path(shard).parent
-    if folder not in folder_sizes:
-        folder_sizes[folder], problems = read_sizes_json(folder)
-        census.malformed += problems
-    claimed = folder_sizes[folder].get(Path(shard).name)
+@dataclass
+class _Look:
+    """What one look at a local shard found: its size (None: to be counted from its headers), its problem
+    ('missing', 'truncated', 'compressed', 'unreadable'), its img2dataset counts, a malformed stats file."""
+
+    size: int | None
+    problem: str | None = None
+    counts: dict | None = None
+    malformed: str | None = None
+
+
+def _stats_of(shard: str) -> tuple[dict | None, str | None]:
+    """(img2dataset counts, None) of a shard's _stats.json, (None, why) when it is malformed, (None, None) if none."""
     stats = stats_url(shard)
     if not os.path.isfile(stats):
-        return claimed
+        return None, None
     try:
-        counts = stats_counts(read_small_bytes(stats, MAX_STATS_BYTES), stats)
+        return stats_counts(read_small_bytes(stats, MAX_STATS_BYTES), stats), None
     except (MalformedSizeError, UnreadableRecordError, OSError) as exn:
-        census.malformed.append(str(exn))
-        return claimed
-    census.img2dataset.update(counts)
-    census.img2dataset["stats_files"] += 1
-    return counts["successes"] if claimed is None else claimed
+        return None, str(exn)
 
 
-def _local_size(shard: str, folder_sizes: dict, census: ShardCensus) -> int | None:
-    """A local shard's size (None: unknown, to be counted from its headers); problems go into the census."""
+def _look_at(shard: str, listed: int | None) -> _Look:
+    """A local shard looked at before its stats (or its sizes.json entry, `listed`) are believed."""
     try:
         mode = os.stat(shard).st_mode
     except FileNotFoundError:
-        census.missing.append(shard)
-        return 0
+        return _Look(0, "missing")
     except OSError:
         mode = 0
     if not stat.S_ISREG(mode):
-        census.unreadable.append(shard)
-        return 0
-    claimed = _claimed(shard, folder_sizes, census)
+        return _Look(0, "unreadable")
+    counts, malformed = _stats_of(shard)
+    claimed = listed if listed is not None else counts["successes"] if counts else None
     try:
         ending = tar_ending(shard)
         if ending == "truncated":
-            census.truncated[shard] = count_tar_samples(shard)
-            return census.truncated[shard]
+            return _Look(count_tar_samples(shard), "truncated", counts, malformed)
     except (OSError, tarfile.ReadError):
-        census.unreadable.append(shard)
-        return 0
+        return _Look(0, "unreadable", counts, malformed)
     if ending != "complete":
-        census.compressed.append(shard)
-        return 0
-    return claimed
+        return _Look(0, "compressed", counts, malformed)
+    return _Look(claimed, None, counts, malformed)
+
+
+def _look_at_local(shards: list[str], census: ShardCensus) -> dict[str, int | None]:
+    """Sizes of the local shards (None: unknown), looked at by a pool of threads: on a network file system
+    each look waits on a few round trips, and DataComp has ~140k shards."""
+    listed: dict[Path, dict] = {}
+    for folder in dict.fromkeys(Path(s).parent for s in shards):
+        listed[folder], problems = read_sizes_json(folder)
+        census.malformed += problems
+    with ThreadPoolExecutor(LOOKERS) as pool:
+        looks = list(pool.map(lambda s: _look_at(s, listed[Path(s).parent].get(Path(s).name)), shards))
+    for shard, look in zip(shards, looks):
+        if look.problem == "truncated":
+            census.truncated[shard] = look.size
+        elif look.problem:
+            getattr(census, look.problem).append(shard)
+        if look.counts:
+            census.img2dataset.update(look.counts)
+            census.img2dataset["stats_files"] += 1
+        if look.malformed:
+            census.malformed.append(look.malformed)
+    return {shard: look.size for shard, look in zip(shards, looks)}
 
 
 def _count_headers(shards: list[str], unknown: list[str], sizes: dict, census: ShardCensus) -> None:
@@ -256,9 +278,9 @@ def _probe_remote(shards: list[str], sizes: dict, census: ShardCensus, max_probe
 
 def resolve_sizes(shards: list[str], max_remote_probes: int = STATS_PROBES) -> ShardCensus:
     """The census of `shards`: the known or estimated sample count of each, and what is wrong with them."""
-    census, folder_sizes = ShardCensus(), {}
-    sizes: dict[str, int | None] = {s: None if is_remote(s) else _local_size(s, folder_sizes, census)
-                                    for s in shards}
+    census = ShardCensus()
+    local = _look_at_local([s for s in shards if not is_remote(s)], census)
+    sizes: dict[str, int | None] = {s: local.get(s) for s in shards}
     _count_headers(shards, [s for s, n in sizes.items() if n is None and not is_remote(s)], sizes, census)
     _probe_remote(shards, sizes, census, max_remote_probes)
     known = [n for n in sizes.values() if n is not None]
