@@ -3,8 +3,9 @@ the byte it broke at, and one error (exit code 7) when the source stays away pas
 
 Why at the byte level: the tar reader above sees one uninterrupted byte stream, so a shard read again after a
 failure yields no sample twice and none out of order, and a run that rides out an outage trains on exactly the
-samples of an undisturbed one. A re-opened transfer reads and discards the bytes already delivered (plain
-`python -m http.server` and `pipe:` commands cannot start mid-file).
+samples of an undisturbed one. A re-opened transfer starts at the first byte not yet delivered: by an HTTP Range
+request where the server honours it, else (`python -m http.server`, `pipe:` commands) by reading and dropping
+the bytes already delivered.
 
 Permanent failures (HTTP 404 / 403, a missing object) are PermanentSourceError, an OSError: the shard reader
 counts them as unreadable or truncated shards, as before. How each kind of source is read: remote_transport.py.
@@ -109,8 +110,11 @@ class RetryingShardStream(io.RawIOBase):
         while True:
             body = None
             try:
-                body = open_transport(self.url, self.policy.stall_s)
-                self._discard(body, self._delivered)
+                body = open_transport(self.url, self.policy.stall_s, self._delivered)
+                if body.position > self._delivered:
+                    raise PermanentSourceError(f"{shown_source(self.url)}: asked for byte {self._delivered:,}, "
+                                               f"the server sent from byte {body.position:,}")
+                self._discard(body, self._delivered - body.position)
                 return body
             except TransientSourceError as exn:
                 if body is not None:

@@ -6,7 +6,8 @@ A transport is opened once per attempt; remote_retry.py retries the transient fa
   stored), read as http;
 - pipe:<command>: the command in a shell, its standard output read (webdataset's convention);
 - gs://, ais://, sftp://: the command webdataset runs for them (`gsutil cat`, `ais get`, `curl`), read as pipe:.
-A transfer that sends no byte for `stall_s` seconds is broken off (a transient failure).
+A transfer that sends no byte for `stall_s` seconds is broken off (a transient failure). A transfer re-opened
+mid-shard asks an HTTP server for the rest only (`Range`); a server that ignores it, and a command, start over.
 """
 from __future__ import annotations
 
@@ -48,16 +49,17 @@ def shown_source(url: str) -> str:
     return re.sub(r"//([^/@:\s]+):[^/@\s]*@", r"//\1:***@", url)
 
 
-def open_transport(url: str, stall_s: float):
-    """An open transfer of the remote shard `url`: an object with readinto(buffer) and close() whose failures are
+def open_transport(url: str, stall_s: float, start: int = 0):
+    """An open transfer of the remote shard `url` from byte `start` where the source can (HTTP Range): an object with
+    readinto(buffer), close() and `position` (the byte it starts at: `start` or 0), whose failures are
     TransientSourceError or PermanentSourceError."""
     if url.startswith(PIPE):
         return CommandOutput(url[len(PIPE):], stall_s)
     if url.startswith("hf://"):
         http_url, headers = hf_http_url(url)
-        return HttpBody(http_url, stall_s, headers)
+        return HttpBody(http_url, stall_s, headers, start)
     if url.startswith(("http://", "https://")):
-        return HttpBody(url, stall_s)
+        return HttpBody(url, stall_s, start=start)
     for scheme, command in COMMAND_SCHEMES.items():
         if url.startswith(scheme):
             return CommandOutput(command.format(shlex.quote(url)), stall_s)
@@ -95,19 +97,22 @@ def _network_error(exn: BaseException) -> str:
 
 
 class HttpBody:
-    """The body of one HTTP GET; every socket operation waits at most `stall_s` seconds."""
+    """The body of one HTTP GET from byte `start`; every socket operation waits at most `stall_s` seconds."""
 
-    def __init__(self, url: str, stall_s: float, headers: dict | None = None):
-        self.stall_s = stall_s
+    def __init__(self, url: str, stall_s: float, headers: dict | None = None, start: int = 0):
+        self.stall_s, self.position = stall_s, 0
+        headers = dict(headers or {}, **({"Range": f"bytes={start}-"} if start else {}))
         try:
-            self._response = urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
-                                                    timeout=stall_s)
+            self._response = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=stall_s)
         except urllib.error.HTTPError as exn:
             exn.close()
             kind = TransientSourceError if exn.code in TRANSIENT_STATUS else PermanentSourceError
             raise kind(f"HTTP {exn.code} {exn.reason}") from None
         except (OSError, http.client.HTTPException) as exn:   # URLError is an OSError
             raise TransientSourceError(self._failure(exn)) from None
+        ranged = re.match(r"bytes (\d+)-", self._response.headers.get("Content-Range", ""))
+        if self._response.status == 206 and ranged:
+            self.position = int(ranged.group(1))   # a server that ignores Range answers 200 with the whole body
 
     def _failure(self, exn: BaseException) -> str:
         text = _network_error(exn)
@@ -132,7 +137,7 @@ class CommandOutput:
     every process it started); its standard error is kept for the failure's message."""
 
     def __init__(self, command: str, stall_s: float):
-        self.stall_s = stall_s
+        self.stall_s, self.position = stall_s, 0
         self._stderr = tempfile.TemporaryFile()
         # no pipe for stderr: a chatty command could fill it and block while we wait for its stdout
         self._proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=self._stderr,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -67,22 +68,32 @@ class HttpServerProcess:
 
 class FaultyHandler(http.server.SimpleHTTPRequestHandler):
     """Serves the server's folder; `server.faults[path]` lists what the next requests of that path get instead:
-    an HTTP status code, or "cut" (the headers promise the whole body, half of it comes, the connection closes)."""
+    an HTTP status code, or "cut" (the headers promise the whole body, half of it comes, the connection closes).
+    A `Range: bytes=N-` request gets the rest of the file (206), except for the paths in `server.no_range`
+    (answered 200 with the whole file, as `python -m http.server` does); `server.ranges` records (path, N)."""
 
     def do_GET(self):
         faults = self.server.faults.get(self.path)
         fault = faults.pop(0) if faults else None
-        if isinstance(fault, int):
-            self.send_error(fault)
-        elif fault == "cut":
+        body = None
+        if not isinstance(fault, int) and (Path(self.directory) / self.path.lstrip("/")).is_file():
             body = (Path(self.directory) / self.path.lstrip("/")).read_bytes()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body[: len(body) // 2])
-            self.close_connection = True
+        start = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", ""))
+        if isinstance(fault, int) or body is None:
+            self.send_error(fault or 404)
+            return
+        if start and self.path not in self.server.no_range:
+            self.server.ranges.append((self.path, int(start.group(1))))
+            part = body[int(start.group(1)):]
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {int(start.group(1))}-{len(body) - 1}/{len(body)}")
         else:
-            super().do_GET()
+            part = body
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(part)))
+        self.end_headers()
+        self.wfile.write(part[: len(part) // 2] if fault == "cut" else part)
+        self.close_connection = fault == "cut"
 
     def log_message(self, *args) -> None:
         pass
@@ -91,10 +102,10 @@ class FaultyHandler(http.server.SimpleHTTPRequestHandler):
 class FaultyHttpServer:
     """An in-process http.server (threads) on 127.0.0.1 that fails the transfers listed in `faults`."""
 
-    def __init__(self, folder: Path, faults: dict[str, list]):
+    def __init__(self, folder: Path, faults: dict[str, list], no_range: tuple = ()):
         handler = lambda *a, **kw: FaultyHandler(*a, directory=str(folder), **kw)  # noqa: E731
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.server.faults = faults
+        self.server.faults, self.server.no_range, self.server.ranges = faults, set(no_range), []
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 

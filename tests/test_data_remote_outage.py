@@ -81,7 +81,8 @@ def test_503_429_and_a_body_cut_mid_way_are_retried_404_403_are_counted_skips(sh
     names = [p.name for p in shards]
     faults = {f"/{names[1]}": [503, "cut"], f"/{names[2]}": [429], f"/{names[4]}": ["cut", "cut"],
               "/forbidden.tar": [403]}
-    server = FaultyHttpServer(shards[0].parent, faults)
+    # shard 1 is read on with a Range request; shard 4's server ignores Range: the bytes already read are dropped
+    server = FaultyHttpServer(shards[0].parent, faults, no_range=(f"/{names[4]}",))
     try:
         urls = [f"{server.url}/{n}" for n in names]
         keys, skips = read_keys(urls[:3] + [f"{server.url}/missing.tar"] + urls[3:] + [f"{server.url}/forbidden.tar"])
@@ -94,6 +95,7 @@ def test_503_429_and_a_body_cut_mid_way_are_retried_404_403_are_counted_skips(sh
     assert len(lines) == 5
     assert sum("HTTP 503" in ln for ln in lines) == 1 and sum("HTTP 429" in ln for ln in lines) == 1
     assert sum("bytes of the body unsent" in ln for ln in lines) == 3
+    assert server.server.ranges == [(f"/{names[1]}", shards[1].stat().st_size // 2)]
     assert not any("missing.tar" in ln or "forbidden.tar" in ln for ln in lines)
 
 
@@ -141,13 +143,15 @@ def test_a_server_that_never_answers_ends_in_one_line_and_exit_code_7(capsys):
 
 
 def test_pipe_commands_retried_on_failure_and_stall_skipped_when_the_object_is_missing(shards, tmp_path, caplog):
-    flag = tmp_path / "failed-once"
+    flag, cut = tmp_path / "failed-once", tmp_path / "cut-once"
     flaky = f"pipe:test -e {flag} && cat {shards[0]} || {{ touch {flag}; echo 'network is down' >&2; exit 1; }}"
-    keys, skips = read_keys([flaky, f"pipe:cat {tmp_path}/missing.tar", f"pipe:cat {shards[1]}"])
-    local, _ = read_keys([str(shards[0]), str(shards[1])])
+    # the first run sends half the shard, then fails: the second run's first half is dropped, no sample comes twice
+    broken = f"pipe:test -e {cut} && cat {shards[2]} || {{ touch {cut}; head -c 7000 {shards[2]}; exit 56; }}"
+    keys, skips = read_keys([flaky, f"pipe:cat {tmp_path}/missing.tar", f"pipe:cat {shards[1]}", broken])
+    local, _ = read_keys([str(p) for p in shards[:3]])
     assert keys == local and skips == Counter(unreadable_shard=1)
     lines = backoff_lines(caplog)
-    assert len(lines) == 1 and "exit code 1: network is down" in lines[0]
+    assert len(lines) == 2 and "exit code 1: network is down" in lines[0] and "exit code 56" in lines[1]
 
     stalled = RetryPolicy(total_s=1.0, stall_s=0.3, backoff_base_s=0.1, backoff_max_s=0.2)
     start = time.monotonic()
