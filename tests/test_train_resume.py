@@ -250,15 +250,17 @@ def test_demo_killed_in_its_inherited_patch_stage_resumes_bit_for_bit(demo_refer
     latest = (run_dir / "checkpoints" / "latest").read_text()
     assert latest.startswith("stage1-") and latest != "stage1-step00000006", latest   # killed mid stage 1
     assert json.loads((run_dir / "checkpoints" / latest / "crate_clip.json").read_text())["patch_size"] == 7
-    # a run config whose stage 1 has other shapes than the checkpoint: one line naming the first mismatch and the
-    # fix, exit code 4 (the launcher's: fork_ranks passes the failing rank's on), no traceback of ours; the run folder
-    # stays resumable
-    changed = run_job(_demo_cmd(run_dir, tiny_fmnist, "--set", "stages.0.patch_size=4", "--resume", "latest"))
+    # a run config whose stage 1 has other shapes than the checkpoint (an allowed change, test_train_config_changes):
+    # one line naming the first mismatch and the fix, exit code 4 (the launcher's: fork_ranks passes the failing
+    # rank's on), no traceback of ours; the change is not recorded and the run folder stays resumable
+    changed = run_job(_demo_cmd(run_dir, tiny_fmnist, "--set", "stages.1.patch_size=4", "--allow-change",
+                                "stages.1.patch_size", "--resume", "latest"))
     lines = [line for line in changed.stderr.splitlines() if line.startswith("crate-clip train: ")]
     assert lines and all("its weights do not fit stage 1 (fullres)" in line and "size mismatch for "
                          "visual.trunk.patch_embed.proj.weight" in line and "fix:" in line for line in lines), \
         changed.stderr[-6000:]
     assert changed.returncode == 4 and "crate_clip/train/" not in changed.stderr
+    assert not (run_dir / "config_changes.jsonl").exists()
 
     resumed = run_job(_demo_cmd(run_dir, tiny_fmnist, "--resume", "latest"), timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]

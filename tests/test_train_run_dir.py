@@ -120,9 +120,12 @@ def test_rejected_resume_leaves_run_config_alone(resumed_run):
     before = (run_dir / "run_config.yaml").read_bytes()
     cfg = load_run_config(resumed_run["config"], ["run.seed=5", "data.canonical_streams=2"])
     with pytest.raises(ResumeError, match=r"written with data\.canonical_streams=1 .* the run config sets 2"):
-        # checked before any collective, so a world of two is safe to claim in this process
-        run_training(cfg, resume="latest", dist=DistInfo(rank=0, world_size=2, local_rank=0, device="cpu"))
+        # checked before any collective, so a world of two is safe to claim in this process; the changes named
+        # (else refused before, test_train_config_changes), so that the checkpoint's own check is reached
+        run_training(cfg, resume="latest", dist=DistInfo(rank=0, world_size=2, local_rank=0, device="cpu"),
+                     allow_changes=("run.seed", "data.canonical_streams"))
     assert (run_dir / "run_config.yaml").read_bytes() == before
+    assert not (run_dir / "config_changes.jsonl").exists()   # a refused resume records no change
     assert yaml.safe_load(before)["run"]["seed"] == 3
 
 

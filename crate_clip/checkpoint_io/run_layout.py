@@ -4,7 +4,9 @@ touches this module only. The trainer writes it, the export, the demo and `--res
     <run>/checkpoints/<tag>/   DeepSpeed checkpoints (stage<i>-step<n>), `latest` naming the newest complete one;
                                `.<tag>.saving/` a save in progress, `<tag>.damaged/` a damaged one moved aside
     <run>/metrics.jsonl        one record per logged step;   <run>/results.jsonl   one row per evaluation
-    <run>/run_config.yaml      the resolved run config;      <run>/tensorboard/    TensorBoard events
+    <run>/run_config.yaml      the resolved run config of the first start (never rewritten)
+    <run>/config_changes.jsonl the config changes resumes made since (step, key, old, new)
+    <run>/tensorboard/         TensorBoard events
     <run>/training_curve.png   the loss curve at the end
     <run>/export/              the trainer's final export;   <run>/exports/<tag>/  `crate-clip export` of a checkpoint
     <run>.lock                 beside the folder: the lock the run's rank 0 holds
@@ -22,12 +24,14 @@ METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.jsonl"
 PLOT_FILE = "training_curve.png"
 RUN_CONFIG_FILE = "run_config.yaml"
+CONFIG_CHANGES_FILE = "config_changes.jsonl"   # what resumes changed of run_config.yaml (train/config_changes.py)
 TENSORBOARD_DIR = "tensorboard"
 EXPORT_DIR = "export"               # the final export of a run
 EXPORTS_DIR = "exports"             # `crate-clip export` of one checkpoint: exports/<tag>/
 LOCK_SUFFIX = ".lock"
 # what a run writes into its folder; any of them means the folder already holds a run
-RUN_FILES = (CHECKPOINTS_DIR, METRICS_FILE, RESULTS_FILE, RUN_CONFIG_FILE, EXPORT_DIR, TENSORBOARD_DIR)
+RUN_FILES = (CHECKPOINTS_DIR, METRICS_FILE, RESULTS_FILE, RUN_CONFIG_FILE, CONFIG_CHANGES_FILE, EXPORT_DIR,
+             TENSORBOARD_DIR)
 
 
 # What the trainer names its own checkpoints and the staging folders of its saves: rotation and the clean-up of

@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, metavar="latest|auto|PATH",
                    help="continue from the newest complete checkpoint of the run, or from a checkpoint folder; auto: "
                         "the newest complete checkpoint if there is one, else start (for restarts and requeues)")
+    p.add_argument("--allow-change", dest="allow_changes", action="append", default=[], metavar="KEY",
+                   help="with --resume: let the run config change KEY (e.g. stages.1.lr; a section names all its "
+                        "keys) of what the run trains; recorded in the run folder's config_changes.jsonl; other "
+                        "changes to what is trained are refused (repeatable; docs/training.md, \"Changing the config "
+                        "of a run\")")
     p.add_argument("--overwrite", action="store_true",
                    help="run.output_dir holds an earlier run: move it to <output_dir>.previous and start over")
     p.add_argument("--take-over-lock", action="store_true",
@@ -96,7 +101,7 @@ def main(argv=None) -> int:
     try:
         with trusted_checkpoints(args.trust_checkpoint):
             summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite,
-                                   take_over_lock=args.take_over_lock)
+                                   take_over_lock=args.take_over_lock, allow_changes=tuple(args.allow_changes))
     except UntrustedCheckpointError as exc:   # every rank reads the same files: rank 0 says it
         return report_error(PROG, exc, once_per_job=True)
     except stop_requests.StopRequested as exc:   # saved, and the run folder's lock released

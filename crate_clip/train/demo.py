@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="run-config override passed to `crate-clip train` (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the previous demo run instead of starting over")
+    p.add_argument("--allow-change", dest="allow_changes", action="append", default=[], metavar="KEY",
+                   help="with --resume: passed to the trainer, a change to what the run trains that --set makes "
+                        "deliberately (e.g. stages.1.lr; repeatable)")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="passed to the trainer: resume a demo run of an earlier version (docs/safety.md)")
     p.add_argument("--train-images", type=POSITIVE_INT, help="write only the first N training images (a smoke run)")
@@ -97,10 +100,10 @@ def demo_paths(config: str, data_dir: str | None, run_dir: str | None) -> tuple[
 
 
 def launch_command(config: str, nproc: int, overrides: list[str], resume: bool, overwrite: bool = False,
-                   trust_checkpoint: bool = False) -> list[str]:
+                   trust_checkpoint: bool = False, allow_changes: tuple = ()) -> list[str]:
     """`torchrun --nproc_per_node N -m crate_clip.train.cli ...` (torch's launcher, shipped with torch);
     `overwrite`: an earlier run is moved aside by the trainer (crate_clip.train.run_dir) before it starts;
-    `trust_checkpoint`: the trainer's --trust-checkpoint."""
+    `trust_checkpoint`: the trainer's --trust-checkpoint; `allow_changes`: its --allow-change keys."""
     from crate_clip.train.engine import _free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -108,6 +111,8 @@ def launch_command(config: str, nproc: int, overrides: list[str], resume: bool, 
            "-m", "crate_clip.train.cli", "--config", config]
     for o in overrides:
         cmd += ["--set", o]
+    for key in allow_changes:
+        cmd += ["--allow-change", key]
     return (cmd + (["--resume", "latest"] if resume else []) + (["--overwrite"] if overwrite else [])
             + (["--trust-checkpoint"] if trust_checkpoint else []))
 
@@ -232,6 +237,20 @@ def _card_with_probe(run_dir: Path, export: Path, metrics: dict) -> None:
     atomic_write_text(export / CARD_FILE, model_card(export_source(checkpoints_dir(run_dir)), config, probes=[metrics]))
 
 
+def _refused_changes(config: str, overrides: list[str], allow_changes: list[str]) -> int:
+    """The exit code of a resume whose config changes what the run trains without --allow-change naming it (said
+    in one line per key, as the trainer says it), else 0."""
+    from crate_clip.core.errors import ConfigError, report_error
+    from crate_clip.train.config_changes import config_changes
+    from crate_clip.train.run_config import load_run_config
+
+    try:
+        config_changes(load_run_config(config, overrides), "latest", allow_changes)
+    except ConfigError as exc:
+        return report_error("crate-clip demo", exc)
+    return 0
+
+
 def main(argv=None) -> int:
     """Run the demo end to end; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -247,8 +266,11 @@ def main(argv=None) -> int:
                  *args.overrides]
     # a new demo starts over: the trainer moves an earlier run aside to <run-dir>.previous (nothing is deleted)
     resume = args.resume and run_dir.exists()
+    refusal = resume and _refused_changes(args.config, overrides, args.allow_changes)
+    if refusal:   # before torchrun starts its workers (they check again, for a launch without the demo)
+        return refusal
     cmd = launch_command(args.config, args.nproc, overrides, resume, overwrite=not resume,
-                         trust_checkpoint=args.trust_checkpoint)
+                         trust_checkpoint=args.trust_checkpoint, allow_changes=tuple(args.allow_changes))
     env = dict(os.environ)   # a thread count the user set is kept; else the cores shared by the processes
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.nproc)))
     print(f"[demo] {' '.join(cmd)}", flush=True)

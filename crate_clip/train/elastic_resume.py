@@ -157,7 +157,8 @@ def resume_summary(tag_dir: Path, cfg: RunConfig, world_size: int) -> dict:
     universal = needs_universal(tag_dir, world_size, zero_stage)
     converted = (Path(tag_dir) / UNIVERSAL_DIR / CONVERTED_FILE).is_file()
     return {"checkpoint": str(tag_dir), "stage_index": stage, "stage_name": info.get("stage_name"),
-            "step": info.get("step"), "stage_steps": info.get("stage_steps"), "global_step": info.get("global_step"),
+            "step": info.get("step"), "stage_steps": cfg.stages[stage].steps,   # the config's (a resume may change it)
+            "global_step": info.get("global_step"),
             "written_by": info.get("world_size"), "written_zero_stage": info.get("zero_stage"),
             "world_size": world_size, "zero_stage": zero_stage, "canonical_streams": streams,
             "universal": ("converted" if converted else "converted by rank 0 at the resume") if universal else "none"}

@@ -76,3 +76,29 @@ def build_schedule(optimizer, *, total_steps: int, warmup_steps: int, lr: float,
         return warmup_cosine(step, total_steps=total_steps, warmup_steps=warmup_steps, min_ratio=min_ratio)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
+# what a stage's run config sets in each optimizer group; a checkpoint load puts the saved values back over them
+GROUP_SETTINGS = ("weight_decay", "betas", "eps")
+
+
+def schedule_settings(scheduler) -> dict:
+    """The peak learning rates and group settings a freshly built engine has from the run config (taken before a
+    checkpoint is loaded over them)."""
+    groups = scheduler.optimizer.param_groups
+    return {"base_lrs": list(scheduler.base_lrs),
+            "groups": [{key: group[key] for key in GROUP_SETTINGS if key in group} for group in groups]}
+
+
+def restore_schedule_settings(scheduler, settings: dict) -> None:
+    """After a checkpoint load (step count, moments and schedule position kept): the run config's settings
+    again, so that the next step's learning rate is the config's schedule at the step reached,
+    lr x warmup_cosine(step) (the same value when nothing changed; docs/training.md, "Changing the config of a
+    run")."""
+    scheduler.base_lrs = list(settings["base_lrs"])
+    for group, fresh, base, multiplier in zip(scheduler.optimizer.param_groups, settings["groups"],
+                                              scheduler.base_lrs, scheduler.lr_lambdas):
+        group.update(fresh)
+        group["initial_lr"] = base
+        group["lr"] = base * multiplier(scheduler.last_epoch)   # LambdaLR's own expression: bit-equal
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

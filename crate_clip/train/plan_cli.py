@@ -85,6 +85,8 @@ def plan_stages(config: str, overrides: list[str], gpus: int) -> list:
 def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int) -> tuple[dict, list]:
     """(how the run in progress would resume on `gpus` ranks, its remaining stages resolved for them)."""
     from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, read_info
+    from crate_clip.checkpoint_io.run_layout import run_dir_of
+    from crate_clip.train.config_changes import recorded_config
     from crate_clip.train.elastic_resume import checkpoint_of, resume_summary
     from crate_clip.train.run_config import apply_override, check_runtime, config_from_dict, load_run_config
     from crate_clip.train.stage_model import resolve_stage
@@ -92,8 +94,8 @@ def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int
     tag_dir = checkpoint_of(resume)
     if config is not None:
         cfg = load_run_config(config, overrides, check_paths=False)
-    else:
-        raw = read_info(tag_dir)["run_config"]   # checkpoint_of found it complete
+    else:   # the run's recorded config with the changes its resumes made, else the checkpoint's (found complete)
+        raw = recorded_config(run_dir_of(tag_dir)) or read_info(tag_dir)["run_config"]
         for assignment in overrides:
             apply_override(raw, assignment)
         cfg = config_from_dict(raw, check_paths=False, source_path=str(tag_dir / INFO_FILE))

@@ -133,11 +133,13 @@ def eval_points(cfg: RunConfig, stage_index: int) -> list[tuple[int, str]]:
 
 
 def missing_evals(cfg: RunConfig, stage_index: int) -> dict[tuple[int, str], list]:
-    """(image size, resize) -> the declared evaluations of the stage not yet in results.jsonl there (rows of
-    earlier versions, without 'resize', are grid rows)."""
+    """(image size, resize) -> the declared evaluations of the stage not yet in results.jsonl there at the stage's
+    last step (rows of earlier versions, without 'resize', are grid rows)."""
     if not (cfg.eval.after_each_stage and cfg.eval.evals):
         return {}
-    rows = [r for r in read_jsonl(cfg.run_dir / RESULTS_FILE) if r.get("stage_index") == stage_index]
+    end = sum(s.steps for s in cfg.stages[:stage_index + 1])   # a stage made longer by an allowed change to its
+    rows = [r for r in read_jsonl(cfg.run_dir / RESULTS_FILE)    # samples (config_changes.py) is evaluated again
+            if r.get("stage_index") == stage_index and r.get("global_step", end) == end]
     done = {(r.get("eval"), r.get("image_size"), r.get("resize", "grid")) for r in rows}
     missing = {point: [e for e in cfg.eval.evals if (e.name, *point) not in done]
                for point in eval_points(cfg, stage_index)}

@@ -35,8 +35,10 @@ from crate_clip.train.disk_space import check_space_for_next_save, remove_leftov
 from crate_clip.train.elastic_resume import (STREAM_TABLE, gather_stream_table, load_resume_state, needs_universal,
                                              resolve_auto, resume_seed, settle_canonical_streams)
 from crate_clip.train.engine import DistInfo, build_engine, init_distributed, model_dtype
+from crate_clip.train.optim import restore_schedule_settings, schedule_settings
 from crate_clip.export.writer import export_checkpoint
 from crate_clip.train.checkpoints import intact_checkpoint
+from crate_clip.train.config_changes import ConfigChange, ResumedAt, agreed_config_changes, record_changes
 from crate_clip.train.metrics_log import PLOT_FILE, MetricsLog, set_aside_rows_after, write_plot
 from crate_clip.train.run_config import RunConfig, check_runtime
 from crate_clip.train.run_dir import check_run_dir, move_run_aside
@@ -66,23 +68,28 @@ class RunContext:
     ckpts: CheckpointManager
     log: MetricsLog
     stream_factory: Callable
+    config_changes: list[ConfigChange] = dataclasses.field(default_factory=list)   # recorded once the resume took
 
 
 def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: Optional[Callable] = None,
-                 dist: Optional[DistInfo] = None, overwrite: bool = False, take_over_lock: bool = False) -> dict:
+                 dist: Optional[DistInfo] = None, overwrite: bool = False, take_over_lock: bool = False,
+                 allow_changes: tuple = ()) -> dict:
     """Train all stages of `cfg` (resuming from `resume`: 'latest' or a checkpoint path; with `overwrite`, an
     earlier run in the output folder is moved aside first); returns a summary. One job at a time writes into a
     run folder: its rank 0 holds the folder's lock (run_lock.py) for the whole run; `take_over_lock` takes over
-    a lock of another host that is still being refreshed (the user knows its run is gone)."""
+    a lock of another host that is still being refreshed (the user knows its run is gone). A resume may change
+    what the run trains only where `allow_changes` names the key (config_changes.py)."""
     check_run_dir(cfg.run_dir, resume, overwrite)  # before anything is written, on every rank
     dist = dist or init_distributed()
     with run_folder_lock(cfg.run_dir, dist, take_over=take_over_lock):
-        return _run_holding_the_folder(cfg, resume, stream_factory, dist, overwrite)
+        changes = agreed_config_changes(cfg, resume, allow_changes, dist)   # before any work: nothing written
+        return _run_holding_the_folder(cfg, resume, stream_factory, dist, overwrite, changes)
 
 
 def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factory: Optional[Callable],
-                            dist: DistInfo, overwrite: bool) -> dict:
-    """run_training, once this job is the run folder's one writer."""
+                            dist: DistInfo, overwrite: bool, changes: list[ConfigChange]) -> dict:
+    """run_training, once this job is the run folder's one writer (`changes`: what the resume changes of the run's
+    recorded config, recorded once the checkpoint loaded with them)."""
     earlier_run = check_run_dir(cfg.run_dir, resume, overwrite)  # again: a run may have ended in the meantime
     check_runtime(cfg, dist.world_size, "cuda" if dist.device.startswith("cuda") else "cpu")
     stream_factory = stream_factory or default_stream_factory
@@ -98,7 +105,9 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
                          restarted=bool(earlier_run) and not overwrite and start.tag_dir is None)
     log = MetricsLog(cfg.run_dir, enabled=dist.is_main, progress=cfg.logging.progress,
                      tensorboard=cfg.logging.tensorboard)
-    run = RunContext(cfg, dist, ckpts, log, stream_factory)
+    run = RunContext(cfg, dist, ckpts, log, stream_factory, changes)
+    if start.tag_dir is None:   # --resume auto restarting a run cut short before its first checkpoint
+        _record_config_changes(run, start)
     progress, weights, evals, tag_dir = start.progress, None, [], start.tag_dir
     t_start = time.time()
     try:
@@ -163,6 +172,7 @@ def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], st
     if start is not None and start.stage_finished:
         # the stage had finished before the interruption: only evaluations may be missing
         weights = consolidated_state_dict(start.tag_dir, verify=False)   # verified by the resume
+        _record_config_changes(run, start)
         return start.tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
     # resuming: every weight comes from the checkpoint loaded below, the model only needs the stage's shapes
     model = stage.build_model(weights, read_files=start is None)
@@ -172,7 +182,10 @@ def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], st
     _seed_everything(cfg.run.seed * 7919 + 104729 * stage.index + dist.rank)  # token masks differ per rank
     stream = run.stream_factory(cfg, stage, dist)
     if start is not None:
+        settings = schedule_settings(engine.lr_scheduler)   # the run config's: an allowed change takes effect
         rank_state = _load_checkpoint(run, engine, stage, start.tag_dir, universal)
+        restore_schedule_settings(engine.lr_scheduler, settings)
+        _record_config_changes(run, start)
         if rank_state.get("stream") is not None:
             stream.load_state_dict(rank_state["stream"])
         if rank_state.get("rng") is not None:
@@ -203,6 +216,20 @@ def _load_checkpoint(run: RunContext, engine, stage: ResolvedStage, tag_dir: Pat
                           "crate_clip.json holds it under run_config)") from None
 
 
+def _record_config_changes(run: RunContext, start: ResumePoint) -> None:
+    """Rank 0 appends the config changes of this resume to config_changes.jsonl, once its checkpoint loaded with
+    them (a change the checkpoint cannot take, other shapes, is refused by the load and not recorded)."""
+    if run.dist.is_main and run.config_changes:
+        where = start.progress
+        record_changes(run.cfg.run_dir, run.config_changes,
+                       ResumedAt(where.stage_index, where.step, where.global_step,
+                                 start.tag_dir.name if start.tag_dir is not None else None))
+        for change in run.config_changes:
+            run.log.print(f"[note] config change {'allowed' if not change.free else 'that trains the same'}: "
+                          f"{change.line()}")
+    run.config_changes = []
+
+
 def _evaluate_finished_stage(run: RunContext, i: int) -> list[dict]:
     """The evaluations of an earlier stage that are not in results.jsonl, from its final checkpoint (which
     rotation never removes: CheckpointManager.prune)."""
@@ -228,13 +255,15 @@ def _seed_everything(seed: int) -> None:
 def _prepare_run_dir(cfg: RunConfig, start: ResumePoint, moved_aside: bool, restarted: bool = False) -> None:
     """Rank 0, once the command is validated: move an earlier run aside (--overwrite), set aside the rows a
     cut-short segment logged after the checkpoint resumed from (`restarted`: --resume auto starts over a run
-    cut short before its first checkpoint: all its rows), write run_config.yaml."""
+    cut short before its first checkpoint: all its rows), write run_config.yaml at the first start (a resume keeps
+    it: config_changes.jsonl records what resumes changed)."""
     if moved_aside:
         print(f"the earlier run in {cfg.run_dir} is moved to {move_run_aside(cfg.run_dir)}", flush=True)
     if start.tag_dir is not None or restarted:
         set_aside_rows_after(cfg.run_dir, start.progress.global_step)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(cfg.run_dir / RUN_CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if not (cfg.run_dir / RUN_CONFIG_FILE).is_file():
+        atomic_write_text(cfg.run_dir / RUN_CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def _export(run: RunContext, tag_dir: Path, weights: dict) -> Optional[Path]:
