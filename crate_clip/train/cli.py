@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     from crate_clip.train import stop_requests   # torch's import, as below
 
     try:
-        stop_requests.install_signal_handlers(stop_requests.parse_signals(args.save_on_signal))
+        stop_signals = stop_requests.parse_signals(args.save_on_signal)
     except ValueError as exc:
         parser.error(str(exc))
     # the run's modules (torch, DeepSpeed, open_clip: seconds of CPU) after parsing, so that --help is instant
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                   "see docs/safety.md):\n" + "\n".join(f"  {line}" for line in commands))
         return 0
     try:
-        with trusted_checkpoints(args.trust_checkpoint):
+        with trusted_checkpoints(args.trust_checkpoint), stop_requests.stop_signals_handled(stop_signals):
             summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite,
                                    take_over_lock=args.take_over_lock, allow_changes=tuple(args.allow_changes))
     except UntrustedCheckpointError as exc:   # every rank reads the same files: rank 0 says it

@@ -13,12 +13,13 @@ requeues its Slurm job (`scontrol requeue $SLURM_JOB_ID`), which resumes with `-
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as tdist
@@ -57,12 +58,20 @@ def parse_signals(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def install_signal_handlers(signums: tuple[int, ...]) -> None:
-    """Make each signal in `signums` a stop request (exit code 8) in this process (its main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for signum in signums:
-        signal.signal(signum, _on_signal)
+@contextlib.contextmanager
+def stop_signals_handled(signums: tuple[int, ...]) -> Iterator[None]:
+    """For the body (the training run): each signal in `signums` is a stop request (exit code 8); afterwards the
+    previous handlers are back and no request is left (a later run in the same process starts clean)."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in signums:
+            previous[signum] = signal.signal(signum, _on_signal)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _request.clear()
 
 
 def _on_signal(signum, frame) -> None:
