@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext
 
 from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_small_bytes
 
+from .remote_retry import RetryPolicy, open_remote_shard
 from .shard_reader import IMAGE_EXTS, PIPE, STATS_PROBES, is_remote, stats_url
 from .tar_members import BLOCK, TruncatedTarError, compression_of, iter_members
 
@@ -93,7 +93,8 @@ def remote_shard_size(shard: str, timeout: float = 60.0) -> int | None:
         if url.startswith(PIPE):
             raw = subprocess.run(url[len(PIPE):], shell=True, capture_output=True, timeout=timeout, check=True).stdout
         else:
-            with gopen(url) as f:
+            # one try, silent for at most `timeout` seconds (a size probe: unknown is an answer)
+            with open_remote_shard(url, RetryPolicy(total_s=0, stall_s=timeout)) as f:
                 raw = f.read(MAX_STATS_BYTES + 1)
         return stats_counts(raw[:MAX_STATS_BYTES], url)["successes"]
     except Exception:  # a missing or malformed stats file just means "unknown"

@@ -142,6 +142,21 @@ def test_a_server_that_never_answers_ends_in_one_line_and_exit_code_7(capsys):
     assert capsys.readouterr().err == f"crate-clip train: {line}\n"
 
 
+def test_a_size_probe_of_a_silent_server_is_unknown_not_a_hang(shards):
+    from crate_clip.data.shard_census import remote_shard_size
+
+    server, files = SilentServer(), FaultyHttpServer(shards[0].parent, {})
+    start = time.monotonic()
+    try:
+        silent = remote_shard_size(f"{server.url}/00000000.tar", timeout=0.3)
+        served = remote_shard_size(f"{files.url}/{shards[0].name}", timeout=5)
+    finally:
+        server.close()
+        files.close()
+    assert silent is None and time.monotonic() - start < 5
+    assert served == 8   # the shard's _stats.json, read through the same transport
+
+
 def test_pipe_commands_retried_on_failure_and_stall_skipped_when_the_object_is_missing(shards, tmp_path, caplog):
     flag, cut = tmp_path / "failed-once", tmp_path / "cut-once"
     flaky = f"pipe:test -e {flag} && cat {shards[0]} || {{ touch {flag}; echo 'network is down' >&2; exit 1; }}"
