@@ -56,11 +56,13 @@ def test_a_failed_demo_says_so_and_prints_no_results(fashion_mnist_dir, tmp_path
     _warm_launcher(monkeypatch)
 
     run = tmp_path / "run"
+    missing = tmp_path / "missing.pt"   # a file only the trainer reads: the demo's own config check passes
     argv = ["--data-dir", str(tmp_path / "data"), "--run-dir", str(run), "--nproc", "1",
-            "--train-images", "64", "--test-images", "10", "--set", "stages.1.warmup_steps=1000"]
-    rc = main(argv)   # torchrun's exit code (1) when its worker stopped on the invalid run config
+            "--train-images", "64", "--test-images", "10", "--set", f"model.pretrained={missing}"]
+    rc = main(argv)   # the worker's own exit code (2: the run config), not torchrun's 1
     out, err = capfd.readouterr()
-    assert rc != 0 and "stages.1.warmup_steps: 1000" in err and f"training stopped with exit code {rc}" in err
+    assert rc == 2 and "model.pretrained: file" in err and f"training stopped with exit code {rc}" in err
+    assert "ChildFailedError" not in err
     assert "zero-shot top-1 on the" not in out and "[demo] plot:" not in out
 
 

@@ -11,6 +11,7 @@ import sys
 import warnings
 
 from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP
+from crate_clip.core.cli_numbers import POSITIVE_INT
 
 
 PROG = "crate-clip train"
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
     p.add_argument("--validate", action="store_true",
                    help="check the config, print the shell commands its pipe: sources run, and exit")
+    p.add_argument("--nproc", type=POSITIVE_INT, default=None, metavar="N",
+                   help="start N training processes on this host (torch's elastic launcher, as torchrun) after "
+                        "checking everything that can be checked before they start; exits with their own exit code")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -57,10 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Run `crate-clip train`; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
     if (args.config is None) == (args.config_option is None):
         parser.error("give the run config once: `crate-clip train CONFIG` or `crate-clip train --config CONFIG`")
     args.config = args.config or args.config_option
+    if args.nproc and os.environ.get("RANK") is not None:
+        parser.error("--nproc starts the training processes itself; under torchrun, deepspeed or accelerate launch "
+                     "leave it out (the launcher's process count is used)")
     from crate_clip.train import stop_requests   # torch's import, as below
 
     try:
@@ -77,7 +85,7 @@ def main(argv=None) -> int:
     from crate_clip.core.writable_folders import unwritable_error
     from crate_clip.train.disk_space import no_space_while_writing
     from crate_clip.train.launcher_watch import watch_launcher
-    from crate_clip.train.run_config import load_run_config
+    from crate_clip.train.launch_checks import checked_config
     from crate_clip.train.stage_loop import run_training
 
     watch_launcher()   # under torchrun / deepspeed / accelerate: stop when the launcher is gone
@@ -86,7 +94,12 @@ def main(argv=None) -> int:
     for old_name in ("all_gather_into_tensor", "torch.distributed.nn.functional.all_gather"):
         warnings.filterwarnings("ignore", message=f".*{old_name}.* is deprecated", category=FutureWarning)
     try:
-        cfg = load_run_config(args.config, args.overrides)
+        # the launching process (--nproc, --validate) checks all it can before any worker starts, data included
+        # (pipe: commands run only for a launch: --validate is how a config from elsewhere is read safely)
+        launch = bool(args.nproc and not args.validate)
+        cfg = checked_config(args.config, args.overrides, world_size=args.nproc or int(os.environ.get("WORLD_SIZE", 1)),
+                             device=_launch_device() if launch else None, overwrite=args.overwrite,
+                             probe=bool(args.validate or args.nproc), run_commands=launch)
     except ConfigError as exc:   # every rank of a launched job finds it: rank 0 says it
         return report_error(PROG, exc, once_per_job=True)
     if args.validate:
@@ -98,6 +111,10 @@ def main(argv=None) -> int:
             print("shell commands this run executes (pipe: sources; a run config is as trusted as a script, "
                   "see docs/safety.md):\n" + "\n".join(f"  {line}" for line in commands))
         return 0
+    if args.nproc:   # the workers' own exit code, not torchrun's 1 (crate_clip/train/worker_launch.py)
+        from crate_clip.train.worker_launch import run_workers, torchrun_args
+
+        return run_workers(torchrun_args(args.nproc, _without_nproc(argv)))
     try:
         with trusted_checkpoints(args.trust_checkpoint), stop_requests.stop_signals_handled(stop_signals):
             summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite,
@@ -124,6 +141,26 @@ def main(argv=None) -> int:
     if summary.get("export_dir"):
         print(f"done in {summary['seconds']:.0f} s; export: {summary['export_dir']}")
     return 0
+
+
+def _launch_device() -> str:
+    """The device the launched workers will train on (fp16 is refused on CPU)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The command line a launched worker gets: this one without --nproc N (a worker is one process)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
 
 
 if __name__ == "__main__":   # `python -m crate_clip.train.cli`, what torchrun and the demo start

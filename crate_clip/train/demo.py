@@ -101,12 +101,13 @@ def demo_paths(config: str, data_dir: str | None, run_dir: str | None) -> tuple[
 
 def launch_command(config: str, nproc: int, overrides: list[str], resume: bool, overwrite: bool = False,
                    trust_checkpoint: bool = False, allow_changes: tuple = ()) -> list[str]:
-    """`torchrun --nproc_per_node N -m crate_clip.train.cli ...` (torch's launcher, shipped with torch);
+    """`torchrun --nproc_per_node N -m crate_clip.train.cli ...` (torch's launcher, shipped with torch) through
+    crate_clip.train.worker_launch, which exits with the trainer's own code (torchrun says 1 for any failure);
     `overwrite`: an earlier run is moved aside by the trainer (crate_clip.train.run_dir) before it starts;
     `trust_checkpoint`: the trainer's --trust-checkpoint; `allow_changes`: its --allow-change keys."""
     from crate_clip.train.engine import _free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+    cmd = [sys.executable, "-m", "crate_clip.train.worker_launch", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
            "-m", "crate_clip.train.cli", "--config", config]
     for o in overrides:
@@ -251,19 +252,34 @@ def _refused_changes(config: str, overrides: list[str], allow_changes: list[str]
     return 0
 
 
+def _path_overrides(train_dir: Path, test_dir: Path, run_dir: Path) -> list[str]:
+    """The trainer's --set of the demo's own folders."""
+    return [f"run.output_dir={json.dumps(str(run_dir))}", f"data.sources={json.dumps([str(train_dir)])}",
+            f"eval.evals.0.data={json.dumps(str(test_dir))}"]
+
+
+def _check_before_launch(config: str, overrides: list[str], nproc: int, overwrite: bool) -> None:
+    """What the trainer would refuse (batches against the processes, the run folder: --overwrite moves only a run,
+    never `/`, a home folder or the data), said before the data is written and any process started: a ConfigError
+    with every problem, one line each."""
+    from crate_clip.train.launch_checks import checked_config
+
+    checked_config(config, overrides, world_size=nproc, overwrite=overwrite, data_written=False)
+
+
 def main(argv=None) -> int:
     """Run the demo end to end; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     try:
         train_dir, test_dir, run_dir = demo_paths(args.config, args.data_dir, args.run_dir)
+        _check_before_launch(args.config, [*_path_overrides(train_dir, test_dir, run_dir), *args.overrides],
+                             args.nproc, overwrite=not (args.resume and run_dir.exists()))
         prepare_data(train_dir, test_dir, args.train_images, args.test_images)
     except (FileNotFoundError, ValueError) as exc:   # no data set, a config without the demo's paths
         print(f"[demo] {exc}", file=sys.stderr)
         return EXIT_USAGE
-    overrides = [f"run.output_dir={json.dumps(str(run_dir))}", f"data.sources={json.dumps([str(train_dir)])}",
-                 f"eval.evals.0.data={json.dumps(str(test_dir))}",
-                 *args.overrides]
+    overrides = [*_path_overrides(train_dir, test_dir, run_dir), *args.overrides]
     # a new demo starts over: the trainer moves an earlier run aside to <run-dir>.previous (nothing is deleted)
     resume = args.resume and run_dir.exists()
     refusal = resume and _refused_changes(args.config, overrides, args.allow_changes)

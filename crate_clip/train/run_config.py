@@ -27,6 +27,7 @@ from crate_clip.data.tar_members import COMPRESSED_MAGIC
 from crate_clip.data.text_reduction import TextMask
 from crate_clip.data.train_stream import StreamConfig, crop_scale_problems
 from crate_clip.eval.registry import EvalSpec, data_problems
+from crate_clip.train.run_dir import output_dir_problems
 
 Precision = Literal["bf16", "fp16", "fp32"]
 # scaled_dot_product_attention kernel: 'auto' = the math kernel on CPU (its backward is several times
@@ -365,6 +366,16 @@ def _check_paths(cfg: RunConfig, base_dir: Path) -> list[str]:
 
 
 COMPRESSIONS = set(COMPRESSED_MAGIC.values())
+def path_problems(cfg: RunConfig, base_dir: Path) -> list[str]:
+    """The files the run reads exist, and its output folder is one of its own; one line each."""
+    return _check_paths(cfg, base_dir) + _output_dir_problems(cfg)
+
+
+def _output_dir_problems(cfg: RunConfig) -> list[str]:
+    """run.output_dir is a folder of the run's own: not `/` or a home folder, apart from the data (run_dir.py)."""
+    return output_dir_problems(cfg.run.output_dir, cfg.data.sources, [e.data for e in cfg.eval.evals])
+
+
 SHARDS_CHECKED = 16   # per source, spread over its list: a header read each, not a scan of every shard
 
 
@@ -433,19 +444,29 @@ def _resolve_paths(cfg: RunConfig, base_dir: Path) -> None:
 
 def check_runtime(cfg: RunConfig, world_size: int, device: str = "cpu") -> None:
     """Checks that need the launch (world size, device); raises ConfigError naming the key."""
-    errors = []
-    for i, s in enumerate(cfg.stages):
-        if s.global_batch % world_size:
-            errors.append(f"stages.{i}.global_batch: {s.global_batch} is not divisible by the {world_size} "
-                          f"processes; fix: use a multiple of {world_size}")
-        elif isinstance(s.micro_batch, int) and (s.global_batch // world_size) % s.micro_batch:
-            errors.append(f"stages.{i}.micro_batch: {s.micro_batch} does not divide the per-rank batch "
-                          f"{s.global_batch // world_size} (global_batch {s.global_batch} / {world_size} "
-                          "processes); fix: a divisor of it, or \"auto\"")
-    if device == "cpu" and cfg.precision == "fp16":
-        errors.append("precision: fp16 is not supported by DeepSpeed on CPU; fix: use bf16 or fp32")
+    errors = runtime_problems(cfg, world_size, device)
     if errors:
         raise ConfigError("invalid run config:\n  " + "\n  ".join(errors))
+
+
+def runtime_problems(cfg: RunConfig, world_size: int, device: Optional[str] = "cpu") -> list[str]:
+    """What check_runtime refuses, one line each (`device` None: not known yet, e.g. `--validate` on a login node)."""
+    errors = [line for i, s in enumerate(cfg.stages)
+              if (line := batch_problem(f"stages.{i}", s.global_batch, s.micro_batch, world_size))]
+    if device == "cpu" and cfg.precision == "fp16":
+        errors.append("precision: fp16 is not supported by DeepSpeed on CPU; fix: use bf16 or fp32")
+    return errors
+
+
+def batch_problem(key: str, global_batch: int, micro_batch, world_size: int) -> Optional[str]:
+    """A stage's global batch must split into whole per-rank batches, and those into whole micro-batches."""
+    if global_batch % world_size:
+        return (f"{key}.global_batch: {global_batch} is not divisible by the {world_size} processes; fix: use a "
+                f"multiple of {world_size}")
+    if isinstance(micro_batch, int) and (global_batch // world_size) % micro_batch:
+        return (f"{key}.micro_batch: {micro_batch} does not divide the per-rank batch {global_batch // world_size} "
+                f"(global_batch {global_batch} / {world_size} processes); fix: a divisor of it, or \"auto\"")
+    return None
 
 
 # ---------------------------------------------------------------- entry points
@@ -461,7 +482,7 @@ def config_from_dict(raw: dict, *, base_dir: Path | None = None, check_paths: bo
         raise ConfigError(f"invalid run config{where}:\n  " + "\n  ".join(error_lines(err, RunConfig))) from None
     cfg._source_path = source_path
     _resolve_paths(cfg, base_dir or Path("."))
-    errors = _check_paths(cfg, base_dir or Path(".")) if check_paths else []
+    errors = path_problems(cfg, base_dir or Path(".")) if check_paths else []
     if errors:
         raise ConfigError(f"invalid run config{where}:\n  " + "\n  ".join(errors))
     return cfg

@@ -1,12 +1,15 @@
 """A run's output folder holds one run: a second `crate-clip train` into it is refused unless it resumes the
-run (--resume) or moves it aside first (--overwrite); the demo starts over the same way."""
+run (--resume) or moves it aside first (--overwrite); the demo starts over the same way. --overwrite moves only
+a folder holding a run's own record, and no output folder may be `/`, a home folder, or share files with a data
+source or an evaluation set (a run written among the shards would later be moved away with them)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Optional
 
-from crate_clip.checkpoint_io.run_layout import RUN_FILES
+from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE
+from crate_clip.checkpoint_io.run_layout import RUN_CONFIG_FILE, RUN_FILES, checkpoints_dir, tag_position
 from crate_clip.core.errors import UserError
 
 
@@ -34,6 +37,10 @@ def check_run_dir(run_dir: Path, resume: Optional[str], overwrite: bool) -> list
     if resume and overwrite:
         raise ExistingRunError("--resume and --overwrite exclude each other: --resume continues the run in "
                                f"{run_dir}, --overwrite moves it aside and starts over; pass one of them")
+    if overwrite:
+        problem = overwrite_problem(run_dir)
+        if problem:
+            raise ExistingRunError(problem)
     found = run_files(run_dir)
     if found and not resume and not overwrite:
         raise ExistingRunError(
@@ -45,6 +52,77 @@ def check_run_dir(run_dir: Path, resume: Optional[str], overwrite: bool) -> list
 
 def move_run_aside(run_dir: Path) -> Path:
     """Rename the run in `run_dir` to aside_path(run_dir), so nothing of it is lost; returns where it went."""
+    problem = overwrite_problem(run_dir)   # checked when the config was read; again right before the move
+    if problem:
+        raise ExistingRunError(problem)
     target = aside_path(run_dir)
     os.rename(run_dir, target)
     return target
+
+
+def is_run_folder(run_dir: Path) -> bool:
+    """Whether `run_dir` holds a run's own record: the run_config.yaml the trainer writes first, or a checkpoint
+    (a folder named as the trainer names them) with its crate_clip.json. Folders named like run files
+    (`export/`, `checkpoints/` of something else) are not enough."""
+    run_dir = Path(run_dir)
+    if (run_dir / RUN_CONFIG_FILE).is_file():
+        return True
+    ckpts = checkpoints_dir(run_dir)
+    return ckpts.is_dir() and any(tag_position(tag.name) and (tag / INFO_FILE).is_file() for tag in ckpts.iterdir())
+
+
+def overwrite_problem(run_dir: Path) -> Optional[str]:
+    """Why --overwrite may not move `run_dir` aside (None when it is a run, empty, or absent): it moves a run,
+    never a folder of a user's other files."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or is_run_folder(run_dir) or not any(run_dir.iterdir()):
+        return None
+    return (f"run.output_dir: {run_dir} holds files but no run (no {RUN_CONFIG_FILE}, no checkpoint with its "
+            f"{INFO_FILE}): --overwrite moves only a run folder; fix: set run.output_dir to a new or empty folder")
+
+
+def _home_folders() -> set[Path]:
+    """The folders a run may never write into as a whole: the user's home, root's, and every /home/<user>."""
+    homes = {Path("/"), Path("/root"), Path("/home")}
+    if os.environ.get("HOME"):
+        homes.add(Path(os.environ["HOME"]).resolve())
+    return homes
+
+
+def _is_home(folder: Path) -> bool:
+    return folder in _home_folders() or folder.parent == Path("/home")
+
+
+def data_folders(sources: list[str], eval_sets: list[Optional[str]]) -> list[tuple[str, Path, bool]]:
+    """(what, folder, is_the_data) of each local data source and evaluation set: a folder is the data itself
+    (`is_the_data`: no run may lie inside it); a file, or a pattern's shards, are held by their folder."""
+    out = []
+    for what, path in [*(("data source", s) for s in sources), *(("evaluation set", e) for e in eval_sets if e)]:
+        if "://" in path or path.startswith("pipe:"):
+            continue   # remote: nothing of the run's folder can be among it
+        path = os.path.expandvars(os.path.expanduser(path))
+        wildcard = min((i for i in map(path.find, "{*?[") if i >= 0), default=-1)
+        if wildcard >= 0:   # the folder above the pattern: /data/{000..009}.tar -> /data
+            out.append((what, Path(path[:path.rfind("/", 0, wildcard) + 1] or ".").resolve(), False))
+        else:
+            is_dir = Path(path).is_dir()
+            out.append((what, (Path(path) if is_dir else Path(path).parent).resolve(), is_dir))
+    return out
+
+
+def output_dir_problems(output_dir: str, sources: list[str], eval_sets: list[Optional[str]]) -> list[str]:
+    """Why `output_dir` may not hold a run: `/` or a home folder, or a folder that is, holds or (for a folder
+    source) lies inside a data source or an evaluation set. One line, keyed run.output_dir."""
+    out = Path(os.path.expanduser(output_dir)).resolve()
+    if _is_home(out):
+        return [f"run.output_dir: {output_dir!r} is {'the root folder' if out == Path('/') else 'a home folder'}; "
+                "a run writes (and --overwrite moves) its whole folder; fix: a folder of its own, e.g. runs/NAME"]
+    clashes = []
+    for what, folder, is_the_data in data_folders(sources, eval_sets):
+        if out == folder or folder.is_relative_to(out) or (is_the_data and out.is_relative_to(folder)):
+            where = "is" if out == folder else ("holds" if folder.is_relative_to(out) else "lies inside")
+            clashes.append(f"{where} the {what} {folder}")
+    if not clashes:
+        return []
+    return [f"run.output_dir: {output_dir!r} {' and '.join(dict.fromkeys(clashes))}; a run writes its files there and "
+            "--overwrite would move the data with it; fix: a folder of its own, outside the data, e.g. runs/NAME"]

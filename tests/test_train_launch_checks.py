@@ -1,0 +1,234 @@
+"""What `crate-clip train` checks before any worker starts (crate_clip/train/launch_checks.py), and the folders a run
+may not write into (crate_clip/train/run_dir.py), each against the real command as a subprocess:
+
+  - `--validate --nproc N`: the config's keys (a warm-up longer than its stage), the batches against N processes,
+    data and evaluation sets present, remote sources answering (a real `python -m http.server`, a closed port, a
+    `pipe:` command that fails): every problem at once, one line each, exit code 2;
+  - `--nproc N` exits with the worker's own code (4 for a resume with nothing to resume), not torchrun's 1;
+  - run.output_dir that is, holds or lies inside a data source or an evaluation set, `/`, a home folder, and
+    `--overwrite` of a folder that holds no run: one line, exit code 2, every file still where it was.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+import warm_python
+from train_fixtures import REPO_ROOT, run_env, tiny_config, write_config
+
+STAGE = {"name": "s", "image_size": 16, "context_length": 16, "samples": 64, "global_batch": 8, "lr": 1e-3}
+
+
+def _write_tar(path: Path) -> None:
+    """A real one-sample shard (the config check opens a sample of the shards as tar files)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for name, data in (("0.txt", b"a caption"), ("0.jpg", b"\xff\xd8 not decoded by the checks")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _user_files(root: Path) -> Path:
+    """root/data/train (two shards and a user's note), root/data/test (an evaluation set); returns root/data."""
+    data = root / "data"
+    for i in range(2):
+        _write_tar(data / "train" / f"{i:05d}.tar")
+    (data / "train" / "notes.txt").write_text("where these shards came from\n")
+    (data / "test").mkdir()
+    (data / "test" / "0.png").write_bytes(b"an image")
+    return data
+
+
+def _config(root: Path, run_dir, data: Path, **run) -> Path:
+    cfg = tiny_config(Path(run_dir), data, precision="fp32", stages=[dict(STAGE)])
+    cfg["run"].update(run)
+    return write_config(cfg, root / "config.yaml")
+
+
+def _train(config: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return warm_python.run([sys.executable, "-m", "crate_clip.cli", "train", str(config), *args],
+                           env=env or run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+
+
+def _snapshot(root: Path) -> dict:
+    """Every file under `root` (but the config) with the sha256 of its bytes."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "config.yaml"}
+
+
+def _problem_lines(stderr: str) -> list[str]:
+    """The refusal's lines: the header `crate-clip train: invalid run config (...):`, then one line per problem (one
+    problem: one line under the header)."""
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("crate-clip train: invalid run config"), stderr
+    return lines
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def http_server(tmp_path):
+    """A real `python -m http.server` serving an empty folder; yields its address."""
+    port, served = _free_port(), tmp_path / "served"
+    served.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=served,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_every_problem_before_launch_is_said_at_once(tmp_path, http_server):
+    """`--nproc 3`: batches, a missing source, a missing evaluation set, a 404, a closed port and a failing pipe:
+    command, one line each, before any worker starts. `--validate` says the same but runs no pipe: command (it is
+    how a config from elsewhere is read before it runs anything)."""
+    data = _user_files(tmp_path)
+    cfg = tiny_config(tmp_path / "run", data, precision="fp32", stages=[dict(STAGE)])
+    closed, ran = _free_port(), tmp_path / "ran"   # nothing listens on `closed`: connection refused
+    cfg["data"]["sources"] = [str(data / "train"), str(tmp_path / "no-such-shards"),
+                              f"{http_server}/shard-{{00000..00003}}.tar", f"http://127.0.0.1:{closed}/0.tar",
+                              f"pipe:touch {ran}; exit 3"]
+    cfg["eval"]["evals"][0]["data"] = str(tmp_path / "no-such-eval-set")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    expected = ["stages.0.global_batch: 8 is not divisible by the 3 processes", "data.sources.1: ",
+                "eval.evals.0.data: ",
+                f"data.sources.2: the first shard '{http_server}/shard-00000.tar' cannot be read: HTTP 404",
+                "data.sources.3: the first shard", f"data.sources.4: the first shard 'pipe:touch {ran}; exit 3' cannot "
+                "be read: the command exited with code 3"]
+    before = _snapshot(tmp_path)
+    for args, says in ((("--validate", "--nproc", "3"), expected[:-1]), (("--nproc", "3"), expected)):
+        proc = _train(config, *args)
+        assert proc.returncode == 2, proc.stderr
+        lines = _problem_lines(proc.stderr)
+        for start in says:
+            assert sum(line.strip().startswith(start) for line in lines) == 1, (start, proc.stderr)
+        assert len(lines) == 1 + len(says), proc.stderr   # nothing else: data.sources.0 is fine
+        assert ran.exists() == ("--validate" not in args), "--validate ran a pipe: command"
+    assert "valid (" not in proc.stdout and not (tmp_path / "run").exists()
+    assert {k: v for k, v in _snapshot(tmp_path).items() if k != "ran"} == before
+
+
+def test_keys_and_batches_against_the_processes_come_together(tmp_path):
+    data = _user_files(tmp_path)
+    config = _config(tmp_path, tmp_path / "run", data)
+    proc = _train(config, "--validate", "--nproc", "3", "--set", "stages.0.warmup_steps=8")
+    assert proc.returncode == 2, proc.stderr
+    lines = _problem_lines(proc.stderr)
+    assert [line.strip().split(":")[0] for line in lines[1:]] == ["stages.0.warmup_steps", "stages.0.global_batch"]
+    assert "but the stage has 8 steps" in lines[1]
+
+
+@pytest.mark.multiproc
+def test_launched_workers_exit_code_is_the_trainers_own(tmp_path):
+    """torchrun says 1 for any failed worker; `crate-clip train --nproc` says the worker's code (4: nothing to
+    resume) with the worker's one line and no ChildFailedError block."""
+    data = _user_files(tmp_path)
+    config = _config(tmp_path, tmp_path / "run", data)
+    proc = _train(config, "--nproc", "1", "--resume", "latest")
+    assert proc.returncode == 4, proc.stderr
+    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "crate-clip train: --resume latest" in proc.stderr, proc.stderr
+
+
+def _user_home(tmp_path: Path) -> tuple[Path, dict]:
+    """A home folder holding a user's document, and the environment that makes it $HOME."""
+    home = tmp_path / "home"
+    (home / "Documents").mkdir(parents=True)
+    (home / "Documents" / "thesis.tex").write_text("chapter 1\n")
+    return home, {"HOME": str(home)}
+
+
+# (the output folder, as a function of (tmp_path, data folder), what the line says, extra args)
+OUTPUT_DIRS = {
+    "is the data source": (lambda root, data: data / "train", "is the data source", ()),
+    "is the data source, --overwrite": (lambda root, data: data / "train", "is the data source", ("--overwrite",)),
+    "holds the data": (lambda root, data: data, "holds the data source", ()),
+    "inside the data source": (lambda root, data: data / "train" / "run", "lies inside the data source", ()),
+    "is the evaluation set": (lambda root, data: data / "test", "is the evaluation set", ("--validate",)),
+    "root": (lambda root, data: Path("/"), "is the root folder", ("--validate",)),
+    "home": (lambda root, data: root / "home", "is a home folder", ("--overwrite",)),
+}
+
+
+@pytest.mark.parametrize("case", list(OUTPUT_DIRS))
+def test_an_output_dir_among_the_data_or_a_home_is_refused(tmp_path, case):
+    make, says, args = OUTPUT_DIRS[case]
+    data = _user_files(tmp_path)
+    _, env = _user_home(tmp_path)
+    config = _config(tmp_path, make(tmp_path, data), data)
+    before = _snapshot(tmp_path)
+    proc = _train(config, *args, env={**run_env(), **env})
+    assert proc.returncode == 2, proc.stderr
+    lines = _problem_lines(proc.stderr)
+    assert len(lines) == 2 and lines[1].strip().startswith("run.output_dir: ") and says in lines[1], proc.stderr
+    after = _snapshot(tmp_path)   # libraries' caches under the home (matplotlib's font list) are no user file
+    assert before.items() <= after.items() and all(name.startswith("home/.") for name in after.keys() - before.keys())
+    assert not list(tmp_path.rglob("*.previous*")), "a user folder was moved"
+
+
+def test_overwrite_moves_only_a_run_folder(tmp_path):
+    """A user's folder holding `export/` (a name the trainer writes) and Documents/ is not a run: --overwrite is
+    refused, with --validate too; a folder holding a run's record is accepted."""
+    data = _user_files(tmp_path)
+    folder = tmp_path / "mine"
+    (folder / "export").mkdir(parents=True)
+    (folder / "export" / "model.bin").write_bytes(b"weights")
+    (folder / "Documents").mkdir()
+    (folder / "Documents" / "notes.txt").write_text("keep me\n")
+    config = _config(tmp_path, folder, data)
+    before = _snapshot(tmp_path)
+    for args in (("--overwrite",), ("--overwrite", "--validate")):
+        proc = _train(config, *args)
+        assert proc.returncode == 2, proc.stderr
+        lines = _problem_lines(proc.stderr)
+        assert len(lines) == 2 and "holds files but no run" in lines[1] and "--overwrite moves only a run folder" \
+            in lines[1], proc.stderr
+    assert _snapshot(tmp_path) == before and not list(tmp_path.rglob("*.previous*"))
+    (folder / "run_config.yaml").write_text("run: {}\n")   # the record the trainer writes first
+    proc = _train(config, "--overwrite", "--validate")
+    assert proc.returncode == 0 and "valid (" in proc.stdout, proc.stderr
+
+
+def _demo(*args: str) -> subprocess.CompletedProcess:
+    return warm_python.run([sys.executable, "-m", "crate_clip.cli", "demo", *args], env=run_env(), cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=300)
+
+
+def test_the_demo_checks_before_writing_data_or_starting_processes(tmp_path):
+    """The demo's batch of 64 over 3 processes, and a --run-dir of a user's files it would have to move aside
+    (--overwrite: the demo starts over): refused before any data is written or process started, exit code 2."""
+    proc = _demo("--data-dir", str(tmp_path / "data"), "--run-dir", str(tmp_path / "run"), "--nproc", "3")
+    assert proc.returncode == 2, proc.stderr
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[1:] == [f"stages.{i}.global_batch: 64 is not divisible by the 3 processes; fix: use a multiple of 3"
+                         for i in (0, 1)], proc.stderr
+    mine = tmp_path / "mine"
+    (mine / "Documents").mkdir(parents=True)
+    (mine / "Documents" / "notes.txt").write_text("keep me\n")
+    proc = _demo("--data-dir", str(tmp_path / "data"), "--run-dir", str(mine), "--nproc", "2")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 2, proc.stderr
+    assert "holds files but no run" in proc.stderr, proc.stderr
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists() and "torch" not in proc.stdout
+    assert (mine / "Documents" / "notes.txt").read_text() == "keep me\n" and not list(tmp_path.glob("*.previous*"))
