@@ -83,9 +83,9 @@ PAIR = Pair("CRATE-alpha-CLIP-B-16", "ViT-B-16", 224, 32, 256)
 SMOKE_PAIR = Pair("CRATE-alpha-CLIPA-tiny", "ViT-tiny-fmnist", 28, 16, 16)   # same tiny text tower
 # run config -> samples per step at each of its image sizes: 512 = the configs' global batch 32,768 over 64
 # GPUs; L/14 at 224 px at half that (its activations at 512 would need ~92 GiB: crate-clip plan)
-RECIPES = {"configs/datacomp/crate_alpha_clipa_b-16.yaml": {84: 512, 224: 512},
+RECIPES = {"configs/datacomp/crate_alpha_clipa_b-16.yaml": {80: 512, 224: 512},
            "configs/datacomp/crate_alpha_clipa_l-14.yaml": {84: 512, 224: 256}}
-SMOKE_MODEL, SMOKE_SIZES, SMOKE_BATCH = "CRATE-alpha-CLIPA-tiny", {84: 16, 224: 28}, 16
+SMOKE_MODEL, SMOKE_SIZES, SMOKE_BATCH = "CRATE-alpha-CLIPA-tiny", {80: 16, 224: 28}, 16
 
 
 def recipe_cases(path: str, batches: dict, model: str | None = None, sizes: dict | None = None) -> list[Case]:

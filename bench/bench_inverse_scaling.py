@@ -8,11 +8,13 @@ shards of Fashion-MNIST) from the demo config (configs/demo/fashion_mnist.yaml: 
          set so that its training FLOPs (ResolvedStage.counts x samples, what the throughput meter counts) equal
          the full arm's. The fine-tune is the paper's: patch 7, so the grid grows from 3x3 to 4x4;
   clipa-p9  the same, but the fine-tune keeps the 3x3 grid at patch 9 (the kernel PI-resized from 7, what the
-         demo does): its fine-tune costs fewer FLOPs per sample, so its first stage gets more samples.
-Checkpoints are evaluated zero-shot at 28 px on `--eval-images` test images spread over the classes (the clipa
-arms' low-resolution checkpoints with the patch grid kept, `--resize patch`). For each arm: the final top-1 and
-the training FLOPs it needs to reach the full arm's final top-1 (the first crossing, linear between checkpoints;
-"not reached" otherwise). Writes docs/inverse_scaling.md, docs/inverse_scaling.json and docs/inverse_scaling.png.
+         demo does) at 27 px, the size 9 px patches tile (28 px would drop a pixel row and column: issue 39): its
+         fine-tune costs fewer FLOPs per sample, so its first stage gets more samples.
+Checkpoints are evaluated zero-shot at the input their arm's fine-tune trains on (28 px; clipa-p9: 27 px) on
+`--eval-images` test images spread over the classes; a low-resolution checkpoint reaches it as the fine-tune
+does (clipa: the grid grown, `--resize grid`; clipa-p9: the grid kept, `--resize patch`). For each arm: the
+final top-1 and the training FLOPs it needs to reach the full arm's final top-1 (the first crossing, linear
+between checkpoints; "not reached" otherwise). Writes docs/inverse_scaling.md, docs/inverse_scaling.json and docs/inverse_scaling.png.
 
     python bench/bench_inverse_scaling.py                 # the study (under 90 min on the idle 2-core machine)
     python bench/bench_inverse_scaling.py --smoke         # a few seconds of training: the script works
@@ -43,7 +45,8 @@ FULL, LOW = dict(image_size=28, context_length=16, text_mask="truncate"), \
 FINETUNE_SHARE = 0.2      # of the full arm's samples: CLIPA's short full-length stage (the paper: ~17%)
 FINETUNE_LR_RATIO = 0.1   # its peak rate / the first stage's (the paper: 1/20; the demo: see its config)
 ARMS = ("full", "clipa", "clipa-p9")
-FINE_PATCH = {"clipa": 7, "clipa-p9": 9}   # the fine-tune's patch at 28 px: the grid grows (4x4) or is kept (3x3)
+# the fine-tune's (image size, patch): the grid grows to 4x4, or the 3x3 grid is kept at 27 px (patches that tile)
+FINE = {"clipa": (28, 7), "clipa-p9": (27, 9)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,7 +89,9 @@ def flops_per_sample(cfg_dict: dict) -> list[float]:
     from crate_clip.train.run_config import config_from_dict
     from crate_clip.train.stage_model import resolve_stage
 
-    cfg = config_from_dict(cfg_dict, check_paths=False)
+    # the evaluations count no training FLOPs (and the demo's eval.full_image_size is not every arm's)
+    cfg = config_from_dict({**cfg_dict, "eval": {**cfg_dict.get("eval", {}), "after_each_stage": False}},
+                           check_paths=False)
     return [resolve_stage(cfg, i).counts.flops for i in range(len(cfg.stages))]
 
 
@@ -96,15 +101,17 @@ def arm_stages(arm: str, model: str, samples: int, base_cfg: dict) -> list[dict]
     full = [stage("full", FULL, samples, lr, base, 40)]
     if arm == "full":
         return full
-    patch = FINE_PATCH[arm]
+    size, patch = FINE[arm]
+    fine_shape = {**FULL, "image_size": size}
     probe = {**base_cfg, "model": {"name": model},
-             "stages": [stage("low", LOW, 4 * batch, lr, base, 1), stage("fine", FULL, 4 * batch, lr, base, 1, patch),
+             "stages": [stage("low", LOW, 4 * batch, lr, base, 1),
+                        stage("fine", fine_shape, 4 * batch, lr, base, 1, patch),
                         stage("full", FULL, 4 * batch, lr, base, 1)]}
     f_low, f_fine, f_full = flops_per_sample(probe)
     fine = max(batch, round(FINETUNE_SHARE * samples / batch) * batch)
     low = max(batch, int((samples * f_full - fine * f_fine) / f_low) // batch * batch)
     return [stage("low", LOW, low, lr, base, 40),
-            stage("fine", FULL, fine, lr * FINETUNE_LR_RATIO, base, max(1, fine // batch // 10), patch)]
+            stage("fine", fine_shape, fine, lr * FINETUNE_LR_RATIO, base, max(1, fine // batch // 10), patch)]
 
 
 def run_config(model: str, seed: int, stages: list[dict], run_dir: Path, base_cfg: dict, every: int,
@@ -119,6 +126,7 @@ def run_config(model: str, seed: int, stages: list[dict], run_dir: Path, base_cf
     cfg["deepspeed"]["config"] = str((DEMO_CONFIG.parent / cfg["deepspeed"]["config"]).resolve())
     cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "every_steps": every, "keep_last": 10_000}
     cfg["eval"]["after_each_stage"] = False
+    cfg["eval"].pop("full_image_size", None)   # the demo's 27 px is not every arm's last stage
     cfg["eval"]["evals"][0]["data"] = str(data_dir / "test")
     cfg["logging"]["diagnostics_every"] = 0
     return cfg
@@ -152,7 +160,8 @@ def train(cfg: dict, run_dir: Path, nproc: int) -> float:
 
 
 def evaluate_checkpoints(run_dir: Path, cfg: dict, flops: list[float], eval_images: int) -> list[dict]:
-    """(training FLOPs, samples, top-1) of every checkpoint of the run, zero-shot at 28 px."""
+    """(training FLOPs, samples, top-1) of every checkpoint of the run, zero-shot at the input of its last stage
+    (a low-resolution checkpoint: the grid grown when the last stage keeps its patch, else the grid kept)."""
     import torch
 
     from crate_clip.checkpoint_io.deepspeed_checkpoints import read_info
@@ -170,8 +179,9 @@ def evaluate_checkpoints(run_dir: Path, cfg: dict, flops: list[float], eval_imag
         info = read_info(tag)
         idx, step = info["stage_index"], info["step"]
         done_flops = sum(steps[i] * batch * flops[i] for i in range(idx)) + step * batch * flops[idx]
-        resize = "grid" if cfg["stages"][idx]["image_size"] == FULL["image_size"] else "patch"
-        model, preprocess, tokenizer, _ = load_eval_model(str(tag), image_size=FULL["image_size"], resize=resize)
+        last = cfg["stages"][-1]
+        resize = "grid" if cfg["stages"][idx]["patch_size"] == last["patch_size"] else "patch"
+        model, preprocess, tokenizer, _ = load_eval_model(str(tag), image_size=last["image_size"], resize=resize)
         ctx = EvalContext(tokenizer=tokenizer, preprocess=preprocess, device="cpu", precision="fp32",
                           cache_dir=None, progress=False)
         top1 = run_task(model, parse_eval(spec), ctx)["top1"]
@@ -238,9 +248,10 @@ def write_docs(args, runs: list[dict], rows: list[dict], started: str, wall: flo
               f"patch 7 with 8 text tokens (random text mask), then a fine-tune at 28 px / 16 tokens on "
               f"{FINETUNE_SHARE:.0%} of the full arm's samples at {FINETUNE_LR_RATIO:g}x the peak rate, its "
               f"first stage sized to the same training FLOPs (step meter); the fine-tune at patch 7 (the paper's: "
-              f"the grid grows to 4x4); **clipa-p9** = the same with the fine-tune at patch 9 (the 3x3 grid kept, "
-              f"the kernel PI-resized; the demo's shape). Zero-shot top-1 at 28 px on "
-              f"{args.eval_images:,} test images (low-res checkpoints: patch grid kept, `--resize patch`); "
+              f"the grid grows to 4x4); **clipa-p9** = the same with the fine-tune at 27 px / patch 9 (the 3x3 "
+              f"grid kept, the kernel PI-resized; the demo's shape). Zero-shot top-1 on {args.eval_images:,} test "
+              f"images at the input of each arm's fine-tune (28 px; clipa-p9 27 px; low-res checkpoints reach it "
+              f"as the fine-tune does: clipa `--resize grid`, clipa-p9 `--resize patch`); "
               "'FLOPs to ...' is the first checkpoint crossing, so an arm may reach it before its end.", "",
               "| width | arm | seeds | samples | final top-1 (%) | FLOPs to the full arm's final top-1 |",
               "|---|---|---|---|---|---|"]
@@ -273,7 +284,7 @@ def plot(runs: list[dict], path: Path) -> None:
                 label=None if key in labelled else f"{WIDTHS[r['width']]} {r['arm']}")
         labelled.add(key)
     ax.set_xlabel("training FLOPs (TFLOP, step meter)")
-    ax.set_ylabel("zero-shot top-1 at 28 px (%)")
+    ax.set_ylabel("zero-shot top-1 at the fine-tune's input (%)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -18,13 +18,14 @@ from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FI
                                                           consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint,
                                                           newest_complete_tag, resolve_checkpoint_tag)
 from crate_clip.core.errors import UserError
+from crate_clip.core.patch_tiling import PatchTilingError
 from crate_clip.core.resize_modes import RESOLUTION_RESIZE_MODES
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
 from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR, WEIGHTS_FILES
 from crate_clip.models.export_loading import create_from_export
-from crate_clip.models.patch_change import (checkpoint_input_sizes, create_clip_at_patch, patch_input_size,
-                                           set_resolution_by_patch, tower_patch_size)
+from crate_clip.models.patch_change import (checkpoint_input_sizes, create_clip_at_patch, model_tiling_problem,
+                                           patch_input_size, set_resolution_by_patch, tower_patch_size)
 from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
 
 
@@ -76,13 +77,23 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
     check_finite_weights(clip, pretrained or model)
     if by_patch:
         old = tower_patch_size(clip)
-        patch = set_resolution_by_patch(clip, requested)
-        image_size = patch_input_size(clip)   # the images are resized to whole patches
-        print(f"note: --resize patch: kernel {old} -> {patch} px (PI-resize), patch grid kept, {requested} px "
-              f"requested: images resized to {image_size} px", file=sys.stderr)
+        patch = set_resolution_by_patch(clip, requested)   # refuses a size the grid does not tile
+        image_size = patch_input_size(clip)
+        print(f"note: --resize patch: kernel {old} -> {patch} px (PI-resize), patch grid kept, images at "
+              f"{image_size} px", file=sys.stderr)
+    _check_tiling(clip, model, requested)
     clip = clip.to(device).eval()
     bert_vocab = bert_vocab or _recorded_vocab(info)
     return clip, eval_transform(clip, image_size), eval_tokenizer(model_name, clip, bert_vocab), model_name
+
+
+def _check_tiling(clip: torch.nn.Module, model: str, requested: int | None) -> None:
+    """Pixels in, pixels used: refuse an input size the tower's patches do not tile (crate_clip.core.patch_tiling),
+    the size asked for with --image-size or, without it, the one the model was saved at."""
+    problem = model_tiling_problem(clip)
+    if problem:
+        where = "--image-size" if requested else f"--model {model} (at the size it was saved at; pass --image-size)"
+        raise PatchTilingError(f"{where}: {problem}")
 
 
 class NonFiniteWeightsError(CorruptWeightsError):
@@ -182,4 +193,16 @@ def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
     # at the patch size the checkpoint was trained with (a stage may have changed it)
     clip = create_clip_at_patch(model_name, state, image_size=image_size or info.get("image_size"),
                                 context_length=info.get("context_length"))
+    _adopt_training_preprocess(clip, info)
     return clip, model_name, info
+
+
+def _adopt_training_preprocess(clip: torch.nn.Module, info: dict) -> None:
+    """The preprocessing the run trained with (its normalisation, its crops' resampling filter), as the stage's
+    evaluations and the run's export use it, where the checkpoint records it."""
+    trained = {k: v for k, v in (info.get("normalisation") or {}).items() if k in ("mean", "std")}
+    interpolation = ((info.get("run_config") or {}).get("data") or {}).get("crop_interpolation")
+    if interpolation:
+        trained["interpolation"] = interpolation
+    if trained and hasattr(clip, "visual"):
+        clip.visual.preprocess_cfg = {**(getattr(clip.visual, "preprocess_cfg", None) or {}), **trained}

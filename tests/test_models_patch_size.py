@@ -1,4 +1,7 @@
-"""Patch-size change between stages: the kernel resize, the position embedding, the stage change, eval and export."""
+"""Patch-size change between stages: the kernel resize, the position embedding, the stage change, eval and export;
+sizes the patches do not tile refused (issue 39)."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -142,3 +145,30 @@ def test_tower_names_carry_patch_and_size_and_resolve_without_registration():
     assert not is_model(legacy)
     register_tower_of({"vision_cfg": {"timm_model_name": legacy}})
     assert timm.create_model(legacy).patch_size == 5
+
+
+UNTILED = ("stages.1: image_size 28 is not a multiple of patch_size 9 (the patch convolution would drop 1 pixel row "
+           "and column); use 27 or 36")
+
+
+@pytest.mark.parametrize("command", [["train", "--validate"], ["plan", "--gpus", "1", "--gpu", "h100"]])
+def test_train_and_plan_refuse_a_stage_its_patches_do_not_tile_in_one_line(command, capsys):
+    """Issue 39: the demo's fine-tune at 28 px / patch 9 (its last pixel row and column never reached a patch)."""
+    from crate_clip.cli import main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "demo" / "fashion_mnist.yaml")
+    args = [command[0], *(["--config", config] if command[0] == "train" else [config]), *command[1:]]
+    assert main(args + ["--set", "stages.1.image_size=28"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[1:] == ["  " + UNTILED] and "Traceback" not in err
+
+
+def test_an_export_at_a_size_its_patches_do_not_tile_is_refused_before_anything_is_written(tmp_path):
+    from crate_clip.core.patch_tiling import PatchTilingError
+    from crate_clip.export.writer import export_open_clip
+
+    weights = create_clip_at_patch(TINY, None, 9, image_size=27, context_length=16).state_dict()
+    with pytest.raises(PatchTilingError) as exc:
+        export_open_clip(weights, TINY, tmp_path / "export", image_size=28, context_length=16)
+    assert str(exc.value) == f"export of {TINY}: {UNTILED.split(': ', 1)[1]}"
+    assert not any(tmp_path.iterdir())

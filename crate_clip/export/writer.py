@@ -27,6 +27,7 @@ import torch
 from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text, fsync_tree, replace_dir
 from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, file_checksum
 from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
+from crate_clip.core.patch_tiling import check_patch_tiling
 from crate_clip.models import clip_tokenizer, preprocess_cfg_for, tokenizer_record
 from crate_clip.models.export_files import CARD_FILE, CONFIG_FILE, LOCAL_DIR, WEIGHTS_FILE
 from crate_clip.models.export_loading import create_from_export
@@ -66,22 +67,25 @@ def export_checkpoint(checkpoint: str | Path, out_dir: Path, *, stage: int | Non
     config = export_config(source.model_name, image_size=source.image_size, context_length=source.context_length,
                            mean=source.mean, std=source.std, bert_vocab=source.bert_vocab,
                            patch_size=checkpoint_patch_size(state), tokenizer_name=source.tokenizer_name,
-                           hub_id=hub_id)
+                           hub_id=hub_id, interpolation=trained_interpolation(source.run_config))
     return write_export(state, config, out_dir, tokenizer_name=source.tokenizer_name, bert_vocab=source.bert_vocab,
                         model_card=model_card(source, config, hub_id))
 
 
 def export_config(model_name: str, *, image_size: int, context_length: int, mean=None, std=None,
                   bert_vocab: str | None = None, patch_size: int | None = None, tokenizer_name: str | None = None,
-                  hub_id: str | None = None) -> dict:
+                  hub_id: str | None = None, interpolation: str | None = None) -> dict:
     """The open_clip_config.json of an export: the model's config at `image_size` / `context_length`, its
     CRATE-alpha tower named for `patch_size` and the size; preprocessing with mean/std (default: the model
     config's, ImageNet's for the CLIPA models); `tokenizer_name`'s tokenizer (an open_clip name; default the
     model's) over `bert_vocab`. `hub_id` (ORG/NAME): the repository the folder will be uploaded to; a
     HuggingFace tokenizer is then read from it by `hf-hub:ORG/NAME` (open_clip reads `hf_tokenizer_name`
-    there, the folder itself for `local-dir:`)."""
+    there, the folder itself for `local-dir:`). `interpolation`: the resize filter (default: the model config's;
+    an export of a run: the training crop's). An image size the patches do not tile is refused (PatchTilingError)."""
     tokenizer_name = tokenizer_name or model_name
     preprocess_cfg = {**preprocess_cfg_for(model_name), "size": image_size}
+    if interpolation:
+        preprocess_cfg["interpolation"] = interpolation
     preprocess_cfg["mean"] = [float(v) for v in (mean if mean is not None else preprocess_cfg["mean"])]
     preprocess_cfg["std"] = [float(v) for v in (std if std is not None else preprocess_cfg["std"])]
     return {"model_name": model_name,
@@ -129,6 +133,8 @@ def _model_cfg(model_name: str, tokenizer_name: str, image_size: int, context_le
     if arch is not None:
         patch_size = patch_size or arch["patch_size"]
         vision.update(timm_model_name=tower_name_at(tower, patch_size, image_size), patch_size=patch_size)
+    # pixels in, pixels used: open_clip would build a tower whose convolution drops the leftover pixels
+    check_patch_tiling(f"export of {model_name}", image_size, vision.get("patch_size"))
     if tokenizer_name != model_name:
         tokenizer_text = (open_clip.get_model_config(tokenizer_name) or {}).get("text_cfg", {})
         for key in TOKENIZER_KEYS:
@@ -138,6 +144,11 @@ def _model_cfg(model_name: str, tokenizer_name: str, image_size: int, context_le
     if hub_id and text.get("hf_tokenizer_name"):
         text["hf_tokenizer_name"] = hub_id   # the uploaded folder holds the tokenizer files
     return model_cfg
+
+
+def trained_interpolation(run_config: dict) -> str | None:
+    """The resampling filter of a run's training crops (data.crop_interpolation; None: not recorded)."""
+    return (run_config.get("data") or {}).get("crop_interpolation")
 
 
 def fp32_weights(state_dict: dict) -> dict:

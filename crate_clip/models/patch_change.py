@@ -12,6 +12,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from crate_clip.core.patch_tiling import PatchTilingError, grid_tiling_problem, patch_tiling_problem
 from crate_clip.models.clip_factory import (IMAGE_POS_KEY, TEXT_POS_KEY, _image_tower, create_clip,
                                             load_clip_weights, read_state_dict, strip_module_prefix)
 from crate_clip.models.clip_tower_names import parse_clip_tower_name, register_clip_tower
@@ -122,22 +123,32 @@ def register_tower_of(model_cfg: dict) -> None:
 
 
 def patch_for_image_size(grid: int, image_size: int) -> int:
-    """The patch size that lays `grid` whole patches across `image_size` px (leftover pixels, fewer than one
-    patch, are dropped by the VALID conv as always); ValueError when none does."""
-    patch = image_size // grid if grid > 0 else 0
-    if patch < 1 or image_size // patch != grid:
-        raise ValueError(f"--resize patch: {image_size} px cannot hold the model's {grid}x{grid} patch grid with "
-                         f"whole patches of one size; use an image size of at least {grid} px that {grid} patches "
-                         f"of {max(patch, 1)}+ px fill, or --resize grid")
-    return patch
+    """The patch size that lays `grid` whole patches across `image_size` px exactly; PatchTilingError when `grid`
+    does not divide it (the leftover pixels would be dropped: crate_clip.core.patch_tiling)."""
+    problem = grid_tiling_problem(image_size, grid)
+    if problem:
+        raise PatchTilingError(f"--resize patch: {problem}, or --resize grid")
+    return image_size // grid
+
+
+def model_tiling_problem(model: nn.Module) -> Optional[str]:
+    """None when the image tower's patches tile its input size, else the sentence naming both numbers and the
+    nearest sizes that tile (CRATE-alpha towers and open_clip's ViT; other towers are not checked)."""
+    trunk = _image_tower(model)
+    if trunk is not None:
+        return patch_tiling_problem(trunk.img_size[0], trunk.patch_size)
+    visual = getattr(model, "visual", None)
+    size, patch = getattr(visual, "image_size", None), getattr(visual, "patch_size", None)
+    if isinstance(size, (tuple, list)) and isinstance(patch, (tuple, list)):
+        return patch_tiling_problem(int(size[0]), int(patch[0]))
+    return None
 
 
 def set_resolution_by_patch(model: nn.Module, image_size: int) -> int:
     """Run a CRATE-alpha CLIP at `image_size` with its patch grid and position embedding kept: the kernel is
-    PI-resized to image_size // grid px, and the tower's input is grid x that many px (28 px on a 3x3 grid:
-    patch 9, a 27 px input; the images are resized to it, so the patches tile them as they tiled the training
-    images, where cropping the leftover pixel would shift every patch by a fraction of the scale).
-    Returns the new patch size; the input size is `patch_input_size(model)`."""
+    PI-resized to image_size // grid px (27 px on a 3x3 grid: patch 9). `image_size` must be a multiple of the
+    grid (PatchTilingError otherwise): the patches then tile the images as they tiled the training images.
+    Returns the new patch size; the input size is `patch_input_size(model)` (= image_size)."""
     trunk = _image_tower(model)
     if trunk is None:
         raise ValueError("--resize patch: only a CRATE-alpha image tower can change its patch size; use --resize grid")

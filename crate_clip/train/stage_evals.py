@@ -1,8 +1,9 @@
 """The evaluations after each stage: which are due, running them on all ranks, recording them in results.jsonl.
 
-A stage's evaluations are due at its own image size and, after a low-resolution stage, at the full size twice:
-with the patch grid grown (resize 'grid', position embeddings resampled) and with the grid kept and the patch
-kernel PI-resized (resize 'patch', patch_change.set_resolution_by_patch), when whole patches fit.
+A stage's evaluations are due at its own image size and, after a low-resolution stage, at the full size in each
+way whose patches tile it exactly: with the patch grid grown (resize 'grid', position embeddings resampled) when
+the stage's patch size divides it, and with the grid kept and the patch kernel PI-resized (resize 'patch',
+patch_change.set_resolution_by_patch) when the grid does; the images are resized to that size in both.
 results.jsonl is the record of which are done, so a run killed between two of them runs exactly the missing
 ones on resume from the stage's final checkpoint, which rotation never removes (CheckpointManager.prune).
 """
@@ -70,7 +71,7 @@ def evaluate_after_stage(cfg: RunConfig, stage: ResolvedStage, weights: dict, pr
         except ValueError as exc:   # 'patch': the tower cannot keep its grid at `size` (recorded, not retried)
             records += _skipped(stage, evals, size, resize, progress, log, str(exc))
             continue
-        pixels = size if resize == "grid" else patch_input_size(model)   # 'patch': resized to whole patches
+        pixels = size if resize == "grid" else patch_input_size(model)   # both = size: the points tile exactly
         try:
             check_finite_weights(model, f"stage {stage.index} ({stage.name})")
             results = evaluate_stage(model, model_name=cfg.model.name, evals=evals,
@@ -116,14 +117,17 @@ def build_eval_model(stage: ResolvedStage, weights: dict, size: int, resize: str
 
 
 def eval_points(cfg: RunConfig, stage_index: int) -> list[tuple[int, str]]:
-    """(image size, resize) of the stage's evaluations: its own size; after a low-resolution stage the full
-    size by grid growth and, when the stage's patch grid fits the full size in whole patches, by patch resize."""
+    """(image size, resize) of the stage's evaluations: its own size; after a low-resolution stage the full size
+    in each way whose patches tile it exactly: by grid growth when the stage's patch size divides it, by patch
+    resize when its patch grid does (the config check refuses a full size that neither tiles)."""
     stage = cfg.stages[stage_index]
     full = cfg.full_image_size
     if full == stage.image_size:
         return [(stage.image_size, "grid")]
-    points = [(stage.image_size, "grid"), (full, "grid")]
+    points = [(stage.image_size, "grid")]
     patch = cfg.patch_size_at(stage_index) or image_patch_size(cfg.model.name)
+    if patch and full % patch == 0:
+        points.append((full, "grid"))
     try:
         patch_for_image_size(stage.image_size // patch, full)
         points.append((full, "patch"))

@@ -50,6 +50,7 @@ class ResolvedStage:
     mean: tuple[float, ...]        # image normalisation of the training stream
     std: tuple[float, ...]
     decode: str
+    interpolation: str = "bicubic"   # the training crop's resampling filter (data.crop_interpolation)
     loader_streams: int = 1        # canonical streams one rank reads (data.canonical_streams / world)
     shuffle_buffer: int = 0        # data.shuffle_buffer: raw samples held per stream
 
@@ -77,6 +78,7 @@ class ResolvedStage:
                                      image_size=image_size or self.image_size, context_length=self.context_length,
                                      pos_embed_resize=self.model.pos_embed_resize, device=device)
         set_image_token_mask(model, self.image_mask, self.image_mask_ratio)
+        self._set_preprocess(model)
         apply_text_config(model, text_pretrained=self.model.text_pretrained, lock_text=self.model.lock_text,
                           lock_logit_scale=self.model.lock_logit_scale, compute_dtype=model_dtype(self.precision),
                           load=weights is None and read_files)
@@ -85,6 +87,14 @@ class ResolvedStage:
         if train and self.model.compile:
             compile_towers(model)
         return model
+
+    def _set_preprocess(self, model: nn.Module) -> None:
+        """The evaluation preprocessing the model carries (eval_transform reads it): the training stream's
+        normalisation and resampling filter, so the stage's evaluations see the images as training did."""
+        visual = getattr(model, "visual", None)
+        if visual is not None:
+            visual.preprocess_cfg = {**(getattr(visual, "preprocess_cfg", None) or {}), "mean": self.mean,
+                                     "std": self.std, "interpolation": self.interpolation}
 
     @functools.cached_property
     def counts(self) -> planner.SampleCounts:
@@ -112,6 +122,7 @@ def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str =
         global_batch=s.global_batch, world_size=world_size,
         micro_batch=s.micro_batch if isinstance(s.micro_batch, int) else s.global_batch // world_size,
         steps=s.steps, zero_stage=zero_stage_of(cfg), precision=cfg.precision, decode=s.decode,
+        interpolation=cfg.data.crop_interpolation,
         loader_streams=(cfg.data.canonical_streams or default_stream_count(
             world_size, cfg.data.num_workers, s.global_batch // world_size, None)) // world_size,
         shuffle_buffer=cfg.data.shuffle_buffer, **norm)
