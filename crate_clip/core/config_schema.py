@@ -1,5 +1,6 @@
 """What every typed config section shares (pydantic v2): unknown keys rejected, strict booleans, numbers
-that YAML 1.1 reads as text (`1e-3`) accepted, and cross-key checks that name the key they are about.
+that YAML 1.1 reads as text (`1e-3`) accepted, every number finite and within 64 bits, cross-key checks that name
+the key they are about, and error lines that echo a value shortened and a key with its control characters escaped.
 
 Each schema lives with the code that uses it (the stream's in crate_clip.data.train_stream, an evaluation's
 in its eval/ task module, the run's in crate_clip.train.run_config); this module is the bottom layer they
@@ -11,9 +12,12 @@ import difflib
 from types import UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictBool, ValidationError, model_validator
+from pydantic import (AfterValidator, AllowInfNan, BaseModel, BeforeValidator, ConfigDict, StrictBool, ValidationError,
+                      model_validator)
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
+
+from crate_clip.core.user_text import printable, short_repr
 
 KEY_CHECK = "key_check"
 
@@ -30,8 +34,17 @@ def _number(value: Any, kind: str = "float") -> Any:
     return value
 
 
-Int = Annotated[int, BeforeValidator(lambda value: _number(value, "int"))]
-Float = Annotated[float, BeforeValidator(_number)]
+def _int64(value: int) -> int:
+    """Integers fit the 64 bits torch and numpy take (a validator, not a ge/le bound: those are the key's own)."""
+    if not -2 ** 63 <= value < 2 ** 63:
+        raise PydanticCustomError("int_out_of_range", "out of range", {"value": value})
+    return value
+
+
+# Every number of a config is finite and fits the 64-bit integers torch and numpy take (a key may bound it further):
+# `lr: .inf` or `seed: 1e26` is refused where it is read, naming the key, not where training uses it.
+Int = Annotated[int, BeforeValidator(lambda value: _number(value, "int")), AfterValidator(_int64)]
+Float = Annotated[float, BeforeValidator(_number), AllowInfNan(False)]
 Bool = StrictBool
 
 
@@ -121,10 +134,11 @@ def _message(err: dict, root: Any) -> list[str]:
     """One pydantic error as `dotted.key: what is wrong; fix: ...` lines."""
     kind, loc, value, ctx = err["type"], err["loc"], err.get("input"), err.get("ctx") or {}
     parts, section, tp, info = _walk(root, loc)
-    key = ".".join(parts) or "(top level)"
+    key = printable(".".join(parts)) or "(top level)"   # a key from the file may hold escape sequences
+    shown = short_repr(value)   # the value, shortened: it may be a list of millions
     fix = f"; fix: {info.description}" if info is not None and info.description else ""
     if kind == KEY_CHECK:
-        return [".".join(parts + [k]) + f": {text}" for k, text in ctx["problems"]]
+        return [printable(".".join(parts + [k])) + f": {text}" for k, text in ctx["problems"]]
     if kind == "extra_forbidden":
         parent = _walk(root, loc[:-1])[2]
         names = _keys(_unwrap(parent)[0])
@@ -134,19 +148,23 @@ def _message(err: dict, root: Any) -> list[str]:
     if kind == "missing":
         return [f"{key}: missing; fix: add it" + (f" ({info.description})" if fix else "")]
     if kind == "literal_error":
-        return [f"{key}: {value!r} is not one of {get_args(_unwrap(tp)[0])}; fix: use one of them"]
+        return [f"{key}: {shown} is not one of {get_args(_unwrap(tp)[0])}; fix: use one of them"]
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         tags = tuple(_unwrap(m)[0].model_fields["type"].default for m in get_args(_unwrap(tp)[0]))
-        return [f"{key}.type: {ctx.get('tag', value)!r} is not one of {tags}; fix: use one of them"]
+        return [f"{key}.type: {short_repr(ctx.get('tag', value))} is not one of {tags}; fix: use one of them"]
     if kind in _RANGES:
         bound = next(iter(ctx.values()))
-        return [f"{key}: must be {_RANGES[kind]} {bound}, got {value!r}{fix}"]
+        return [f"{key}: must be {_RANGES[kind]} {bound}, got {shown}{fix}"]
+    if kind == "finite_number":
+        return [f"{key}: {shown} is not a finite number{fix}"]
+    if kind in ("int_parsing_size", "int_out_of_range"):
+        return [f"{key}: {shown} is out of range (a 64-bit integer is expected){fix}"]
     expected = next((text for prefix, text in _KINDS.items() if kind.startswith(prefix + "_")), None)
     if expected:
         names = _keys(_unwrap(tp)[0])
         expected = f"a mapping of {', '.join(names)}" if names and kind.startswith(("dict", "model")) else expected
-        return [f"{key}: expected {expected}, got {value!r}{fix or f'; fix: write {expected}'}"]
-    return [f"{key}: {err['msg']}, got {value!r}{fix or '; fix: correct the value'}"]
+        return [f"{key}: expected {expected}, got {shown}{fix or f'; fix: write {expected}'}"]
+    return [f"{key}: {err['msg']}, got {shown}{fix or '; fix: correct the value'}"]
 
 
 def error_lines(err: ValidationError, root: Any) -> list[str]:

@@ -1,11 +1,13 @@
 """One way for every `crate-clip` command to report a user error: its message, its exit code, a traceback only
 with --debug; and, under a launcher that replaces the process's exit code with its own, that code as the last
-line (docs/exit_codes.md). The bottom layer of the errors: it imports nothing of crate_clip, every package may
-raise these."""
+line (docs/exit_codes.md). The bottom layer of the errors: it imports nothing of crate_clip but user_text (how
+text from a user's files is printed), every package may raise these."""
 from __future__ import annotations
 
 import os
 import sys
+
+from crate_clip.core.user_text import cut, printable
 
 EXIT_USAGE = EXIT_CONFIG = 2     # a bad command line, config, file or data set
 EXIT_NONFINITE = 3               # training stopped on non-finite losses (the last good state is saved)
@@ -65,12 +67,25 @@ def report_error(prog: str, exc: BaseException, *, once_per_job: bool = False) -
         raise exc
     text = str(exc).strip() or type(exc).__name__
     text = text if isinstance(exc, ConfigError) else " ".join(text.split())
+    text = bounded_message(text)   # text from the user's files: escapes kept off the terminal, sizes bounded
     if not isinstance(exc, UserError):
         text = f"error: {text} (--debug shows the traceback)"
     once_per_job = once_per_job or getattr(exc, "once_per_job", False)
     if not once_per_job or os.environ.get("RANK", "0") == "0":
         print(f"{prog}: {text}", file=sys.stderr)
     return getattr(exc, "exit_code", EXIT_USAGE)
+
+
+MAX_MESSAGE_LINES = 40   # a config with thousands of bad values: the first problems, then how many more
+
+
+def bounded_message(text: str) -> str:
+    """`text` as printed: control characters escaped (crate_clip.core.user_text), each line cut to MAX_LINE_CHARS,
+    at most MAX_MESSAGE_LINES lines."""
+    lines = [cut(printable(line)) for line in text.split("\n")]
+    if len(lines) > MAX_MESSAGE_LINES:
+        lines = lines[:MAX_MESSAGE_LINES] + [f"  ... and {len(lines) - MAX_MESSAGE_LINES:,} more lines"]
+    return "\n".join(lines)
 
 
 def show_exit_code(code: int) -> int:

@@ -15,6 +15,7 @@ from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FI
                                                             latest_problem, read_info, read_latest_tag)
 from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, checkpoints_in, linked_outside, read_jsonl, run_dir_of
 from crate_clip.core.errors import UserError
+from crate_clip.core.file_kinds import special_file
 from crate_clip.models import preprocess_cfg_for
 from crate_clip.models.clip_tokenizers import tokenizer_record
 
@@ -98,9 +99,10 @@ def export_source(checkpoint: str | Path, stage: int | None = None, bert_vocab: 
 
 def _tag_dir(path: Path, stage: int | None) -> Path:
     """The tag folder a user's path (and stage) name."""
-    if not path.is_dir():
-        raise ExportSourceError(f"{path}: no such folder (a run folder, its checkpoints/ folder, or one "
-                                f"checkpoint folder)")
+    if not path.is_dir():   # a FIFO or a device is said to be one, not to be missing
+        what = f"{special_file(path) or 'a file'}, not a folder" if os.path.exists(path) else "no such folder"
+        raise ExportSourceError(f"{path}: {what} (a run folder, its checkpoints/ folder, or one checkpoint folder "
+                                "is exported)")
     is_tag = read_info(path) is not None
     root = path.parent if is_tag else checkpoints_in(path)
     if stage is not None:

@@ -20,7 +20,7 @@ from crate_clip.checkpoint_io.deepspeed_checkpoints import (consolidate_deepspee
                                                             verify_recorded_file)
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError, key_list
 from crate_clip.models.clip_tokenizers import bert_text_cfg, bert_tokenizer  # noqa: F401  (re-exported)
-from crate_clip.models.weights_files import read_weights_file
+from crate_clip.models.weights_files import read_weights_file, refuse_special_file
 from crate_clip.models.crate_alpha import CrateAlpha
 from crate_clip.models.official_clipa import is_official_clipa_layout, official_clipa_to_open_clip, official_key
 from crate_clip.models.open_clip_configs import preprocess_cfg_for
@@ -129,6 +129,7 @@ def read_state_dict(source: Union[str, Path]) -> Dict[str, torch.Tensor]:
     """Read a weights file (.safetensors, or torch.load weights_only=True; unwraps state_dict/module nesting) or
     a DeepSpeed checkpoint folder of any ZeRO stage (consolidated to fp32), refusing pickled code either way."""
     path = Path(source)
+    refuse_special_file(path)   # before anything opens it
     if is_deepspeed_checkpoint(path):
         return consolidate_deepspeed_checkpoint(path)[0]
     if not path.is_file():

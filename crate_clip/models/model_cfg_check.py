@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 
 import open_clip.factory as open_clip_factory
 import open_clip.model as open_clip_model
@@ -22,6 +23,9 @@ from crate_clip.models.open_clip_text_tower import text_tower_kind
 # sizes bounded by the registered configs (image_size may be [h, w], a ResNet tower's layers one count per stage)
 SIZE_KEYS = {"vision_cfg": ("width", "layers", "heads", "image_size", "patch_size", "head_width"),
              "text_cfg": ("width", "layers", "heads", "context_length", "vocab_size")}
+
+
+MAX_PREPROCESS_SIZE = 4096   # pixels a side an export's preprocessing may resize to (the run config's image bound)
 
 
 class ModelConfigError(UserError, ValueError):
@@ -110,3 +114,33 @@ def _size_problems(key: str, value, maxima: dict, required: bool = False) -> lis
         if bound is not None and v > bound:
             return [f"{key} is {v:,}, more than the {bound:,} of the largest registered config"]
     return []
+
+
+def check_preprocess_cfg(preprocess_cfg, source) -> None:
+    """ModelConfigError naming `source` unless the image preprocessing an export records is usable: mean and std
+    one or three finite numbers (std above 0), the size positive and at most the largest registered image size.
+    A NaN mean would turn every image into NaN, reported later as images that could not be read."""
+    if preprocess_cfg is None:
+        return
+    if not isinstance(preprocess_cfg, dict):
+        raise ModelConfigError(f"{source}: preprocess_cfg is {type(preprocess_cfg).__name__}, not an object")
+    problems = []
+    for key, low in (("mean", -math.inf), ("std", 0.0)):
+        value = preprocess_cfg.get(key)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if value is None:
+            continue
+        if len(values) not in (1, 3) or not all(_finite_above(v, low) for v in values):
+            what = "finite numbers above 0" if key == "std" else "finite numbers"
+            problems.append(f"preprocess_cfg.{key} is {value!r}, not one or three {what}")
+    size = preprocess_cfg.get("size")
+    if size is not None:
+        problems += _size_problems("preprocess_cfg.size", size, {"preprocess_cfg.size": MAX_PREPROCESS_SIZE})
+    if problems:
+        raise ModelConfigError(f"{source}: its image preprocessing cannot be used: {'; '.join(problems)}; fix: use "
+                               "the open_clip_config.json the export was written with")
+
+
+def _finite_above(value, low: float) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > low)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from crate_clip.checkpoint_io.safe_unpickling import UntrustedCheckpointError, load_torch_file
 from crate_clip.core.errors import UserError
+from crate_clip.core.file_kinds import special_file
 
 
 class CorruptWeightsError(UserError, ValueError):
@@ -26,10 +27,19 @@ def corrupt_file_message(path, exn: BaseException) -> str:
             f"download it again, or point to another checkpoint (an interrupted save leaves such files)")
 
 
+def refuse_special_file(path: str | Path) -> None:
+    """CorruptWeightsError saying what `path` is when it is a FIFO, a device or a socket (links followed): a FIFO
+    blocks the read, a device (a link to /dev/zero) never ends it, and "not found" would be wrong for both."""
+    kind = special_file(path)
+    if kind:
+        raise CorruptWeightsError(f"{path}: {kind}, not a weights file; fix: point to the weights file itself")
+
+
 def read_weights_file(path: str | Path):
     """The object stored in a .safetensors / torch file; a corrupt or truncated file raises CorruptWeightsError,
     one that pickles a class outside the allow-list UntrustedCheckpointError (crate_clip.checkpoint_io)."""
     path = Path(path)
+    refuse_special_file(path)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file

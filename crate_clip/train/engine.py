@@ -15,8 +15,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import yaml
 
+from crate_clip.core.file_kinds import read_regular_text
+from crate_clip.core.safe_yaml import MAX_CONFIG_BYTES, load_yaml
 from crate_clip.train.launcher_watch import watch_launcher
 from crate_clip.train.optim import build_optimizer, build_schedule
 from crate_clip.train.run_config import RunConfig
@@ -100,8 +101,8 @@ def load_zero_file(path: str | None) -> dict:
     """Read a DeepSpeed settings file (JSON or YAML) from configs/deepspeed/; {} when none is given."""
     if not path:
         return {}
-    text = Path(path).read_text()
-    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    text = read_regular_text(path, MAX_CONFIG_BYTES, "deepspeed.config")   # not a FIFO, not /dev/zero
+    data = json.loads(text) if str(path).endswith(".json") else load_yaml(text, f"deepspeed.config {path}")
     clash = [k for k in RUN_OWNED_KEYS if k in (data or {})]
     if clash:
         raise ValueError(f"deepspeed.config {path}: keys {clash} are set by the run config (stages.N.global_batch, "
