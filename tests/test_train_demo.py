@@ -32,16 +32,15 @@ def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd
             "--train-images", "192", "--test-images", "40", "--probe-train-images", "60"]
     assert main(argv + [arg for o in TINY_RUN for arg in ("--set", o)]) == 0
     results = read_jsonl(run / RESULTS_FILE)
-    # stage 0 at 21 px / patch 7, then evaluated at 28 px by grid growth (p7, 4x4) and by patch resize (p9, 3x3);
-    # stage 1 at 28 px / patch 9
+    # stage 0 at 21 px / patch 7, then evaluated at the fine-tune's input, 27 px, by patch resize (p9, 3x3; grid
+    # growth at p7 would drop pixels of 27 px: not evaluated); stage 1 at 27 px / patch 9
     assert [(r["stage_name"], r["image_size"], r["resize"], r["patch_size"], r["n_images"]) for r in results] == [
-        ("lowres", 21, "grid", 7, 40), ("lowres", 28, "grid", 7, 40), ("lowres", 28, "patch", 9, 40),
-        ("fullres", 28, "grid", 9, 40)]
+        ("lowres", 21, "grid", 7, 40), ("lowres", 27, "patch", 9, 40), ("fullres", 27, "grid", 9, 40)]
     out, err = capfd.readouterr()   # the trainer's processes write to the file descriptors
     assert "zero-shot top-1 on the 40 Fashion-MNIST test images" in out and "stage 1 fullres" in out
     assert "(grid kept, kernel PI-resized)" in out and "TFLOP of training (step meter)" in out
     vision_cfg = json.loads((run / "export" / "open_clip_config.json").read_text())["model_cfg"]["vision_cfg"]
-    assert (vision_cfg["image_size"], vision_cfg["patch_size"]) == (28, 9)
+    assert (vision_cfg["image_size"], vision_cfg["patch_size"]) == (27, 9)
     assert (run / "training_curve.png").is_file()
     # no misleading random-init notice (weights are loaded or random by design), and no
     # torch deprecation notices of the collectives DeepSpeed and open_clip's ClipLoss call (one per rank)
@@ -64,6 +63,19 @@ def test_a_failed_demo_says_so_and_prints_no_results(fashion_mnist_dir, tmp_path
     assert rc == 2 and "model.pretrained: file" in err and f"training stopped with exit code {rc}" in err
     assert "ChildFailedError" not in err
     assert "zero-shot top-1 on the" not in out and "[demo] plot:" not in out
+
+
+def test_a_demo_whose_patches_do_not_tile_a_stage_is_refused_before_anything_is_written(tmp_path, capfd):
+    """Issue 39: `--set stages.1.image_size=28` at the demo's 9 px patches would drop a pixel row and column; the
+    demo reads its config with the overrides first: exit 2, the one line of the run config's check, no data."""
+    from crate_clip.train.demo import main
+
+    rc = main(["--data-dir", str(tmp_path / "data"), "--run-dir", str(tmp_path / "run"),
+               "--set", "stages.1.image_size=28"])
+    err = capfd.readouterr().err
+    assert rc == 2 and not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+    assert ("stages.1: image_size 28 is not a multiple of patch_size 9 (the patch convolution would drop 1 pixel "
+            "row and column); use 27 or 36") in err
 
 
 def test_demo_paths_come_from_its_config_and_the_makefile_installs_the_listed_packages():

@@ -83,12 +83,14 @@ def prepare_data(train_dir: Path, test_dir: Path, train_images: int | None = Non
     print(f"[demo] data ready in {time.perf_counter() - t0:.0f} s: shards {train_dir}, eval set {test_dir}", flush=True)
 
 
-def demo_paths(config: str, data_dir: str | None, run_dir: str | None) -> tuple[Path, Path, Path]:
+def demo_paths(config: str, data_dir: str | None, run_dir: str | None,
+               overrides: list[str] | tuple = ()) -> tuple[Path, Path, Path]:
     """(training shards, zero-shot eval set, run folder), absolute: the config's own paths (relative to the
-    working directory) unless --data-dir / --run-dir are given."""
+    working directory) unless --data-dir / --run-dir are given. The config with the user's --set overrides is
+    validated here (ConfigError), before any data is written or a trainer launched."""
     from crate_clip.train.run_config import load_run_config
 
-    cfg = load_run_config(config, check_paths=False)
+    cfg = load_run_config(config, overrides, check_paths=False)
     if not (cfg.data.sources and cfg.eval.evals):
         raise ValueError(f"{config}: the demo writes its data to data.sources[0] and eval.evals[0].data; fix: "
                          "give both (as configs/demo/fashion_mnist.yaml does)")
@@ -272,7 +274,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     try:
-        train_dir, test_dir, run_dir = demo_paths(args.config, args.data_dir, args.run_dir)
+        train_dir, test_dir, run_dir = demo_paths(args.config, args.data_dir, args.run_dir, args.overrides)
         _check_before_launch(args.config, [*_path_overrides(train_dir, test_dir, run_dir), *args.overrides],
                              args.nproc, overwrite=not (args.resume and run_dir.exists()))
         prepare_data(train_dir, test_dir, args.train_images, args.test_images)

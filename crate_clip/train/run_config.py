@@ -15,6 +15,7 @@ from pydantic import Field, PrivateAttr, ValidationError
 
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.config_schema import Bool, Float, Int, Section, error_lines
+from crate_clip.core.patch_tiling import grid_tiling_problem, patch_tiling_problem, tiling_sizes
 from crate_clip.models.open_clip_configs import image_patch_size
 from crate_clip.models.pos_embed import POS_EMBED_RESIZE_MODES
 from crate_clip.models.text_sources import check_text_source
@@ -259,15 +260,39 @@ class RunConfig(Section):
                                             "crop_scale": stage.crop_scale or self.data.crop_scale})
 
     def _patch_problems(self) -> list[tuple[str, str]]:
-        """Every image size must hold at least one patch of the image tower at that stage's patch size."""
+        """Every image size must hold at least one patch of the image tower at that stage's patch size, and the
+        patches must tile it (pixels in, pixels used: crate_clip.core.patch_tiling)."""
         native = image_patch_size(self.model.name)
         sizes = [(f"stages.{i}.image_size", s.image_size, self.patch_size_at(i) or native)
                  for i, s in enumerate(self.stages)]
         if self.eval.full_image_size:
             sizes.append(("eval.full_image_size", self.eval.full_image_size, self.patch_size_at(len(self.stages) - 1)
                           or native))
-        return [(key, f"{size} px is smaller than one {patch} px patch of {self.model.name}; fix: at least "
-                      f"{patch} (a multiple of {patch})") for key, size, patch in sizes if patch and size < patch]
+        small = [(key, f"{size} px is smaller than one {patch} px patch of {self.model.name}; fix: at least "
+                       f"{patch} (a multiple of {patch})") for key, size, patch in sizes if patch and size < patch]
+        untiled = [(f"stages.{i}", problem) for i, (_, size, patch) in enumerate(sizes[:len(self.stages)])
+                   if (problem := patch_tiling_problem(size, patch))]
+        return small + untiled + self._full_size_eval_problems()
+
+    def _full_size_eval_problems(self) -> list[tuple[str, str]]:
+        """A stage evaluated at eval.full_image_size (another size than its own) needs a way there that every
+        pixel reaches: its patches tile the full size (resize 'grid') or its patch grid does (resize 'patch')."""
+        full, native = (self.full_image_size if self.stages else None), image_patch_size(self.model.name)
+        if not (full and self.eval.after_each_stage and self.eval.evals):
+            return []
+        problems = []
+        for i, s in enumerate(self.stages):
+            patch = self.patch_size_at(i) or native
+            if not patch or s.image_size == full or s.image_size % patch or full < patch:
+                continue   # no full-size evaluation, or the stage's own size is refused above
+            grid = s.image_size // patch
+            if patch_tiling_problem(full, patch) and grid_tiling_problem(full, grid):
+                near = sorted(sorted(set(tiling_sizes(full, patch) + tiling_sizes(full, grid)),
+                                     key=lambda n: abs(n - full))[:2])
+                problems.append(("eval.full_image_size", f"{full} is a multiple neither of stages.{i}'s patch_size "
+                                 f"{patch} (resize grid) nor of its {grid}x{grid} patch grid (resize patch), so its "
+                                 f"full-size evaluation would drop pixels; use {' or '.join(map(str, near))}"))
+        return problems
 
     def _text_lock_problems(self) -> list[tuple[str, str]]:
         """A locked text tower keeps its position embedding: one context_length in every stage."""
