@@ -1,22 +1,27 @@
 """Tests only: a training run whose data source is given up on mid-stage (not collected by pytest).
 
-    python tests/fork_ranks.py 2 tests/stop_workers.py CONFIG.yaml FAIL_RANK FAIL_AT_BATCH
+    python tests/fork_ranks.py 2 tests/stop_workers.py CONFIG.yaml source|signal RANK AT_BATCH
 
-FAIL_RANK's stream raises, at its FAIL_AT_BATCH-th batch, an error that asks for a checkpoint before the exit (the
-attribute protocol of stop_requests.stops_with_checkpoint, as data_pipelines' ShardSourceUnavailable has it); the
-process exits with the code crate-clip train would (that error's), after the trainer's one line on rank 0.
+source: RANK's stream raises, at its AT_BATCH-th batch, an error that asks for a checkpoint before the exit (the
+attribute protocol of stop_requests.stops_with_checkpoint, as data_pipelines' ShardSourceUnavailable has it).
+signal: RANK's stream sends its own process SIGUSR1 as it reads its AT_BATCH-th batch (the other rank gets none).
+The process exits with the code crate-clip train would, after the trainer's one line on rank 0.
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from crate_clip.core.errors import UserError, report_error  # noqa: E402
 from crate_clip.train.run_config import load_run_config  # noqa: E402
 from crate_clip.train.stage_loop import default_stream_factory, run_training  # noqa: E402
-from crate_clip.train.stop_requests import StopRequested  # noqa: E402
+from crate_clip.train.stop_requests import (DEFAULT_SIGNALS, StopRequested, parse_signals,  # noqa: E402
+                                            stop_signals_handled)
 
 SOURCE_EXIT = 7
 
@@ -28,14 +33,16 @@ class SourceGone(UserError, RuntimeError):
 
 
 class FailingStream:
-    """The real training stream, raising SourceGone at one batch on one rank."""
+    """The real training stream, raising SourceGone (or sending SIGUSR1) at one batch on one rank."""
 
-    def __init__(self, stream, fail: bool, at_batch: int):
-        self.stream, self.fail, self.at_batch = stream, fail, at_batch
+    def __init__(self, stream, mode: Optional[str], at_batch: int):
+        self.stream, self.mode, self.at_batch = stream, mode, at_batch
 
     def __iter__(self):
         for n, batch in enumerate(self.stream, start=1):
-            if self.fail and n == self.at_batch:
+            if self.mode == "signal" and n == self.at_batch:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            if self.mode == "source" and n == self.at_batch:
                 raise SourceGone(f"data.sources http://shards.invalid/{{0..2}}.tar: unreachable for 1800 s "
                                  "(connection refused); fix: bring it back, then --resume latest")
             yield batch
@@ -44,16 +51,17 @@ class FailingStream:
         return getattr(self.stream, name)
 
 
-def main(config: str, fail_rank: int, at_batch: int) -> int:
+def main(config: str, mode: str, rank: int, at_batch: int) -> int:
     def factory(cfg, stage, dist):
-        return FailingStream(default_stream_factory(cfg, stage, dist), dist.rank == fail_rank, at_batch)
+        return FailingStream(default_stream_factory(cfg, stage, dist), mode if dist.rank == rank else None, at_batch)
 
     try:
-        run_training(load_run_config(config), stream_factory=factory)
+        with stop_signals_handled(parse_signals(DEFAULT_SIGNALS)):   # as crate-clip train's default
+            run_training(load_run_config(config), stream_factory=factory)
     except StopRequested as exc:
         return report_error("crate-clip train", exc)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))

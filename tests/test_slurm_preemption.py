@@ -9,6 +9,8 @@ The jobs' trainers are forked from the suite's warm interpreter (warm_python.py)
 the job's PATH, which passes on the signals Slurm sends it and exits with the trainer's code: the job runs the
 documented script unchanged, without paying torch's import in every job step."""
 import json
+import os
+import signal
 import stat
 import sys
 import time
@@ -18,13 +20,14 @@ import pytest
 from safetensors.torch import load_file
 
 import warm_python
+from crate_clip.checkpoint_io.run_layout import lock_path
 from slurm_cluster import slurm_cluster
 from train_fixtures import REPO_ROOT, read_jsonl, run_env, run_job, tiny_config, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 SCRIPT = REPO_ROOT / "configs" / "slurm" / "train.sbatch"
-STEPS = 24
+STEPS = 20
 STAGES = [{"name": "low", "image_size": 16, "context_length": 16, "samples": 16 * STEPS, "global_batch": 16,
            "lr": 2e-3, "warmup_steps": 2}]
 SHIM = """#!{python}
@@ -117,6 +120,37 @@ def _output(folder: Path, job: str) -> str:
     return files[0].read_text()[-4000:] if files else f"(no output of job {job})"
 
 
+def _pause(run_dir: Path, step: int, cluster, job: str) -> tuple[int, int]:
+    """Once the run has logged `step`, stop its trainer (SIGSTOP: the test decides when it goes on, however fast the
+    steps are); returns (its PID, from the lock; the last step it logged)."""
+    _wait_step(run_dir, step, cluster, job)
+    pid = json.loads(lock_path(run_dir).read_text())["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    _wait_for(lambda: _proc_status(pid)["State"].startswith("T"), f"trainer {pid} stopped")
+    return pid, _steps(run_dir)[-1]
+
+
+def _go_on_once_received(pid: int, signum: int) -> None:
+    """Let the stopped trainer go on once the signal Slurm sent has reached it (pending in /proc: the whole way,
+    slurmctld, slurmd, srun, the task, is done)."""
+    bit = 1 << (signum - 1)
+    _wait_for(lambda: any(int(_proc_status(pid)[k], 16) & bit for k in ("SigPnd", "ShdPnd")),
+              f"signal {signum} pending in trainer {pid}")
+    os.kill(pid, signal.SIGCONT)
+
+
+def _proc_status(pid: int) -> dict:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+
+
+def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for: {what}"
+        time.sleep(0.01)
+
+
 def _latest_step(run_dir: Path) -> int:
     return int((run_dir / "checkpoints" / "latest").read_text().strip().rsplit("step", 1)[1])
 
@@ -138,28 +172,30 @@ def test_a_preemption_signal_saves_the_step_exits_8_and_the_run_resumes_to_the_s
     run_dir, lock = tmp_path / "run", tmp_path / "run.lock"
     # 1. Slurm's early warning (--signal=B:USR1@120) goes to the batch shell: srun, which passes it to the rank
     job = _submit(cluster, job_env, tmp_path, config, "--no-requeue")
-    signalled = _wait_step(run_dir, 3, cluster, job)
+    pid, logged = _pause(run_dir, 3, cluster, job)
     holder = json.loads(lock.read_text())
     assert (holder["job"], holder["attempt"]) == (f"slurm:{job}", [0, 0])
     cluster.command("scancel", "--signal=USR1", "--batch", job)
+    _go_on_once_received(pid, signal.SIGUSR1)
     record = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"})
     out = _output(tmp_path, job)
     assert record["ExitCode"] == "8:0", out   # the job's own exit code is the trainer's
     saved = _latest_step(run_dir)
-    assert signalled <= saved < STEPS and _steps(run_dir)[-1] == saved, out   # every step trained is saved
+    assert saved in (logged, logged + 1) and _steps(run_dir)[-1] == saved, out   # the step in progress, saved
     assert "stopped by SIGUSR1" in out and f"step{saved:08d}" in out, out
     assert not lock.exists(), out
 
     # 2. resumed by the same script; SIGTERM (scancel -s TERM, as a preemption sends it) to the job's task: saved,
     #    exit 8, and --requeue (the script's) requeues the job, whose next attempt resumes and finishes
     job = _submit(cluster, job_env, tmp_path, config)
-    signalled = _wait_step(run_dir, saved + 3, cluster, job)
+    pid, logged = _pause(run_dir, saved + 2, cluster, job)
     cluster.command("scancel", "--signal=TERM", job)
+    _go_on_once_received(pid, signal.SIGTERM)
     record = cluster.wait_state(job, {"PENDING", "COMPLETED", "FAILED"})
     out = _output(tmp_path, job)
     assert record["JobState"] == "PENDING" and record["Restarts"] == "1", out   # requeued by the trainer
     assert "stopped by SIGTERM" in out and "requeueing Slurm job" in out, out
-    assert signalled <= _latest_step(run_dir) and not lock.exists(), out
+    assert _latest_step(run_dir) in (logged, logged + 1) and not lock.exists(), out
     cluster.start_now(job)
     record = cluster.wait_state(job, {"COMPLETED", "FAILED"})
     assert record["ExitCode"] == "0:0", _output(tmp_path, job)
@@ -172,22 +208,24 @@ def test_an_external_requeue_resumes_bit_exactly_and_a_second_job_is_refused_wit
     config = _config(tmp_path, tiny_fmnist)
     run_dir, lock = tmp_path / "run", tmp_path / "run.lock"
     job = _submit(cluster, job_env, tmp_path, config)
-    _wait_step(run_dir, 2, cluster, job)
+    pid, logged = _pause(run_dir, 2, cluster, job)   # held while the second job tries the folder
     second = _submit(cluster, job_env, tmp_path, config)   # another job, the same run folder
     record = cluster.wait_state(second, {"COMPLETED", "FAILED"})
     assert record["ExitCode"] == "5:0", _output(tmp_path, second)
     assert "is in use by another run" in _output(tmp_path, second) and f"job slurm:{job}" in _output(tmp_path, second)
 
-    signalled = _wait_step(run_dir, 4, cluster, job)
     cluster.command("scontrol", "requeue", job)   # SIGTERM to the job's tasks; Slurm requeues it
+    _go_on_once_received(pid, signal.SIGTERM)
     record = cluster.wait_state(job, {"PENDING"})
     out = _output(tmp_path, job)
-    assert signalled <= _latest_step(run_dir) and "stopped by SIGTERM" in out and "not requeued again" in out, out
+    assert _latest_step(run_dir) in (logged, logged + 1) and _steps(run_dir)[-1] == _latest_step(run_dir), out
+    assert "stopped by SIGTERM" in out and "not requeued again" in out, out
     assert record["Restarts"] == "1"
     cluster.start_now(job)
-    _wait_step(run_dir, _latest_step(run_dir) + 1, cluster, job)
-    holder = json.loads(lock.read_text())   # the second attempt: the job's id and its restart count
-    assert (holder["job"], holder["attempt"]) == (f"slurm:{job}", [1, 0])
+    # the second attempt holds the lock from its start to its end: the job's id and its restart count
+    _wait_for(lambda: lock.exists() and json.loads(lock.read_text() or "{}").get("attempt") == [1, 0],
+              f"the lock of attempt 2 of job {job}")
+    assert json.loads(lock.read_text())["job"] == f"slurm:{job}"
     record = cluster.wait_state(job, {"COMPLETED", "FAILED"})
     assert record["ExitCode"] == "0:0", _output(tmp_path, job)
     _same_weights(run_dir, reference)

@@ -1,6 +1,7 @@
 """The stop machinery outside Slurm (stop_requests.py; under a real Slurm: test_slurm_preemption.py): which signals
---save-on-signal takes, and a data source given up on by one rank of two (an error with `checkpoint_before_exit`)
-makes both ranks save the last completed step at the same data position and exit with that error's code and line."""
+--save-on-signal takes; a data source given up on by one rank of two (an error with `checkpoint_before_exit`) makes
+both ranks save the last completed step at the same data position and exit with that error's code and line; a
+signal to one rank of two stops both after the same step, saved, exit 8."""
 import json
 import signal
 
@@ -20,21 +21,27 @@ def test_save_on_signal_names_and_numbers():
         parse_signals("KILL")
 
 
+def _two_ranks(tmp_path, data, mode: str, rank: int, at_batch: int):
+    """The tiny one-stage run (10 steps, no periodic checkpoint) on 2 ranks, `mode` on `rank` (stop_workers.py)."""
+    stage = {"name": "low", "image_size": 16, "context_length": 16, "samples": 160, "global_batch": 16, "lr": 2e-3,
+             "warmup_steps": 1}
+    cfg = tiny_config(tmp_path / "run", data, precision="fp32", stages=[stage], evals=False,
+                      logging={"every_steps": 1, "progress": False, "tensorboard": False, "plot": False})
+    cfg["data"]["num_workers"] = 0
+    config = write_config(cfg, tmp_path / "run.yaml")
+    done = run_job(ranks_cmd(2, str(config), mode, str(rank), str(at_batch),
+                             script=REPO_ROOT / "tests" / "stop_workers.py"))
+    lines = [line for line in done.stderr.splitlines() if line.startswith("crate-clip train:")]
+    return done, lines, (done.stdout + done.stderr)[-4000:]
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_a_source_given_up_on_one_rank_saves_every_rank_at_the_same_step_and_exits_with_its_code(
         tiny_fmnist, tmp_path):
-    stage = {"name": "low", "image_size": 16, "context_length": 16, "samples": 160, "global_batch": 16, "lr": 2e-3,
-             "warmup_steps": 1}
-    cfg = tiny_config(tmp_path / "run", tiny_fmnist, precision="fp32", stages=[stage], evals=False,
-                      logging={"every_steps": 1, "progress": False, "tensorboard": False, "plot": False})
-    cfg["data"]["num_workers"] = 0
-    config = write_config(cfg, tmp_path / "run.yaml")
-    done = run_job(ranks_cmd(2, str(config), "1", "4", script=REPO_ROOT / "tests" / "stop_workers.py"))
-    out = done.stdout + done.stderr
-    assert done.returncode == 7, out[-4000:]
-    lines = [line for line in done.stderr.splitlines() if line.startswith("crate-clip train:")]
-    assert len(lines) == 1 and "http://shards.invalid/{0..2}.tar: unreachable" in lines[0], out[-4000:]
+    done, lines, out = _two_ranks(tmp_path, tiny_fmnist, "source", 1, 4)
+    assert done.returncode == 7, out
+    assert len(lines) == 1 and "http://shards.invalid/{0..2}.tar: unreachable" in lines[0], out
     assert "step00000003" in lines[0] and lines[0].count("--resume latest") == 1, lines
     ckpt = tmp_path / "run" / "checkpoints" / "stage0-step00000003"
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == ckpt.name
@@ -43,3 +50,15 @@ def test_a_source_given_up_on_one_rank_saves_every_rank_at_the_same_step_and_exi
     table = json.loads((ckpt / "stream_table.json").read_text())
     assert table["batches"] == 3, {k: v for k, v in table.items() if k != "streams"}
     assert not (tmp_path / "run.lock").exists()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint_and_exit_8(tiny_fmnist, tmp_path):
+    done, lines, out = _two_ranks(tmp_path, tiny_fmnist, "signal", 1, 3)   # SIGUSR1 to rank 1 only, in step 3
+    assert done.returncode == 8, out
+    assert len(lines) == 1 and lines[0].startswith("crate-clip train: stopped by SIGUSR1"), out
+    assert "step 3," in lines[0] and "stage0-step00000003" in lines[0], lines
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "stage0-step00000003"
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    assert not (tmp_path / "run.lock").exists() and not (tmp_path / "run" / "export").exists()
