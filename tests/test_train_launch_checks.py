@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -74,10 +75,42 @@ def _problem_lines(stderr: str) -> list[str]:
     return lines
 
 
+def _running(cmdline: str) -> bool:
+    """Whether a process whose command line (NUL-separated, as /proc shows it) contains `cmdline` is running."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if cmdline.encode() in (proc / "cmdline").read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def silent_server():
+    """A real TCP server that accepts connections and never sends a byte (a stalled shard server)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held, done = [], threading.Event()
+
+    def accept():
+        while not done.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                return
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    done.set()
+    listener.close()
+    for conn in held:
+        conn.close()
 
 
 @pytest.fixture
@@ -100,25 +133,28 @@ def http_server(tmp_path):
         proc.wait()
 
 
-def test_every_problem_before_launch_is_said_at_once(tmp_path, http_server):
-    """`--nproc 3`: batches, a missing source, a missing evaluation set, a 404, a closed port and a failing pipe:
-    command, one line each, before any worker starts. `--validate` says the same but runs no pipe: command (it is
+def test_every_problem_before_launch_is_said_at_once(tmp_path, http_server, silent_server):
+    """`--nproc 3`: batches, a missing source, a missing evaluation set, a 404, a closed port, a server and a command
+    that send nothing (within data.remote_stall_timeout_s) and a failing pipe: command, one line each, before any
+    worker starts. `--validate` says the same but runs no pipe: command (it is
     how a config from elsewhere is read before it runs anything)."""
     data = _user_files(tmp_path)
     cfg = tiny_config(tmp_path / "run", data, precision="fp32", stages=[dict(STAGE)])
     closed, ran = _free_port(), tmp_path / "ran"   # nothing listens on `closed`: connection refused
     cfg["data"]["sources"] = [str(data / "train"), str(tmp_path / "no-such-shards"),
                               f"{http_server}/shard-{{00000..00003}}.tar", f"http://127.0.0.1:{closed}/0.tar",
-                              f"pipe:touch {ran}; exit 3"]
+                              f"{silent_server}/0.tar", f"pipe:touch {ran}; exit 3", "pipe:sleep 30.25"]
+    cfg["data"]["remote_stall_timeout_s"] = 1
     cfg["eval"]["evals"][0]["data"] = str(tmp_path / "no-such-eval-set")
     config = write_config(cfg, tmp_path / "config.yaml")
     expected = ["stages.0.global_batch: 8 is not divisible by the 3 processes", "data.sources.1: ",
                 "eval.evals.0.data: ",
                 f"data.sources.2: the first shard '{http_server}/shard-00000.tar' cannot be read: HTTP 404",
-                "data.sources.3: the first shard", f"data.sources.4: the first shard 'pipe:touch {ran}; exit 3' cannot "
-                "be read: the command exited with code 3"]
+                "data.sources.3: the first shard", f"data.sources.4: the first shard '{silent_server}/0.tar' cannot be "
+                "read: no byte for 1 s", f"data.sources.5: the first shard 'pipe:touch {ran}; exit 3' cannot be read: "
+                "exit code 3", "data.sources.6: the first shard 'pipe:sleep 30.25' cannot be read: no byte for 1 s"]
     before = _snapshot(tmp_path)
-    for args, says in ((("--validate", "--nproc", "3"), expected[:-1]), (("--nproc", "3"), expected)):
+    for args, says in ((("--validate", "--nproc", "3"), expected[:-2]), (("--nproc", "3"), expected)):
         proc = _train(config, *args)
         assert proc.returncode == 2, proc.stderr
         lines = _problem_lines(proc.stderr)
@@ -127,6 +163,7 @@ def test_every_problem_before_launch_is_said_at_once(tmp_path, http_server):
         assert len(lines) == 1 + len(says), proc.stderr   # nothing else: data.sources.0 is fine
         assert ran.exists() == ("--validate" not in args), "--validate ran a pipe: command"
     assert "valid (" not in proc.stdout and not (tmp_path / "run").exists()
+    assert not _running("sleep\x0030.25"), "the probed command was left running"
     assert {k: v for k, v in _snapshot(tmp_path).items() if k != "ran"} == before
 
 

@@ -7,24 +7,20 @@ worker's traceback under the launcher's ChildFailedError minutes later.
 """
 from __future__ import annotations
 
-import os
-import select
-import signal
-import socket
-import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Optional
 
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.shard_sources import PIPE, ShardListError, expand_source, is_remote
+from crate_clip.data.remote_transport import (COMMAND_SCHEMES, PermanentSourceError, TransientSourceError,
+                                              open_transport, shown_source)
 from crate_clip.train.run_config import (RunConfig, apply_override, batch_problem, load_run_config,
                                          path_problems, runtime_problems)
 from crate_clip.train.run_dir import output_dir_problems, overwrite_problem
 
-PROBE_TIMEOUT_S = 10.0   # per remote source: a server that answers at all answers a 512-byte read far sooner
+PROBE_TIMEOUT_S = 10.0   # per remote source (or data.remote_stall_timeout_s when shorter): a server that answers
+                         # at all answers a 512-byte read far sooner
 PROBE_BYTES = 512        # one tar header: the first shard is there and sends data
 
 
@@ -48,7 +44,8 @@ def checked_config(path: str | Path, overrides: list[str], *, world_size: int, d
     if overwrite and not named and (problem := overwrite_problem(cfg.run_dir)):
         problems.append(problem)
     if probe:
-        problems += remote_source_problems(cfg.data.sources, run_commands=run_commands)
+        timeout = min(PROBE_TIMEOUT_S, cfg.data.remote_stall_timeout_s)   # no longer than a run would wait
+        problems += remote_source_problems(cfg.data.sources, timeout, run_commands=run_commands)
     if problems:   # as every config refusal: one line per problem under the header
         raise ConfigError(f"invalid run config ({path}):\n  " + "\n  ".join(problems))
     return cfg
@@ -79,11 +76,12 @@ def _raw_batch_problems(path, overrides, world_size: int) -> list[str]:
 
 def remote_source_problems(sources: list[str], timeout: float = PROBE_TIMEOUT_S,
                            run_commands: bool = False) -> list[str]:
-    """One line per remote source (http(s); pipe: with `run_commands`) whose first shard does not answer within
-    `timeout` seconds."""
+    """One line per remote source whose first shard does not give its first bytes within `timeout` seconds. Read
+    as training reads it (crate_clip.data.remote_transport): http(s) and hf:// always; sources read through a
+    command (pipe:, gs://, ais://, sftp://) only with `run_commands`."""
     problems = []
     for i, source in enumerate(sources):
-        if not is_remote(source) or (source.startswith(PIPE) and not run_commands):
+        if not is_remote(source) or (_runs_a_command(source) and not run_commands):
             continue
         try:
             shard = expand_source(source)[0]
@@ -91,60 +89,33 @@ def remote_source_problems(sources: list[str], timeout: float = PROBE_TIMEOUT_S,
             continue   # the config check names it
         error = probe_shard(shard, timeout)
         if error:
-            problems.append(f"data.sources.{i}: the first shard {shard!r} cannot be read: {error}; fix: check the "
-                            "server or the command (the run would retry it, then stop), or correct the source")
+            problems.append(f"data.sources.{i}: the first shard {shown_source(shard)!r} cannot be read: {error}; fix: "
+                            "check the server or the command (a run would retry it, then stop), or correct the source")
     return problems
 
 
+def _runs_a_command(source: str) -> bool:
+    return source.startswith(PIPE) or source.startswith(tuple(COMMAND_SCHEMES))
+
+
 def probe_shard(shard: str, timeout: float = PROBE_TIMEOUT_S) -> Optional[str]:
-    """Why the first PROBE_BYTES of a remote shard cannot be read within `timeout` seconds; None when they can.
-    Schemes read through their own tools (gs://, hf://, ...) are not probed."""
-    if shard.startswith(("http://", "https://")):
-        return _probe_url(shard, timeout)
-    if shard.startswith(PIPE):
-        return _probe_command(shard[len(PIPE):], timeout)
-    return None
-
-
-def _probe_url(url: str, timeout: float) -> Optional[str]:
-    request = urllib.request.Request(url, headers={"Range": f"bytes=0-{PROBE_BYTES - 1}"})
+    """Why the first PROBE_BYTES of a remote shard cannot be read within `timeout` seconds in all (a transfer that
+    dribbles is cut off too); None when they can. The transfer is closed after them (a command: its whole
+    process group is ended)."""
+    deadline, received = time.monotonic() + timeout, 0
+    buffer = bytearray(PROBE_BYTES)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            return None if answer.read(PROBE_BYTES) else "the server sent an empty answer"
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code} {exc.reason}"
-    except (socket.timeout, TimeoutError):
-        return f"no answer within {timeout:g} s"
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return f"no answer within {timeout:g} s" if isinstance(reason, socket.timeout) else str(reason)
-
-
-def _probe_command(command: str, timeout: float) -> Optional[str]:
-    """Run the shard's command until it has written PROBE_BYTES (or ended, or `timeout` passed), then stop it."""
-    proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, start_new_session=True)   # a group of its own: stopped whole
-    received, deadline = 0, time.monotonic() + timeout
+        transfer = open_transport(shard, stall_s=timeout)
+    except (TransientSourceError, PermanentSourceError) as exc:
+        return str(exc)
     try:
-        while received < PROBE_BYTES and (left := deadline - time.monotonic()) > 0:
-            if not select.select([proc.stdout], [], [], left)[0]:
-                break
-            chunk = os.read(proc.stdout.fileno(), PROBE_BYTES - received)
-            if not chunk:
-                break
-            received += len(chunk)
-        if received:
-            return None
-        if proc.poll() is None and time.monotonic() >= deadline:
-            return f"the command wrote nothing within {timeout:g} s"
-        code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        said = proc.stderr.read(4096).decode("utf-8", "replace").strip().splitlines()
-        return f"the command exited with code {code} without output" + (f" ({said[-1]})" if said else "")
-    except subprocess.TimeoutExpired:
-        return f"the command wrote nothing within {timeout:g} s"
+        while received < PROBE_BYTES and time.monotonic() < deadline:
+            n = transfer.readinto(memoryview(buffer)[received:])
+            if not n:
+                return "it is empty" if not received else None
+            received += n
+        return None if received else f"no byte within {timeout:g} s"
+    except (TransientSourceError, PermanentSourceError) as exc:
+        return str(exc)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        transfer.close()
