@@ -22,7 +22,8 @@ from crate_clip.core.patch_tiling import PatchTilingError
 from crate_clip.core.resize_modes import RESOLUTION_RESIZE_MODES
 from crate_clip.models.clip_factory import create_clip, load_clip_weights, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
-from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR, WEIGHTS_FILES
+from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR
+from crate_clip.models.export_folder_check import export_weights_file
 from crate_clip.models.export_loading import create_from_export
 from crate_clip.models.patch_change import (checkpoint_input_sizes, create_clip_at_patch, model_tiling_problem,
                                            patch_input_size, set_resolution_by_patch, tower_patch_size)
@@ -172,9 +173,7 @@ def _check_not_a_missing_path(model: str) -> None:
 def _from_local_dir(model: str, image_size: int | None):
     # Build at the requested size, then load with pos-embed resizing (open_clip alone cannot resize a timm tower).
     folder = Path(model[len(LOCAL_DIR):])
-    weights = open_clip.factory._find_checkpoint_in_dir(folder)
-    if weights is None:
-        raise FileNotFoundError(f"{folder}: no {' / '.join(WEIGHTS_FILES)} weights")
+    weights = export_weights_file(folder)   # open_clip's choice, a regular file (not a FIFO, not /dev/zero)
     # the weights are loaded on the next line, with the resizing
     clip = create_from_export(folder, open_clip.create_model, load_weights=False, force_image_size=image_size)
     load_clip_weights(clip, read_state_dict(weights), pos_embed_resize="grid_2d")

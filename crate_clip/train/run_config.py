@@ -10,11 +10,12 @@ import tarfile
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args
 
-import yaml
 from pydantic import Field, PrivateAttr, ValidationError
 
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.config_schema import Bool, Float, Int, Section, error_lines
+from crate_clip.core.file_kinds import special_file
+from crate_clip.core.safe_yaml import load_yaml, load_yaml_file
 from crate_clip.core.patch_tiling import grid_tiling_problem, patch_tiling_problem, tiling_sizes
 from crate_clip.models.open_clip_configs import image_patch_size
 from crate_clip.models.pos_embed import POS_EMBED_RESIZE_MODES
@@ -35,6 +36,12 @@ Precision = Literal["bf16", "fp16", "fp32"]
 # faster than the CPU flash kernel's for short sequences), torch's choice on GPU
 AttentionKernel = Literal["auto", "math", "flash", "efficient", "default"]
 PRECISIONS = get_args(Precision)
+# Bounds of sizes a config may ask for (docs/safety.md): each far above any real run, each far below a size that
+# would take the machine's memory before the first step (a 10^9 px image side, a 10^9-token position embedding)
+MAX_SEED = 2 ** 32 - 1          # numpy's seeds are 32-bit; torch's take it as it is
+MAX_IMAGE_SIZE = 4096           # pixels a side (the papers train at 224-336, fine-tune up to 1024)
+MAX_CONTEXT_LENGTH = 4096       # text tokens (CLIPA: 8-32, open_clip: 77, BERT towers: 512)
+MAX_PROBE_IMAGES = 4096         # the white-box diagnostics' probe batch (default 64)
 
 
 class RunSection(Section):
@@ -42,8 +49,8 @@ class RunSection(Section):
     name: str = Field("run", description="the run's name")
     output_dir: str = Field("runs/run", description="where the run writes: checkpoints, metrics, results, plot, "
                                                    "export")
-    seed: Int = Field(0, description="seed of the initial weights and of the data order (each stage draws its "
-                                     "own stream seed from it)")
+    seed: Int = Field(0, ge=0, le=MAX_SEED, description="seed of the initial weights and of the data order (each "
+                                                        "stage draws its own stream seed from it)")
     max_nonfinite_in_a_row: Int = Field(5, ge=1, description="non-finite steps in a row that stop the run (a few "
                                                              "skipped steps in a row are normal in fp16)")
 
@@ -91,8 +98,8 @@ class ModelSection(Section):
 class StageConfig(Section):
     """One training stage: token budget (image size, text length, masks), batch, samples and LR schedule."""
     name: str = Field("stage", description="the stage's name (checkpoint tags, logs); unique in the run")
-    image_size: Int = Field(224, description="image side in pixels")
-    context_length: Int = Field(32, ge=2, description="text tokens, e.g. 32")
+    image_size: Int = Field(224, le=MAX_IMAGE_SIZE, description="image side in pixels")
+    context_length: Int = Field(32, ge=2, le=MAX_CONTEXT_LENGTH, description="text tokens, e.g. 32")
     samples: Int = Field(0, description="training samples of the stage (rounded down to whole global batches, "
                                         "said by --validate and at the start of training)")
     global_batch: Int = Field(256, ge=2, description="the contrastive batch over all ranks; a contrastive batch "
@@ -202,8 +209,8 @@ class CheckpointSection(Section):
 class EvalSection(Section):
     """Evaluations run on all ranks after every stage; low-res stages are also evaluated at full size."""
     after_each_stage: Bool = Field(True, description="run the evaluations after every stage")
-    full_image_size: Optional[Int] = Field(None, ge=1, description="the size in pixels a low-res stage is also "
-                                                                   "evaluated at; default: the last stage's")
+    full_image_size: Optional[Int] = Field(None, ge=1, le=MAX_IMAGE_SIZE, description="the size in pixels a low-res "
+                                           "stage is also evaluated at; default: the last stage's")
     evals: list[EvalSpec] = Field([], description="each entry: one task of eval/tasks/ with its own settings")
 
 
@@ -215,8 +222,9 @@ class LoggingSection(Section):
     plot: Bool = Field(True, description="training_curve.png at the end")
     diagnostics_every: Int = Field(0, ge=0, description="white-box coding rate / sparsity per layer every N "
                                    "steps (0 = off)")
-    diagnostics_images: Int = Field(64, ge=1, description="probe batch: this many images of eval.evals[0] (and as "
-                                    "many of its class-name prompts for a CRATE-alpha text tower)")
+    diagnostics_images: Int = Field(64, ge=1, le=MAX_PROBE_IMAGES, description="probe batch: this many images of "
+                                    "eval.evals[0] (and as many of its class-name prompts for a CRATE-alpha text "
+                                    "tower)")
 
 
 class RunConfig(Section):
@@ -347,7 +355,7 @@ def apply_override(raw: dict, assignment: str) -> None:
     parts = [p for p in path.strip().split(".") if p]
     if not parts:
         raise ConfigError(f"--set {assignment!r}: empty key")
-    value = yaml.safe_load(text) if text.strip() else None
+    value = load_yaml(text, f"--set {path.strip()}") if text.strip() else None
     node: Any = raw
     for depth, part in enumerate(parts):
         last = depth == len(parts) - 1
@@ -376,6 +384,10 @@ def _check_paths(cfg: RunConfig, base_dir: Path) -> list[str]:
     if cfg.model.bert_vocab and not (resolve_path(cfg.model.bert_vocab, base_dir) / "vocab.txt").is_file():
         errors.append(f"model.bert_vocab: {cfg.model.bert_vocab!r} holds no vocab.txt; fix: the folder of a "
                       "BERT vocabulary (one token a line), or remove the key to use the HuggingFace hub")
+    for key, path in (("model.pretrained", cfg.model.pretrained), ("deepspeed.config", cfg.deepspeed.config)):
+        kind = special_file(resolve_path(path, base_dir)) if path else None
+        if kind:   # a FIFO would block its reader, /dev/zero be read without end
+            errors.append(f"{key}: {path!r} is {kind}, not a regular file; fix: point it to the file itself")
     if cfg.model.pretrained and not resolve_path(cfg.model.pretrained, base_dir).exists():
         errors.append(f"model.pretrained: file {cfg.model.pretrained!r} does not exist")
     if cfg.deepspeed.config and not resolve_path(cfg.deepspeed.config, base_dir).exists():
@@ -516,12 +528,7 @@ def config_from_dict(raw: dict, *, base_dir: Path | None = None, check_paths: bo
 def load_run_config(path: str | Path, overrides: list[str] | tuple = (), *, check_paths: bool = True) -> RunConfig:
     """Load a YAML run config, apply `--set` overrides, validate; raises ConfigError naming the key."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--config: file {str(path)!r} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    raw = load_yaml_file(path) or {}   # a regular file, every YAML problem and alias bomb one line
     raw = copy.deepcopy(raw)
     for assignment in overrides:
         apply_override(raw, assignment)
