@@ -10,20 +10,13 @@ import stat
 from pathlib import Path
 
 from crate_clip.core.errors import UserError
+from crate_clip.core.file_kinds import file_kind  # noqa: F401  (re-exported: the readers of records name kinds)
 
 MAX_RECORD_BYTES = 64 << 20   # crate_clip.json of a B/16 ZeRO-3 run on 64 ranks: about 100 KB
-_KINDS = {stat.S_ISFIFO: "a FIFO", stat.S_ISDIR: "a folder", stat.S_ISCHR: "a character device",
-          stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
 
 
 class UnreadableRecordError(UserError, ValueError):
     """A record file that is not a regular file, is larger than its bound, or is not the text / JSON it should be."""
-
-
-def file_kind(mode: int) -> str:
-    """'a FIFO', 'a folder', ... for a stat mode; 'a regular file' for one."""
-    return next((name for test, name in _KINDS.items() if test(mode)), "a regular file" if stat.S_ISREG(mode)
-                else "a special file")
 
 
 def read_small_bytes(path: str | Path, limit: int = MAX_RECORD_BYTES) -> bytes:
