@@ -283,3 +283,16 @@ def test_a_special_file_given_to_export_says_what_it_is_and_writes_nothing(tmp_p
     line, _ = _refusal(tmp_path, "export", str(checkpoint), "--out", str(tmp_path / "export"))
     assert line.startswith(f"crate-clip export: {checkpoint}: {kind}, not a folder (a run folder"), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "peak"]
+
+
+def test_a_run_folder_record_with_an_alias_chain_is_refused_in_one_line(tmp_path):
+    """The run_config.yaml a resume compares against is read through the same bounds (a run folder from elsewhere)."""
+    from crate_clip.core.errors import ConfigError
+    from crate_clip.train.config_changes import recorded_config
+
+    record = tmp_path / "run_config.yaml"
+    record.write_text(_alias_chain(8))
+    with pytest.raises(ConfigError) as refused:
+        recorded_config(tmp_path)
+    assert str(refused.value).startswith(f"{record}: refused: its aliases expand to more than 1,000,000 values")
+    assert "\n" not in str(refused.value) and record.read_text() == _alias_chain(8)

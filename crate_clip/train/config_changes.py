@@ -27,6 +27,7 @@ from crate_clip.checkpoint_io.atomic_files import atomic_write_text
 from crate_clip.checkpoint_io.deepspeed_checkpoints import latest_complete_tag, read_info
 from crate_clip.checkpoint_io.run_layout import CONFIG_CHANGES_FILE, RUN_CONFIG_FILE, checkpoints_in, read_jsonl
 from crate_clip.core.errors import ConfigError
+from crate_clip.core.safe_yaml import load_yaml_file
 from crate_clip.train.engine import DistInfo
 from crate_clip.train.run_config import RunConfig, config_from_dict
 
@@ -165,11 +166,11 @@ def recorded_config(run_dir: Path) -> Optional[dict]:
     path = Path(run_dir) / RUN_CONFIG_FILE
     if not path.is_file():
         return None
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc}); it records what the run trained: restore it, or start "
-                          "over with --overwrite") from None
+    try:   # bounded like a run config: a run folder from elsewhere is data too
+        raw = load_yaml_file(path, "the run's record") or {}
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; it records what the run trained: restore it, or start over with "
+                          "--overwrite") from None
     raw = apply_changes(raw, read_jsonl(Path(run_dir) / CONFIG_CHANGES_FILE))
     try:   # keys added to the schema since the run started read as their defaults (which keep the old behaviour)
         return _as_recorded(config_from_dict(raw, check_paths=False).to_dict())
