@@ -4,7 +4,8 @@
 
 source: RANK's stream raises, at its AT_BATCH-th batch, an error that asks for a checkpoint before the exit (the
 attribute protocol of stop_requests.stops_with_checkpoint, as data_pipelines' ShardSourceUnavailable has it).
-signal: RANK's stream sends its own process SIGUSR1 as it reads its AT_BATCH-th batch (the other rank gets none).
+signal: RANK sends its own process SIGTERM as its checkpoint save of step AT_BATCH starts (the other rank gets
+none; the run config saves every AT_BATCH steps).
 The process exits with the code crate-clip train would, after the trainer's one line on rank 0.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from crate_clip.core.errors import UserError, report_error  # noqa: E402
+from crate_clip.train.checkpoints import CheckpointManager  # noqa: E402
 from crate_clip.train.run_config import load_run_config  # noqa: E402
 from crate_clip.train.stage_loop import default_stream_factory, run_training  # noqa: E402
 from crate_clip.train.stop_requests import (DEFAULT_SIGNALS, StopRequested, parse_signals,  # noqa: E402
@@ -33,15 +35,13 @@ class SourceGone(UserError, RuntimeError):
 
 
 class FailingStream:
-    """The real training stream, raising SourceGone (or sending SIGUSR1) at one batch on one rank."""
+    """The real training stream, raising SourceGone at one batch on one rank."""
 
     def __init__(self, stream, mode: Optional[str], at_batch: int):
         self.stream, self.mode, self.at_batch = stream, mode, at_batch
 
     def __iter__(self):
         for n, batch in enumerate(self.stream, start=1):
-            if self.mode == "signal" and n == self.at_batch:
-                os.kill(os.getpid(), signal.SIGUSR1)
             if self.mode == "source" and n == self.at_batch:
                 raise SourceGone(f"data.sources http://shards.invalid/{{0..2}}.tar: unreachable for 1800 s "
                                  "(connection refused); fix: bring it back, then --resume latest")
@@ -51,8 +51,22 @@ class FailingStream:
         return getattr(self.stream, name)
 
 
+def _signal_as_save_starts(step: int) -> None:
+    """SIGTERM to this process when the checkpoint save of `step` starts (the save must finish all the same)."""
+    save = CheckpointManager.save
+
+    def signalled_save(self, engine, tag, *args, **kwargs):
+        if tag.endswith(f"step{step:08d}"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return save(self, engine, tag, *args, **kwargs)
+
+    CheckpointManager.save = signalled_save
+
+
 def main(config: str, mode: str, rank: int, at_batch: int) -> int:
     def factory(cfg, stage, dist):
+        if mode == "signal" and dist.rank == rank:
+            _signal_as_save_starts(at_batch)
         return FailingStream(default_stream_factory(cfg, stage, dist), mode if dist.rank == rank else None, at_batch)
 
     try:

@@ -1,12 +1,13 @@
 """The stop machinery outside Slurm (stop_requests.py; under a real Slurm: test_slurm_preemption.py): which signals
 --save-on-signal takes; a data source given up on by one rank of two (an error with `checkpoint_before_exit`) makes
 both ranks save the last completed step at the same data position and exit with that error's code and line; a
-signal to one rank of two stops both after the same step, saved, exit 8."""
+signal to one rank of two during a save lets the save finish and stops both after that step, exit 8."""
 import json
 import signal
 
 import pytest
 
+from crate_clip.checkpoint_io.deepspeed_checkpoints import verify_checkpoint
 from crate_clip.train.stop_requests import parse_signals
 from train_fixtures import REPO_ROOT, ranks_cmd, read_jsonl, run_job, tiny_config, write_config
 
@@ -21,11 +22,12 @@ def test_save_on_signal_names_and_numbers():
         parse_signals("KILL")
 
 
-def _two_ranks(tmp_path, data, mode: str, rank: int, at_batch: int):
-    """The tiny one-stage run (10 steps, no periodic checkpoint) on 2 ranks, `mode` on `rank` (stop_workers.py)."""
+def _two_ranks(tmp_path, data, mode: str, rank: int, at_batch: int, every_steps: int = 0):
+    """The tiny one-stage run (10 steps, a checkpoint every `every_steps`) on 2 ranks, `mode` on `rank`
+    (stop_workers.py)."""
     stage = {"name": "low", "image_size": 16, "context_length": 16, "samples": 160, "global_batch": 16, "lr": 2e-3,
              "warmup_steps": 1}
-    cfg = tiny_config(tmp_path / "run", data, precision="fp32", stages=[stage], evals=False,
+    cfg = tiny_config(tmp_path / "run", data, precision="fp32", stages=[stage], evals=False, every_steps=every_steps,
                       logging={"every_steps": 1, "progress": False, "tensorboard": False, "plot": False})
     cfg["data"]["num_workers"] = 0
     config = write_config(cfg, tmp_path / "run.yaml")
@@ -54,11 +56,16 @@ def test_a_source_given_up_on_one_rank_saves_every_rank_at_the_same_step_and_exi
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_a_signal_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint_and_exit_8(tiny_fmnist, tmp_path):
-    done, lines, out = _two_ranks(tmp_path, tiny_fmnist, "signal", 1, 3)   # SIGUSR1 to rank 1 only, in step 3
+def test_a_signal_to_one_rank_during_a_save_lets_it_finish_and_stops_both_after_that_step_with_exit_8(
+        tiny_fmnist, tmp_path):
+    # SIGTERM to rank 1 only, as its periodic save of step 3 starts (rank 0 holds the lock)
+    done, lines, out = _two_ranks(tmp_path, tiny_fmnist, "signal", 1, 3, every_steps=3)
     assert done.returncode == 8, out
-    assert len(lines) == 1 and lines[0].startswith("crate-clip train: stopped by SIGUSR1"), out
+    assert len(lines) == 1 and lines[0].startswith("crate-clip train: stopped by SIGTERM"), out
     assert "step 3," in lines[0] and "stage0-step00000003" in lines[0], lines
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "stage0-step00000003"
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "stage0-step00000003"   # the save finished, and was not redone
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("stage")) == ["stage0-step00000003"]
+    assert verify_checkpoint(ckpts / "stage0-step00000003")["step"] == 3   # whole: every file's size and sha256
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
     assert not (tmp_path / "run.lock").exists() and not (tmp_path / "run" / "export").exists()
