@@ -85,6 +85,7 @@ def main(argv=None) -> int:
     from crate_clip.core.writable_folders import unwritable_error
     from crate_clip.train.disk_space import no_space_while_writing
     from crate_clip.train.launcher_watch import watch_launcher
+    from crate_clip.train.config_changes import config_changes
     from crate_clip.train.launch_checks import checked_config
     from crate_clip.train.stage_loop import run_training
 
@@ -100,6 +101,8 @@ def main(argv=None) -> int:
         cfg = checked_config(args.config, args.overrides, world_size=args.nproc or int(os.environ.get("WORLD_SIZE", 1)),
                              device=_launch_device() if launch else None, overwrite=args.overwrite,
                              probe=bool(args.validate or args.nproc), run_commands=launch)
+        if args.resume and (args.nproc or args.validate):   # a resume that changes what the run trains, unnamed:
+            config_changes(cfg, args.resume, args.allow_changes)   # refused before any worker starts
     except ConfigError as exc:   # every rank of a launched job finds it: rank 0 says it
         return report_error(PROG, exc, once_per_job=True)
     if args.validate:
