@@ -16,7 +16,7 @@ from open_clip.transform import PreprocessCfg, image_transform_v2
 
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
                                                           consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint,
-                                                          newest_complete_tag, resolve_checkpoint_tag)
+                                                          newest_complete_tag, read_info, resolve_checkpoint_tag)
 from crate_clip.core.errors import UserError
 from crate_clip.core.patch_tiling import PatchTilingError
 from crate_clip.core.resize_modes import RESOLUTION_RESIZE_MODES
@@ -25,6 +25,7 @@ from crate_clip.models.clip_tokenizers import clip_tokenizer
 from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR
 from crate_clip.models.export_folder_check import export_weights_file
 from crate_clip.models.export_loading import create_from_export
+from crate_clip.models.model_cfg_check import check_recorded_normalisation
 from crate_clip.models.patch_change import (checkpoint_input_sizes, create_clip_at_patch, model_tiling_problem,
                                            patch_input_size, set_resolution_by_patch, tower_patch_size)
 from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
@@ -182,6 +183,7 @@ def _from_local_dir(model: str, image_size: int | None):
 
 def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
     checkpoint = model if is_deepspeed_checkpoint(model) else pretrained
+    _check_normalisation(checkpoint)
     try:
         state, info = consolidate_deepspeed_checkpoint(checkpoint)
     except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile) as exn:   # truncated / corrupt
@@ -194,6 +196,17 @@ def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
                                 context_length=info.get("context_length"))
     _adopt_training_preprocess(clip, info)
     return clip, model_name, info
+
+
+def _check_normalisation(checkpoint) -> None:
+    """A NaN mean or a zero std in the checkpoint's record is said to be one before its weights are read (an
+    evaluation with it would find no image readable)."""
+    try:
+        tag_dir = resolve_checkpoint_tag(checkpoint)
+    except (OSError, ValueError):
+        return   # the consolidation says what is wrong with the folder
+    check_recorded_normalisation(read_info(tag_dir), tag_dir / INFO_FILE, "the checkpoint's record is damaged: "
+                                 "use another checkpoint")
 
 
 def _adopt_training_preprocess(clip: torch.nn.Module, info: dict) -> None:

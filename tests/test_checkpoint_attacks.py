@@ -417,3 +417,22 @@ def test_a_fifo_latest_gives_one_line_and_does_not_block(trained, tmp_path):
     from crate_clip.train.checkpoints import CheckpointManager
 
     assert CheckpointManager(run / "checkpoints", 3, 0, 1).latest_tag() == TAGS[3]
+
+
+@pytest.mark.slow
+def test_a_nan_normalisation_is_named_by_export_and_eval(trained, tmp_path):
+    """A checkpoint whose crate_clip.json records a NaN mean: export and eval say so in one line (exit 2) and write
+    nothing, instead of an export that holds the NaN and an evaluation that finds no image readable (issue 41)."""
+    run = _copy(trained, tmp_path)
+    tag = run / "checkpoints" / TAGS[3]
+    _edit_info(tag, lambda info: info["normalisation"].update(mean=[float("nan"), 0.5, 0.5]))
+    code = "import sys; from crate_clip.cli import main; sys.exit(main(sys.argv[1:]))"
+    for argv in (["export", str(tag), "--out", str(tmp_path / "export")],
+                 ["eval", "zeroshot", "--model", str(tag), "--data", "unused", "--dataset", "fashion_mnist", "--device",
+                  "cpu", "--no-progress", "--output", str(tmp_path / "out.json")]):
+        proc = warm_python.run([sys.executable, "-c", code, *argv], env=run_env(), cwd=REPO_ROOT, capture_output=True,
+                               text=True, timeout=120)
+        line = _one_line(proc.stderr)
+        assert proc.returncode == 2 and f"{tag / 'crate_clip.json'}" in line, line
+        assert "its image preprocessing cannot be used: normalisation.mean is [nan, 0.5, 0.5]" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

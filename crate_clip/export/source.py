@@ -18,6 +18,7 @@ from crate_clip.core.errors import UserError
 from crate_clip.core.file_kinds import special_file
 from crate_clip.models import preprocess_cfg_for
 from crate_clip.models.clip_tokenizers import tokenizer_record
+from crate_clip.models.model_cfg_check import check_recorded_normalisation
 
 
 class ExportSourceError(UserError, ValueError):
@@ -93,6 +94,8 @@ def export_source(checkpoint: str | Path, stage: int | None = None, bert_vocab: 
     if not info or "model_name" not in info:
         raise ExportSourceError(f"{tag_dir}: {INFO_FILE} missing, unreadable or naming no model (an interrupted "
                                 f"save?); pass a complete checkpoint")
+    # finite, or the export would hold it (and NaN every image)
+    check_recorded_normalisation(info, tag_dir / INFO_FILE, "the checkpoint's record is damaged: export another one")
     vocab = _vocab(info, bert_vocab, tag_dir)
     return ExportSource(tag_dir, info, vocab, _results(tag_dir, info))
 

@@ -4,8 +4,9 @@ open_clip turns an unknown key into a TypeError deep in a dataclass constructor,
 says: a crafted or damaged config would allocate many GB before failing. `check_model_cfg` accepts only the keys
 open_clip's CLIP / CustomTextCLIP and their tower configs take (CrateTextCfg's for a CRATE-alpha text tower), sizes
 that are positive integers no larger than the largest value any registered config uses for that key, and a
-parametric CRATE-alpha tower name within the registered families' bounds (clip_tower_names). Everything it raises
-is a ModelConfigError (a ValueError) naming the file and the key.
+parametric CRATE-alpha tower name within the registered families' bounds (clip_tower_names); `check_preprocess_cfg`
+accepts only finite normalisation and a bounded size. Everything they raise is a ModelConfigError (a ValueError)
+naming the file and the key.
 """
 from __future__ import annotations
 
@@ -116,14 +117,17 @@ def _size_problems(key: str, value, maxima: dict, required: bool = False) -> lis
     return []
 
 
-def check_preprocess_cfg(preprocess_cfg, source) -> None:
-    """ModelConfigError naming `source` unless the image preprocessing an export records is usable: mean and std
-    one or three finite numbers (std above 0), the size positive and at most the largest registered image size.
-    A NaN mean would turn every image into NaN, reported later as images that could not be read."""
+EXPORT_FIX = "use the open_clip_config.json the export was written with"
+
+
+def check_preprocess_cfg(preprocess_cfg, source, name: str = "preprocess_cfg", fix: str = EXPORT_FIX) -> None:
+    """ModelConfigError naming `source` and the key (`name`.mean) unless the image preprocessing a file records is
+    usable: mean and std one or three finite numbers (std above 0), the size 1 to MAX_PREPROCESS_SIZE px. A NaN
+    mean would turn every image into NaN, reported later as images that could not be read."""
     if preprocess_cfg is None:
         return
     if not isinstance(preprocess_cfg, dict):
-        raise ModelConfigError(f"{source}: preprocess_cfg is {type(preprocess_cfg).__name__}, not an object")
+        raise ModelConfigError(f"{source}: {name} is {type(preprocess_cfg).__name__}, not an object; fix: {fix}")
     problems = []
     for key, low in (("mean", -math.inf), ("std", 0.0)):
         value = preprocess_cfg.get(key)
@@ -132,13 +136,22 @@ def check_preprocess_cfg(preprocess_cfg, source) -> None:
             continue
         if len(values) not in (1, 3) or not all(_finite_above(v, low) for v in values):
             what = "finite numbers above 0" if key == "std" else "finite numbers"
-            problems.append(f"preprocess_cfg.{key} is {value!r}, not one or three {what}")
+            problems.append(f"{name}.{key} is {value!r}, not one or three {what}")
     size = preprocess_cfg.get("size")
-    if size is not None:
-        problems += _size_problems("preprocess_cfg.size", size, {"preprocess_cfg.size": MAX_PREPROCESS_SIZE})
+    sizes = size if isinstance(size, (list, tuple)) and size else [size]
+    if size is not None and not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_PREPROCESS_SIZE
+                                    for v in sizes):
+        problems.append(f"{name}.size is {size!r}, not 1 to {MAX_PREPROCESS_SIZE:,} px")
     if problems:
-        raise ModelConfigError(f"{source}: its image preprocessing cannot be used: {'; '.join(problems)}; fix: use "
-                               "the open_clip_config.json the export was written with")
+        raise ModelConfigError(f"{source}: its image preprocessing cannot be used: {'; '.join(problems)}; fix: {fix}")
+
+
+def check_recorded_normalisation(info, source, fix: str) -> None:
+    """check_preprocess_cfg of the normalisation (mean, std) a checkpoint's record (crate_clip.json) holds."""
+    recorded = info.get("normalisation") if isinstance(info, dict) else None
+    if isinstance(recorded, dict):
+        recorded = {k: v for k, v in recorded.items() if k in ("mean", "std")}
+    check_preprocess_cfg(recorded, source, "normalisation", fix)
 
 
 def _finite_above(value, low: float) -> bool:
