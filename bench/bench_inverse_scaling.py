@@ -226,7 +226,9 @@ def summarize(runs: list[dict]) -> list[dict]:
                          "reached": len(reached),
                          "flops_share_mean": float(np.mean(reached)) if reached else None,
                          "flops_share_std": float(np.std(reached)) if reached else None,
-                         "samples": mine[0]["samples"]})
+                         "samples": mine[0]["samples"],
+                         # the arm's recipe: the demo claims these figures only for a run of it (train/demo.py)
+                         "stages": mine[0].get("stages")})
     return rows
 
 
@@ -307,6 +309,8 @@ def data_folder(given: Path | None) -> Path:
 
 
 def main(argv=None) -> int:
+    from crate_clip.train.demo import run_recipe
+
     args = parse_args(argv)
     base_cfg = yaml.safe_load(DEMO_CONFIG.read_text())
     data_dir = data_folder(args.data_dir)
@@ -327,7 +331,7 @@ def main(argv=None) -> int:
                 wall = train(cfg, run_dir, args.nproc)
                 points = evaluate_checkpoints(run_dir, cfg, flops, args.eval_images)
                 runs.append({"width": width, "arm": arm, "seed": seed, "wall_seconds": wall, "points": points,
-                             "samples": [s["samples"] for s in stages],
+                             "samples": [s["samples"] for s in stages], "stages": run_recipe(stages),
                              "total_flops": sum(s["samples"] * f for s, f in zip(stages, flops))})
                 print(f"[inverse-scaling] {run_dir.name}: final top-1 {100 * points[-1]['top1']:.2f}% "
                       f"({wall:.0f} s training)", flush=True)

@@ -107,17 +107,16 @@ def launch_command(config: str, nproc: int, overrides: list[str], resume: bool, 
     crate_clip.train.worker_launch, which exits with the trainer's own code (torchrun says 1 for any failure);
     `overwrite`: an earlier run is moved aside by the trainer (crate_clip.train.run_dir) before it starts;
     `trust_checkpoint`: the trainer's --trust-checkpoint; `allow_changes`: its --allow-change keys."""
-    from crate_clip.train.engine import _free_port
+    from crate_clip.train import worker_launch
 
-    cmd = [sys.executable, "-m", "crate_clip.train.worker_launch", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           "-m", "crate_clip.train.cli", "--config", config]
+    train_args = ["--config", config]
     for o in overrides:
-        cmd += ["--set", o]
+        train_args += ["--set", o]
     for key in allow_changes:
-        cmd += ["--allow-change", key]
-    return (cmd + (["--resume", "latest"] if resume else []) + (["--overwrite"] if overwrite else [])
-            + (["--trust-checkpoint"] if trust_checkpoint else []))
+        train_args += ["--allow-change", key]
+    train_args += ((["--resume", "latest"] if resume else []) + (["--overwrite"] if overwrite else [])
+                   + (["--trust-checkpoint"] if trust_checkpoint else []))
+    return worker_launch.launch_command(nproc, train_args)
 
 
 def summarize(run_dir: Path) -> list[dict]:
@@ -160,6 +159,33 @@ def training_flops(run_dir: Path) -> tuple[float, int, float] | None:
 # the study's CLIPA arms, the demo's shape first
 STUDY_ARMS = {"clipa-p9": "the CLIPA recipe as the demo runs it (fine-tune at patch 9, the 3x3 grid kept)",
               "clipa": "the paper's CLIPA shape (fine-tune at patch 7, the grid grown to 4x4)"}
+# what a run shares with a study arm for the arm's figures to be the run's: each stage's shape, batch, samples and
+# rate (bench/bench_inverse_scaling.py records these keys of every arm's stages in docs/inverse_scaling.json)
+RECIPE_KEYS = ("image_size", "patch_size", "context_length", "text_mask", "global_batch", "samples", "lr")
+
+
+def run_recipe(stages: list[dict]) -> list[dict]:
+    """The RECIPE_KEYS of a run config's stages (a stage without a patch size keeps the one set before it)."""
+    recipe, patch = [], None
+    for stage in stages:
+        patch = stage.get("patch_size") or patch
+        recipe.append({**{k: stage.get(k) for k in RECIPE_KEYS}, "patch_size": patch})
+    return recipe
+
+
+def recipe_difference(recipe: list[dict], study_stages: list[dict] | None) -> str | None:
+    """The first way `recipe` differs from a study arm's stages ('stage 0 context_length 16, the study's 8'),
+    None when it is the arm's recipe."""
+    if not study_stages:
+        return "the study recorded no recipe for it"
+    if len(recipe) != len(study_stages):
+        return f"{len(recipe)} stages, the study's {len(study_stages)}"
+    for i, (mine, theirs) in enumerate(zip(recipe, study_stages)):
+        for key in RECIPE_KEYS:
+            a, b = mine.get(key), theirs.get(key)
+            if a != b and not (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-9 * abs(b)):
+                return f"stage {i} {key} {a}, the study's {b}"
+    return None
 
 
 def _study_line(rec: dict, row: dict, full: dict | None, what: str) -> str:
@@ -174,25 +200,38 @@ def _study_line(rec: dict, row: dict, full: dict | None, what: str) -> str:
             f"{100 * row['flops_share_std']:.0f}% of its FLOPs ({row['reached']}/{row['seeds']} seeds{ends}) {where}")
 
 
-def savings_lines(run_dir: Path, final_top1: float, model: str, study: Path = STUDY_RESULTS) -> list[str]:
-    """What the CLIPA schedule saved: this run's FLOPs against the same samples in the full-resolution recipe (the
-    study's full arm per sample; without the study, the last stage's), and the compute-matched study's recorded
-    result (the FLOPs each CLIPA arm needed to reach the full arm's accuracy)."""
+def _own_line(run_dir: Path, final_top1: float, recipe: list[dict]) -> str | None:
+    """The run's own FLOPs and accuracy, against the same samples all at its last stage's input."""
+    flops = training_flops(run_dir)
+    if not flops:
+        return None
+    spent, samples, last = flops
+    shape = (f"{recipe[-1]['image_size']} px / patch {recipe[-1]['patch_size']}, {recipe[-1]['context_length']} "
+             "text tokens" if recipe else "its last stage's input")
+    return (f"this run: zero-shot top-1 {100 * final_top1:.2f}% after {spent / 1e12:.2f} TFLOP of training (step "
+            f"meter, {samples:,} samples), {100 * spent / (samples * last):.0f}% of what the same samples cost at "
+            f"its last stage's input ({shape})")
+
+
+def savings_lines(run_dir: Path, final_top1: float, model: str, recipe: list[dict],
+                  study: Path = STUDY_RESULTS) -> list[str]:
+    """What this run spent and scored (its step meter's FLOPs), and the compute-matched study's recorded result
+    (the FLOPs a CLIPA arm needed to reach the full arm's accuracy) only for a run of that arm's recipe (model and
+    RECIPE_KEYS of every stage); for any other run, the way it differs from the study's demo arm."""
     rec = json.loads(study.read_text()) if study.is_file() else {}
     rows = {(r["model"], r["arm"]): r for r in rec.get("rows", [])}
-    lines, flops = [], training_flops(run_dir)
-    if flops:
-        spent, samples, last = flops
-        full = rows.get((model, "full"))
-        per_sample = full["total_flops"] / sum(full["samples"]) if full else last
-        what = "28 px / patch 7, 16 text tokens, the study's full arm" if full else "its last stage's"
-        lines.append(f"reached {100 * final_top1:.2f}% with {spent / 1e12:.2f} TFLOP of training (step meter): "
-                     f"{100 * spent / (samples * per_sample):.0f}% of the same {samples:,} samples at full "
-                     f"resolution ({what})")
+    lines = [line for line in [_own_line(run_dir, final_top1, recipe)] if line]
     for arm, what in STUDY_ARMS.items():
         row = rows.get((model, arm))
-        if row is not None:
-            lines.append(_study_line(rec, row, rows.get((model, "full")), what))
+        if row is not None and recipe_difference(recipe, row.get("stages")) is None:
+            return lines + [_study_line(rec, row, rows.get((model, "full")), what)]
+    demo_arm = next(iter(STUDY_ARMS))
+    if rec:
+        row = rows.get((model, demo_arm))
+        why = (f"it differs from the study's {demo_arm} arm: {recipe_difference(recipe, row.get('stages'))}" if row
+               else f"the study trained no {model}")
+        lines.append(f"the compute-matched study's figures (docs/inverse_scaling.md) are not claimed for this run: "
+                     f"{why}")
     return lines
 
 
@@ -238,6 +277,13 @@ def _card_with_probe(run_dir: Path, export: Path, metrics: dict) -> None:
         return
     config = json.loads((export / CONFIG_FILE).read_text())
     atomic_write_text(export / CARD_FILE, model_card(export_source(checkpoints_dir(run_dir)), config, probes=[metrics]))
+
+
+def _run_config(config: str, overrides: list[str]) -> dict:
+    """The run config the trainer ran (the file with the --set overrides), as a dict."""
+    from crate_clip.train.run_config import load_run_config
+
+    return load_run_config(config, overrides, check_paths=False).to_dict()
 
 
 def _refused_changes(config: str, overrides: list[str], allow_changes: list[str]) -> int:
@@ -307,9 +353,9 @@ def main(argv=None) -> int:
         print(f"[demo] final model on the {results[-1]['n_images']:,} test images: zero-shot top-1 "
               f"{100 * results[-1]['top1']:.2f}%, "
               f"linear probe top-1 {100 * probe['top1']:.2f}% ({probe['n_train']} labelled training images)")
-    import yaml
-    model = yaml.safe_load(Path(args.config).read_text())["model"]["name"]
-    for line in savings_lines(run_dir, results[-1]["top1"], model) if results else []:
+    cfg = _run_config(args.config, overrides)
+    recipe = run_recipe(cfg["stages"])
+    for line in savings_lines(run_dir, results[-1]["top1"], cfg["model"]["name"], recipe) if results else []:
         print(f"[demo] {line}")
     print(f"[demo] plot: {run_dir / PLOT_FILE}\n[demo] export: {export_dir(run_dir)} "
           f"(open_clip.create_model_and_transforms('local-dir:{export_dir(run_dir)}') after `import crate_clip`)")
