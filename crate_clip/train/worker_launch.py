@@ -4,12 +4,20 @@ folder, ...; docs/exit_codes.md), where `torchrun` itself says 1 for any failure
 block after the worker's own one line. Used by `crate-clip train --nproc N` and by the demo:
 
     python -m crate_clip.train.worker_launch --nproc_per_node 2 -m crate_clip.train.cli --config C.yaml
+
+The trainer's save signals (`--save-on-signal`, USR1 and TERM by default) are passed on to the workers, which
+finish their step, save and exit 8; the launcher then exits with that 8. torchrun itself would turn a SIGTERM into
+SIGTERM for the workers and its own 143, and die of a SIGUSR1 it does not handle, so those signals are taken out of
+the set it handles (`--signals-to-handle`) and forwarded here instead.
 """
 from __future__ import annotations
 
+import signal
 import sys
 
 TRAIN_MODULE = "crate_clip.train.cli"
+TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")   # what torchrun handles by default
+DEFAULT_SAVE_SIGNALS = "USR1,TERM"   # crate-clip train's --save-on-signal default
 
 
 def worker_exit_code(exitcode: int) -> int:
@@ -24,6 +32,8 @@ def run_workers(torchrun_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    forwarded = save_signals(torchrun_args)
+    previous = {signum: signal.signal(signum, _forward_to_workers) for signum in forwarded}
     try:
         run(parse_args(torchrun_args))
     except ChildFailedError as exc:   # the root cause is the earliest failure; the others were stopped after it
@@ -31,15 +41,48 @@ def run_workers(torchrun_args: list[str]) -> int:
         return worker_exit_code(failure.exitcode)
     except SignalException as exc:   # the launcher itself was signalled (it stopped the workers first)
         return 128 + int(exc.sigval)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 
+def save_signals(args: list[str]) -> tuple[int, ...]:
+    """The signals the trainer saves on, read from its `--save-on-signal` among `args` (the default otherwise)."""
+    from crate_clip.train.stop_requests import parse_signals
+
+    text = DEFAULT_SAVE_SIGNALS
+    for i, arg in enumerate(args):
+        if arg == "--save-on-signal" and i + 1 < len(args):
+            text = args[i + 1]
+        elif arg.startswith("--save-on-signal="):
+            text = arg.split("=", 1)[1]
+    try:
+        return parse_signals(text)
+    except ValueError:   # the trainer refuses it in one line; torchrun keeps its own handling meanwhile
+        return ()
+
+
+def _forward_to_workers(signum, frame) -> None:
+    """A save signal for the workers (this process's children): they save and exit 8, which run_workers returns."""
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            child.send_signal(signum)
+        except psutil.NoSuchProcess:   # a worker that has just ended
+            pass
+
+
 def torchrun_args(nproc: int, train_args: list[str]) -> list[str]:
-    """torchrun's arguments for `nproc` training processes on this host, each running `crate-clip train`."""
+    """torchrun's arguments for `nproc` training processes on this host, each running `crate-clip train`; the
+    trainer's save signals are left out of the set torchrun handles (run_workers forwards them)."""
     from crate_clip.train.engine import _free_port
 
+    forwarded = {signal.Signals(s).name for s in save_signals(train_args)}
+    handled = ",".join(name for name in TORCHRUN_SIGNALS if name not in forwarded)
     return ["--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-            "-m", TRAIN_MODULE, *train_args]
+            "--signals-to-handle", handled, "-m", TRAIN_MODULE, *train_args]
 
 
 def launch_command(nproc: int, train_args: list[str]) -> list[str]:
