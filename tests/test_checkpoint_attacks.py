@@ -436,3 +436,22 @@ def test_a_nan_normalisation_is_named_by_export_and_eval(trained, tmp_path):
         assert proc.returncode == 2 and f"{tag / 'crate_clip.json'}" in line, line
         assert "its image preprocessing cannot be used: normalisation.mean is [nan, 0.5, 0.5]" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+@pytest.mark.slow
+def test_a_fifo_for_the_model_states_is_named_and_never_read(trained, tmp_path):
+    """The checksums are verified before any file is read: a FIFO where mp_rank_00_model_states.pt was is said to be
+    one (not "missing"), and nothing waits for a writer (issue 41 item 6)."""
+    run = _copy(trained, tmp_path)
+    states = run / "checkpoints" / TAGS[3] / "mp_rank_00_model_states.pt"
+    states.unlink()
+    os.mkfifo(states)
+    code = "import sys; from crate_clip.cli import main; sys.exit(main(sys.argv[1:]))"
+    for argv in (["export", str(states.parent), "--out", str(tmp_path / "export")],
+                 ["eval", "zeroshot", "--model", str(states.parent), "--data", "unused", "--dataset", "fashion_mnist",
+                  "--device", "cpu", "--no-progress"]):
+        proc = warm_python.run([sys.executable, "-c", code, *argv], env=run_env(), cwd=REPO_ROOT, capture_output=True,
+                               text=True, timeout=120)
+        line = _one_line(proc.stderr)
+        assert proc.returncode == 2 and "mp_rank_00_model_states.pt: a FIFO where a file was" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and states.is_fifo()

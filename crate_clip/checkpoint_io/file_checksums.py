@@ -11,6 +11,7 @@ from pathlib import Path
 
 from crate_clip.checkpoint_io.manifest_schema import checksum_records_problem
 from crate_clip.core.errors import UserError
+from crate_clip.core.file_kinds import special_file
 
 CHECKSUMS_KEY = "file_checksums"
 CHUNK_BYTES = 1 << 22
@@ -37,8 +38,10 @@ def file_checksum(path: str | Path) -> dict:
 def checksum_problem(path: str | Path, expected: dict, recorded_in: str | Path) -> str | None:
     """How `path` differs from `expected` (missing, another size, another sha256), None when it does not."""
     path = Path(path)
-    if not path.is_file():
-        return f"missing, but {recorded_in} records its checksum"
+    if not path.is_file():   # a FIFO or a device where the file was is said to be one, and never read
+        kind = special_file(path)
+        return f"{kind} where a file was, and {recorded_in} records its checksum" if kind else \
+            f"missing, but {recorded_in} records its checksum"
     size = path.stat().st_size
     if "bytes" in expected and size != expected["bytes"]:
         return f"{size:,} bytes where {recorded_in} records {expected['bytes']:,}"
