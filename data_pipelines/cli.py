@@ -23,6 +23,9 @@ def _add_writer_args(p: argparse.ArgumentParser, default_max_side: int | None = 
                    help="shrink images whose longer side exceeds this (DataComp: 512; 0 keeps sizes)")
     p.add_argument("--parquet", action="store_true", help="also write {shard:08d}.parquet (needs pyarrow)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--dataset-name", metavar="NAME", default=None,
+                   help="the data set's name for model cards, recorded in OUT/dataset.json (the fashion-mnist "
+                        "command records 'Fashion-MNIST' itself)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -184,6 +187,10 @@ def main(argv=None) -> int:
             result = _inspect(args)
     except (FileNotFoundError, KeyError, ValueError, UnwritableFolderError) as exn:
         return report_error(f"crate-clip shards {args.command}", exn)
+    if getattr(args, "dataset_name", None):   # after the writer's own record: the user's name wins
+        from crate_clip.core.dataset_records import DatasetRecord, write_dataset_record
+
+        write_dataset_record(args.out, DatasetRecord(args.dataset_name))
     summary = {k: v for k, v in result.items() if k != "shards"}
     if "shards" in result:
         summary["num_shards"] = len(result["shards"])

@@ -82,6 +82,10 @@ def test_folder_and_table_sources(tmp_path):
     assert result["samples"] == 2 and [s["txt"].decode() for s in raw] == ["a red car parked", "a happy dog"]
     with pytest.raises(KeyError, match="caption_text"):
         list(table_samples(tmp_path / "t.tsv", caption_col="caption_text"))
+    from crate_clip.core.dataset_records import read_dataset_record   # a name for model cards, given by the user
+    assert shards_main(["folder", str(root), "--out", str(tmp_path / "named"), "--dataset-name", "Dogs and cars",
+                        "--no-progress"]) == 0
+    assert read_dataset_record(tmp_path / "named").name == "Dogs and cars"
 
 
 def test_fashion_mnist_shards_and_eval_sets(tmp_path, fashion_mnist_dir):
@@ -92,6 +96,8 @@ def test_fashion_mnist_shards_and_eval_sets(tmp_path, fashion_mnist_dir):
     assert len(captions) > 20  # varied templates and synonyms, not one caption per class
     labels = [json.loads(s["json"])["label"] for s in raw]
     assert set(labels) == set(range(10))
+    from crate_clip.core.dataset_records import read_dataset_record   # the data named for model cards
+    assert read_dataset_record(result["pattern"]).name == "Fashion-MNIST"
 
     folder = write_fashion_mnist_eval_folder(tmp_path / "val", "test", limit=60)
     dirs = sorted(d.name for d in folder.iterdir() if d.is_dir())
@@ -99,6 +105,7 @@ def test_fashion_mnist_shards_and_eval_sets(tmp_path, fashion_mnist_dir):
     assert (folder / "classnames.txt").read_text().splitlines() == list(CLASSNAMES)
     assert resolve_classnames("custom", folder) == resolve_classnames("fashion_mnist")   # one class list
     assert sum(len(list((folder / d).iterdir())) for d in dirs) == 60
+    assert (read_dataset_record(folder).name, read_dataset_record(folder).split) == ("Fashion-MNIST", "test")
 
     cls = write_fashion_mnist_classification_shards(tmp_path / "cls", "test", samples_per_shard=40, limit=100)
     raw, _ = read_all(cls["pattern"])

@@ -56,3 +56,68 @@ def test_card_lists_every_measured_result_with_the_linear_probe(tmp_path):
     results = card.split("## Results")[1].split("## Usage")[0]
     assert "top-1 84.10%" in results
     assert summary(PROBE) in results and "top-1 84.31%" in results
+
+
+def _named_source(tmp_path: Path) -> ExportSource:
+    """A checkpoint whose training shards and eval folder were written by the Fashion-MNIST writers (each records
+    its data set in dataset.json), evaluated zero-shot after both stages."""
+    from dataclasses import replace
+
+    from crate_clip.core.dataset_records import FASHION_MNIST, write_dataset_record
+
+    train, test = tmp_path / "data" / "train", tmp_path / "data" / "test"
+    write_dataset_record(train, replace(FASHION_MNIST, split="train"))
+    write_dataset_record(test, replace(FASHION_MNIST, split="test"))
+    source = _source(tmp_path, [str(train)])
+    source.run_config["eval"] = {"evals": [{"name": "fashion_mnist", "type": "zeroshot", "dataset": "fashion_mnist",
+                                            "data": str(test)}]}
+    source.results[0]["eval"] = "fashion_mnist"
+    source.results.append({**source.results[0], "stage_index": 1, "stage_name": "fine", "top1": 0.8581,
+                           "top5": None, "image_size": 27, "resize": "patch"})
+    return source
+
+
+def test_card_front_matter_is_hub_metadata_with_the_runs_results(tmp_path):
+    card = model_card(_named_source(tmp_path), CONFIG, probes=[PROBE])
+    assert card.startswith("---\n")
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["license"] == "apache-2.0" and front["library_name"] == "open_clip"
+    assert {"clip", "crate-alpha"} <= set(front["tags"]) and front["datasets"] == ["zalando-datasets/fashion_mnist"]
+    assert front["metrics"] == ["accuracy"]
+    (entry,) = front["model-index"]
+    zeroshot = [r for r in entry["results"] if r["task"]["type"] == "zero-shot-image-classification"]
+    assert [m["value"] for r in zeroshot for m in r["metrics"]] == [84.1, 99.54, 85.81]   # results.jsonl, in %
+    assert zeroshot[0]["dataset"] == {"name": "Fashion-MNIST", "type": "zalando-datasets/fashion_mnist",
+                                      "split": "test"}
+    assert "kernel PI-resized" in zeroshot[1]["metrics"][0]["name"]
+    (probe,) = [r for r in entry["results"] if r["task"]["type"] == "image-classification"]
+    assert probe["metrics"][0]["value"] == 84.31
+
+    # huggingface_hub's own parser (strict: a malformed model-index raises) reads the same results back
+    from huggingface_hub import ModelCard
+
+    parsed = ModelCard(card).data
+    assert parsed.license == "apache-2.0" and parsed.library_name == "open_clip"
+    assert sorted(r.metric_value for r in parsed.eval_results) == [84.1, 84.31, 85.81, 99.54]
+    assert {r.dataset_name for r in parsed.eval_results} == {"Fashion-MNIST"}
+
+
+def test_card_names_the_data_links_the_repository_and_imports_crate_clip_first(tmp_path):
+    card = model_card(_named_source(tmp_path), CONFIG, repo_url="https://example.org/crate-clip")
+    data = card.split("## Data")[1].split("## Results")[0]
+    assert "- shards: Fashion-MNIST (train split, https://github.com/zalandoresearch/fashion-mnist" in data
+    assert "sha256" not in data and "`train" not in data
+    assert "`fashion_mnist` (Fashion-MNIST test split) at 27 px" in card
+    assert "- code: https://example.org/crate-clip" in card
+    assert "--repo-url URL" in model_card(_named_source(tmp_path / "b"), CONFIG)   # none configured: says how
+    usage = card.split("## Usage")[1]
+    assert usage.index("import crate_clip") < usage.index("import open_clip")
+
+
+def test_a_malformed_dataset_record_is_not_a_name(tmp_path):
+    from crate_clip.core.dataset_records import DATASET_FILE, read_dataset_record
+
+    (tmp_path / DATASET_FILE).write_text('["not", "a record"]')
+    assert read_dataset_record(tmp_path) is None and read_dataset_record("pipe:cat x.tar") is None
+    (tmp_path / DATASET_FILE).write_text('{"name": "Mine", "extra": 1}')
+    assert read_dataset_record(tmp_path / "{0..3}.tar").name == "Mine"   # a pattern: its folder's record

@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hub-id", default=None, metavar="ORG/NAME",
                    help="the Hugging Face repository the folder will be uploaded to: the model card's snippet "
                         "names it, and a HuggingFace tokenizer (CLIPA's BERT) is read from it by hf-hub:ORG/NAME")
+    p.add_argument("--repo-url", default=None, metavar="URL",
+                   help="the code repository the model card links (default: setup.cfg's url, if it names one)")
     p.add_argument("--bert-vocab", default=None,
                    help="folder holding the run's vocab.txt, when the one the run recorded has moved")
     p.add_argument("--no-verify", action="store_true", help="skip reloading the export through open_clip")
@@ -55,7 +57,8 @@ def main(argv=None) -> int:
             print(TRUST_WARNING, file=sys.stderr)
         with trusted_checkpoints(args.trust_checkpoint):
             state = consolidated_state_dict(source.tag_dir)
-        export_checkpoint(source.tag_dir, out, state=state, bert_vocab=args.bert_vocab, hub_id=args.hub_id)
+        export_checkpoint(source.tag_dir, out, state=state, bert_vocab=args.bert_vocab, hub_id=args.hub_id,
+                          repo_url=args.repo_url)
     except (*USER_ERRORS, TokenizerUnavailableError, FileExistsError) as err:   # one line naming the fix
         return report_error("crate-clip export", err)
     print(f"wrote {out} from {source.tag_dir} (stage {source.info.get('stage_index')}, step "

@@ -56,10 +56,10 @@ def export_open_clip(state_dict: dict, model_name: str, out_dir: Path, *, image_
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: Path, *, stage: int | None = None, state: dict | None = None,
-                      bert_vocab: str | None = None, hub_id: str | None = None) -> Path:
+                      bert_vocab: str | None = None, hub_id: str | None = None, repo_url: str | None = None) -> Path:
     """Export a training checkpoint (a run folder, its `checkpoints/` folder following `latest`, or one
-    `<tag>/` folder; `stage`: that stage's last checkpoint) as an open_clip model folder with its model card;
-    `state`: its consolidated weights when the caller has them. Returns OUT."""
+    `<tag>/` folder; `stage`: that stage's last checkpoint) as an open_clip model folder with its model card
+    (linking `repo_url`); `state`: its consolidated weights when the caller has them. Returns OUT."""
     from crate_clip.export.model_card import model_card
 
     source = export_source(checkpoint, stage, bert_vocab)
@@ -69,7 +69,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: Path, *, stage: int | Non
                            patch_size=checkpoint_patch_size(state), tokenizer_name=source.tokenizer_name,
                            hub_id=hub_id, interpolation=trained_interpolation(source.run_config))
     return write_export(state, config, out_dir, tokenizer_name=source.tokenizer_name, bert_vocab=source.bert_vocab,
-                        model_card=model_card(source, config, hub_id))
+                        model_card=model_card(source, config, hub_id, repo_url=repo_url))
 
 
 def export_config(model_name: str, *, image_size: int, context_length: int, mean=None, std=None,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import random
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
@@ -11,6 +12,7 @@ import numpy as np
 from PIL import Image
 
 from crate_clip.core.class_names import FASHION_MNIST_CLASSNAMES as CLASSNAMES, FASHION_MNIST_TEMPLATES
+from crate_clip.core.dataset_records import FASHION_MNIST, write_dataset_record
 from crate_clip.data.sources.debian_packages import DEBIAN_PACKAGES
 
 SEARCH_DIRS = ("/usr/share/datasets/fashion-mnist", "~/.cache/fashion-mnist", "data/fashion-mnist")
@@ -105,9 +107,11 @@ def write_fashion_mnist_shards(out_dir, split: str = "train", samples_per_shard:
 
     images, _ = load_fashion_mnist(split, source_dir)
     total = len(images) if limit is None else min(limit, len(images))
-    return write_shards(fashion_mnist_samples(split, source_dir, limit, seed, upscale), out_dir,
-                        samples_per_shard, max_side=None, progress=progress, total=total,
-                        description=f"fashion-mnist {split}")
+    result = write_shards(fashion_mnist_samples(split, source_dir, limit, seed, upscale), out_dir,
+                          samples_per_shard, max_side=None, progress=progress, total=total,
+                          description=f"fashion-mnist {split}")
+    write_dataset_record(out_dir, replace(FASHION_MNIST, split=split))   # the card names the data, not its path
+    return result
 
 
 def fashion_mnist_labelled(split: str = "test", source_dir=None, limit: int | None = None) -> Iterator[tuple]:
@@ -122,7 +126,9 @@ def write_fashion_mnist_eval_folder(out_dir, split: str = "test", source_dir=Non
     """The split as an ImageNet-val-style ImageFolder (`<root>/<NN_class>/<i>.png`) with classnames.txt."""
     from ..eval_sets import write_image_folder
 
-    return write_image_folder(fashion_mnist_labelled(split, source_dir, limit), out_dir, CLASSNAMES)
+    folder = write_image_folder(fashion_mnist_labelled(split, source_dir, limit), out_dir, CLASSNAMES)
+    write_dataset_record(folder, replace(FASHION_MNIST, split=split))
+    return folder
 
 
 def write_fashion_mnist_classification_shards(out_dir, split: str = "test", samples_per_shard: int = 10_000,
