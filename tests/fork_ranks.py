@@ -30,6 +30,11 @@ def _run_rank(rank: int, nproc: int, port: int, target: list[str], launcher: int
     if os.getppid() != launcher:   # it died before the kernel was asked to tell
         os._exit(143)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    split = os.environ.get("FORK_RANKS_OUTPUT_DIR")   # each rank's stdout / stderr to rank<R>.out / .err there
+    if split:
+        for fd, ending in ((1, "out"), (2, "err")):
+            path = os.path.join(split, f"rank{rank}.{ending}")
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # as torchrun's worker `python -m MODULE` would run and end (a crash: its traceback, exit code 1); ending

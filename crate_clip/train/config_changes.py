@@ -47,8 +47,8 @@ FREE_TO_CHANGE: dict[str, str] = {
                             "like the process count",
     "deepspeed.zero_stage": "how weights and optimizer states are partitioned (the elastic resume path)",
     "checkpoint": "checkpoint cadence and how many are kept",
-    "eval": "the evaluations after each stage",
-    "logging": "metrics cadence, progress bar, TensorBoard, plot, white-box diagnostics",
+    "eval": "the evaluations after each stage and during it (every_samples / every_steps, max_time_share)",
+    "logging": "metrics cadence, progress display, trackers (report_to), plot, white-box diagnostics",
 }
 # keys a first launch settles when the config leaves them unset, recorded in run_config.yaml: unset on a resume
 # means "the recorded value" (elastic_resume.settle_canonical_streams reads it back from the checkpoint)

@@ -1,20 +1,26 @@
-"""Training metrics: a progress bar on rank 0, TensorBoard scalars, metrics.jsonl / results.jsonl, PNG plot."""
+"""Training metrics: progress on rank 0, the trackers (trackers.py), metrics.jsonl / results.jsonl, the PNG plot."""
 from __future__ import annotations
 
 import json
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
+from typing import Optional
 
 import torch
-from tqdm import tqdm
+import yaml
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text
 # the run folder's file names and its JSONL reader (run_layout.py), imported here by the log's callers too
 from crate_clip.checkpoint_io.run_layout import (METRICS_FILE, PLOT_FILE, RESULTS_FILE, TENSORBOARD_DIR,  # noqa: F401
                                                  read_jsonl)
-from crate_clip.train.whitebox_log import draw_whitebox_curves, whitebox_keys, whitebox_scalars
+from crate_clip.train.progress_display import StageProgress
+from crate_clip.train.throughput import ThroughputRecord
+from crate_clip.train.trackers import Tracker, build_trackers, per_class_table
+# the curve is drawn by training_curve.py; its names are imported from here by the log's callers too
+from crate_clip.train.training_curve import latest_per_step, write_plot  # noqa: F401
+from crate_clip.train.whitebox_log import whitebox_scalars
 
 
 
@@ -28,45 +34,60 @@ def flop_rate(tflops_per_rank: float, on_gpu: bool) -> tuple[str, str]:
     return f"GFLOP/s/{per}", f"{1000 * tflops_per_rank:.3g}"
 
 class MetricsLog:
-    """Everything a run reports; only rank 0 writes, other ranks get a no-op log."""
+    """Everything a run reports; only rank 0 writes and prints, other ranks get a no-op log. The trackers are those
+    `report_to` names (trackers.py; default: TensorBoard unless `tensorboard` is false)."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool, progress: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, *, enabled: bool, progress: bool = True, tensorboard: bool = True,
+                 report_to: Optional[list] = None, progress_every_s: float = 30.0, config: Optional[dict] = None,
+                 run_name: str = "run", wandb_project: Optional[str] = None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.use_progress = progress
-        self._bar = None
+        self.progress_every_s = progress_every_s
+        self._bar: Optional[StageProgress] = None
         self._perf_post: dict = {}
-        self._tb = None
+        self.trackers: list[Tracker] = []
         if enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            if tensorboard:
-                # imported only when asked for: TensorBoard's writer pulls in tensorboard and protobuf
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR))
+            kinds = [k for k in (report_to if report_to is not None else ["tensorboard"])
+                     if k != "tensorboard" or tensorboard]
+            self.trackers = build_trackers(self.run_dir, kinds, config=config or {}, name=run_name,
+                                           wandb_project=wandb_project,
+                                           throughput_columns=[f.name for f in fields(ThroughputRecord)])
+            if config:
+                self._each("text", "config/run_config.yaml", yaml.safe_dump(config, sort_keys=False), 0)
+
+    def _each(self, method: str, *args) -> None:
+        for tracker in self.trackers:
+            getattr(tracker, method)(*args)
 
     # ------------------------------------------------------------ console
     def start_stage(self, stage_name: str, total_steps: int, done_steps: int, samples_per_step: int) -> None:
-        """Open the stage's progress bar (resumed stages start part-way)."""
+        """Open the stage's progress display (resumed stages start part-way)."""
         self._samples_per_step = samples_per_step
         self._t0, self._step0 = time.perf_counter(), done_steps
+        self._paused = 0.0
         if self.enabled and self.use_progress:
-            self._bar = tqdm(total=total_steps, initial=done_steps, desc=stage_name, unit="step",
-                             dynamic_ncols=True, mininterval=1.0)
+            self._bar = StageProgress(stage_name, total_steps, done_steps, samples_per_step,
+                                      every_s=self.progress_every_s)
+
+    def pause(self, seconds: float) -> None:
+        """Time the stage spent on something else (a mid-stage evaluation): not counted in its samples/s."""
+        self._paused += seconds
 
     def samples_per_second(self, step: int) -> float:
-        """Throughput of this process's job since the stage (or resume) started."""
-        elapsed = time.perf_counter() - self._t0
+        """Throughput of this process's job since the stage (or resume) started, evaluations excluded."""
+        elapsed = time.perf_counter() - self._t0 - getattr(self, "_paused", 0.0)
         return (step - self._step0) * self._samples_per_step / elapsed if elapsed > 0 else 0.0
 
     def advance(self, loss: float | None, lr: float, step: int) -> None:
-        """One step done: move the bar, show samples/s, loss and LR (tqdm shows the ETA)."""
+        """One step done: move the bar (samples/s, loss, LR, ETA) or print the plain line when it is due."""
         if self._bar is not None:
-            self._bar.update(1)
             post = {"samples/s": f"{self.samples_per_second(step):.0f}", "lr": f"{lr:.2e}"}
             if loss is not None:
                 post["loss"] = f"{loss:.4f}"
             post.update(self._perf_post)
-            self._bar.set_postfix(post, refresh=False)
+            self._bar.update(step, loss, self.samples_per_second(step), post)
 
     def show_throughput(self, perf) -> None:
         """Keep the latest MFU / TFLOP/s / data-wait figures (a ThroughputRecord) for the progress bar."""
@@ -78,7 +99,7 @@ class MetricsLog:
             self._perf_post[label] = value
 
     def end_stage(self) -> None:
-        """Close the stage's progress bar."""
+        """Close the stage's progress display (a plain display prints the stage's last line)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -94,48 +115,77 @@ class MetricsLog:
 
     # ------------------------------------------------------------ files
     def log_step(self, record: dict, perf) -> None:
-        """Append one training record and its throughput (a ThroughputRecord, whose fields become the row's and
-        TensorBoard's `throughput/*`) to metrics.jsonl, and their numbers to TensorBoard."""
+        """Append one training record and its throughput (a ThroughputRecord, whose fields become the row's and the
+        trackers' `throughput/*`) to metrics.jsonl, and their numbers to the trackers."""
         if not self.enabled:
             return
         throughput = asdict(perf)
         with open(self.run_dir / METRICS_FILE, "a") as f:
             f.write(json.dumps({**throughput, **record}) + "\n")
-        if self._tb is not None:
-            x = record["samples_seen"]
-            scalars = {f"train/{key}": record.get(key) for key in ("loss", "lr", "logit_scale", "samples_per_s",
-                                                                    "nonfinite_skipped", "grad_norm")}
-            scalars.update({f"throughput/{key}": value for key, value in throughput.items()})
-            scalars.update({f"data_skips/{key}": value for key, value in (record.get("data_skips") or {}).items()})
-            scalars.update(whitebox_scalars(record))
-            for tag, value in scalars.items():
-                if value is not None:
-                    self._tb.add_scalar(tag, value, x)
+        scalars = {f"train/{key}": record.get(key) for key in ("loss", "lr", "logit_scale", "samples_per_s",
+                                                                "nonfinite_skipped", "grad_norm")}
+        scalars.update({f"throughput/{key}": value for key, value in throughput.items()})
+        scalars.update({f"data_skips/{key}": value for key, value in (record.get("data_skips") or {}).items()})
+        scalars.update(whitebox_scalars(record))
+        self._each("scalars", {k: v for k, v in scalars.items() if v is not None}, record["samples_seen"])
+        self._each("step_row", {**throughput, **record})
+
+    def log_images(self, tag: str, images: torch.Tensor, x: int, mean, std, count: int = 16) -> None:
+        """A grid of the first `count` images of a batch (normalized with mean/std) to the trackers."""
+        if not (self.enabled and self.trackers) or not images.is_floating_point():   # device decode: raw bytes
+            return
+        self._each("images", tag, image_grid(images[:count], mean, std), x)
 
     def log_eval(self, record, summary: str | None = None) -> None:
-        """Append one evaluation (an EvalRecord) to results.jsonl; every number it measured goes to TensorBoard,
-        and `summary` (the task's one line; default: the numbers) to the console."""
+        """Append one evaluation (an EvalRecord) to results.jsonl; every number it measured and its per-class table
+        go to the trackers, and `summary` (the task's one line; default: the numbers) to the console."""
         if not self.enabled:
             return
         with open(self.run_dir / RESULTS_FILE, "a") as f:
             f.write(json.dumps(record.as_dict()) + "\n")
         numbers = {k: v for k, v in record.results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if self._tb is not None:
-            tag = f"eval/{record.eval}@{record.image_size}px" + ("-patch" if record.resize == "patch" else "")
-            for key, value in numbers.items():
-                self._tb.add_scalar(f"{tag}/{key}", value, record.samples_seen)
-            self._tb.flush()
+        tag = eval_tag(record)
+        self._each("scalars", {f"{tag}/{key}": value for key, value in numbers.items()}, record.samples_seen)
+        self._each("eval_row", record.as_dict())
+        table = per_class_table(record.results)
+        if table:
+            self._each("text", f"{tag}/per_class", table, record.samples_seen)
+        self._each("flush")
         summary = summary or "  ".join(f"{k} {v:.4g}" for k, v in numbers.items())
         how = " (patch grid kept, kernel PI-resized)" if record.resize == "patch" else ""
-        self.print(f"[eval] stage {record.stage_index} ({record.stage_name}) {record.eval} at "
+        when = f", mid-stage at {record.samples_seen} samples" if getattr(record, "at", "") == "mid_stage" else ""
+        self.print(f"[eval] stage {record.stage_index} ({record.stage_name}{when}) {record.eval} at "
                    f"{record.image_size} px{how}: {summary}")
 
     def close(self) -> None:
-        """Flush TensorBoard."""
+        """Close the progress display and the trackers (a tracker that fails to close is said, not raised: the run's
+        own outcome comes first)."""
         self.end_stage()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            try:
+                tracker.close()
+            except Exception as exc:   # noqa: BLE001 - e.g. wandb's service gone; the files are already written
+                print(f"[warn] {type(tracker).__name__} did not close cleanly: {exc}", flush=True)
+
+
+def eval_tag(record) -> str:
+    """The trackers' tag of an evaluation: its name, size and (kernel-resized) how: `eval/fmnist@28px-patch`."""
+    return f"eval/{record.eval}@{record.image_size}px" + ("-patch" if record.resize == "patch" else "")
+
+
+def image_grid(images: torch.Tensor, mean, std, columns: int = 8) -> torch.Tensor:
+    """NCHW normalized images -> one CHW grid in [0, 1] (a 1-pixel gap), as TensorBoard and wandb show it."""
+    x = images.detach().float().cpu() * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)
+    x = x.clamp(0, 1)
+    n, c, h, w = x.shape
+    cols = min(columns, n)
+    rows = -(-n // cols)
+    grid = torch.ones(c, rows * (h + 1) - 1, cols * (w + 1) - 1)
+    for i in range(n):
+        r, k = divmod(i, cols)
+        grid[:, r * (h + 1):r * (h + 1) + h, k * (w + 1):k * (w + 1) + w] = x[i]
+    return grid
 
 
 def set_aside_rows_after(run_dir: Path, global_step: int) -> int:
@@ -186,63 +236,3 @@ def _append_durably(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def latest_per_step(records: list[dict]) -> list[dict]:
-    """One record per (stage, step), the last written (a resumed run re-logs steps after its checkpoint)."""
-    by_key = {}
-    for r in records:
-        by_key[(r["stage_index"], r["step"])] = r
-    return [by_key[k] for k in sorted(by_key)]
-
-
-def write_plot(run_dir: Path) -> Path | None:
-    """PNG of the loss against samples seen, each stage's zero-shot top-1 marked at its end; below it, the white-box
-    curves of each CRATE-alpha tower the run probed."""
-    # imported only when a plot is drawn: matplotlib is the slowest import of a run (about half a second)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    run_dir = Path(run_dir)
-    steps = latest_per_step([r for r in read_jsonl(run_dir / METRICS_FILE) if r.get("loss") is not None])
-    results = [r for r in read_jsonl(run_dir / RESULTS_FILE)   # classification, the grids the stages trained on
-               if r.get("top1") is not None and r.get("resize", "grid") == "grid"]
-    if not steps:
-        return None
-    records = latest_per_step(read_jsonl(run_dir / METRICS_FILE))
-    towers = whitebox_keys(records)
-    if towers:  # per-layer white-box curves of each CRATE-alpha tower under the loss (logging.diagnostics_every)
-        fig = plt.figure(figsize=(9, 4.5 + 3.5 * len(towers)), dpi=110)
-        grid = fig.add_gridspec(1 + len(towers), 2)
-        ax = fig.add_subplot(grid[0, :])
-        for row, key in enumerate(towers, start=1):
-            draw_whitebox_curves(records, [fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1])], key=key)
-    else:
-        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    ax.plot([r["samples_seen"] for r in steps], [r["loss"] for r in steps], lw=1, color="tab:blue")
-    ax.set_xlabel("samples seen")
-    ax.set_ylabel("contrastive loss", color="tab:blue")
-    ends = {}
-    for r in steps:
-        ends[r["stage_index"]] = (r["samples_seen"], r.get("stage_name", ""))
-    for _, (x, name) in sorted(ends.items()):
-        ax.axvline(x, color="grey", lw=0.6, ls=":")
-    if results:
-        ax2 = ax.twinx()
-        ax2.set_ylabel("zero-shot top-1 (%)", color="tab:red")
-        for size in sorted({r["image_size"] for r in results}):
-            pts = [(r["samples_seen"], 100 * r["top1"]) for r in results if r["image_size"] == size]
-            ax2.plot(*zip(*pts), "o--", ms=6, label=f"top-1 @ {size} px")
-            for x, y in pts:
-                ax2.annotate(f"{y:.1f}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        ax2.set_ylim(0, 100)
-        ax2.legend(loc="center right", fontsize=8)
-    ax.set_title(run_dir.name)
-    fig.tight_layout()
-    out = run_dir / PLOT_FILE
-    try:   # write-then-rename: a full disk leaves the earlier plot (or none), never a 0-byte file
-        atomic_write(out, lambda tmp: fig.savefig(tmp, format="png"))
-    finally:
-        plt.close(fig)
-    return out

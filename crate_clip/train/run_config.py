@@ -6,6 +6,7 @@ errors of a file are reported at once, before any process group, model or data s
 from __future__ import annotations
 
 import copy
+import importlib
 import tarfile
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args
@@ -212,13 +213,27 @@ class EvalSection(Section):
     full_image_size: Optional[Int] = Field(None, ge=1, le=MAX_IMAGE_SIZE, description="the size in pixels a low-res "
                                            "stage is also evaluated at; default: the last stage's")
     evals: list[EvalSpec] = Field([], description="each entry: one task of eval/tasks/ with its own settings")
+    every_samples: Int = Field(0, ge=0, description="also run the evaluations during a stage, at its own image "
+                               "size, each time this many more samples are seen (0 = only at stage ends)")
+    every_steps: Int = Field(0, ge=0, description="the same in steps of the stage (0 = off; with every_samples, "
+                             "whichever comes first)")
+    max_time_share: Float = Field(0.05, gt=0, le=1, description="a mid-stage evaluation is deferred while the "
+                                  "evaluations would take more than this share of the training time (said once)")
 
 
 class LoggingSection(Section):
-    """Console progress bar, TensorBoard, metrics.jsonl cadence and the final PNG plot."""
+    """Console progress, trackers (TensorBoard, Weights & Biases, CSV), metrics.jsonl cadence, the final PNG plot."""
     every_steps: Int = Field(10, ge=1, description="a metrics.jsonl / TensorBoard row every N steps")
-    progress: Bool = Field(True, description="the console progress bar")
-    tensorboard: Bool = Field(True, description="TensorBoard events in tensorboard/")
+    progress: Bool = Field(True, description="the console progress: a bar on a terminal, else a line every "
+                           "progress_every_s seconds (rank 0 only)")
+    progress_every_s: Float = Field(30.0, gt=0, description="seconds between two progress lines when the console "
+                                    "is not a terminal (a Slurm log, CI)")
+    tensorboard: Bool = Field(True, description="TensorBoard events in tensorboard/ (false drops it from report_to)")
+    report_to: list[Literal["tensorboard", "wandb", "csv"]] = Field(
+        ["tensorboard"], description="the trackers: tensorboard (tensorboard/), wandb (Weights & Biases; "
+        "WANDB_MODE=offline writes wandb/ only), csv (metrics.csv, results.csv)")
+    wandb_project: Optional[str] = Field(None, description="the Weights & Biases project (default: crate-clip); "
+                                         "the run is named after run.name")
     plot: Bool = Field(True, description="training_curve.png at the end")
     diagnostics_every: Int = Field(0, ge=0, description="white-box coding rate / sparsity per layer every N "
                                    "steps (0 = off)")
@@ -492,7 +507,19 @@ def runtime_problems(cfg: RunConfig, world_size: int, device: Optional[str] = "c
               if (line := batch_problem(f"stages.{i}", s.global_batch, s.micro_batch, world_size))]
     if device == "cpu" and cfg.precision == "fp16":
         errors.append("precision: fp16 is not supported by DeepSpeed on CPU; fix: use bf16 or fp32")
+    if "wandb" in cfg.logging.report_to and not _importable("wandb"):   # an optional extra
+        errors.append("logging.report_to: names wandb, which is not installed; fix: pip install 'crate-clip[wandb]' "
+                      "(or remove wandb from logging.report_to)")
     return errors
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` imports (an optional extra installed)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def batch_problem(key: str, global_batch: int, micro_batch, world_size: int) -> Optional[str]:

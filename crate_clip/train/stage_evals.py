@@ -50,6 +50,7 @@ class EvalRecord:
     samples_seen: int
     global_step: int
     results: dict
+    at: str = "stage_end"          # or 'mid_stage' (eval.every_samples / every_steps; rows without it: stage_end)
 
     def as_dict(self) -> dict:
         """The row: the fields, then the results beside them."""
@@ -158,3 +159,84 @@ def agreed_missing_evals(cfg: RunConfig, stage_index: int, dist: DistInfo) -> di
     box = [missing]
     tdist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# ---------------------------------------------------------------- during a stage (eval.every_samples / every_steps)
+def mid_stage_due(cfg: RunConfig, progress: Progress, samples_per_step: int, last: bool) -> bool:
+    """Whether the step just trained crosses an eval.every_samples (or every_steps) mark of its stage; never its
+    last step (the stage-end evaluations follow it)."""
+    every_samples, every_steps = cfg.eval.every_samples, cfg.eval.every_steps
+    if last or not cfg.eval.evals or not (every_samples or every_steps):
+        return False
+    stage_samples = progress.step * samples_per_step
+    return bool((every_samples and stage_samples // every_samples > (stage_samples - samples_per_step) // every_samples)
+                or (every_steps and progress.step % every_steps == 0))
+
+
+def evaluate_mid_stage(cfg: RunConfig, stage: ResolvedStage, engine, progress: Progress, log: MetricsLog,
+                       dist: DistInfo) -> list[dict]:
+    """The declared evaluations of the weights being trained (the engine's own: no copy, any ZeRO stage), on all
+    ranks, at the stage's image size; rows `at: mid_stage` in results.jsonl and the trackers. A refusal is an
+    EvalRefusedError, as after a stage."""
+    spec_types = {e.name: e.type for e in cfg.eval.evals}
+    engine.eval()
+    try:
+        results = evaluate_stage(engine, model_name=cfg.model.name, evals=cfg.eval.evals,
+                                 image_size=stage.image_size, device=dist.device, precision=cfg.precision,
+                                 cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main,
+                                 bert_vocab=cfg.model.bert_vocab)
+    except (ValueError, FileNotFoundError) as exc:
+        raise EvalRefusedError(f"stage {stage.index} ({stage.name}) mid-stage evaluation at step {progress.step}: "
+                               f"{exc}; fix it, then --resume latest") from exc
+    finally:
+        engine.train()
+    records = []
+    for name, res in results.items():
+        record = EvalRecord(stage.index, stage.name, name, stage.image_size, stage.image_size,
+                            tower_patch_size(engine.module), "grid", stage.context_length, progress.samples_seen,
+                            progress.global_step,
+                            {k: v for k, v in res.items() if isinstance(v, (int, float, str, list)) or v is None},
+                            at="mid_stage")
+        records.append(record.as_dict())
+        log.log_eval(record, summary_line(res, eval_type=spec_types[name]))
+    return records
+
+
+class EvalBudget:
+    """Keeps the mid-stage evaluations under `share` of the training time: one whose expected cost (the last one's)
+    would take the evaluations' total past it is deferred to a later step, said once per mark. The first runs
+    and measures the cost. Rank 0 decides for every rank (lock-step evaluation)."""
+
+    def __init__(self, share: float):
+        self.share, self.eval_s, self.last_cost_s = share, 0.0, None
+        self._said_for: Optional[int] = None
+
+    def allows(self, train_s: float) -> bool:
+        """Whether an evaluation may run now, after `train_s` seconds of training in this stage."""
+        return self.last_cost_s is None or self.eval_s + self.last_cost_s <= self.share * train_s
+
+    def deferral(self, train_s: float, mark: int) -> Optional[str]:
+        """The line saying a deferral (once per mark, `mark` the samples seen when it came due)."""
+        if self._said_for == mark:
+            return None
+        self._said_for = mark
+        return (f"[eval] mid-stage evaluation due at {mark} samples deferred: another ~{self.last_cost_s:.1f} s would "
+                f"bring evaluations to {self.eval_s + self.last_cost_s:.1f} s, over eval.max_time_share "
+                f"{self.share:.0%} of the {train_s:.1f} s trained")
+
+    def spent(self, seconds: float, train_s: float) -> str:
+        """Record an evaluation's cost; returns the line that prints it."""
+        self.eval_s += seconds
+        self.last_cost_s = seconds
+        share = self.eval_s / train_s if train_s > 0 else float("inf")
+        return (f"[eval] mid-stage evaluation took {seconds:.1f} s (evaluations {self.eval_s:.1f} s = {share:.1%} of "
+                f"{train_s:.1f} s of training; eval.max_time_share {self.share:.0%})")
+
+
+def agreed(decision: bool, dist: DistInfo) -> bool:
+    """Rank 0's decision on every rank (their clocks differ)."""
+    if dist.world_size == 1:
+        return decision
+    box = [decision]
+    tdist.broadcast_object_list(box, src=0)
+    return bool(box[0])

@@ -43,7 +43,10 @@ from crate_clip.train.metrics_log import PLOT_FILE, MetricsLog, set_aside_rows_a
 from crate_clip.train.run_config import RunConfig, check_runtime
 from crate_clip.train.run_dir import check_run_dir, move_run_aside
 from crate_clip.train.run_lock import run_folder_lock
-from crate_clip.train.stage_evals import agreed_missing_evals, evaluate_after_stage
+from crate_clip.train.deepspeed_output import (close_log, deepspeed_log_path, deepspeed_prints,
+                                               divert_deepspeed_logs, log_to)
+from crate_clip.train.stage_evals import (EvalBudget, agreed, agreed_missing_evals, evaluate_after_stage,
+                                          evaluate_mid_stage, mid_stage_due)
 from crate_clip.train.stage_model import ResolvedStage, resolve_stage
 from crate_clip.train.stop_requests import StopRequested, agreed_stop, request_stop, stops_with_checkpoint
 from crate_clip.train.throughput import StepMeter
@@ -80,6 +83,7 @@ def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: O
     a lock of another host that is still being refreshed (the user knows its run is gone). A resume may change
     what the run trains only where `allow_changes` names the key (config_changes.py)."""
     check_run_dir(cfg.run_dir, resume, overwrite)  # before anything is written, on every rank
+    divert_deepspeed_logs()   # DeepSpeed's chatter to logs/deepspeed-rank<R>.log, from its first line
     dist = dist or init_distributed()
     with run_folder_lock(cfg.run_dir, dist, take_over=take_over_lock):
         changes = agreed_config_changes(cfg, resume, allow_changes, dist)   # before any work: nothing written
@@ -103,8 +107,12 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
     if dist.is_main:
         _prepare_run_dir(cfg, start, moved_aside=earlier_run and overwrite,
                          restarted=bool(earlier_run) and not overwrite and start.tag_dir is None)
+    tdist.barrier()   # the run folder is in place (an earlier one moved aside) before any rank writes its log
+    log_to(deepspeed_log_path(cfg.run_dir, dist.rank))
     log = MetricsLog(cfg.run_dir, enabled=dist.is_main, progress=cfg.logging.progress,
-                     tensorboard=cfg.logging.tensorboard)
+                     tensorboard=cfg.logging.tensorboard, report_to=cfg.logging.report_to,
+                     progress_every_s=cfg.logging.progress_every_s, config=cfg.to_dict(), run_name=cfg.run.name,
+                     wandb_project=cfg.logging.wandb_project)
     run = RunContext(cfg, dist, ckpts, log, stream_factory, changes)
     if start.tag_dir is None:   # --resume auto restarting a run cut short before its first checkpoint
         _record_config_changes(run, start)
@@ -133,6 +141,7 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
                 "seconds": time.time() - t_start}
     finally:
         log.close()
+        close_log()
         if dist.is_main and cfg.logging.plot:
             _plot(cfg, log)
 
@@ -171,14 +180,16 @@ def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], st
     cfg, dist, log = run.cfg, run.dist, run.log
     if start is not None and start.stage_finished:
         # the stage had finished before the interruption: only evaluations may be missing
-        weights = consolidated_state_dict(start.tag_dir, verify=False)   # verified by the resume
+        with deepspeed_prints():
+            weights = consolidated_state_dict(start.tag_dir, verify=False)   # verified by the resume
         _record_config_changes(run, start)
         return start.tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
     # resuming: every weight comes from the checkpoint loaded below, the model only needs the stage's shapes
     model = stage.build_model(weights, read_files=start is None)
     # another world size or ZeRO stage: DeepSpeed's universal checkpoint (elastic_resume.py)
     universal = start is not None and needs_universal(start.tag_dir, dist.world_size, stage.zero_stage)
-    engine = build_engine(model, cfg, stage, dist, load_universal=universal)
+    with deepspeed_prints():
+        engine = build_engine(model, cfg, stage, dist, load_universal=universal)
     _seed_everything(cfg.run.seed * 7919 + 104729 * stage.index + dist.rank)  # token masks differ per rank
     stream = run.stream_factory(cfg, stage, dist)
     if start is not None:
@@ -197,7 +208,8 @@ def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], st
     tag_dir = train_stage(run, stage, engine, stream, progress)
     engine.destroy()
     del engine, model, stream
-    weights = consolidated_state_dict(tag_dir, verify=False)   # this job wrote and hashed it
+    with deepspeed_prints():
+        weights = consolidated_state_dict(tag_dir, verify=False)   # this job wrote and hashed it
     return tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
 
 
@@ -205,7 +217,8 @@ def _load_checkpoint(run: RunContext, engine, stage: ResolvedStage, tag_dir: Pat
     """Load `tag_dir` into the stage's engine; returns this rank's state. Weights of other shapes than the stage's
     model (a run config changed since) are a ResumeError naming the first mismatch, not a traceback."""
     try:
-        return load_resume_state(run.ckpts, engine, tag_dir, run.dist.rank, run.dist.world_size, universal)
+        with deepspeed_prints():
+            return load_resume_state(run.ckpts, engine, tag_dir, run.dist.rank, run.dist.world_size, universal)
     except RuntimeError as exc:   # torch's load_state_dict under DeepSpeed: "size mismatch for <key>: ..."
         lines = [line.strip() for line in str(exc).splitlines()
                  if line.strip().startswith(("size mismatch", "Missing key", "Unexpected key"))]
@@ -243,7 +256,9 @@ def _evaluate_finished_stage(run: RunContext, i: int) -> list[dict]:
                   f"final checkpoint {tag_dir} is gone; they cannot be run")
         return []
     stage = resolve_stage(cfg, i, dist.world_size)   # for its evaluations: no device micro-batch fit
-    return evaluate_after_stage(cfg, stage, consolidated_state_dict(tag_dir), Progress.from_info(info), log, dist)
+    with deepspeed_prints():
+        weights = consolidated_state_dict(tag_dir)
+    return evaluate_after_stage(cfg, stage, weights, Progress.from_info(info), log, dist)
 
 
 def _seed_everything(seed: int) -> None:
@@ -328,6 +343,7 @@ def train_stage(run: RunContext, stage: ResolvedStage, engine, stream, progress:
         meter = StepMeter(stage, dist, cfg.data.num_workers)
         probe = WhiteboxProbe.for_stage(cfg, stage, engine, dist, log)  # None unless logging.diagnostics_every
     stop, first_step = None, progress.step
+    mid = _MidStageEvals(cfg.eval.max_time_share)
     while progress.step < stage.steps:
         meter.begin()
         position = _stream_state(stream)   # before the fetch: a rank whose batch is dropped below must not skip it
@@ -357,6 +373,9 @@ def train_stage(run: RunContext, stage: ResolvedStage, engine, stream, progress:
         else:
             progress.nonfinite_in_a_row = 0
         log.advance(loss, lr, progress.step)
+        if progress.step == 1:   # the stage's first batch, as the model sees it (rank 0's share)
+            log.log_images(f"train_samples/stage{stage.index}_{stage.name}", images, progress.samples_seen,
+                           stage.mean, stage.std)
         last = progress.step == stage.steps
         measured = None
         if probe and probe.due(progress.step, last):
@@ -390,6 +409,7 @@ def train_stage(run: RunContext, stage: ResolvedStage, engine, stream, progress:
         saved = None
         if every_ckpt and progress.step % every_ckpt == 0 and not last:
             saved = _save(run, engine, stage, progress, stream)
+        mid.after_step(run, stage, engine, progress, last)
         stop = agreed_stop(dist)   # a preemption signal on any rank: every rank stops after this same step
         if stop is not None and not last:
             _stop(run, engine, stage, progress, stream, stop, first_step, saved)
@@ -398,6 +418,34 @@ def train_stage(run: RunContext, stage: ResolvedStage, engine, stream, progress:
         _stop(run, engine, stage, progress, stream, stop, first_step, tag_dir)
     log.end_stage()
     return tag_dir
+
+
+class _MidStageEvals:
+    """eval.every_samples / every_steps in one stage: a mark crossed makes an evaluation pending; it runs once the
+    budget (eval.max_time_share of this stage's training time) allows it, rank 0 deciding for all ranks."""
+
+    def __init__(self, share: float):
+        self.budget, self.pending = EvalBudget(share), None
+        self.t0 = time.perf_counter()
+
+    def after_step(self, run: RunContext, stage: ResolvedStage, engine, progress: Progress, last: bool) -> None:
+        if mid_stage_due(run.cfg, progress, stage.global_batch, last):
+            self.pending = self.pending or progress.samples_seen
+        if self.pending is None or last:
+            return
+        train_s = time.perf_counter() - self.t0 - self.budget.eval_s
+        if not agreed(self.budget.allows(train_s), run.dist):
+            line = self.budget.deferral(train_s, self.pending)
+            if line:
+                run.log.print(line)
+            return
+        started = time.perf_counter()
+        with _rng_untouched(run.dist):   # the stage's token masks and data order stay those of a run without it
+            evaluate_mid_stage(run.cfg, stage, engine, progress, run.log, run.dist)
+        seconds = time.perf_counter() - started
+        run.log.pause(seconds)
+        run.log.print(self.budget.spent(seconds, train_s))
+        self.pending = None
 
 
 def _stop(run: RunContext, engine, stage: ResolvedStage, progress: Progress, stream, stop: tuple[str, int],

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 import torch.nn.functional as F
 from torch import nn
 
@@ -212,13 +213,16 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, num_class
             "mean_per_class_recall": float(np.mean(recall))}
 
 
-def search_weight_decay(train: tuple, val: tuple, num_classes: int, **train_kw) -> tuple[float, dict]:
-    """CLIP_benchmark's search: best val top-1 over the 7 coarse grid points, then +-8, 4, 2, 1 steps around it."""
+def search_weight_decay(train: tuple, val: tuple, num_classes: int, on_fit=None, **train_kw) -> tuple[float, dict]:
+    """CLIP_benchmark's search: best val top-1 over the 7 coarse grid points, then +-8, 4, 2, 1 steps around it
+    (`on_fit`: called after each fit, the progress display's)."""
     scores: dict[int, float] = {}
 
     def score(i: int) -> float:
         if i not in scores:
             clf = train_linear(*train, num_classes, float(WD_GRID[i]), **train_kw)
+            if on_fit:
+                on_fit()
             with torch.no_grad():
                 scores[i] = classification_metrics(clf(val[0]), val[1], num_classes)["top1"]
         return scores[i]
@@ -251,7 +255,7 @@ def fewshot_indices(labels: torch.Tensor, k: int, seed: int) -> torch.Tensor:
 
 
 def probe(train_feats, train_labels, test_feats, test_labels, num_classes: int, settings: Settings,
-          pool: torch.Tensor | None = None, split_seed: int | None = None) -> dict:
+          pool: torch.Tensor | None = None, split_seed: int | None = None, on_fit=None) -> dict:
     """Weight-decay search on a held-out split (unless fixed), retrain, test metrics.
 
     `pool` (few-shot) restricts the final training set to these indices of the non-validation part.
@@ -263,11 +267,13 @@ def probe(train_feats, train_labels, test_feats, test_labels, num_classes: int, 
     info = {}
     if settings.weight_decay is None:
         wd, info = search_weight_decay((train_feats[tr], train_labels[tr]), (train_feats[va], train_labels[va]),
-                                       num_classes, **train_kw)
+                                       num_classes, on_fit=on_fit, **train_kw)
     else:
         wd = settings.weight_decay
     final = tr if pool is not None else torch.cat([tr, va])   # few-shot: the k-shot set only
     clf = train_linear(train_feats[final], train_labels[final], num_classes, wd, **train_kw)
+    if on_fit:
+        on_fit()
     with torch.no_grad():
         metrics = classification_metrics(clf(test_feats), test_labels, num_classes)
     return {**metrics, "weight_decay": wd, "n_train": len(final), **info}
@@ -325,22 +331,24 @@ def linear_probe_evaluate(model, *, preprocess, settings: Settings | dict, devic
     extract_seconds = time.perf_counter() - start
     head = {"num_classes": num_classes, "feature_dim": xtr.shape[1], "n_test": len(yte), "features": kind,
             "n_unreadable": itr["unreadable"] + ite["unreadable"], "cache_hit": itr["cache_hit"] and ite["cache_hit"]}
-    if settings.fewshot_k is None:
-        out = probe(xtr, ytr, xte, yte, num_classes, settings)
-    else:
-        out = fewshot_probe(xtr, ytr, xte, yte, num_classes, settings)
+    # the fits take minutes on big feature sets: a bar counting them (the weight-decay search's and the final one)
+    with tqdm(desc="linear probe fits", unit="fit", disable=not progress, leave=False) as bar:
+        if settings.fewshot_k is None:
+            out = probe(xtr, ytr, xte, yte, num_classes, settings, on_fit=bar.update)
+        else:
+            out = fewshot_probe(xtr, ytr, xte, yte, num_classes, settings, on_fit=bar.update)
     return {**out, **head, "extract_seconds": extract_seconds,
             "probe_seconds": time.perf_counter() - start - extract_seconds}
 
 
-def fewshot_probe(xtr, ytr, xte, yte, num_classes: int, settings: Settings) -> dict:
+def fewshot_probe(xtr, ytr, xte, yte, num_classes: int, settings: Settings, on_fit=None) -> dict:
     """Few-shot metrics: the probe on `fewshot_k` images per class, drawn with seeds 0..fewshot_seeds-1
     (mean and standard deviation over the draws)."""
     runs = []
     for seed in range(settings.fewshot_seeds):
         tr, _ = split_train_val(ytr, settings.val_proportion, settings.seed)
         pool = fewshot_indices(ytr[tr], settings.fewshot_k, seed)
-        runs.append(probe(xtr, ytr, xte, yte, num_classes, settings, pool=pool))
+        runs.append(probe(xtr, ytr, xte, yte, num_classes, settings, pool=pool, on_fit=on_fit))
     out = {"fewshot_k": settings.fewshot_k, "seeds": len(runs)}
     for key in ("top1", "top5", "mean_per_class_recall"):
         values = np.array([r[key] for r in runs])
