@@ -26,7 +26,7 @@ def _segment(model: str, scenes: str, out: Path, facet: str = "projection", size
     from crate_clip.eval.whitebox_cli import segment_entry
 
     args = ["--model", model, "--data", scenes, "--out", str(out), "--image-size", str(size), "--facet", facet,
-            "--overlays", "8"] + (["--limit", str(limit)] if limit else [])
+            "--overlays", "8"] + (["--max-images", str(limit)] if limit else [])
     with contextlib.redirect_stdout(io.StringIO()):
         rc = segment_entry(args)
     if rc:

@@ -3,6 +3,7 @@ import errno
 import importlib
 import sys
 
+from crate_clip.core.cli_conventions import did_you_mean
 from crate_clip.core.errors import USER_ERRORS, pop_debug_flag, report_error, show_exit_code
 from crate_clip.core.writable_folders import unwritable_error
 
@@ -18,6 +19,7 @@ SUBCOMMANDS = {
     "segment": ("crate_clip.eval.segment_cli", "zero-shot segmentation (MaskCut) as PNG overlays + COCO RLE JSON"),
     "convert": ("crate_clip.convert_cli", "released CRATE-alpha-CLIPA weights -> an open_clip local-dir: export"),
     "export": ("crate_clip.export.cli", "a training checkpoint -> an open_clip local-dir: / hf-hub: folder"),
+    "models": ("crate_clip.models_cli", "the registered model configs with their parameters and FLOPs"),
 }
 
 
@@ -40,7 +42,7 @@ def main(argv=None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
-        print(f"crate-clip: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"crate-clip: unknown command {name!r}{did_you_mean(name, SUBCOMMANDS)}\n\n{_usage()}", file=sys.stderr)
         return 2
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])

@@ -2,17 +2,19 @@
 open_clip `local-dir:` export (safetensors, open_clip_config.json with the model's preprocessing, and the
 tokenizer files), which plain open_clip loads after `import crate_clip`."""
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING
+from crate_clip.core.cli_conventions import CommandParser, add_json_flag
 from crate_clip.core.errors import USER_ERRORS, UserError, report_error
 from crate_clip.core.writable_folders import check_writable
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `crate-clip convert` argument parser."""
-    parser = argparse.ArgumentParser(prog="crate-clip convert", description=" ".join(__doc__.split()))
+    parser = CommandParser(prog="crate-clip convert", description=" ".join(__doc__.split()))
     sub = parser.add_subparsers(dest="command", required=True)
     off = sub.add_parser("official", help="a released crate_alpha_CLIPA_{L14,H14}.pth (UCSC-VLAA/CRATE-alpha)")
     off.add_argument("checkpoint", type=Path, help="the .pth file (a plain state dict, read with weights_only=True)")
@@ -22,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--bert-vocab", help="folder holding vocab.txt, when the HuggingFace hub is not reachable")
     off.add_argument("--no-verify", action="store_true", help="skip reloading the export through open_clip")
     off.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
+    add_json_flag(off, "what was written (folder, model, values, tokenizer)")
     return parser
 
 
@@ -70,9 +73,13 @@ def main(argv=None) -> int:
                          context_length=model.context_length, bert_vocab=args.bert_vocab)
     except (*USER_ERRORS, FileExistsError) as err:   # the checkpoint, the tokenizer's vocabulary, the output folder
         return report_error("crate-clip convert", err)
-    print(f"wrote {args.out} ({sum(v.numel() for v in state.values()):,} values, tokenizer "
-          f"{type(tokenizer).__name__}); load it with open_clip.create_model_and_transforms("
-          f"'local-dir:{args.out}') after `import crate_clip`")
+    values = sum(v.numel() for v in state.values())
+    if args.json:
+        print(json.dumps({"out": str(args.out), "model": args.model, "values": values,
+                          "tokenizer": type(tokenizer).__name__, "load": f"local-dir:{args.out}"}, indent=1))
+    else:
+        print(f"wrote {args.out} ({values:,} values, tokenizer {type(tokenizer).__name__}); load it with "
+              f"open_clip.create_model_and_transforms('local-dir:{args.out}') after `import crate_clip`")
     return 0 if args.no_verify else verify_export(args.out, state, "crate-clip convert")
 
 

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from crate_clip.core.cli_conventions import CommandParser, accept_old_name
 from crate_clip.core.cli_numbers import NON_NEGATIVE_INT, POSITIVE_INT
 from crate_clip.core.errors import report_error
 from crate_clip.core.writable_folders import UnwritableFolderError, check_writable
@@ -23,21 +24,34 @@ def _add_writer_args(p: argparse.ArgumentParser, default_max_side: int | None = 
                    help="shrink images whose longer side exceeds this (DataComp: 512; 0 keeps sizes)")
     p.add_argument("--parquet", action="store_true", help="also write {shard:08d}.parquet (needs pyarrow)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_json(p)
     p.add_argument("--dataset-name", metavar="NAME", default=None,
                    help="the data set's name for model cards, recorded in OUT/dataset.json (the fashion-mnist "
                         "command records 'Fashion-MNIST' itself)")
 
 
+def _add_max_images(p: argparse.ArgumentParser) -> None:
+    """`--max-images N` (one name across commands; the old `--limit` still works, with a warning)."""
+    p.add_argument("--max-images", type=POSITIVE_INT, default=None,
+                   help="write only the first N samples (default: all)")
+    accept_old_name(p, "--limit", "--max-images")
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    # every shards command prints its result as JSON; --json says so explicitly, as on the other commands
+    p.add_argument("--json", action="store_true", help="print the result as JSON (what shards always prints)")
+
+
 def _parser() -> argparse.ArgumentParser:
     """Argument parser of `crate-clip shards`."""
-    parser = argparse.ArgumentParser(prog="crate-clip shards", description=__doc__)
+    parser = CommandParser(prog="crate-clip shards", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("fashion-mnist", help="Fashion-MNIST idx files -> captioned shards")
     _add_writer_args(p, default_max_side=None)
     p.add_argument("--split", default="train", choices=("train", "test"), help="Fashion-MNIST split (default: train)")
     p.add_argument("--source-dir", default=None, help="folder of the idx .gz files (default: auto-found)")
-    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="write only the first N samples (default: all)")
+    _add_max_images(p)
     p.add_argument("--upscale", type=POSITIVE_INT, default=None, help="resize the 28 px images to this size")
 
     p = sub.add_parser("folder", help="ImageFolder tree <root>/<class>/<image> -> shards captioned by class")
@@ -53,23 +67,25 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("emoji", help="Noto Color Emoji renderings captioned with their Unicode names")
     _add_writer_args(p)
-    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="write only the first N samples (default: all)")
+    _add_max_images(p)
     p.add_argument("--size", type=POSITIVE_INT, default=136, help="canvas size in px")
 
     p = sub.add_parser("eval-folder", help="Fashion-MNIST split as an ImageNet-val-style ImageFolder")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--split", default="test", choices=("train", "test"), help="Fashion-MNIST split (default: test)")
     p.add_argument("--source-dir", default=None, help="folder of the Fashion-MNIST idx .gz files (default: auto-found)")
-    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="write only the first N samples (default: all)")
+    _add_max_images(p)
+    _add_json(p)
 
     p = sub.add_parser("eval-shards", help="Fashion-MNIST split as classification shards (.jpg + .cls) in "
                                            "CLIP_benchmark's wds/ layout (OUT/<split>/N.tar, classnames, templates)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--split", default="test", choices=("train", "test"), help="Fashion-MNIST split (default: test)")
     p.add_argument("--source-dir", default=None, help="folder of the Fashion-MNIST idx .gz files (default: auto-found)")
-    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="write only the first N samples (default: all)")
+    _add_max_images(p)
     p.add_argument("--samples-per-shard", type=POSITIVE_INT, default=10_000,
                    help="samples per .tar shard (default: 10,000)")
+    _add_json(p)
 
     p = sub.add_parser("scenes", help="segmentation eval set: 1-3 Fashion-MNIST test objects on textured "
                                       "backgrounds, ground-truth silhouette masks as COCO RLE in each .json")
@@ -81,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--source-dir", default=None, help="folder of the Fashion-MNIST idx .gz files (default: auto-found)")
     p.add_argument("--samples-per-shard", type=POSITIVE_INT, default=10_000,
                    help="samples per .tar shard (default: 10,000)")
+    _add_json(p)
 
     p = sub.add_parser("inspect", help="stream a few batches from shards and print sizes, skips, POS source")
     p.add_argument("sources", nargs="+", help="brace patterns, folders, globs, pipe: commands")
@@ -104,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-bytes", type=POSITIVE_INT, default=DEFAULT_MAX_IMAGE_BYTES,
                    help="skip images that would decode to more bytes than this (width x height x channels x bytes "
                         f"per channel, from the header; default: {DEFAULT_MAX_IMAGE_BYTES})")
+    _add_json(p)
     return parser
 
 
@@ -155,7 +173,7 @@ def main(argv=None) -> int:
             from .sources.fashion_mnist import write_fashion_mnist_shards
 
             result = write_fashion_mnist_shards(args.out, args.split, args.samples_per_shard, args.source_dir,
-                                                args.limit, progress=not args.no_progress, upscale=args.upscale)
+                                                args.max_images, progress=not args.no_progress, upscale=args.upscale)
         elif args.command == "folder":
             from .sources.image_folder import image_folder_samples
 
@@ -168,16 +186,17 @@ def main(argv=None) -> int:
         elif args.command == "emoji":
             from .sources.emoji import emoji_samples
 
-            result = _write(args, emoji_samples(args.limit, args.size), description="emoji")
+            result = _write(args, emoji_samples(args.max_images, args.size), description="emoji")
         elif args.command == "eval-folder":
             from .sources.fashion_mnist import write_fashion_mnist_eval_folder
 
-            result = {"out_dir": str(write_fashion_mnist_eval_folder(args.out, args.split, args.source_dir, args.limit))}
+            folder = write_fashion_mnist_eval_folder(args.out, args.split, args.source_dir, args.max_images)
+            result = {"out_dir": str(folder)}
         elif args.command == "eval-shards":
             from .sources.fashion_mnist import write_fashion_mnist_classification_shards
 
             result = write_fashion_mnist_classification_shards(args.out, args.split, args.samples_per_shard,
-                                                               args.source_dir, args.limit)
+                                                               args.source_dir, args.max_images)
         elif args.command == "scenes":
             from .sources.composite_scenes import write_composite_scene_shards
 

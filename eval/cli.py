@@ -9,12 +9,13 @@ from typing import get_args
 # Light imports only up to build_parser: `crate-clip eval --help` and a refused option cost no torch import;
 # the model, data and task code are imported by main() once the command line is parsed.
 from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING
+from crate_clip.core.cli_conventions import CommandParser, accept_old_name, add_json_flag, deprecation_warning
 from crate_clip.core.cli_numbers import bounded
 from crate_clip.core.resize_modes import RESOLUTION_RESIZE_MODES
 from crate_clip.eval.eval_settings import EvalSettings
 from crate_clip.eval.task_settings import TASK_SETTINGS, TIMM_PREFIX, task_help
 # command-line option -> the shared eval setting it sets (defaults come from the settings schema)
-COMMON_OPTIONS = {"--data": "data", "--batch-size": "batch_size", "--workers": "num_workers",
+COMMON_OPTIONS = {"--data": "data", "--batch-size": "batch_size", "--num-workers": "num_workers",
                   "--max-images": "max_images", "--max-unreadable-fraction": "max_unreadable_fraction"}
 
 
@@ -44,6 +45,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                                              "crate_alpha_CLIPA_*.pth) or DeepSpeed checkpoint for --model NAME")
     for flag, key in COMMON_OPTIONS.items():
         _option(parser, flag, EvalSettings.model_fields[key], required=key == "data")
+    accept_old_name(parser, "--workers", "--num-workers")   # one name across commands: the settings key's
     parser.add_argument("--image-size", type=int, help="evaluate at this resolution (how: --resize)")
     parser.add_argument("--resize", choices=RESOLUTION_RESIZE_MODES, default="grid",
                         help="how a model runs at another --image-size: grid (the patch grid grows or shrinks, "
@@ -56,10 +58,24 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="evaluation precision (default: fp32)")
     parser.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--output", type=Path, help="write the metrics as JSON here")
+    add_json_flag(parser, "the metrics")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "crate_clip" / "zeroshot"),
                         help="cache of what a task can reuse, e.g. zero-shot text classifiers ('' disables)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
+
+
+# the tasks' own names where they differ from the hyphenated command (`linear_probe`): accepted, deprecated
+OLD_TASK_NAMES = {name: name.replace("_", "-") for name in TASK_SETTINGS if "_" in name}
+
+
+def canonical_argv(argv) -> list[str]:
+    """`argv` with an old task name (`linear_probe`) replaced by its command (`linear-probe`), said in one line."""
+    argv = list(argv)
+    if argv and argv[0] in OLD_TASK_NAMES:
+        deprecation_warning("crate-clip eval", argv[0], OLD_TASK_NAMES[argv[0]])
+        argv[0] = OLD_TASK_NAMES[argv[0]]
+    return argv
 
 
 def _task_keys(name: str) -> list[str]:
@@ -68,14 +84,13 @@ def _task_keys(name: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `crate-clip eval` argument parser: one sub-command per task of eval/tasks/."""
-    parser = argparse.ArgumentParser(prog="crate-clip eval", description="evaluate a model: "
+    parser = CommandParser(prog="crate-clip eval", description="evaluate a model: "
                                      + ", ".join(name.replace("_", "-") for name in TASK_SETTINGS))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, settings in TASK_SETTINGS.items():
-        # one naming style, hyphens (`eval linear-probe`, as `shards eval-shards`); the task's own name stays an alias
-        hyphenated = name.replace("_", "-")
-        cmd = sub.add_parser(hyphenated, aliases=[name] if hyphenated != name else [],
-                             help=task_help(name))
+        # one naming style, hyphens (`eval linear-probe`, as `shards eval-shards`); the task's own name is still
+        # accepted (canonical_argv), not offered
+        cmd = sub.add_parser(name.replace("_", "-"), help=task_help(name))
         cmd.set_defaults(task=name)
         _model_args(cmd)
         for key in _task_keys(name):
@@ -112,7 +127,7 @@ def _default_device() -> str:
 
 def main(argv=None) -> int:
     """Run `crate-clip eval ...`; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(canonical_argv(sys.argv[1:] if argv is None else argv))
     args.device = args.device or _default_device()
     return _evaluate(args)
 
@@ -151,9 +166,13 @@ def _evaluate(args) -> int:
         return report_error("crate-clip eval", err)
     if rank_and_world()[0] == 0:
         task = task_module(args.task)
-        if getattr(args, "details", False):
-            print(task.details(metrics))
-        print(task.summary(metrics))
+        record = {"model": args.model, "data": args.data, "task": args.task.replace("_", "-"), **metrics}
+        if args.json:
+            print(json.dumps(record, indent=1))
+        else:
+            if getattr(args, "details", False):
+                print(task.details(metrics))
+            print(task.summary(metrics))
         if args.output:
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps({"model": args.model, "data": args.data, **metrics}, indent=1))

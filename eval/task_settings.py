@@ -48,7 +48,7 @@ class RetrievalSettings(EvalSettings):
 class LinearProbeSettings(EvalSettings):
     """Linear probe and few-shot evaluation (the CLIP_benchmark protocol) on cached image features.
 
-    The keys of a `type: linear_probe` eval entry and the options of `crate-clip eval linear_probe`. The test
+    The keys of a `type: linear_probe` eval entry and the options of `crate-clip eval linear-probe`. The test
     split is `data`; `batch_size` is the feature-extraction batch."""
 
     has_details: ClassVar[bool] = False

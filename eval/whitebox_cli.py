@@ -13,6 +13,7 @@ import numpy as np
 from PIL import Image
 
 from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING
+from crate_clip.core.cli_conventions import CommandParser, accept_old_name, did_you_mean
 from crate_clip.core.cli_numbers import NON_NEGATIVE_INT, POSITIVE_INT, bounded
 from crate_clip.core.errors import report_error
 from crate_clip.eval.maskcut import DEFAULT_MASKS, DEFAULT_TAU
@@ -103,11 +104,12 @@ def _report_skipped(prog: str, skipped: list[str], total: int, kept: int) -> Non
 # ---------------------------------------------------------------- inspect maps
 def maps_main(argv) -> int:
     """`crate-clip inspect maps`: class-token attention per head + average, and joint PCA, per image."""
-    p = argparse.ArgumentParser(prog="crate-clip inspect maps", description=maps_main.__doc__)
+    p = CommandParser(prog="crate-clip inspect maps", description=maps_main.__doc__)
     _model_args(p)
     p.add_argument("--images", nargs="+", required=True)
     p.add_argument("--facet", default="projection", choices=("projection", "output"),
                    help="PCA features: U^T LN(Z) (ViT: keys) or the block output (default projection)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (what inspect maps always prints)")
     args = p.parse_args(argv)
     import torch   # after parsing (seconds of CPU): --help is instant
 
@@ -150,7 +152,7 @@ def _maps(args, p: argparse.ArgumentParser) -> int:
 def text_main(argv) -> int:
     """`crate-clip inspect text CAPTION`: per-head attention over the words and the most active dictionary atoms per
     token, at one block of a CRATE-alpha text tower; per-block coding rate and code sparsity of the caption."""
-    p = argparse.ArgumentParser(prog="crate-clip inspect text", description=text_main.__doc__)
+    p = CommandParser(prog="crate-clip inspect text", description=text_main.__doc__)
     p.add_argument("caption")
     _source_args(p)
     p.add_argument("--bert-vocab", help="folder with vocab.txt for a BERT-tokenized model (offline)")
@@ -219,12 +221,13 @@ def scene_shards(data: str, limit: int | None = None, grid: tuple[int, int] = (1
 
 def segment_main(argv) -> int:
     """`crate-clip segment`: MaskCut masks as PNG overlays + COCO RLE JSON; with --data, AP50 and best IoU too."""
-    p = argparse.ArgumentParser(prog="crate-clip segment", description=segment_main.__doc__)
+    p = CommandParser(prog="crate-clip segment", description=segment_main.__doc__)
     _model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--images", nargs="+", help="image files")
     src.add_argument("--data", help="composite-scene shards with ground truth (evaluates class-agnostic AP50)")
-    p.add_argument("--limit", type=POSITIVE_INT, help="with --data: this many scenes only")
+    p.add_argument("--max-images", type=POSITIVE_INT, help="with --data: the first N scenes only")
+    accept_old_name(p, "--limit", "--max-images")   # one name across commands
     p.add_argument("--facet", default="projection", choices=("projection", "output"),
                    help="MaskCut features: U^T LN(Z) of the block (ViT: attention keys) or its output tokens")
     p.add_argument("--tau", type=TAU, default=DEFAULT_TAU,
@@ -234,6 +237,7 @@ def segment_main(argv) -> int:
     p.add_argument("--batch-size", type=POSITIVE_INT, default=64, help="images per forward (default 64)")
     p.add_argument("--overlays", type=NON_NEGATIVE_INT, default=None,
                    help="write at most this many overlay PNGs (default all)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (what segment always prints)")
     args = p.parse_args(argv)
     import torch   # after parsing (seconds of CPU): --help is instant
 
@@ -250,7 +254,8 @@ def _segment(args, p: argparse.ArgumentParser) -> int:
     if args.images:
         items = [(Path(path).stem, im, None, path) for path, im in _read_images(args.images, patch_grid(clip), skipped)]
     else:
-        items = [(key, im, gt, key) for key, im, gt in scene_shards(args.data, args.limit, patch_grid(clip), skipped)]
+        items = [(key, im, gt, key)
+                 for key, im, gt in scene_shards(args.data, args.max_images, patch_grid(clip), skipped)]
         if not items and not skipped:
             raise ValueError(f"--data {args.data}: no samples found")
     _report_skipped(p.prog, skipped, len(items) + len(skipped), len(items))
@@ -298,7 +303,9 @@ def inspect_entry(argv=None) -> int:
         print(usage)
         return 0
     if not argv or argv[0] not in INSPECT_COMMANDS:
-        print(usage, file=sys.stderr)
+        unknown = f"crate-clip inspect: unknown command {argv[0]!r}{did_you_mean(argv[0], INSPECT_COMMANDS)}\n" \
+            if argv else ""
+        print(unknown + usage, file=sys.stderr)
         return 2
     return _run(INSPECT_COMMANDS[argv[0]], argv[1:], f"crate-clip inspect {argv[0]}")
 

@@ -12,7 +12,8 @@ from crate_clip.cli import SUBCOMMANDS, main
 
 PARSERS = {"eval": ("crate_clip.eval.cli", "build_parser"), "shards": ("crate_clip.data.cli", "_parser"),
            "plan": ("crate_clip.train.plan_cli", "build_parser"), "train": ("crate_clip.train.cli", "build_parser"),
-           "export": ("crate_clip.export.cli", "build_parser")}
+           "export": ("crate_clip.export.cli", "build_parser"), "demo": ("crate_clip.train.demo", "build_parser"),
+           "convert": ("crate_clip.convert_cli", "build_parser"), "models": ("crate_clip.models_cli", "build_parser")}
 
 
 def _help_exit(argv) -> int:
@@ -57,10 +58,11 @@ def test_every_option_has_help_text(name):
 
 
 def test_eval_names_are_hyphenated_and_the_old_ones_still_work():
-    from crate_clip.eval.cli import build_parser
+    from crate_clip.eval.cli import build_parser, canonical_argv
 
     new = build_parser().parse_args(["linear-probe", "--model", "m", "--data", "d", "--train-data", "t"])
-    old = build_parser().parse_args(["linear_probe", "--model", "m", "--data", "d", "--train-data", "t"])
+    old = build_parser().parse_args(canonical_argv(["linear_probe", "--model", "m", "--data", "d", "--train-data",
+                                                    "t"]))
     assert new.task == old.task == "linear_probe"
 
 
@@ -96,7 +98,8 @@ def test_import_crate_clip_and_help_import_no_torch():
 
 # `--help` builds the parser from light modules; the command imports torch & co. once parsed (`eval`'s options
 # come from the tasks' settings schemas, crate_clip.eval.task_settings, apart from the tasks' code).
-LIGHT_HELP = [["train"], ["plan"], ["export"], ["convert"], ["demo"], ["shards"], ["inspect"], ["inspect", "maps"],
+LIGHT_HELP = [["train"], ["plan"], ["export"], ["convert"], ["demo"], ["models"], ["shards"], ["inspect"],
+              ["inspect", "maps"],
               ["inspect", "text"], ["segment"], ["eval"], ["eval", "zeroshot"], ["eval", "linear-probe"],
               ["eval", "retrieval"]]
 
@@ -131,3 +134,95 @@ def test_crate_towers_are_registered_in_either_import_order(order):
                   "print('crate_alpha_tiny_patch16_224' in timm.list_models('crate*'),"
                   " 'CRATE-alpha-CLIPA-tiny' in open_clip.list_models())")
     assert out.split() == ["True", "True"]
+
+
+# ---------------------------------------------------------------- one CLI convention (issue 42 item 7)
+OLD_NAMES = {"--workers": "--num-workers", "--limit": "--max-images", "--train-images": "--max-train-images",
+             "--test-images": "--max-test-images"}
+
+
+def _parser(name):
+    import importlib
+
+    module, builder = PARSERS[name]
+    return getattr(importlib.import_module(module), builder)()
+
+
+def _visible_options(name):
+    return {(path, o) for path, p in _all_parsers(_parser(name), name) for a in p._actions
+            if a.help != argparse.SUPPRESS for o in a.option_strings}
+
+
+def test_one_name_for_one_thing_across_commands():
+    shown = set().union(*(_visible_options(name) for name in PARSERS))
+    assert not {o for _, o in shown} & set(OLD_NAMES)   # the old names are accepted, never offered
+    assert {path for path, o in shown if o == "--num-workers"} == {"eval zeroshot", "eval retrieval",
+                                                                   "eval linear-probe", "shards inspect"}
+    assert {path for path, o in shown if o == "--max-images"} >= {"eval zeroshot", "shards fashion-mnist",
+                                                                  "shards emoji", "shards eval-shards"}
+
+
+@pytest.mark.parametrize("name, old, new", [
+    ("eval", ["zeroshot", "--model", "m", "--data", "d", "--workers", "3"],
+     ["zeroshot", "--model", "m", "--data", "d", "--num-workers", "3"]),
+    ("shards", ["emoji", "--out", "o", "--limit", "5"], ["emoji", "--out", "o", "--max-images", "5"]),
+    ("demo", ["--train-images", "64", "--test-images", "10"], ["--max-train-images", "64", "--max-test-images", "10"]),
+], ids=["eval", "shards", "demo"])
+def test_old_names_still_work_with_one_deprecation_line(name, old, new, capsys):
+    assert _parser(name).parse_args(old) == _parser(name).parse_args(new)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == len([a for a in old if a in OLD_NAMES]) and all("is deprecated; use --" in x for x in lines)
+
+
+def test_the_old_task_name_warns(capsys):
+    assert _help_exit(["eval", "linear_probe", "--help"]) == 0
+    assert "crate-clip eval: linear_probe is deprecated; use linear-probe" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["trian"], "unknown command 'trian' (did you mean 'train'?)"),
+    (["eval", "zeroshot", "--model", "m", "--data", "d", "--num-workerz", "1"],
+     "unrecognized arguments: --num-workerz (did you mean '--num-workers'?) 1"),
+    (["eval", "linear-prob"], "(did you mean 'linear-probe'?)"),
+    (["shards", "fashion_mnist"], "(did you mean 'fashion-mnist'?)"),
+    (["plan", "c.yaml", "--gpus", "1", "--gpu-memroy", "80GiB"], "(did you mean '--gpu-memory'?)"),
+    (["export", "run", "--repo-ulr", "x"], "(did you mean '--repo-url'?)"),
+    (["inspect", "mapz"], "unknown command 'mapz' (did you mean 'maps'?)"),
+])
+def test_a_mistyped_command_or_option_gets_a_did_you_mean(argv, says, capsys):
+    assert _help_exit(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_json_wherever_a_command_has_a_result():
+    with_json = {path for name in PARSERS for path, o in _visible_options(name) if o == "--json"}
+    assert {"eval zeroshot", "eval retrieval", "eval linear-probe", "export", "convert official", "plan", "models",
+            "shards fashion-mnist", "shards inspect", "shards scenes"} <= with_json
+
+
+def test_models_lists_each_registered_config_with_its_parameters_and_flops(capsys):
+    import json
+
+    import open_clip
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import crate_clip  # noqa: F401
+    from crate_clip.models.clip_factory import create_clip
+    from crate_clip.models_cli import registered_models
+
+    assert main(["models", "--json", "--filter", "clipa-tiny-w64"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["name"] in open_clip.list_models() and row["name"] in registered_models()
+    model = create_clip(row["name"]).eval()   # a real build, counted here without the planner's cut towers
+    assert row["params"] == sum(p.numel() for p in model.parameters())
+    assert row["image_params"] == sum(p.numel() for p in model.visual.parameters())
+    # attention as its matmuls, as the planner counts it (the counter has no formula for the fused CPU kernel)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(torch.zeros(1, 3, row["image_size"], row["image_size"]),
+              torch.ones(1, row["context_length"], dtype=torch.long))
+    # the planner's forward also holds the contrastive logits of its 2-sample batch: a few hundred FLOPs more
+    assert row["forward_gflops"] * 1e9 == pytest.approx(counter.get_total_flops(), rel=1e-4)
+    assert 2.5 < row["train_gflops"] / row["forward_gflops"] < 3.5   # backward ~ twice the forward
+    assert main(["models", "--filter", "no-such-model"]) == 2

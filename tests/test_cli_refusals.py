@@ -157,7 +157,7 @@ def test_a_parametric_tower_name_beyond_the_registered_families_allocates_nothin
 # ---------------------------------------------------------------- numbers out of range
 @pytest.mark.parametrize("argv, says", [
     (["demo", "--nproc", "0"], "argument --nproc: 0: must be at least 1"),
-    (["demo", "--train-images", "-1"], "argument --train-images: -1: must be at least 1"),
+    (["demo", "--max-train-images", "-1"], "argument --max-train-images: -1: must be at least 1"),
     (["demo", "--probe-train-images", "-3"], "argument --probe-train-images: -3: must be at least 0"),
     (["segment", "--model", CRATE_TINY, "--images", "x.png", "--out", "o", "--batch-size", "0"],
      "argument --batch-size: 0: must be at least 1"),
@@ -165,8 +165,8 @@ def test_a_parametric_tower_name_beyond_the_registered_families_allocates_nothin
      "argument --tau: -1: must be at least 0 (a cosine-similarity threshold)"),
     (["segment", "--model", CRATE_TINY, "--images", "x.png", "--out", "o", "--masks", "0"],
      "argument --masks: 0: must be at least 1"),
-    (["eval", "zeroshot", "--model", CRATE_TINY, "--data", "d", "--workers", "-1"],
-     "argument --workers: -1: must be at least 0"),
+    (["eval", "zeroshot", "--model", CRATE_TINY, "--data", "d", "--num-workers", "-1"],
+     "argument --num-workers: -1: must be at least 0"),
     (["eval", "zeroshot", "--model", CRATE_TINY, "--data", "d", "--batch-size", "0"],
      "argument --batch-size: 0: must be at least 1"),
     (["shards", "inspect", "s", "--num-workers", "-1"], "argument --num-workers: -1: must be at least 0"),
@@ -236,7 +236,7 @@ def test_a_read_only_file_system_is_one_line_for_train_export_and_shards(tmp_pat
     config = write_config(tiny_config(ro / "run", tiny_fmnist, evals=False), tmp_path / "run.yaml")
     commands = [("train", ["train", "--config", str(config)]),
                 ("export", ["export", str(ro / "run"), "--out", str(ro / "export")]),
-                ("shards", ["shards", "fashion-mnist", "--out", str(ro / "shards"), "--limit", "10"])]
+                ("shards", ["shards", "fashion-mnist", "--out", str(ro / "shards"), "--max-images", "10"])]
     env = dict(run_env(), RO=str(ro), LOGS=str(logs), TESTS=str(REPO_ROOT / "tests"), DRIVER=DRIVER,
                COMMANDS=json.dumps(commands))
     script = READ_ONLY.format(python=sys.executable)

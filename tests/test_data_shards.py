@@ -121,7 +121,7 @@ def test_fashion_mnist_shards_and_eval_sets(tmp_path, fashion_mnist_dir):
 def test_cli_writes_emoji_and_fashion_shards(tmp_path, capsys):
     if not Path("/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf").is_file():
         pytest.skip("fonts-noto-color-emoji is not installed")
-    assert shards_main(["emoji", "--out", str(tmp_path / "emoji"), "--limit", "30", "--no-progress"]) == 0
+    assert shards_main(["emoji", "--out", str(tmp_path / "emoji"), "--max-images", "30", "--no-progress"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["samples"] == 30 and summary["num_shards"] == 1
     raw, _ = read_all(str(tmp_path / "emoji"))

@@ -16,7 +16,7 @@ from crate_clip.eval.eval_datasets import imagenet_wnids
 def _zeroshot(vit_file, data, *extra) -> list[str]:
     name, weights = vit_file
     return ["eval", "zeroshot", "--model", name, "--pretrained", str(weights), "--data", str(data),
-            "--workers", "0", "--no-progress", "--cache-dir", "", *extra]
+            "--num-workers", "0", "--no-progress", "--cache-dir", "", *extra]
 
 
 def _refusal(capsys) -> str:
@@ -47,7 +47,7 @@ def test_wds_layout_uses_its_classnames_and_refuses_imagenet1k(vit_file, fashion
     from crate_clip.data.cli import main as shards_main
 
     out = tmp_path / "fmnist_wds"
-    assert shards_main(["eval-shards", "--out", str(out), "--limit", "60", "--source-dir",
+    assert shards_main(["eval-shards", "--out", str(out), "--max-images", "60", "--source-dir",
                         str(fashion_mnist_dir)]) == 0
     results = []
     for extra in ([], ["--dataset", "fashion_mnist"]):

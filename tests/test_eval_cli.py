@@ -14,7 +14,7 @@ from eval_fixtures import CRATE_TINY, PER_CLASS, shared_crate_tiny
 def test_cli_zeroshot_writes_json_and_uses_the_cache(sets, vit_file, tmp_path, capsys):
     name, weights = vit_file
     args = ["eval", "zeroshot", "--model", name, "--pretrained", str(weights), "--data", str(sets["folder"]),
-            "--dataset", "fashion_mnist", "--batch-size", "64", "--workers", "0", "--no-progress",
+            "--dataset", "fashion_mnist", "--batch-size", "64", "--num-workers", "0", "--no-progress",
             "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "zs.json")]
     assert crate_clip_main(args + ["--per-class"]) == 0
     first = json.loads((tmp_path / "zs.json").read_text())
@@ -33,10 +33,10 @@ def test_cli_reads_the_clip_benchmark_wds_layout_of_eval_shards(vit_file, fashio
 
     name, weights = vit_file
     out = tmp_path / "fmnist_wds"
-    assert shards_main(["eval-shards", "--out", str(out), "--limit", "60", "--samples-per-shard", "25",
+    assert shards_main(["eval-shards", "--out", str(out), "--max-images", "60", "--samples-per-shard", "25",
                         "--source-dir", str(fashion_mnist_dir)]) == 0
     base = ["eval", "zeroshot", "--model", name, "--pretrained", str(weights), "--dataset", "fmnist_wds",
-            "--workers", "0", "--no-progress", "--cache-dir", ""]
+            "--num-workers", "0", "--no-progress", "--cache-dir", ""]
     results = []
     for data, templates in ((out, []), (out / "test", []), (out, ["--templates", "fashion_mnist"])):
         assert crate_clip_main(base + ["--data", str(data), "--output", str(tmp_path / "r.json")] + templates) == 0
@@ -57,7 +57,7 @@ def test_cli_imagenet_on_a_10_class_folder_exits_with_the_reason(sets, vit_file,
 def test_cli_retrieval(sets, vit_file, tmp_path):
     name, weights = vit_file
     assert crate_clip_main(["eval", "retrieval", "--model", name, "--pretrained", str(weights),
-                            "--data", str(sets["captions"]), "--workers", "0", "--no-progress",
+                            "--data", str(sets["captions"]), "--num-workers", "0", "--no-progress",
                             "--output", str(tmp_path / "rt.json")]) == 0
     result = json.loads((tmp_path / "rt.json").read_text())
     assert result["n_pairs"] == 10 * PER_CLASS and 0 <= result["image_to_text_R@1"] <= result["image_to_text_R@10"]

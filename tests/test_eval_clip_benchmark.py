@@ -37,11 +37,11 @@ def test_clip_benchmark_gives_crate_clip_evals_numbers(vit, fashion_mnist_dir, t
     model, name = vit
     export = export_open_clip(model.state_dict(), name, tmp_path / "export", image_size=28, context_length=16)
     data = tmp_path / "fmnist_wds"
-    assert shards_main(["eval-shards", "--out", str(data), "--limit", "200", "--source-dir",
+    assert shards_main(["eval-shards", "--out", str(data), "--max-images", "200", "--source-dir",
                         str(fashion_mnist_dir)]) == 0
     ours = tmp_path / "crate_clip.json"
     assert crate_clip_main(["eval", "zeroshot", "--model", f"local-dir:{export}", "--data", str(data),
-                            "--workers", "0", "--no-progress", "--cache-dir", "", "--output", str(ours)]) == 0
+                            "--num-workers", "0", "--no-progress", "--cache-dir", "", "--output", str(ours)]) == 0
     words = documented_command()
     assert words[0].endswith("/python") and "--output" in words
     paths = {"local-dir:runs/fashion_mnist_demo/export": f"local-dir:{export}", "data/fmnist_wds": str(data),

@@ -81,7 +81,7 @@ def test_cli_resize_patch_evaluates_a_21px_model_at_27px_with_its_grid(sets, tmp
     weights = tmp_path / "m21.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights)
     base = ["eval", "zeroshot", "--model", CRATE_TINY, "--pretrained", str(weights), "--data", str(sets["folder"]),
-            "--dataset", "fashion_mnist", "--workers", "0", "--no-progress", "--cache-dir", "", "--image-size"]
+            "--dataset", "fashion_mnist", "--num-workers", "0", "--no-progress", "--cache-dir", "", "--image-size"]
     out = {}
     for mode, size in (("grid", "28"), ("patch", "27")):   # the sizes each way tiles: 4x4 of 7 px, 3x3 of 9 px
         assert crate_clip_main(base + [size, "--resize", mode, "--output", str(tmp_path / f"{mode}.json")]) == 0

@@ -29,7 +29,7 @@ def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd
 
     run = tmp_path / "run"
     argv = ["--data-dir", str(tmp_path / "data"), "--run-dir", str(run), "--nproc", "2",
-            "--train-images", "192", "--test-images", "40", "--probe-train-images", "60"]
+            "--max-train-images", "192", "--max-test-images", "40", "--probe-train-images", "60"]
     assert main(argv + [arg for o in TINY_RUN for arg in ("--set", o)]) == 0
     results = read_jsonl(run / RESULTS_FILE)
     # stage 0 at 21 px / patch 7, then evaluated at the fine-tune's input, 27 px, by patch resize (p9, 3x3; grid
@@ -57,7 +57,7 @@ def test_a_failed_demo_says_so_and_prints_no_results(fashion_mnist_dir, tmp_path
     run = tmp_path / "run"
     missing = tmp_path / "missing.pt"   # a file only the trainer reads: the demo's own config check passes
     argv = ["--data-dir", str(tmp_path / "data"), "--run-dir", str(run), "--nproc", "1",
-            "--train-images", "64", "--test-images", "10", "--set", f"model.pretrained={missing}"]
+            "--max-train-images", "64", "--max-test-images", "10", "--set", f"model.pretrained={missing}"]
     rc = main(argv)   # the worker's own exit code (2: the run config), not torchrun's 1
     out, err = capfd.readouterr()
     assert rc == 2 and "model.pretrained: file" in err and f"training stopped with exit code {rc}" in err

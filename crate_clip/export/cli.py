@@ -5,15 +5,17 @@ training further. The trainer's final export is this command on the run's last c
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING
+from crate_clip.core.cli_conventions import CommandParser, add_json_flag
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `crate-clip export` argument parser."""
-    p = argparse.ArgumentParser(prog="crate-clip export", description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p = CommandParser(prog="crate-clip export", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("checkpoint", type=Path,
                    help="a run folder, its checkpoints/ folder (the checkpoint `latest` names), or one checkpoint "
                         "folder such as runs/x/checkpoints/stage0-step00001000")
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder holding the run's vocab.txt, when the one the run recorded has moved")
     p.add_argument("--no-verify", action="store_true", help="skip reloading the export through open_clip")
     p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
+    add_json_flag(p, "what was written (folder, checkpoint, stage, step, image size)")
     return p
 
 
@@ -61,9 +64,14 @@ def main(argv=None) -> int:
                           repo_url=args.repo_url)
     except (*USER_ERRORS, TokenizerUnavailableError, FileExistsError) as err:   # one line naming the fix
         return report_error("crate-clip export", err)
-    print(f"wrote {out} from {source.tag_dir} (stage {source.info.get('stage_index')}, step "
-          f"{source.info.get('step')}, {source.image_size} px); load it with open_clip.create_model_and_transforms("
-          f"'local-dir:{out}') after `import crate_clip`")
+    if args.json:
+        print(json.dumps({"out": str(out), "checkpoint": str(source.tag_dir), "stage": source.info.get("stage_index"),
+                          "step": source.info.get("step"), "image_size": source.image_size,
+                          "load": f"local-dir:{out}"}, indent=1))
+    else:
+        print(f"wrote {out} from {source.tag_dir} (stage {source.info.get('stage_index')}, step "
+              f"{source.info.get('step')}, {source.image_size} px); load it with open_clip.create_model_and_transforms("
+              f"'local-dir:{out}') after `import crate_clip`")
     return 0 if args.no_verify else verify_export(out, state, "crate-clip export")
 
 

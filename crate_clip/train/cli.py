@@ -11,6 +11,7 @@ import sys
 import warnings
 
 from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP
+from crate_clip.core.cli_conventions import CommandParser
 from crate_clip.core.cli_numbers import POSITIVE_INT
 
 
@@ -19,9 +20,9 @@ PROG = "crate-clip train"
 
 def build_parser() -> argparse.ArgumentParser:
     """The `crate-clip train` argument parser."""
-    p = argparse.ArgumentParser(prog=PROG, description="Train a CRATE-alpha CLIP from a run config.",
-                                epilog="Every run-config key, its type, default and meaning: docs/config.md; how a "
-                                       "run uses them: docs/training.md.")
+    p = CommandParser(prog=PROG, description="Train a CRATE-alpha CLIP from a run config.",
+                      epilog="Every run-config key, its type, default and meaning: docs/config.md; how a "
+                             "run uses them: docs/training.md.")
     p.add_argument("config", nargs="?", default=None, metavar="CONFIG",
                    help="run config YAML (see configs/ and docs/config.md), as `crate-clip plan CONFIG` takes it")
     p.add_argument("--config", dest="config_option", default=None, metavar="CONFIG",

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from crate_clip.core.cli_conventions import CommandParser, accept_old_name
 from crate_clip.core.cli_numbers import NON_NEGATIVE_INT, POSITIVE_INT
 from crate_clip.core.errors import EXIT_USAGE
 from crate_clip.checkpoint_io.run_layout import PLOT_FILE, checkpoints_dir, export_dir
@@ -27,7 +28,7 @@ STUDY_RESULTS = REPO_ROOT / "docs" / "inverse_scaling.json"   # written by bench
 
 def build_parser() -> argparse.ArgumentParser:
     """The demo's arguments (all optional)."""
-    p = argparse.ArgumentParser(prog="crate-clip demo", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="crate-clip demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(DEMO_CONFIG), help="run config (default: configs/demo/fashion_mnist.yaml)")
     p.add_argument("--data-dir", help="write the shards to DIR/train and the eval set to DIR/test (default: the "
                                       "config's data.sources[0] and eval.evals[0].data)")
@@ -41,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "deliberately (e.g. stages.1.lr; repeatable)")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="passed to the trainer: resume a demo run of an earlier version (docs/safety.md)")
-    p.add_argument("--train-images", type=POSITIVE_INT, help="write only the first N training images (a smoke run)")
-    p.add_argument("--test-images", type=POSITIVE_INT, help="write only the first N test images (a smoke run)")
+    p.add_argument("--max-train-images", type=POSITIVE_INT, help="write only the first N training images (a smoke run)")
+    p.add_argument("--max-test-images", type=POSITIVE_INT, help="write only the first N test images (a smoke run)")
+    accept_old_name(p, "--train-images", "--max-train-images")   # one name across commands: --max-images
+    accept_old_name(p, "--test-images", "--max-test-images")
     p.add_argument("--probe-train-images", type=NON_NEGATIVE_INT, default=10_000,
                    help="training images of the final linear probe (the first N of the train split; 0 skips it)")
     return p
@@ -323,7 +326,7 @@ def main(argv=None) -> int:
         train_dir, test_dir, run_dir = demo_paths(args.config, args.data_dir, args.run_dir, args.overrides)
         _check_before_launch(args.config, [*_path_overrides(train_dir, test_dir, run_dir), *args.overrides],
                              args.nproc, overwrite=not (args.resume and run_dir.exists()))
-        prepare_data(train_dir, test_dir, args.train_images, args.test_images)
+        prepare_data(train_dir, test_dir, args.max_train_images, args.max_test_images)
     except (FileNotFoundError, ValueError) as exc:   # no data set, a config without the demo's paths
         print(f"[demo] {exc}", file=sys.stderr)
         return EXIT_USAGE

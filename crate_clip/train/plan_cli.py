@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from crate_clip.core.cli_conventions import CommandParser
 from crate_clip.core.errors import ConfigError, report_error
 from crate_clip.train.plan_inputs import DEFAULT_MFU, GPU_TABLE, parse_bytes
 
@@ -47,9 +48,9 @@ def _gpu_memory(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `crate-clip plan` argument parser."""
-    p = argparse.ArgumentParser(prog=PROG,
-                                description="Per stage: parameters, counted FLOPs, per-rank memory, the largest "
-                                            "micro-batch that fits, accumulation steps, wall time and GPU-hours.")
+    p = CommandParser(prog=PROG,
+                      description="Per stage: parameters, counted FLOPs, per-rank memory, the largest "
+                                  "micro-batch that fits, accumulation steps, wall time and GPU-hours.")
     p.add_argument("config", nargs="?", default=None,
                    help="run config YAML (with --resume: default the checkpoint's own run config)")
     p.add_argument("--resume", default=None, metavar="RUN_DIR|CHECKPOINT",

@@ -9,7 +9,7 @@ best), then the classifier is retrained on train+val and scored on the test spli
 per-class recall. Few-shot (`fewshot_k`): k training images per class drawn with each of several seeds
 (the validation split is held out first and used only to choose the weight decay); mean and spread.
 
-The task `linear_probe` (`crate-clip eval linear_probe`, `type: linear_probe`): its settings, run and summary
+The task `linear_probe` (`crate-clip eval linear-probe`, `type: linear_probe`): its settings, run and summary
 are here.
 """
 from __future__ import annotations
