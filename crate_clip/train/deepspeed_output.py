@@ -1,6 +1,7 @@
 """DeepSpeed's start-up and checkpoint chatter goes to the run's log file, logs/deepspeed-rank<R>.log, not the
-console: its logger's records below ERROR ("Setting accelerator to CPU", engine settings) and what its checkpoint
-tools print on every rank ("Processing zero checkpoint ...", "Loading checkpoint shards" bars).
+console: its logger's records below ERROR ("Setting accelerator to CPU", engine settings), what its checkpoint
+tools print on every rank ("Processing zero checkpoint ...", "Loading checkpoint shards" bars) and, on ranks other
+than 0, Python's warnings (rank 0 says them once for the job).
 
 The logger is diverted by a filter on DeepSpeed's logger ("DeepSpeed"), which holds whatever DeepSpeed adds to it
 later (its own handler is created at its import, which may come before or after this); records logged before the
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import warnings
 from pathlib import Path
 from typing import Iterator, Optional, TextIO
 
@@ -71,10 +73,24 @@ def log_to(path: Path) -> None:
 
 
 def close_log() -> None:
-    """Close the file (records are held again until the next log_to)."""
+    """Close the file (records are held again until the next log_to) and give Python's warnings back."""
+    if _SHOWWARNING:
+        warnings.showwarning = _SHOWWARNING.pop()
     if _DIVERT.file is not None:
         _DIVERT.file.close()
         _DIVERT.file = None
+
+
+_SHOWWARNING: list = []
+
+
+def warnings_to_log() -> None:
+    """Python's warnings of this process (a rank other than 0: the same deprecation notices of the collectives
+    DeepSpeed calls, once per rank) go to its log file, not the console, until close_log."""
+    if not _SHOWWARNING:
+        _SHOWWARNING.append(warnings.showwarning)
+    warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: _DIVERT.write(
+        warnings.formatwarning(message, category, filename, lineno, line))
 
 
 @contextlib.contextmanager

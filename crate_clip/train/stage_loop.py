@@ -44,7 +44,7 @@ from crate_clip.train.run_config import RunConfig, check_runtime
 from crate_clip.train.run_dir import check_run_dir, move_run_aside
 from crate_clip.train.run_lock import run_folder_lock
 from crate_clip.train.deepspeed_output import (close_log, deepspeed_log_path, deepspeed_prints,
-                                               divert_deepspeed_logs, log_to)
+                                               divert_deepspeed_logs, log_to, warnings_to_log)
 from crate_clip.train.stage_evals import (EvalBudget, agreed, agreed_missing_evals, evaluate_after_stage,
                                           evaluate_mid_stage, mid_stage_due)
 from crate_clip.train.stage_model import ResolvedStage, resolve_stage
@@ -109,6 +109,8 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
                          restarted=bool(earlier_run) and not overwrite and start.tag_dir is None)
     tdist.barrier()   # the run folder is in place (an earlier one moved aside) before any rank writes its log
     log_to(deepspeed_log_path(cfg.run_dir, dist.rank))
+    if not dist.is_main:   # only rank 0 prints
+        warnings_to_log()
     log = MetricsLog(cfg.run_dir, enabled=dist.is_main, progress=cfg.logging.progress,
                      tensorboard=cfg.logging.tensorboard, report_to=cfg.logging.report_to,
                      progress_every_s=cfg.logging.progress_every_s, config=cfg.to_dict(), run_name=cfg.run.name,
