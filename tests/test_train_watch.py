@@ -98,6 +98,22 @@ def test_report_to_wandb_without_wandb_installed_is_one_line(monkeypatch):
                                         "'crate-clip[wandb]' (or remove wandb from logging.report_to)"]
 
 
+def test_wandb_without_a_login_is_one_line_naming_the_fix(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from crate_clip.core.errors import EXIT_CONFIG, report_error
+    from crate_clip.train.trackers import WandbTracker
+
+    for key in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))   # no ~/.netrc, no wandb settings: a machine never logged in
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    with pytest.raises(Exception) as refused:
+        WandbTracker(tmp_path, {}, None, "test")
+    assert report_error("crate-clip train", refused.value) == EXIT_CONFIG
+    assert str(refused.value).startswith("logging.report_to: wandb could not start its run: No API key configured")
+    assert "WANDB_MODE=offline" in str(refused.value)
+
+
 # ---------------------------------------------------------------- one tiny run: every tracker, mid-stage evals
 WATCH_STAGES = [   # 4 steps at 16 px (a mid-stage evaluation at 32 samples), then 2 at 28 px
     {"name": "low", "image_size": 16, "context_length": 16, "samples": 64, "global_batch": 16, "lr": 2e-3,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from crate_clip.checkpoint_io.run_layout import TENSORBOARD_DIR
+from crate_clip.core.errors import ConfigError
 
 METRICS_CSV, RESULTS_CSV, WANDB_DIR, WANDB_ID_FILE = "metrics.csv", "results.csv", "wandb", "wandb_run_id.txt"
 # metrics.csv columns: the step's place and its numbers (throughput figures follow, from the ThroughputRecord)
@@ -70,9 +71,13 @@ class WandbTracker(Tracker):
         id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id + "\n")
-        self._run = wandb.init(project=project or "crate-clip", name=name, id=run_id, resume="allow",
-                               dir=str(run_dir), config=config,
-                               settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+        try:
+            self._run = wandb.init(project=project or "crate-clip", name=name, id=run_id, resume="allow",
+                                   dir=str(run_dir), config=config,
+                                   settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+        except wandb.errors.Error as exc:   # no API key, no network: one line, before the first step
+            raise ConfigError(f"logging.report_to: wandb could not start its run: {exc} (fix: `wandb login`, or "
+                              "WANDB_MODE=offline to write it under the run folder and `wandb sync` it later)") from None
         self._run.define_metric("*", step_metric="samples_seen")   # x of every chart: samples, as in TensorBoard
 
     def scalars(self, values: dict, x: int) -> None:
