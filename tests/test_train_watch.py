@@ -98,20 +98,25 @@ def test_report_to_wandb_without_wandb_installed_is_one_line(monkeypatch):
                                         "'crate-clip[wandb]' (or remove wandb from logging.report_to)"]
 
 
-def test_wandb_without_a_login_is_one_line_naming_the_fix(tmp_path, monkeypatch):
+@pytest.mark.multiproc
+def test_wandb_without_a_login_stops_every_rank_with_one_line(tiny_fmnist, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from crate_clip.core.errors import EXIT_CONFIG, report_error
-    from crate_clip.train.trackers import WandbTracker
-
     for key in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))   # no ~/.netrc, no wandb settings: a machine never logged in
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
-    with pytest.raises(Exception) as refused:
-        WandbTracker(tmp_path, {}, None, "test")
-    assert report_error("crate-clip train", refused.value) == EXIT_CONFIG
-    assert str(refused.value).startswith("logging.report_to: wandb could not start its run: No API key configured")
-    assert "WANDB_MODE=offline" in str(refused.value)
+    monkeypatch.setenv("FORK_RANKS_OUTPUT_DIR", str(tmp_path))
+    cfg = tiny_config(tmp_path / "run", tiny_fmnist, precision="fp32", stages=WATCH_STAGES[:1],
+                      logging={"report_to": ["wandb"]})
+    proc = run_job(ranks_cmd(2, "--config", str(write_config(cfg, tmp_path / "run.yaml")),
+                             module="crate_clip.train.cli"), timeout=200)
+    assert proc.returncode == 2
+    assert (tmp_path / "rank0.err").read_text().splitlines() == [
+        "crate-clip train: logging.report_to: wandb could not start its run: No API key configured. Use `wandb login` "
+        "to log in. (fix: `wandb login`, or WANDB_MODE=offline to write it under the run folder and `wandb sync` it "
+        "later)"]
+    assert all((tmp_path / f"rank{r}.{k}").read_text() == "" for r, k in ((0, "out"), (1, "out"), (1, "err")))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()   # before the first step
 
 
 # ---------------------------------------------------------------- one tiny run: every tracker, mid-stage evals

@@ -50,6 +50,7 @@ from crate_clip.train.stage_evals import (EvalBudget, agreed, agreed_missing_eva
 from crate_clip.train.stage_model import ResolvedStage, resolve_stage
 from crate_clip.train.stop_requests import StopRequested, agreed_stop, request_stop, stops_with_checkpoint
 from crate_clip.train.throughput import StepMeter
+from crate_clip.train.trackers import TrackerError
 from crate_clip.train.train_step import train_step
 from crate_clip.train.whitebox_log import WhiteboxProbe
 from crate_clip.data.train_stream import build_train_stream
@@ -111,10 +112,7 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
     log_to(deepspeed_log_path(cfg.run_dir, dist.rank))
     if not dist.is_main:   # only rank 0 prints
         warnings_to_log()
-    log = MetricsLog(cfg.run_dir, enabled=dist.is_main, progress=cfg.logging.progress,
-                     tensorboard=cfg.logging.tensorboard, report_to=cfg.logging.report_to,
-                     progress_every_s=cfg.logging.progress_every_s, config=cfg.to_dict(), run_name=cfg.run.name,
-                     wandb_project=cfg.logging.wandb_project)
+    log = _open_log(cfg, dist)
     run = RunContext(cfg, dist, ckpts, log, stream_factory, changes)
     if start.tag_dir is None:   # --resume auto restarting a run cut short before its first checkpoint
         _record_config_changes(run, start)
@@ -146,6 +144,27 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
         close_log()
         if dist.is_main and cfg.logging.plot:
             _plot(cfg, log)
+
+
+def _open_log(cfg: RunConfig, dist: DistInfo) -> MetricsLog:
+    """The run's log; its trackers start on rank 0, and one that cannot (wandb without a login) stops every rank
+    with rank 0's one line before the first step."""
+    log, error = None, None
+    try:
+        log = MetricsLog(cfg.run_dir, enabled=dist.is_main, progress=cfg.logging.progress,
+                         tensorboard=cfg.logging.tensorboard, report_to=cfg.logging.report_to,
+                         progress_every_s=cfg.logging.progress_every_s, config=cfg.to_dict(), run_name=cfg.run.name,
+                         wandb_project=cfg.logging.wandb_project)
+    except TrackerError as exc:
+        error = str(exc)
+    box = [error]
+    if dist.world_size > 1:
+        tdist.broadcast_object_list(box, src=0)
+    if box[0]:
+        if log is not None:
+            log.close()
+        raise TrackerError(box[0])
+    return log
 
 
 def _intact(ckpts: CheckpointManager, resume: Optional[str]) -> Optional[str]:

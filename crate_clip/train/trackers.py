@@ -27,6 +27,12 @@ RESULT_COLUMNS = ("stage_index", "stage_name", "at", "eval", "image_size", "stag
                   "n_images", "skipped")
 
 
+class TrackerError(ConfigError):
+    """A tracker that cannot start (wandb without a login or network); rank 0 starts the trackers and says it, every
+    rank stops (stage_loop._open_log)."""
+    once_per_job = True
+
+
 class Tracker:
     """What every tracker takes (each ignores what it cannot show)."""
 
@@ -76,7 +82,7 @@ class WandbTracker(Tracker):
                                    dir=str(run_dir), config=config,
                                    settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
         except wandb.errors.Error as exc:   # no API key, no network: one line, before the first step
-            raise ConfigError(f"logging.report_to: wandb could not start its run: {exc} (fix: `wandb login`, or "
+            raise TrackerError(f"logging.report_to: wandb could not start its run: {exc} (fix: `wandb login`, or "
                               "WANDB_MODE=offline to write it under the run folder and `wandb sync` it later)") from None
         self._run.define_metric("*", step_metric="samples_seen")   # x of every chart: samples, as in TensorBoard
 
