@@ -93,9 +93,10 @@ def _plan_flops() -> str:
 
 
 def _shuffle_memory() -> str:
-    """'8 x 250,000 x 36 KB = 67.06 GiB' from the plan's shuffle-buffer line (the same in both stages)."""
+    """'64 x 3,906 x 36 KB = 8.38 GiB' (a node) from the plan's shuffle-buffer line (the same in both stages)."""
     line = next(line for line in plan_output(False).splitlines() if "shuffle buffers" in line)
-    streams, samples, size = re.search(r"(\d+) stream\(s\) per rank x ([\d,]+) samples = ([\d.]+ \w+)", line).groups()
+    streams, samples, size = re.search(r"(\d+) stream\(s\) a node \(\d+ a rank\) x ([\d,]+) samples = ([\d.]+ \w+)",
+                                       line).groups()
     kb = re.search(r"\((\d+) KB per raw", line).group(1)
     return f"{streams} x {samples} x {kb} KB = {size}"
 

@@ -68,6 +68,58 @@ def default_stream_count(world_size: int, num_workers: int, rank_batch: int, max
     return world_size
 
 
+DEFAULT_SHUFFLE_BUFFER = 1000   # raw samples per canonical stream when neither buffer key is set
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """Every setting of one rank's training stream that a run decides (count, buffer, workers), decided once by
+    stream_settings(): the stream reads it, and so does the planner."""
+
+    streams: int          # C canonical streams of the run
+    world_size: int
+    ranks_per_host: int   # processes sharing one host's memory (LOCAL_WORLD_SIZE)
+    workers: int          # DataLoader worker processes used per rank (at most its streams)
+    shuffle_buffer: int   # raw samples held per canonical stream
+    prefetch_factor: int  # rank batches each worker prepares ahead
+
+    @property
+    def per_rank(self) -> int:
+        """Canonical streams one rank reads."""
+        return self.streams // self.world_size
+
+    @property
+    def per_host(self) -> int:
+        """Canonical streams one host's ranks read, each with its shuffle buffer."""
+        return self.per_rank * self.ranks_per_host
+
+
+def stream_count(cfg, world_size: int, rank_batch: int, max_streams: Optional[int] = None) -> int:
+    """C: data.canonical_streams, else default_stream_count (what a first launch settles)."""
+    return cfg.canonical_streams or default_stream_count(world_size, cfg.num_workers, rank_batch, max_streams)
+
+
+def per_stream_buffer(cfg, streams: int, world_size: int, ranks_per_host: int) -> int:
+    """Raw samples each canonical stream holds: data.shuffle_buffer when set (a resume: the value the first launch
+    settled), else data.host_shuffle_buffer shared by the streams of one host, else DEFAULT_SHUFFLE_BUFFER."""
+    if cfg.shuffle_buffer is not None:
+        return cfg.shuffle_buffer
+    if cfg.host_shuffle_buffer is not None:
+        return cfg.host_shuffle_buffer // max(1, streams // world_size * min(ranks_per_host, world_size))
+    return DEFAULT_SHUFFLE_BUFFER
+
+
+def stream_settings(cfg, world_size: int, rank_batch: int, max_streams: Optional[int] = None,
+                    ranks_per_host: Optional[int] = None) -> StreamSettings:
+    """The stream settings of a launch of `world_size` processes, `ranks_per_host` a host (default: all), from the
+    run's `data` section (a StreamConfig); `rank_batch`: the rank's share of the global batch (of every stage: their
+    greatest common divisor); `max_streams`: epoch mode's shard count."""
+    hosts = min(ranks_per_host or world_size, world_size)
+    streams = stream_count(cfg, world_size, rank_batch, max_streams)
+    return StreamSettings(streams, world_size, hosts, min(cfg.num_workers, max(1, streams // world_size)),
+                          per_stream_buffer(cfg, streams, world_size, hosts), cfg.prefetch_factor)
+
+
 def resolve_layout(streams: int, global_batch: int, world_size: int, rank: int, num_workers: int,
                    origin: str = "") -> StreamLayout:
     """The layout of `rank`, or a LayoutError naming data.canonical_streams and the fix; `origin` says

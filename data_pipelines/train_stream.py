@@ -40,11 +40,13 @@ decoding them.
 Cost: every sample is read once and decoded only by the stream that yields it; reading beyond what is
 yielded: at most one group of `shards_per_group` shards per stream at a resume, and one shuffle buffer
 per stream at an epoch end. Per rank, C/W streams are open at once: (C/W) x shards_per_group open shards
-and (C/W) x shuffle_buffer raw samples in memory.
+and (C/W) x shuffle_buffer raw samples in memory (stream_layout.stream_settings: the one definition of
+the count, buffer and workers, which the planner reads too).
 """
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from pathlib import PurePath
 from typing import Literal, Optional, get_args
@@ -66,8 +68,7 @@ from .shard_census import ShardCensus, resolve_sizes
 from .shard_plan import ShardPlan
 from .shard_reader import (DEFAULT_MAX_CAPTION_BYTES, DEFAULT_MAX_MEMBER_BYTES, SKIP_REASONS, MemberCaps,
                            ShardListError, check_some_shard_exists, expand_source)
-from .stream_layout import (KEY, STATE_VERSION, StreamLayout, default_stream_count, resolve_layout,
-                            takes_rank_counters)
+from .stream_layout import KEY, STATE_VERSION, StreamLayout, resolve_layout, stream_settings, takes_rank_counters
 from .stream_slices import SliceSpec, StreamsDataset, fresh_position
 from .text_reduction import TEXT_MASKS, TextReducer, load_tokenizer
 
@@ -92,7 +93,14 @@ class StreamConfig(Section):
         "global batch and be a multiple of world size x num_workers of every launch (resume) of the run. Default: "
         "world size x num_workers of the first launch, recorded in the checkpoints (a resume on fewer GPUs or "
         "workers keeps the order; to resume on more, set it from the start)")
-    shuffle_buffer: Int = Field(1000, ge=0, description="samples held for shuffling per canonical stream (0 = none)")
+    shuffle_buffer: Optional[Int] = Field(
+        None, ge=0, description="raw samples held for shuffling per canonical stream (0 = none). Default: "
+        "host_shuffle_buffer shared by a host's streams, else 1000; settled at the first launch and recorded, so a "
+        "resume on any process count keeps the sample order")
+    host_shuffle_buffer: Optional[Int] = Field(
+        None, ge=1, description="raw samples one host holds for shuffling, over all its ranks' canonical streams: "
+        "each stream holds host_shuffle_buffer / (canonical streams per host) of the first launch (recorded as "
+        "shuffle_buffer). The memory a node needs: `crate-clip plan`")
     num_workers: Int = Field(2, ge=0, description="DataLoader worker processes per rank (0 = in the trainer)")
     num_samples: Optional[Int] = Field(None, ge=1, description="samples per epoch; default: from _stats.json")
     max_image_pixels: Int = Field(DEFAULT_MAX_IMAGE_PIXELS, ge=1, description="larger images are counted "
@@ -445,8 +453,9 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
     all_shards = [s for shards in shards_by_source for s in shards]
     check_some_shard_exists(cfg.sources, all_shards)
     epoch_mode = cfg.mode == "epoch"
-    streams = cfg.canonical_streams or default_stream_count(world_size, cfg.num_workers, batch_size,
-                                                             len(all_shards) if epoch_mode else None)
+    settings = stream_settings(cfg, world_size, batch_size, len(all_shards) if epoch_mode else None,
+                               int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    streams = settings.streams
     layout = resolve_layout(streams, batch_size * world_size, world_size, rank, cfg.num_workers)
     _check_epoch_shards(cfg.mode, len(all_shards), streams)
     if layout.workers < cfg.num_workers:
@@ -464,7 +473,7 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
     plan = ShardPlan(shards_by_source, list(cfg.weights or [1.0] * len(cfg.sources)), sizes, cfg.mode, cfg.seed,
                      epoch, streams, cfg.shards_per_group, overflow=epoch_mode and cfg.drop_last)
     spec = SliceSpec(image_size, tuple(cfg.crop_scale), tuple(cfg.crop_ratio), tuple(cfg.mean),
-                     tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, cfg.shuffle_buffer, cfg.drop_last,
+                     tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, settings.shuffle_buffer, cfg.drop_last,
                      decode, cfg.crop_interpolation, retry=cfg.retry_policy(),
                      caps=MemberCaps(cfg.max_member_bytes, cfg.max_caption_bytes), max_image_bytes=cfg.max_image_bytes)
     stream = TrainStream(cfg, plan, spec, layout, reducer, num_samples, context_length, text_mask, device)

@@ -16,7 +16,7 @@ PAPER = [
     ("optimizer.betas", [0.9, 0.95], f"{CLIPA_CFG}: config.optax = dict(mu_dtype='bfloat16', b1=0.9, b2=0.95)"),
     ("optimizer.eps", 1e-8, f"{CLIPA_CFG}: config.optax_name = 'scale_by_adam' without eps: optax's default 1e-8"),
     ("optimizer.grad_clip", 1.0, f"{CRATE_PAPER}: gradient clipping 1.0"),
-    ("data.shuffle_buffer", 250_000, f"{CLIPA_CFG}: config.input.shuffle_buffer_size = 250_000"),
+    ("data.host_shuffle_buffer", 250_000, f"{CLIPA_CFG}: config.input.shuffle_buffer_size = 250_000 (one a host)"),
     ("data.crop_scale", (0.4, 1.0), f"{CLIPA_CFG}: inception_crop(..., area_min=40, ...)"),
     ("data.crop_interpolation", "bilinear",
      f"{CLIPA_CFG}: inception_crop(..., method=\"bilinear\", antialias=True)"),

@@ -238,6 +238,7 @@ class CrateAlpha(nn.Module):
         self.num_prefix_tokens = 1
         self.dynamic_img_size = dynamic_img_size
         self.grad_checkpointing = False
+        self.checkpoint_blocks: Optional[int] = None   # with grad_checkpointing: the first N blocks only (None: all)
         self.token_mask, self.token_drop_ratio = token_mask, token_drop_ratio
         self.patch_size = patch_size
         self.img_size = to_2tuple(img_size)
@@ -413,8 +414,9 @@ class CrateAlpha(nn.Module):
         x, grid = self._embed(x)
         if not torch.jit.is_scripting() and self.training and self.token_mask != "none":   # training only
             x = apply_token_mask(x, self.token_mask, grid, self.token_drop_ratio)
-        for blk in self.blocks:
-            if not torch.jit.is_scripting() and self.grad_checkpointing and torch.is_grad_enabled():
+        recomputed = len(self.blocks) if self.checkpoint_blocks is None else self.checkpoint_blocks
+        for i, blk in enumerate(self.blocks):
+            if not torch.jit.is_scripting() and self.grad_checkpointing and i < recomputed and torch.is_grad_enabled():
                 x = checkpoint(blk, x, use_reentrant=False)
             else:
                 x = blk(x)

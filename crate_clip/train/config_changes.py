@@ -43,6 +43,7 @@ FREE_TO_CHANGE: dict[str, str] = {
     "data.remote_stall_timeout_s": "when a stalled remote transfer is retried",
     "data.remote_backoff_base_s": "the first wait between retries of a remote shard",
     "data.remote_backoff_max_s": "the longest wait between retries of a remote shard",
+    "stages.*.checkpoint_blocks": "recomputes the same activations in the backward (memory, not values)",
     "stages.*.micro_batch": "how a rank's batch is split into accumulation steps (exact contrastive gradients), "
                             "like the process count",
     "deepspeed.zero_stage": "how weights and optimizer states are partitioned (the elastic resume path)",
@@ -52,7 +53,7 @@ FREE_TO_CHANGE: dict[str, str] = {
 }
 # keys a first launch settles when the config leaves them unset, recorded in run_config.yaml: unset on a resume
 # means "the recorded value" (elastic_resume.settle_canonical_streams reads it back from the checkpoint)
-SETTLED_AT_FIRST_LAUNCH = ("data.canonical_streams",)
+SETTLED_AT_FIRST_LAUNCH = ("data.canonical_streams", "data.shuffle_buffer")
 
 
 class _Absent:

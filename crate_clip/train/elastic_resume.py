@@ -63,8 +63,8 @@ from crate_clip.core.shard_sources import expand_source
 from crate_clip.train.checkpoints import CheckpointManager, ResumeError, rank_state_path
 from crate_clip.train.run_config import RunConfig
 from crate_clip.train.run_dir import ExistingRunError
-from crate_clip.data.stream_layout import (KEY as STREAMS_KEY, STATE_VERSION, LayoutError, default_stream_count,
-                                          merge_stream_states, resolve_layout, split_stream_state)
+from crate_clip.data.stream_layout import (KEY as STREAMS_KEY, STATE_VERSION, LayoutError, merge_stream_states,
+                                          per_stream_buffer, resolve_layout, split_stream_state, stream_count)
 
 AUTO = "auto"
 STREAM_TABLE = "stream_table.json"
@@ -106,9 +106,24 @@ def saved_canonical_streams(tag_dir: Path, info: dict) -> Optional[int]:
 def first_launch_stream_count(cfg: RunConfig, world_size: int) -> int:
     """data.canonical_streams left unset at the first launch: world size x the most DataLoader workers whose count
     divides every stage's rank batch (epoch mode: at most one stream per shard)."""
-    rank_batch = math.gcd(*(s.global_batch // world_size for s in cfg.stages))
+    rank_batch = run_rank_batch(cfg, world_size)
     shards = sum(len(expand_source(src)) for src in cfg.data.sources) if cfg.data.mode == "epoch" else None
-    return default_stream_count(world_size, cfg.data.num_workers, rank_batch, shards)
+    return stream_count(cfg.data, world_size, rank_batch, shards)
+
+
+def run_rank_batch(cfg: RunConfig, world_size: int) -> int:
+    """The rank batch every stage's divides (their greatest common divisor): what the stream count must divide."""
+    return math.gcd(*(s.global_batch // world_size for s in cfg.stages))
+
+
+def settled_shuffle_buffer(cfg: RunConfig, streams: int, world_size: int, tag_dir: Optional[Path] = None) -> int:
+    """data.shuffle_buffer for this launch: the config's, else the one the checkpoint's run recorded (the sample
+    order depends on it), else the first launch's share of data.host_shuffle_buffer (LOCAL_WORLD_SIZE ranks a host)."""
+    if cfg.data.shuffle_buffer is None and tag_dir is not None:
+        saved = (((read_info(tag_dir) or {}).get("run_config") or {}).get("data") or {}).get("shuffle_buffer")
+        if saved is not None:
+            return int(saved)
+    return per_stream_buffer(cfg.data, streams, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
 
 def settle_canonical_streams(cfg: RunConfig, world_size: int, tag_dir: Optional[Path] = None,
@@ -130,6 +145,7 @@ def settle_canonical_streams(cfg: RunConfig, world_size: int, tag_dir: Optional[
             where = f"{tag_dir}: resuming with {world_size} processes: " if tag_dir is not None else ""
             error = ResumeError if tag_dir is not None else ConfigError
             raise error(f"{where}stages.{i}: {exc}") from None
+    cfg.data.shuffle_buffer = settled_shuffle_buffer(cfg, count, world_size, tag_dir)   # recorded with the count
     cfg.data.canonical_streams = count
     return count
 

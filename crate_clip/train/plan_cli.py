@@ -67,20 +67,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set stages.0.global_batch=4096 (repeatable), as train does")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--host-memory", type=_gpu_memory, default=None,
+                   help="host memory a node, e.g. 512GiB: a plan whose loaders (shuffle buffers, decode workers, "
+                        "batches in flight) need more is refused (exit 2)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=8,
+                   help="GPUs (ranks) a node, sharing its host memory (default 8, at most --gpus)")
+    p.add_argument("--tune", action="store_true",
+                   help="choose, stage by stage, the fastest settings that fit: the image-tower blocks recomputed, "
+                        "micro-batch and accumulation, ZeRO stage; print what they save")
+    p.add_argument("--write-config", default=None, metavar="OUT.yaml",
+                   help="with --tune: write the run config with the chosen settings to OUT.yaml")
     p.add_argument("--no-memory", action="store_true",
                    help="skip the activation trace (seconds per stage): FLOPs, time and "
                         "GPU-hours at the run config's micro-batch, not checked to fit")
     return p
 
 
-def plan_stages(config: str, overrides: list[str], gpus: int) -> list:
-    """The run's stages resolved for `gpus` ranks (what training resolves, without a device's micro_batch auto)."""
+def plan_stages(config: str, overrides: list[str], gpus: int, per_node: int = 8) -> list:
+    """The run's stages resolved for `gpus` ranks, `per_node` a node (what training resolves, without a device's
+    micro_batch auto)."""
     from crate_clip.train.run_config import check_runtime, load_run_config
     from crate_clip.train.stage_model import resolve_stage
 
     cfg = load_run_config(config, overrides, check_paths=False)
     check_runtime(cfg, gpus, "cuda")   # the batches must split over the GPUs, as training checks it
-    return [resolve_stage(cfg, i, gpus) for i in range(len(cfg.stages))]
+    return [resolve_stage(cfg, i, gpus, ranks_per_host=min(per_node, gpus)) for i in range(len(cfg.stages))]
+
+
+def write_tuned_config(config: str, overrides: list[str], plans: list, out: str, header: str) -> None:
+    """The run config (with its --set overrides) and the tune's choices, as YAML at `out`."""
+    import os
+    from pathlib import Path
+
+    import yaml
+
+    from crate_clip.core.safe_yaml import load_yaml_file
+    from crate_clip.train.run_config import apply_override
+
+    raw = load_yaml_file(config) or {}
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    for stage, plan in zip(raw.get("stages", []), plans):
+        stage.update(micro_batch=plan.micro_batch, checkpoint_blocks=plan.checkpoint_blocks)
+    model = raw.setdefault("model", {})
+    # the text tower is recomputed under model.grad_checkpointing: only where a stage recomputes the image tower
+    # and the text tower trains (a locked one saves nothing to recompute)
+    model["grad_checkpointing"] = not model.get("lock_text", False) and any(p.checkpoint_blocks for p in plans)
+    ds = raw.setdefault("deepspeed", {})
+    ds["zero_stage"] = plans[0].zero_stage
+    if ds.get("config") and not os.path.isabs(ds["config"]):   # relative to the run config: keep it pointing there
+        ds["config"] = os.path.relpath(Path(config).resolve().parent / ds["config"], Path(out).resolve().parent)
+    Path(out).write_text(header + yaml.safe_dump(raw, sort_keys=False))
 
 
 def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int) -> tuple[dict, list]:
@@ -124,7 +161,7 @@ def main(argv=None) -> int:
         args.config = args.config_option
     # the planner's modules (torch, open_clip, DeepSpeed: seconds of CPU) after parsing: --help stays instant
     from crate_clip.train.checkpoints import ResumeError
-    from crate_clip.train.planner import format_plan, plan_run, plans_as_dicts
+    from crate_clip.train.planner import format_plan, format_tune, plan_run, plans_as_dicts, tune_run, unfit_line
 
     gpu_key = (args.gpu or "").lower()
     try:
@@ -132,22 +169,42 @@ def main(argv=None) -> int:
             raise ConfigError(f"--gpu-memory: required unless --gpu names a known GPU ({', '.join(GPU_TABLE)})")
         if args.config is None and args.resume is None:
             raise ConfigError("give a run config, or --resume RUN_DIR for a run in progress")
+        if args.write_config and not (args.tune and args.config):
+            raise ConfigError("--write-config: give it with --tune and a run config")
+        if args.tune and args.no_memory:
+            raise ConfigError("--tune: fits need the activation trace; drop --no-memory")
         summary = None
         if args.resume is not None:
             summary, stages = plan_resume(args.resume, args.config, args.overrides, args.gpus)
         else:
-            stages = plan_stages(args.config, args.overrides, args.gpus)
+            stages = plan_stages(args.config, args.overrides, args.gpus, args.gpus_per_node)
     except (ConfigError, ResumeError) as exc:
         return report_error(PROG, exc)
     memory = args.gpu_memory or GPU_TABLE[gpu_key][1] * 2 ** 30
-    plans = plan_run(stages, memory, args.gpu, args.mfu, memory=not args.no_memory)
+    if args.tune:
+        plans, configured = tune_run(stages, memory, args.gpu, args.mfu)
+    else:
+        plans, configured = plan_run(stages, memory, args.gpu, args.mfu, memory=not args.no_memory), None
+    unfit = unfit_line(plans, memory, args.host_memory)
+    if unfit:   # one line, exit 2: the stage, the memory short, a setting that fits
+        return report_error(PROG, ConfigError(unfit))
+    if args.write_config:
+        write_tuned_config(args.config, args.overrides, plans, args.write_config,
+                           f"# {args.config} tuned by `crate-clip plan --tune --gpus {args.gpus}` for "
+                           f"{args.gpus} x {args.gpu or _fmt_memory(memory)} GPUs\n")
     if args.json:
         rows = plans_as_dicts(plans)
         print(json.dumps({"resume": summary, "stages": rows} if summary else rows, indent=1))
     else:
         print((format_resume(summary) + "\n" if summary else "")
-              + format_plan(plans, args.gpus, memory, args.gpu, args.mfu, stages[0].zero_stage, stages[0].precision))
+              + format_plan(plans, args.gpus, memory, args.gpu, args.mfu, plans[0].zero_stage, stages[0].precision)
+              + ("\n" + format_tune(plans, configured) if configured else "")
+              + (f"\nwrote {args.write_config}" if args.write_config else ""))
     return 0
+
+
+def _fmt_memory(n: int) -> str:
+    return f"{n / 2 ** 30:.0f} GiB"
 
 
 if __name__ == "__main__":

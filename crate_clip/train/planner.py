@@ -26,7 +26,7 @@ import contextlib
 import gc
 import math
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -40,6 +40,7 @@ from crate_clip.core.errors import ConfigError
 from crate_clip.train.plan_inputs import DEFAULT_MFU, GPU_TABLE, parse_bytes  # noqa: F401 (planner's API)
 
 MEMORY_RESERVE = 0.10       # allocator fragmentation, CUDA context, NCCL buffers
+ZERO_STAGES = (1, 2, 3)   # tried by the tune, lowest first: the least communication wins a tie
 # Training-stream images/s per loader core at the stage size, measured on DataComp-like JPEGs (max side 512):
 # decode: cpu = header + crop draw + PIL decode/resize + tokenize, BENCHMARKS.md `data` section
 # (bench/bench_data.py, 1 worker, "ours" column, 2026-11-29). decode: device = the worker's share alone
@@ -51,6 +52,10 @@ DEVICE_PATH_WORKER_RATE = {84: 1740.0, 224: 1160.0}
 # One raw DataComp-1B sample as a shuffle buffer holds it (JPEG at max side 512 + caption + json): ~50 TB of
 # shards over ~1.4B pairs (the img2dataset download, /work/shared/SPEC-clipa-training.md)
 RAW_SAMPLE_BYTES = 36_000
+# Host memory of one DataLoader worker process apart from its streams' shuffle buffers (the interpreter, torch,
+# PIL, the tokenizer; a forked worker shares the trainer's pages until it writes them): an assumption, checked
+# against a measured run by bench/bench_plan_memory.py
+WORKER_PROCESS_BYTES = 512 * 2 ** 20
 
 
 def loader_rate(table: dict, image_size: int) -> float:
@@ -407,6 +412,18 @@ class StagePlan:
     loader_streams: int = 1                  # canonical streams one rank reads, each with its shuffle buffer
     shuffle_buffer: int = 0                  # raw samples per stream
     shuffle_buffer_bytes: float = 0.0        # host memory per rank: streams x buffer x RAW_SAMPLE_BYTES
+    checkpoint_blocks: Optional[int] = None  # image-tower blocks recomputed (None: all or none, grad_checkpointing)
+    image_depth: int = 1
+    zero_stage: int = 1
+    ranks_per_host: int = 1
+    host_bytes: dict = field(default_factory=dict)   # host memory a node: shuffle buffers, workers, batches
+    peak_at_one: float = math.nan            # peak per rank at micro-batch 1, every block recomputed
+    state_by_zero: dict = field(default_factory=dict)   # ZeRO stage -> weights + grads + optimizer bytes a rank
+
+    @property
+    def host_bytes_total(self) -> float:
+        """Host memory one node needs for this stage's loaders."""
+        return float(sum(self.host_bytes.values()))
 
 
 def _divisors_desc(n: int) -> list[int]:
@@ -418,52 +435,108 @@ def logits_bytes(micro: int, global_batch: int) -> float:
     return 4 * 4.0 * micro * global_batch
 
 
-def plan_stage(stage, measure: StageMeasure, gpu_memory: int, peak_tflops: Optional[float], mfu: float) -> StagePlan:
-    """Fit the stage on its world size of GPUs with `gpu_memory` bytes each; time at `mfu` of `peak_tflops`."""
-    gpus, per_rank, ckpt_on = stage.world_size, stage.per_rank_batch, bool(stage.model.grad_checkpointing)
+def host_bytes_per_node(stage) -> dict:
+    """Host memory one node's loaders hold for `stage`: the shuffle buffers of the canonical streams its ranks read,
+    the DataLoader worker processes, and the batches in flight (prefetch_factor rank batches a rank, the one the
+    trainer holds and its pinned copy)."""
+    st = stage.stream
+    if st is None:
+        return {}
+    sample = (RAW_SAMPLE_BYTES if stage.decode == "device" else 4 * 3 * stage.image_size ** 2) + 8 * stage.context_length
+    return {"shuffle buffers": float(st.per_host * st.shuffle_buffer * RAW_SAMPLE_BYTES),
+            "decode workers": float(st.ranks_per_host * st.workers * WORKER_PROCESS_BYTES),
+            "batches": float(st.ranks_per_host * (st.prefetch_factor + 2) * stage.per_rank_batch * sample)}
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    """How a rank runs its batch: micro-batch, and the image-tower blocks recomputed (None: all/none per ckpt)."""
+    micro: int
+    ckpt: bool
+    blocks: Optional[int] = None
+
+
+def _step_options(stage, per_rank: int, tune: bool) -> list:
+    """The (micro-batch, checkpointing) choices, in the order the first that fits is taken: as configured (the
+    largest micro-batch, checkpointing only if it must); tuned: every split of the rank batch with every number of
+    image-tower blocks recomputed (a text tower that trains is recomputed all or none: its share is not traced
+    apart)."""
+    recomputed, depth = stage.image_blocks_recomputed
+    if not tune:
+        if stage.checkpoint_blocks is not None:
+            return [StepChoice(m, recomputed > 0, recomputed) for m in _divisors_desc(per_rank)]
+        ckpt_on = bool(stage.model.grad_checkpointing)
+        return [StepChoice(m, c) for c in [ckpt_on] + ([True] if not ckpt_on else []) for m in _divisors_desc(per_rank)]
+    blocks = range(depth + 1) if stage.model.lock_text and stage.partial_checkpointing else (0, depth)
+    return [StepChoice(m, n > 0, n) for m in _divisors_desc(per_rank) for n in blocks]
+
+
+def plan_stage(stage, measure: StageMeasure, gpu_memory: int, peak_tflops: Optional[float], mfu: float,
+               tune: bool = False) -> StagePlan:
+    """Fit the stage on its world size of GPUs with `gpu_memory` bytes each; time at `mfu` of `peak_tflops`.
+    `tune`: the fastest micro-batch and recomputed blocks that fit, instead of the configured checkpointing."""
+    gpus, per_rank = stage.world_size, stage.per_rank_batch
     dtype_scale = 0.5 if stage.precision in ("bf16", "fp16") else 1.0  # activations measured in fp32
     state = state_bytes_per_rank(measure.trainable_params, measure.frozen_params, stage.precision, stage.zero_stage,
                                  gpus, measure.locked_params)
     fixed = sum(state.values()) + measure.activation_bytes_fixed * dtype_scale
     budget = gpu_memory * (1 - MEMORY_RESERVE)
+    depth = stage.image_blocks_recomputed[1]
     notes = []
 
-    def peak(micro, ckpt):
-        per = measure.activation_bytes_per_sample_ckpt if ckpt else measure.activation_bytes_per_sample
-        return fixed + per * dtype_scale * micro + logits_bytes(micro, stage.global_batch)
+    def share(c: StepChoice) -> float:   # of the checkpointable activations and grad forward recomputed
+        return c.blocks / depth if c.blocks is not None else float(c.ckpt)
 
+    def peak(c: StepChoice) -> float:
+        saved = measure.activation_bytes_per_sample - measure.activation_bytes_per_sample_ckpt
+        per = measure.activation_bytes_per_sample - share(c) * saved
+        return fixed + per * dtype_scale * c.micro + logits_bytes(c.micro, stage.global_batch)
+
+    def extra(c: StepChoice) -> float:
+        # k > 1: the grad pass repeats what the no-grad caching pass ran (a locked tower's features are reused);
+        # checkpointing recomputes the forward in backward (a no-grad tower saved nothing to recompute)
+        return measure.grad_forward_flops_per_sample * ((1 if per_rank // c.micro > 1 else 0) + share(c))
+
+    options = _step_options(stage, per_rank, tune)
     if math.isnan(measure.activation_bytes_per_sample):   # memory not measured: the configured micro-batch
-        choice = (stage.micro_batch, ckpt_on)
+        blocks = stage.checkpoint_blocks
+        choice = StepChoice(stage.micro_batch, bool(stage.image_blocks_recomputed[0]), blocks)
         notes.append("memory not measured (--no-memory): the run config's micro-batch, not checked to fit")
-    else:   # the largest micro-batch that fits, with checkpointing only if it must
-        choice = next(((micro, ckpt) for ckpt in [ckpt_on] + ([True] if not ckpt_on else [])
-                       for micro in _divisors_desc(per_rank) if peak(micro, ckpt) <= budget), None)
-    if choice and choice[1] and not ckpt_on:
+    else:
+        fits = [c for c in options if peak(c) <= budget]
+        # tuned: the least compute, then the larger micro-batch; configured: the first that fits
+        choice = min(fits, key=lambda c: (extra(c), -c.micro)) if tune and fits else (fits[0] if fits else None)
+    if choice and not tune and choice.ckpt and not stage.image_blocks_recomputed[0]:
         notes.append("fits only with model.grad_checkpointing: true")
     if choice is None:
         notes.append("does not fit even at micro-batch 1 with gradient checkpointing: raise the ZeRO stage or GPUs")
-    micro, ckpt = choice if choice else (None, ckpt_on)
+    micro = choice.micro if choice else None
     k = per_rank // micro if micro else None
-    # k > 1: the grad pass repeats what the no-grad caching pass ran (a locked tower's features are reused);
-    # checkpointing recomputes the forward in backward (a no-grad tower saved nothing to recompute)
-    extra = measure.grad_forward_flops_per_sample * ((1 if k and k > 1 else 0) + (1 if ckpt else 0))
-    total = (measure.flops_per_sample + extra) * stage.steps * stage.global_batch
+    repeated = extra(choice) if choice else 0.0
+    total = (measure.flops_per_sample + repeated) * stage.steps * stage.global_batch
     wall = gpu_h = cores = None
     if peak_tflops:
         seconds = total / (gpus * peak_tflops * 1e12 * mfu)
         wall, gpu_h = seconds / 3600, seconds * gpus / 3600
-        per_gpu_rate = peak_tflops * 1e12 * mfu / (measure.flops_per_sample + extra)
+        per_gpu_rate = peak_tflops * 1e12 * mfu / (measure.flops_per_sample + repeated)
         cores = {"cpu": per_gpu_rate / loader_rate(CPU_DECODE_RATE, stage.image_size),
                  "device": per_gpu_rate / loader_rate(DEVICE_PATH_WORKER_RATE, stage.image_size)}
     return StagePlan(stage.name, stage.image_size, stage.context_length, stage.global_batch, per_rank,
                      measure.trainable_params, measure.frozen_params + measure.locked_params,
                      measure.flops_per_sample, state,
                      measure.activation_bytes_per_sample * dtype_scale,
-                     measure.activation_bytes_per_sample_ckpt * dtype_scale, micro, k, ckpt,
-                     peak(micro, ckpt) if micro else float("nan"), stage.steps, total, wall, gpu_h, cores,
-                     stage.decode, notes, repeated_flops_per_sample=extra, loader_streams=stage.loader_streams,
+                     measure.activation_bytes_per_sample_ckpt * dtype_scale, micro, k, bool(choice and choice.ckpt),
+                     peak(choice) if choice and not math.isnan(measure.activation_bytes_per_sample) else float("nan"),
+                     stage.steps, total, wall, gpu_h, cores,
+                     stage.decode, notes, repeated_flops_per_sample=repeated, loader_streams=stage.loader_streams,
                      shuffle_buffer=stage.shuffle_buffer,
-                     shuffle_buffer_bytes=float(stage.loader_streams * stage.shuffle_buffer * RAW_SAMPLE_BYTES))
+                     shuffle_buffer_bytes=float(stage.loader_streams * stage.shuffle_buffer * RAW_SAMPLE_BYTES),
+                     checkpoint_blocks=choice.blocks if choice else None, image_depth=depth,
+                     zero_stage=stage.zero_stage, ranks_per_host=stage.stream.ranks_per_host if stage.stream else 1,
+                     host_bytes=host_bytes_per_node(stage), peak_at_one=peak(StepChoice(1, True)),
+                     state_by_zero={z: sum(state_bytes_per_rank(measure.trainable_params, measure.frozen_params,
+                                                                stage.precision, z, gpus,
+                                                                measure.locked_params).values()) for z in ZERO_STAGES})
 
 
 def plan_run(stages: list, gpu_memory: int, gpu: Optional[str] = None, mfu: float = DEFAULT_MFU,
@@ -473,14 +546,57 @@ def plan_run(stages: list, gpu_memory: int, gpu: Optional[str] = None, mfu: floa
     return [plan_stage(s, measure_stage(s, memory=memory), gpu_memory, gpu_peak_tflops(gpu), mfu) for s in stages]
 
 
-def fit_micro_batch(stage, gpu_memory: int) -> int:
-    """micro_batch auto: the largest per-rank micro-batch whose step fits `gpu_memory` bytes."""
-    plan = plan_stage(stage, measure_stage(stage), gpu_memory, None, DEFAULT_MFU)
-    if plan.micro_batch is None:
-        raise ConfigError(f"stages.{stage.index}.micro_batch: auto: even 1 sample per rank does not fit in "
-                          f"{gpu_memory / 2 ** 30:.0f} GiB; fix: raise deepspeed.zero_stage or enable "
-                          "model.grad_checkpointing")
-    return plan.micro_batch
+
+def tune_run(stages: list, gpu_memory: int, gpu: Optional[str] = None,
+             mfu: float = DEFAULT_MFU) -> tuple[list[StagePlan], list[StagePlan]]:
+    """(the fastest plan that fits: per stage the micro-batch and recomputed image blocks of least compute, and the
+    ZeRO stage of the least total compute, the run config's plan): both from one measure of each stage."""
+    measures, peak = [measure_stage(s) for s in stages], gpu_peak_tflops(gpu)
+    configured = [plan_stage(s, m, gpu_memory, peak, mfu) for s, m in zip(stages, measures)]
+    best = None
+    for zero in ZERO_STAGES:
+        plans = [plan_stage(_with_zero(s, zero), m, gpu_memory, peak, mfu, tune=True) for s, m in zip(stages, measures)]
+        if all(p.micro_batch for p in plans) and (best is None or _flops(plans) < _flops(best)):
+            best = plans
+    return best or configured, configured
+
+
+def _with_zero(stage, zero: int):
+    """The ResolvedStage under another ZeRO stage, keeping what was counted of its model."""
+    other = replace(stage, zero_stage=zero)
+    other.__dict__.update({k: v for k, v in stage.__dict__.items() if k in ("counts", "_image_tower")})
+    return other
+
+
+def _flops(plans: list[StagePlan]) -> float:
+    return sum(p.total_flops for p in plans)
+
+
+def unfit_line(plans: list[StagePlan], gpu_memory: int, host_memory: Optional[int]) -> Optional[str]:
+    """The one line that refuses a plan (None when it fits): the stage, the memory short, a setting that fits."""
+    for p in plans:
+        if p.micro_batch is None:
+            need = p.peak_at_one
+            fix = next((f"deepspeed.zero_stage: {z}" for z in ZERO_STAGES if z > p.zero_stage
+                        and _fits_at_one(p, z, gpu_memory)), None) or \
+                f"at least {_fmt_bytes(need / (1 - MEMORY_RESERVE))} a GPU (--gpu-memory), or more GPUs to shard over"
+            return (f"stage {p.name}: does not fit {_fmt_bytes(gpu_memory)} a GPU even at micro-batch 1 with every "
+                    f"block recomputed: {_fmt_bytes(need - gpu_memory * (1 - MEMORY_RESERVE))} short (with the "
+                    f"{MEMORY_RESERVE:.0%} reserve); fix: {fix}")
+        if host_memory is not None and p.host_bytes_total > host_memory:
+            short = p.host_bytes_total - host_memory
+            room = p.host_bytes["shuffle buffers"] - short
+            fix = (f"data.host_shuffle_buffer: {int(room // RAW_SAMPLE_BYTES):,} (raw samples a node)" if room > 0 else
+                   "fewer data.num_workers or ranks a node (--gpus-per-node)")
+            return (f"stage {p.name}: host memory {_fmt_bytes(p.host_bytes_total)} a node ("
+                    + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in p.host_bytes.items())
+                    + f") exceeds --host-memory {_fmt_bytes(host_memory)} by {_fmt_bytes(short)}; fix: {fix}")
+    return None
+
+
+def _fits_at_one(p: StagePlan, zero: int, gpu_memory: int) -> bool:
+    """Whether micro-batch 1 with every block recomputed fits under ZeRO `zero` (the state is what changes)."""
+    return p.peak_at_one - p.state_by_zero[p.zero_stage] + p.state_by_zero[zero] <= gpu_memory * (1 - MEMORY_RESERVE)
 
 
 # ---------------------------------------------------------------- printing
@@ -494,6 +610,36 @@ def _repeat_reason(p: StagePlan) -> str:
     """Why part of the forward runs twice: checkpoint recompute and/or the accumulation's grad pass."""
     return " and ".join(r for r, on in (("grad checkpointing", p.grad_checkpointing),
                                         ("accumulation", (p.accumulation_steps or 1) > 1)) if on)
+
+
+def _fmt_flops(n: float) -> str:
+    """FLOPs in the largest unit that leaves a number >= 1 (GFLOP for a paper-size sample, MFLOP for a tiny one)."""
+    for unit, size in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def _ckpt_words(p: StagePlan) -> str:
+    if p.checkpoint_blocks is not None and 0 < p.checkpoint_blocks < p.image_depth:
+        return f" (grad checkpointing: {p.checkpoint_blocks} of {p.image_depth} image blocks)"
+    return " (grad checkpointing)" if p.grad_checkpointing else ""
+
+
+def format_tune(tuned: list[StagePlan], configured: list[StagePlan]) -> str:
+    """What the tune chose, stage by stage, and what that saves against the run config's plan."""
+    lines = [f"tuned: ZeRO-{tuned[0].zero_stage} (run config: ZeRO-{configured[0].zero_stage})"]
+    for t, c in zip(tuned, configured):
+        lines.append(f"  stage {t.name}: micro-batch {t.micro_batch}, k = {t.accumulation_steps}, recompute "
+                     f"{t.checkpoint_blocks} of {t.image_depth} image blocks, peak {_fmt_bytes(t.peak_bytes_per_rank)}"
+                     f" (run config: micro-batch {c.micro_batch}{_ckpt_words(c) or ', no checkpointing'}); "
+                     f"{_fmt_flops(c.repeated_flops_per_sample - t.repeated_flops_per_sample)} a sample less")
+    if tuned[0].gpu_hours is not None:
+        before, after = sum(p.gpu_hours for p in configured), sum(p.gpu_hours for p in tuned)
+        lines.append(f"  saves {before - after:,.0f} GPU-hours ({before:,.0f} -> {after:,.0f})")
+    else:
+        lines.append(f"  saves {_fmt_flops(_flops(configured) - _flops(tuned))}")
+    return "\n".join(lines)
 
 
 def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optional[str], mfu: float,
@@ -517,8 +663,8 @@ def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optiona
             f"  activations       {_fmt_bytes(p.activation_bytes_per_sample)}/sample "
             f"({_fmt_bytes(p.activation_bytes_per_sample_ckpt)} with grad checkpointing)"
             if not math.isnan(p.activation_bytes_per_sample) else "  activations       not measured",
-            (f"  micro-batch       {p.micro_batch} per rank, k = {p.accumulation_steps}"
-             f"{' (grad checkpointing)' if p.grad_checkpointing else ''}, peak {_fmt_bytes(p.peak_bytes_per_rank)}"
+            (f"  micro-batch       {p.micro_batch} per rank, k = {p.accumulation_steps}{_ckpt_words(p)}, "
+             f"peak {_fmt_bytes(p.peak_bytes_per_rank)}"
              if p.micro_batch else "  micro-batch       none fits"),
             f"  total             {p.total_flops / 1e18:.1f} EFLOP"
             + (f", {p.wall_hours:.1f} h wall, {p.gpu_hours:,.0f} GPU-hours" if p.wall_hours is not None else
@@ -526,9 +672,12 @@ def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optiona
         ] + ([f"  loader CPU cores  {p.cpu_cores_per_gpu['cpu']:.1f} per GPU with decode: cpu, "
               f"{p.cpu_cores_per_gpu['device']:.1f} with decode: device (this stage: {p.decode})"]
              if p.cpu_cores_per_gpu else []) + [
-            f"  shuffle buffers   {p.loader_streams} stream(s) per rank x {p.shuffle_buffer:,} samples = "
-            f"{_fmt_bytes(p.shuffle_buffer_bytes)} host memory per rank ({RAW_SAMPLE_BYTES // 1000} KB per raw "
-            "DataComp sample)"] + [f"  note: {n}" for n in p.notes]
+            f"  shuffle buffers   {p.loader_streams * p.ranks_per_host} stream(s) a node ({p.loader_streams} a rank) x "
+            f"{p.shuffle_buffer:,} samples = {_fmt_bytes(p.shuffle_buffer_bytes * p.ranks_per_host)} host memory a "
+            f"node ({RAW_SAMPLE_BYTES // 1000} KB per raw DataComp sample)",
+            f"  memory a node     GPU {_fmt_bytes(p.peak_bytes_per_rank)} x {p.ranks_per_host}; host "
+            f"{_fmt_bytes(p.host_bytes_total)} (" + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in p.host_bytes.items())
+            + ")"] + [f"  note: {n}" for n in p.notes]
     if plans and plans[0].gpu_hours is not None:
         total = sum(p.gpu_hours for p in plans)
         lines.append(f"all stages: {sum(p.wall_hours for p in plans):.1f} h wall, {total:,.0f} GPU-hours")

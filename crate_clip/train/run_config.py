@@ -125,6 +125,12 @@ class StageConfig(Section):
         None, description="per-rank micro-batch: an int, or auto (the planner's largest that fits); default "
                           "global_batch / world. k = global_batch / (micro_batch x world) accumulation steps with "
                           "exact contrastive gradients")
+    checkpoint_blocks: Optional[Int] = Field(
+        None, ge=0, description="image-tower blocks recomputed in the backward in this stage, from the first (0: "
+        "none, in either tower; the tower's depth: all), the text tower's too under model.grad_checkpointing; "
+        "default: every block of "
+        "both towers with model.grad_checkpointing, none without. `crate-clip plan --tune` picks the fewest that "
+        "fit (CRATE-alpha towers)")
     decode: Decode = Field("cpu", description="where JPEGs are decoded: cpu (loader workers) or device (workers draw "
                                               "the crops and ship the bytes; batched decode + crop/resize/normalise "
                                               "on the training device; same crops and seeds)")

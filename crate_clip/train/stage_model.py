@@ -11,13 +11,16 @@ a copy of that model, so they agree with each other and with the model that trai
 from __future__ import annotations
 
 import functools
+import math
+import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 from torch import nn
 
-from crate_clip.data.stream_layout import default_stream_count
+from crate_clip.core.errors import ConfigError
+from crate_clip.data.stream_layout import StreamSettings, stream_settings
 from crate_clip.models import preprocess_cfg_for, set_image_token_mask
 from crate_clip.models.patch_change import create_clip_at_patch
 from crate_clip.train import planner
@@ -51,8 +54,45 @@ class ResolvedStage:
     std: tuple[float, ...]
     decode: str
     interpolation: str = "bicubic"   # the training crop's resampling filter (data.crop_interpolation)
-    loader_streams: int = 1        # canonical streams one rank reads (data.canonical_streams / world)
-    shuffle_buffer: int = 0        # data.shuffle_buffer: raw samples held per stream
+    stream: Optional[StreamSettings] = None   # canonical streams, shuffle buffer, workers (stream_layout's one rule)
+    checkpoint_blocks: Optional[int] = None   # image-tower blocks recomputed (None: model.grad_checkpointing's all/none)
+
+    @property
+    def loader_streams(self) -> int:
+        """Canonical streams one rank reads, each with its shuffle buffer."""
+        return self.stream.per_rank if self.stream else 1
+
+    @property
+    def shuffle_buffer(self) -> int:
+        """Raw samples held per canonical stream."""
+        return self.stream.shuffle_buffer if self.stream else 0
+
+    @property
+    def image_blocks_recomputed(self) -> tuple:
+        """(blocks of the image tower recomputed in the backward, its depth): what the planner's memory and time
+        read; (0, depth) without checkpointing."""
+        depth = self.image_depth
+        if self.checkpoint_blocks is not None:
+            return min(self.checkpoint_blocks, depth), depth
+        return (depth if self.model.grad_checkpointing else 0), depth
+
+    @property
+    def image_depth(self) -> int:
+        """Blocks of the image tower (1 where the tower is not recognised)."""
+        return self._image_tower[0]
+
+    @property
+    def partial_checkpointing(self) -> bool:
+        """Whether the image tower can recompute some of its blocks (checkpoint_blocks: a CRATE-alpha trunk)."""
+        return self._image_tower[1]
+
+    @functools.cached_property
+    def _image_tower(self) -> tuple:
+        with torch.random.fork_rng(devices=[]):
+            model = self.build_model(read_files=False, device="meta", train=False)
+        lists = planner.tower_blocks(model)
+        trunk = getattr(getattr(model, "visual", None), "trunk", None)
+        return (len(getattr(*lists[0])) if lists else 1), hasattr(trunk, "checkpoint_blocks")
 
     @property
     def per_rank_batch(self) -> int:
@@ -82,7 +122,9 @@ class ResolvedStage:
         apply_text_config(model, text_pretrained=self.model.text_pretrained, lock_text=self.model.lock_text,
                           lock_logit_scale=self.model.lock_logit_scale, compute_dtype=model_dtype(self.precision),
                           load=weights is None and read_files)
-        if train and self.model.grad_checkpointing:
+        if train and self.checkpoint_blocks is not None:
+            _checkpoint_first_blocks(model, self.checkpoint_blocks, self.model.grad_checkpointing)
+        elif train and self.model.grad_checkpointing:
             model.set_grad_checkpointing(True)
         if train and self.model.compile:
             compile_towers(model)
@@ -109,9 +151,11 @@ class ResolvedStage:
             return planner.count_cut_per_sample(model, self.image_size, self.context_length)
 
 
-def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str = "cpu") -> ResolvedStage:
+def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str = "cpu",
+                  ranks_per_host: Optional[int] = None) -> ResolvedStage:
     """Stage `index` of `cfg` for a job of `world_size` processes on `device` (CUDA: micro_batch auto is the
-    planner's largest that fits this GPU; elsewhere the whole rank batch)."""
+    planner's largest that fits this GPU; elsewhere the whole rank batch), `ranks_per_host` of them a host
+    (default: LOCAL_WORLD_SIZE, else all)."""
     s = cfg.stages[index]
     norm = {k: tuple(getattr(cfg.data, k) if k in cfg.data.model_fields_set else preprocess_cfg_for(cfg.model.name)[k])
             for k in ("mean", "std")}   # the model's own normalisation unless the run config sets data.mean/std
@@ -123,9 +167,9 @@ def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str =
         micro_batch=s.micro_batch if isinstance(s.micro_batch, int) else s.global_batch // world_size,
         steps=s.steps, zero_stage=zero_stage_of(cfg), precision=cfg.precision, decode=s.decode,
         interpolation=cfg.data.crop_interpolation,
-        loader_streams=(cfg.data.canonical_streams or default_stream_count(
-            world_size, cfg.data.num_workers, s.global_batch // world_size, None)) // world_size,
-        shuffle_buffer=cfg.data.shuffle_buffer, **norm)
+        stream=stream_settings(cfg.data, world_size, math.gcd(*(t.global_batch // world_size for t in cfg.stages)),
+                               None, ranks_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))),
+        checkpoint_blocks=s.checkpoint_blocks, **norm)
     if s.micro_batch == "auto" and device.startswith("cuda"):
         memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
         fitted = replace(stage, micro_batch=planner.fit_micro_batch(stage, memory))
@@ -133,6 +177,17 @@ def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str =
             fitted.__dict__["counts"] = stage.counts
         stage = fitted
     return stage
+
+
+def _checkpoint_first_blocks(model: nn.Module, blocks: int, text: bool) -> None:
+    """Recompute the first `blocks` blocks of the image tower in the backward (a CRATE-alpha trunk), the text
+    tower's blocks when `text` and `blocks` (0: nothing recomputed in this stage)."""
+    model.set_grad_checkpointing(text and blocks > 0)
+    trunk = getattr(getattr(model, "visual", None), "trunk", None)
+    if not hasattr(trunk, "checkpoint_blocks"):
+        raise ConfigError("stages.N.checkpoint_blocks: this model's image tower recomputes all its blocks or none; "
+                          "fix: remove the key and set model.grad_checkpointing")
+    trunk.grad_checkpointing, trunk.checkpoint_blocks = blocks > 0, blocks
 
 
 def compile_towers(model: nn.Module) -> None:
