@@ -2,12 +2,11 @@
 open_clip `local-dir:` export (safetensors, open_clip_config.json with the model's preprocessing, and the
 tokenizer files), which plain open_clip loads after `import crate_clip`."""
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING
-from crate_clip.core.cli_conventions import CommandParser, add_json_flag
+from crate_clip.core.cli_conventions import CommandParser, add_json_flag, chatter_to_stderr, print_json_result
 from crate_clip.core.errors import USER_ERRORS, UserError, report_error
 from crate_clip.core.writable_folders import check_writable
 
@@ -66,21 +65,21 @@ def main(argv=None) -> int:
         tokenizer = clip_tokenizer(args.model, bert_vocab=args.bert_vocab)
         if args.trust_checkpoint:
             print(TRUST_WARNING, file=sys.stderr)
-        with trusted_checkpoints(args.trust_checkpoint):
+        with trusted_checkpoints(args.trust_checkpoint), chatter_to_stderr(args.json):   # stdout: the result alone
             model = load_official_clipa(args.checkpoint, args.model)
-        state = model.state_dict()
-        export_open_clip(state, args.model, args.out, image_size=model.visual.image_size[0],
-                         context_length=model.context_length, bert_vocab=args.bert_vocab)
+            state = model.state_dict()
+            export_open_clip(state, args.model, args.out, image_size=model.visual.image_size[0],
+                             context_length=model.context_length, bert_vocab=args.bert_vocab)
     except (*USER_ERRORS, FileExistsError) as err:   # the checkpoint, the tokenizer's vocabulary, the output folder
         return report_error("crate-clip convert", err)
     values = sum(v.numel() for v in state.values())
+    verify = None if args.no_verify else (lambda: verify_export(args.out, state, "crate-clip convert"))
     if args.json:
-        print(json.dumps({"out": str(args.out), "model": args.model, "values": values,
-                          "tokenizer": type(tokenizer).__name__, "load": f"local-dir:{args.out}"}, indent=1))
-    else:
-        print(f"wrote {args.out} ({values:,} values, tokenizer {type(tokenizer).__name__}); load it with "
-              f"open_clip.create_model_and_transforms('local-dir:{args.out}') after `import crate_clip`")
-    return 0 if args.no_verify else verify_export(args.out, state, "crate-clip convert")
+        return print_json_result({"out": str(args.out), "model": args.model, "values": values,
+                                  "tokenizer": type(tokenizer).__name__, "load": f"local-dir:{args.out}"}, verify)
+    print(f"wrote {args.out} ({values:,} values, tokenizer {type(tokenizer).__name__}); load it with "
+          f"open_clip.create_model_and_transforms('local-dir:{args.out}') after `import crate_clip`")
+    return verify() if verify else 0
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ def test_cli_zeroshot_writes_json_and_uses_the_cache(sets, vit_file, tmp_path, c
     first = json.loads((tmp_path / "zs.json").read_text())
     out = capsys.readouterr().out
     assert "zero-shot: top-1" in out and re.search(rf"\nankle boot +{PER_CLASS} +\d", out)
-    assert crate_clip_main(args) == 0
+    assert crate_clip_main(args + ["--json"]) == 0   # the metrics on stdout as JSON, instead of the summary
     second = json.loads((tmp_path / "zs.json").read_text())
+    assert json.loads(capsys.readouterr().out) == {**second, "task": "zeroshot"}
     assert first["n_images"] == 10 * PER_CLASS and first["top1"] > 0.25
     assert (first["cache_hit"], second["cache_hit"]) == (False, True) and second["top1"] == first["top1"]
 

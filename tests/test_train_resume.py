@@ -191,7 +191,8 @@ def test_export_loads_with_open_clip_local_dir(reference_run):
     torch.testing.assert_close(pixels, ((128 / 255 - mean) / std)[:, None, None].expand(3, 28, 28))
 
 
-def test_crate_clip_export_of_any_checkpoint_and_of_the_last_is_the_trainers_export(reference_run, tmp_path):
+def test_crate_clip_export_of_any_checkpoint_and_of_the_last_is_the_trainers_export(reference_run, tmp_path,
+                                                                                      capsys):
     """`crate-clip export` of a mid-run ZeRO-2 checkpoint reloads through open_clip with its consolidated weights;
     of the run folder (the checkpoint `latest` names: the run's last) it writes the trainer's export byte for byte."""
     import json
@@ -209,7 +210,12 @@ def test_crate_clip_export_of_any_checkpoint_and_of_the_last_is_the_trainers_exp
     mid = reference_run / "checkpoints" / "stage1-step00000003"
     assert main(["export", str(mid), "--out", str(tmp_path / "mid")]) == 0   # verifies the reload itself too
     assert export_state_equal(load_export(tmp_path / "mid")[0], consolidated_state_dict(mid))
-    assert main(["export", str(reference_run / "checkpoints"), "--stage", "0", "--out", str(tmp_path / "s0")]) == 0
+    capsys.readouterr()
+    assert main(["export", str(reference_run / "checkpoints"), "--stage", "0", "--out", str(tmp_path / "s0"),
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {   # stdout holds the result alone; the verdict is in it
+        "out": str(tmp_path / "s0"), "checkpoint": str(reference_run / "checkpoints" / "stage0-step00000010"),
+        "load": f"local-dir:{tmp_path / 's0'}", "stage": 0, "step": 10, "image_size": 16, "verified": True}
     config = json.loads((tmp_path / "s0" / "open_clip_config.json").read_text())
     assert config["model_cfg"]["vision_cfg"]["image_size"] == config["preprocess_cfg"]["size"] == 16
     card = (tmp_path / "s0" / "README.md").read_text()

@@ -9,7 +9,9 @@ The canonical names (docs/cli.md): `--num-workers` (the settings key `num_worker
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import json
 import re
 import sys
 
@@ -67,6 +69,22 @@ def accept_old_name(parser: argparse.ArgumentParser, old: str, new: str) -> None
 
     parser.add_argument(old, dest=target.dest, nargs=target.nargs, type=target.type, choices=target.choices,
                         metavar=target.metavar, default=argparse.SUPPRESS, help=argparse.SUPPRESS, action=OldName)
+
+
+def chatter_to_stderr(when: bool = True):
+    """Within it, what libraries print on stdout goes to stderr (when `when`): stdout keeps a --json result alone."""
+    return contextlib.redirect_stdout(sys.stderr) if when else contextlib.nullcontext()
+
+
+def print_json_result(record: dict, verify=None) -> int:
+    """Print `record` as one JSON object on stdout, with "verified": the verdict of `verify()` (an exit code; run
+    first, its words sent to stderr so that stdout holds the JSON alone), None without one. Returns that code."""
+    code = 0
+    if verify is not None:
+        with contextlib.redirect_stdout(sys.stderr):
+            code = verify()
+    print(json.dumps({**record, "verified": None if verify is None else code == 0}, indent=1))
+    return code
 
 
 def add_json_flag(parser: argparse.ArgumentParser, what: str = "the result") -> None:

@@ -5,12 +5,11 @@ training further. The trainer's final export is this command on the run's last c
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING
-from crate_clip.core.cli_conventions import CommandParser, add_json_flag
+from crate_clip.core.cli_conventions import CommandParser, add_json_flag, chatter_to_stderr, print_json_result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,21 +57,22 @@ def main(argv=None) -> int:
         check_writable(out, "--out")
         if args.trust_checkpoint:
             print(TRUST_WARNING, file=sys.stderr)
-        with trusted_checkpoints(args.trust_checkpoint):
+        # DeepSpeed's consolidation talks on stdout: with --json, stdout holds the result alone
+        with trusted_checkpoints(args.trust_checkpoint), chatter_to_stderr(args.json):
             state = consolidated_state_dict(source.tag_dir)
         export_checkpoint(source.tag_dir, out, state=state, bert_vocab=args.bert_vocab, hub_id=args.hub_id,
                           repo_url=args.repo_url)
     except (*USER_ERRORS, TokenizerUnavailableError, FileExistsError) as err:   # one line naming the fix
         return report_error("crate-clip export", err)
+    verify = None if args.no_verify else (lambda: verify_export(out, state, "crate-clip export"))
     if args.json:
-        print(json.dumps({"out": str(out), "checkpoint": str(source.tag_dir), "stage": source.info.get("stage_index"),
-                          "step": source.info.get("step"), "image_size": source.image_size,
-                          "load": f"local-dir:{out}"}, indent=1))
-    else:
-        print(f"wrote {out} from {source.tag_dir} (stage {source.info.get('stage_index')}, step "
-              f"{source.info.get('step')}, {source.image_size} px); load it with open_clip.create_model_and_transforms("
-              f"'local-dir:{out}') after `import crate_clip`")
-    return 0 if args.no_verify else verify_export(out, state, "crate-clip export")
+        return print_json_result({"out": str(out), "checkpoint": str(source.tag_dir), "load": f"local-dir:{out}",
+                                  "stage": source.info.get("stage_index"), "step": source.info.get("step"),
+                                  "image_size": source.image_size}, verify)
+    print(f"wrote {out} from {source.tag_dir} (stage {source.info.get('stage_index')}, step "
+          f"{source.info.get('step')}, {source.image_size} px); load it with open_clip.create_model_and_transforms("
+          f"'local-dir:{out}') after `import crate_clip`")
+    return verify() if verify else 0
 
 
 if __name__ == "__main__":
