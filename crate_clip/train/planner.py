@@ -53,8 +53,9 @@ DEVICE_PATH_WORKER_RATE = {84: 1740.0, 224: 1160.0}
 # shards over ~1.4B pairs (the img2dataset download, /work/shared/SPEC-clipa-training.md)
 RAW_SAMPLE_BYTES = 36_000
 # Host memory of one DataLoader worker process apart from its streams' shuffle buffers (the interpreter, torch,
-# PIL, the tokenizer; a forked worker shares the trainer's pages until it writes them): an assumption, checked
-# against a measured run by bench/bench_plan_memory.py
+# PIL, the tokenizer; a forked worker shares the trainer's pages until it writes them): an assumption for a GPU
+# trainer's workers. bench/bench_plan_memory.py measured 27-42 MiB of a worker's own forked from a small CPU
+# trainer (BENCHMARKS.md, issue 40): on a GPU node it is still to be measured
 WORKER_PROCESS_BYTES = 512 * 2 ** 20
 
 
