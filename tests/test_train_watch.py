@@ -179,3 +179,11 @@ def test_a_run_reports_mid_stage_evaluations_to_every_tracker(tiny_fmnist, tmp_p
     assert out[1] == ""   # rank 1 prints nothing: no progress, no DeepSpeed chatter
     assert "Processing zero checkpoint" not in out[0]
     assert "Processing zero checkpoint" in (run / "logs" / "deepspeed-rank1.log").read_text()
+
+    # a probe measured after the run (the demo's linear probe of its export) joins the run's TensorBoard and CSV
+    from crate_clip.train.metrics_log import log_probe
+    assert log_probe(run, {"top1": 0.5, "top5": 0.9, "n_train": 60}) == ["tensorboard", "csv"]
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("probe/linear_probe/top1")] == [(96, 0.5)]
+    with open(run / "results.csv") as f:
+        assert list(csv.DictReader(f))[-1]["at"] == "after_run"

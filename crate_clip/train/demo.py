@@ -247,6 +247,7 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     from crate_clip.eval.tasks import linear_probe
     from crate_clip.eval.model_loading import load_eval_model
     from crate_clip.models.export_files import CONFIG_FILE   # crate_clip.models: torch, so not at module level
+    from crate_clip.train.metrics_log import log_probe
 
     export = export_dir(run_dir)
     if train_images <= 0 or not (export / CONFIG_FILE).is_file():
@@ -259,10 +260,13 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     model, preprocess, _, _ = load_eval_model(f"local-dir:{export}", image_size=size)
     settings = linear_probe.Settings(train_data=str(train_dir), data=str(test_dir), dataset="fashion_mnist",
                                      batch_size=500)
-    metrics = linear_probe.linear_probe_evaluate(model, preprocess=preprocess, settings=settings, progress=False,
+    print(f"[demo] linear probe of the export: features of {train_images:,} training images, then the fits",
+          flush=True)   # minutes on 2 cores: its bars say where it is
+    metrics = linear_probe.linear_probe_evaluate(model, preprocess=preprocess, settings=settings, progress=True,
                                                  cache_dir=run_dir / "eval_cache")
     print(f"[demo] {linear_probe.summary(metrics)} in {metrics['extract_seconds'] + metrics['probe_seconds']:.0f} s")
     (run_dir / "linear_probe.json").write_text(json.dumps(metrics, indent=1))
+    log_probe(run_dir, metrics)   # beside the run's own numbers in TensorBoard / results.csv
     _card_with_probe(run_dir, export, metrics)
     return metrics
 

@@ -13,8 +13,8 @@ import yaml
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text
 # the run folder's file names and its JSONL reader (run_layout.py), imported here by the log's callers too
-from crate_clip.checkpoint_io.run_layout import (METRICS_FILE, PLOT_FILE, RESULTS_FILE, TENSORBOARD_DIR,  # noqa: F401
-                                                 read_jsonl)
+from crate_clip.checkpoint_io.run_layout import (METRICS_FILE, PLOT_FILE, RESULTS_FILE, RUN_CONFIG_FILE,  # noqa: F401
+                                                 TENSORBOARD_DIR, read_jsonl)
 from crate_clip.train.progress_display import StageProgress
 from crate_clip.train.throughput import ThroughputRecord
 from crate_clip.train.trackers import Tracker, build_trackers, per_class_table
@@ -236,3 +236,26 @@ def _append_durably(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def log_probe(run_dir: Path, metrics: dict, name: str = "linear_probe") -> list[str]:
+    """A probe measured after the run (the demo's linear probe of its export) into the run's TensorBoard and CSV
+    trackers (those of run_config.yaml's logging.report_to; a W&B run is not reopened for it): its numbers as
+    `probe/<name>/*` at the run's last samples_seen, its one-line summary as text; returns the trackers written."""
+    run_dir = Path(run_dir)
+    if not (run_dir / RUN_CONFIG_FILE).is_file():   # an export without its run: no trackers to join
+        return []
+    logging_cfg = (yaml.safe_load((run_dir / RUN_CONFIG_FILE).read_text()) or {}).get("logging", {})
+    kinds = [k for k in logging_cfg.get("report_to", ["tensorboard"]) if k != "wandb"
+             and (k != "tensorboard" or logging_cfg.get("tensorboard", True))]
+    steps = read_jsonl(run_dir / METRICS_FILE)
+    x = max((r.get("samples_seen", 0) for r in steps), default=0)
+    numbers = {f"probe/{name}/{k}": v for k, v in metrics.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    trackers = build_trackers(run_dir, kinds, config={}, name=name)
+    for tracker in trackers:
+        tracker.scalars(numbers, x)
+        tracker.text(f"probe/{name}", json.dumps(numbers, indent=1), x)
+        tracker.eval_row({"stage_name": "final", "at": "after_run", "eval": name, "samples_seen": x, **metrics})
+        tracker.close()
+    return kinds

@@ -155,14 +155,14 @@ def _open_log(cfg: RunConfig, dist: DistInfo) -> MetricsLog:
                          tensorboard=cfg.logging.tensorboard, report_to=cfg.logging.report_to,
                          progress_every_s=cfg.logging.progress_every_s, config=cfg.to_dict(), run_name=cfg.run.name,
                          wandb_project=cfg.logging.wandb_project)
-    except TrackerError as exc:
-        error = str(exc)
-    box = [error]
+    except Exception as exc:   # noqa: BLE001 - told to every rank first, then raised as it is on rank 0
+        error = exc
+    box = [None if error is None else str(error)]
     if dist.world_size > 1:
         tdist.broadcast_object_list(box, src=0)
-    if box[0]:
-        if log is not None:
-            log.close()
+    if error is not None:
+        raise error
+    if box[0]:   # another rank: rank 0 says it
         raise TrackerError(box[0])
     return log
 

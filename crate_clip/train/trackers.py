@@ -1,7 +1,8 @@
 """Where a run's numbers go besides metrics.jsonl / results.jsonl: the trackers of `logging.report_to`.
 
     tensorboard  tensorboard/: scalars, the run config (text), per-class results (text), a grid of training images
-    wandb        Weights & Biases (wandb/ under the run folder; WANDB_MODE=offline keeps it there), the same
+    wandb        Weights & Biases (wandb/ under the run folder; WANDB_MODE=offline keeps it there), the same but
+                 the image grid; text as string values
     csv          metrics.csv (one row per logged step), results.csv (one row per evaluation)
 
 Each tracker is imported only when named: TensorBoard's writer pulls in tensorboard and protobuf, wandb starts a
@@ -89,11 +90,10 @@ class WandbTracker(Tracker):
     def scalars(self, values: dict, x: int) -> None:
         self._run.log({**values, "samples_seen": x})
 
+    # text as a plain string value and no images: wandb's media objects (Html, Image) go through a temporary folder
+    # that wandb makes once at its import, which a forked launcher's first finished process removes for all
     def text(self, tag: str, text: str, x: int = 0) -> None:
-        self._run.log({tag: self._wandb.Html(f"<pre>{_escape(text)}</pre>"), "samples_seen": x})
-
-    def images(self, tag: str, grid, x: int = 0) -> None:
-        self._run.log({tag: self._wandb.Image(grid.permute(1, 2, 0).numpy()), "samples_seen": x})
+        self._run.log({tag: text, "samples_seen": x})
 
     def close(self) -> None:
         self._run.finish()
@@ -129,10 +129,6 @@ class _CsvFile:
 
 def _cell(value):
     return "" if value is None else json.dumps(value) if isinstance(value, (dict, list)) else value
-
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def build_trackers(run_dir: Path, report_to: Iterable[str], *, config: dict, name: str,
