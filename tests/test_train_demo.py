@@ -30,13 +30,17 @@ def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd
     run = tmp_path / "run"
     argv = ["--data-dir", str(tmp_path / "data"), "--run-dir", str(run), "--nproc", "2",
             "--max-train-images", "192", "--max-test-images", "40", "--probe-train-images", "60"]
-    assert main(argv + [arg for o in TINY_RUN for arg in ("--set", o)]) == 0
+    assert main(argv + [arg for o in TINY_RUN for arg in ("--set", o)] + ["--json"]) == 0
     results = read_jsonl(run / RESULTS_FILE)
     # stage 0 at 21 px / patch 7, then evaluated at the fine-tune's input, 27 px, by patch resize (p9, 3x3; grid
     # growth at p7 would drop pixels of 27 px: not evaluated); stage 1 at 27 px / patch 9
     assert [(r["stage_name"], r["image_size"], r["resize"], r["patch_size"], r["n_images"]) for r in results] == [
         ("lowres", 21, "grid", 7, 40), ("lowres", 27, "patch", 9, 40), ("fullres", 27, "grid", 9, 40)]
-    out, err = capfd.readouterr()   # the trainer's processes write to the file descriptors
+    printed, out = capfd.readouterr()   # the trainer's processes write to the file descriptors
+    # --json: stdout holds the result alone; the demo's lines and the trainer's went to stderr
+    record = json.loads(printed)
+    assert record["exit_code"] == 0 and record["results"] == results and record["linear_probe"]["n_train"] == 60
+    assert record["training_flops"] > 0 and record["export"] == str(run / "export") and len(record["claims"]) == 2
     assert "zero-shot top-1 on the 40 Fashion-MNIST test images" in out and "stage 1 fullres" in out
     assert "(grid kept, kernel PI-resized)" in out and "TFLOP of training (step meter, 192 samples)" in out
     # a smoke run is not the studied recipe: the study's figures are not printed as its own
@@ -47,7 +51,7 @@ def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd
     assert (run / "training_curve.png").is_file()
     # no misleading random-init notice (weights are loaded or random by design), and no
     # torch deprecation notices of the collectives DeepSpeed and open_clip's ClipLoss call (one per rank)
-    assert "initialized randomly" not in out + err and "is deprecated" not in out + err
+    assert "initialized randomly" not in out and "is deprecated" not in out
     assert "final model on the 40 test images" in out
 
 

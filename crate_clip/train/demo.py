@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from crate_clip.core.cli_conventions import CommandParser, accept_old_name
+from crate_clip.core.cli_conventions import CommandParser, accept_old_name, add_json_flag, chatter_to_stderr
 from crate_clip.core.cli_numbers import NON_NEGATIVE_INT, POSITIVE_INT
 from crate_clip.core.errors import EXIT_USAGE
 from crate_clip.checkpoint_io.run_layout import PLOT_FILE, checkpoints_dir, export_dir
@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     accept_old_name(p, "--test-images", "--max-test-images")
     p.add_argument("--probe-train-images", type=NON_NEGATIVE_INT, default=10_000,
                    help="training images of the final linear probe (the first N of the train split; 0 skips it)")
+    add_json_flag(p, "the results (each evaluation, the probe, the training FLOPs, the claims, the export)")
     return p
 
 
@@ -325,6 +326,17 @@ def _check_before_launch(config: str, overrides: list[str], nproc: int, overwrit
 def main(argv=None) -> int:
     """Run the demo end to end; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.json:
+        return _demo(args)
+    record: dict = {}
+    with chatter_to_stderr():   # the demo's lines (and the trainer's, below) on stderr: stdout holds the result
+        code = _demo(args, record)
+    print(json.dumps({"exit_code": code, **record}, indent=1))
+    return code
+
+
+def _demo(args, record: dict | None = None) -> int:
+    """The demo of the parsed command line; `record`: filled with its results (for --json)."""
     t0 = time.perf_counter()
     try:
         train_dir, test_dir, run_dir = demo_paths(args.config, args.data_dir, args.run_dir, args.overrides)
@@ -345,7 +357,8 @@ def main(argv=None) -> int:
     env = dict(os.environ)   # a thread count the user set is kept; else the cores shared by the processes
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.nproc)))
     print(f"[demo] {' '.join(cmd)}", flush=True)
-    rc = subprocess.run(cmd, env=env).returncode
+    # with --json the trainer's output joins the demo's lines on stderr (descriptor 2), stdout keeps the result
+    rc = subprocess.run(cmd, env=env, stdout=2 if record is not None else None).returncode
     results = summarize(run_dir)
     if rc != 0:
         # say what failed and what was kept; no plot or export lines for files a failed run did not write
@@ -362,8 +375,12 @@ def main(argv=None) -> int:
               f"linear probe top-1 {100 * probe['top1']:.2f}% ({probe['n_train']} labelled training images)")
     cfg = _run_config(args.config, overrides)
     recipe = run_recipe(cfg["stages"])
-    for line in savings_lines(run_dir, results[-1]["top1"], cfg["model"]["name"], recipe) if results else []:
+    claims = savings_lines(run_dir, results[-1]["top1"], cfg["model"]["name"], recipe) if results else []
+    for line in claims:
         print(f"[demo] {line}")
+    if record is not None:
+        record.update(results=results, linear_probe=probe, training_flops=(training_flops(run_dir) or [None])[0],
+                      claims=claims, plot=str(run_dir / PLOT_FILE), export=str(export_dir(run_dir)))
     print(f"[demo] plot: {run_dir / PLOT_FILE}\n[demo] export: {export_dir(run_dir)} "
           f"(open_clip.create_model_and_transforms('local-dir:{export_dir(run_dir)}') after `import crate_clip`)")
     print(f"[demo] finished in {time.perf_counter() - t0:.0f} s")
