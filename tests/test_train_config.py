@@ -1,5 +1,6 @@
 """Run configs: shipped ones validate; bad ones fail before any work with the key named and a fix;
 `--set` overrides; parameter groups and the warm-up + cosine schedule."""
+import json
 import math
 from pathlib import Path
 
@@ -240,6 +241,10 @@ def test_validate_flag_checks_and_exits(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "valid (2 stages, 20 steps, 1,280 samples)" in out
     assert "stage 0 (pre): 84 px, 8 tokens, 16 steps x 64 = 1,024 samples" in out
+    assert main(["--config", str(path), "--validate", "--json"]) == 0   # the same check as one JSON object
+    checked = json.loads(capsys.readouterr().out)
+    assert (checked["valid"], checked["stages"], checked["steps"], checked["samples"]) == (True, 2, 20, 1280)
+    assert "stage 0 (pre): 84 px, 8 tokens, 16 steps x 64 = 1,024 samples" in checked["plan"][0]
     assert main(["--config", str(path), "--validate", "--set", "stages.0.text_mask=nouns"]) == EXIT_CONFIG
     assert "stages.0.text_mask: 'nouns' is not one of" in capsys.readouterr().err
 

@@ -6,12 +6,13 @@ WORLD_SIZE, MASTER_ADDR; the DeepSpeed launcher also passes --local_rank, accept
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
 
 from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP
-from crate_clip.core.cli_conventions import CommandParser
+from crate_clip.core.cli_conventions import CommandParser, add_json_flag, chatter_to_stderr
 from crate_clip.core.cli_numbers import POSITIVE_INT
 
 
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
     p.add_argument("--validate", action="store_true",
                    help="check the config, print the shell commands its pipe: sources run, and exit")
+    add_json_flag(p, "the result (with --validate: the checked plan; after training: the run's summary, from rank "
+                     "0; every other line on stderr)")
     p.add_argument("--nproc", type=POSITIVE_INT, default=None, metavar="N",
                    help="start N training processes on this host (torch's elastic launcher, as torchrun) after "
                         "checking everything that can be checked before they start; exits with their own exit code")
@@ -106,6 +109,12 @@ def main(argv=None) -> int:
             config_changes(cfg, args.resume, args.allow_changes)   # refused before any worker starts
     except ConfigError as exc:   # every rank of a launched job finds it: rank 0 says it
         return report_error(PROG, exc, once_per_job=True)
+    if args.validate and args.json:
+        print(json.dumps({"config": args.config, "valid": True, "stages": len(cfg.stages),
+                          "steps": sum(s.steps for s in cfg.stages),
+                          "samples": sum(s.trained_samples for s in cfg.stages), "plan": cfg.training_plan(),
+                          "shell_commands": shell_commands(cfg.data.sources)}, indent=1))
+        return 0
     if args.validate:
         print(f"{args.config}: valid ({len(cfg.stages)} stages, {sum(s.steps for s in cfg.stages):,} steps, "
               f"{sum(s.trained_samples for s in cfg.stages):,} samples)")
@@ -120,7 +129,8 @@ def main(argv=None) -> int:
 
         return run_workers(torchrun_args(args.nproc, _without_nproc(argv)))
     try:
-        with trusted_checkpoints(args.trust_checkpoint), stop_requests.stop_signals_handled(stop_signals):
+        with trusted_checkpoints(args.trust_checkpoint), stop_requests.stop_signals_handled(stop_signals), \
+                chatter_to_stderr(args.json):   # --json: stdout keeps the summary alone
             summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite,
                                    take_over_lock=args.take_over_lock, allow_changes=tuple(args.allow_changes))
     except UntrustedCheckpointError as exc:   # every rank reads the same files: rank 0 says it
@@ -142,7 +152,9 @@ def main(argv=None) -> int:
     finally:
         if tdist.is_available() and tdist.is_initialized():
             tdist.destroy_process_group()
-    if summary.get("export_dir"):
+    if summary.get("export_dir") and args.json:   # rank 0's summary (the other ranks have no export)
+        print(json.dumps(summary, indent=1, default=str))
+    elif summary.get("export_dir"):
         print(f"done in {summary['seconds']:.0f} s; export: {summary['export_dir']}")
     return 0
 
