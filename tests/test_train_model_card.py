@@ -114,6 +114,15 @@ def test_card_names_the_data_links_the_repository_and_imports_crate_clip_first(t
     assert usage.index("import crate_clip") < usage.index("import open_clip")
 
 
+def test_an_eval_set_without_a_record_is_named_by_its_builtin_data_set(tmp_path):
+    source = _source(tmp_path, ["s3://b/x.tar"])
+    source.run_config["eval"] = {"evals": [{"name": "zeroshot", "dataset": "imagenet1k", "data": str(tmp_path)}]}
+    front = yaml.safe_load(model_card(source, CONFIG).split("---\n")[1])
+    assert front["model-index"][0]["results"][0]["dataset"] == {"name": "ImageNet-1k", "type": "ILSVRC/imagenet-1k",
+                                                                "split": "validation"}
+    assert front["datasets"] == ["ILSVRC/imagenet-1k"]
+
+
 def test_a_malformed_dataset_record_is_not_a_name(tmp_path):
     from crate_clip.core.dataset_records import DATASET_FILE, read_dataset_record
 

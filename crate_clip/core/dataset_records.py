@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from crate_clip.core.shard_sources import PIPE, REMOTE_PREFIXES
@@ -25,6 +25,10 @@ class DatasetRecord:
 
 FASHION_MNIST = DatasetRecord("Fashion-MNIST", hub_id="zalando-datasets/fashion_mnist",
                               url="https://github.com/zalandoresearch/fashion-mnist")
+# the evaluations' built-in data sets (eval's `dataset` key), named when their folder records nothing
+BUILTIN_EVAL_SETS = {"fashion_mnist": replace(FASHION_MNIST, split="test"),
+                     "imagenet1k": DatasetRecord("ImageNet-1k", hub_id="ILSVRC/imagenet-1k", split="validation",
+                                                 url="https://www.image-net.org")}
 
 
 def write_dataset_record(folder: str | Path, record: DatasetRecord) -> Path:

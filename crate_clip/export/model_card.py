@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from crate_clip.core.dataset_records import DatasetRecord, read_dataset_record
+from crate_clip.core.dataset_records import BUILTIN_EVAL_SETS, DatasetRecord, read_dataset_record
 from crate_clip.export.source import ExportSource
 
 DISTRIBUTION = "crate-clip"
@@ -127,9 +127,15 @@ def card_metadata(source: ExportSource, name: str, probes: list) -> dict:
     return meta
 
 
+def _eval_record(spec: dict) -> DatasetRecord | None:
+    """What an evaluation's data is: its folder's dataset.json, else its built-in data set's name."""
+    record = read_dataset_record(spec["data"]) if spec.get("data") else None
+    return record or BUILTIN_EVAL_SETS.get(spec.get("dataset"))
+
+
 def _eval_dataset(row: dict, spec: dict) -> dict:
     """model-index's `dataset` of an evaluation: the eval folder's recorded name, else the eval's own keys."""
-    record = read_dataset_record(spec["data"]) if spec.get("data") else None
+    record = _eval_record(spec)
     if record is not None:
         return {"name": record.name, "type": record.hub_id or record.name, "split": record.split or "test"}
     key = spec.get("dataset") or row.get("eval") or "unknown"
@@ -204,8 +210,7 @@ def _result_lines(source: ExportSource, run: dict) -> list[str]:
         except (KeyError, TypeError, ValueError):
             summary = ", ".join(f"{k} {v}" for k, v in row.items() if isinstance(v, float))
         how = " (patch grid kept, kernel PI-resized)" if row.get("resize") == "patch" else ""
-        spec = specs.get(row.get("eval")) or {}
-        record = read_dataset_record(spec["data"]) if spec.get("data") else None
+        record = _eval_record(specs.get(row.get("eval")) or {})
         data = f" ({record.name}{f' {record.split} split' if record.split else ''})" if record else ""
         lines.append(f"- stage {row.get('stage_index')} ({row.get('stage_name')}), `{row.get('eval')}`{data} at "
                      f"{row.get('image_size')} px{how}: {summary}")
