@@ -221,6 +221,16 @@ def scene_shards(data: str, limit: int | None = None, grid: tuple[int, int] = (1
 
 def segment_main(argv) -> int:
     """`crate-clip segment`: MaskCut masks as PNG overlays + COCO RLE JSON; with --data, AP50 and best IoU too."""
+    p = segment_parser()
+    args = p.parse_args(argv)
+    import torch   # after parsing (seconds of CPU): --help is instant
+
+    with torch.no_grad():
+        return _segment(args, p)
+
+
+def segment_parser() -> CommandParser:
+    """The `crate-clip segment` argument parser."""
     p = CommandParser(prog="crate-clip segment", description=segment_main.__doc__)
     _model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
@@ -238,11 +248,7 @@ def segment_main(argv) -> int:
     p.add_argument("--overlays", type=NON_NEGATIVE_INT, default=None,
                    help="write at most this many overlay PNGs (default all)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (what segment always prints)")
-    args = p.parse_args(argv)
-    import torch   # after parsing (seconds of CPU): --help is instant
-
-    with torch.no_grad():
-        return _segment(args, p)
+    return p
 
 
 def _segment(args, p: argparse.ArgumentParser) -> int:

@@ -13,7 +13,8 @@ from crate_clip.cli import SUBCOMMANDS, main
 PARSERS = {"eval": ("crate_clip.eval.cli", "build_parser"), "shards": ("crate_clip.data.cli", "_parser"),
            "plan": ("crate_clip.train.plan_cli", "build_parser"), "train": ("crate_clip.train.cli", "build_parser"),
            "export": ("crate_clip.export.cli", "build_parser"), "demo": ("crate_clip.train.demo", "build_parser"),
-           "convert": ("crate_clip.convert_cli", "build_parser"), "models": ("crate_clip.models_cli", "build_parser")}
+           "convert": ("crate_clip.convert_cli", "build_parser"), "models": ("crate_clip.models_cli", "build_parser"),
+           "segment": ("crate_clip.eval.whitebox_cli", "segment_parser")}
 
 
 def _help_exit(argv) -> int:
@@ -159,7 +160,7 @@ def test_one_name_for_one_thing_across_commands():
     assert {path for path, o in shown if o == "--num-workers"} == {"eval zeroshot", "eval retrieval",
                                                                    "eval linear-probe", "shards inspect"}
     assert {path for path, o in shown if o == "--max-images"} >= {"eval zeroshot", "shards fashion-mnist",
-                                                                  "shards emoji", "shards eval-shards"}
+                                                                  "shards emoji", "shards eval-shards", "segment"}
 
 
 @pytest.mark.parametrize("name, old, new", [
@@ -167,7 +168,9 @@ def test_one_name_for_one_thing_across_commands():
      ["zeroshot", "--model", "m", "--data", "d", "--num-workers", "3"]),
     ("shards", ["emoji", "--out", "o", "--limit", "5"], ["emoji", "--out", "o", "--max-images", "5"]),
     ("demo", ["--train-images", "64", "--test-images", "10"], ["--max-train-images", "64", "--max-test-images", "10"]),
-], ids=["eval", "shards", "demo"])
+    ("segment", ["--model", "m", "--data", "d", "--out", "o", "--limit", "7"],
+     ["--model", "m", "--data", "d", "--out", "o", "--max-images", "7"]),
+], ids=["eval", "shards", "demo", "segment"])
 def test_old_names_still_work_with_one_deprecation_line(name, old, new, capsys):
     assert _parser(name).parse_args(old) == _parser(name).parse_args(new)
     lines = capsys.readouterr().err.strip().splitlines()
