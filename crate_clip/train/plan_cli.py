@@ -120,8 +120,10 @@ def write_tuned_config(config: str, overrides: list[str], plans: list, out: str,
     Path(out).write_text(header + yaml.safe_dump(raw, sort_keys=False))
 
 
-def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int) -> tuple[dict, list]:
-    """(how the run in progress would resume on `gpus` ranks, its remaining stages resolved for them)."""
+def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int,
+                per_node: int = 8) -> tuple[dict, list]:
+    """(how the run in progress would resume on `gpus` ranks, `per_node` a node, its remaining stages resolved for
+    them)."""
     from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, read_info
     from crate_clip.checkpoint_io.run_layout import run_dir_of
     from crate_clip.train.config_changes import recorded_config
@@ -139,7 +141,8 @@ def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int
         cfg = config_from_dict(raw, check_paths=False, source_path=str(tag_dir / INFO_FILE))
     check_runtime(cfg, gpus, "cuda")
     summary = resume_summary(tag_dir, cfg, gpus)
-    return summary, [resolve_stage(cfg, i, gpus) for i in range(summary["stage_index"], len(cfg.stages))]
+    return summary, [resolve_stage(cfg, i, gpus, ranks_per_host=min(per_node, gpus))
+                     for i in range(summary["stage_index"], len(cfg.stages))]
 
 
 def format_resume(s: dict) -> str:
@@ -175,7 +178,7 @@ def main(argv=None) -> int:
             raise ConfigError("--tune: fits need the activation trace; drop --no-memory")
         summary = None
         if args.resume is not None:
-            summary, stages = plan_resume(args.resume, args.config, args.overrides, args.gpus)
+            summary, stages = plan_resume(args.resume, args.config, args.overrides, args.gpus, args.gpus_per_node)
         else:
             stages = plan_stages(args.config, args.overrides, args.gpus, args.gpus_per_node)
     except (ConfigError, ResumeError) as exc:
