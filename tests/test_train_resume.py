@@ -229,12 +229,13 @@ DEMO_KILL_AT = 3   # of stage 1's 6 steps: after its step-2 checkpoint, before t
 
 def _demo_cmd(run_dir: Path, data: Path, *extra: str) -> list[str]:
     """The demo config (stage 0: 21 px at patch 7; stage 1: 28 px, inheriting patch 7: the demo's own stage 1 sets
-    patch 9, unset here to keep the inherited case) cut to 3 + 6 steps of 32 samples on the small data set, a
-    checkpoint every 2 steps, every step logged."""
+    27 px at patch 9; here 28 px with patch_size unset, so patch 7 is inherited and the grid grows to 4x4) cut to 3 + 6
+    steps of 32 samples on the small data set, a checkpoint every 2 steps, every step logged."""
     sets = {"run.output_dir": str(run_dir), "data.sources": json.dumps([str(data / "train")]),
             "data.shuffle_buffer": 100, "eval.evals.0.data": str(data / "test"), "eval.evals.0.batch_size": 100,
             "stages.0.samples": 96, "stages.1.samples": 192, "stages.0.global_batch": 32,
-            "stages.1.global_batch": 32, "stages.1.patch_size": "null", "stages.0.warmup_steps": 1,
+            "stages.1.global_batch": 32, "stages.1.patch_size": "null", "stages.1.image_size": 28,
+            "eval.full_image_size": 28, "stages.0.warmup_steps": 1,
             "stages.1.warmup_steps": 1,
             "checkpoint.every_steps": 2, "logging.every_steps": 1, "logging.progress": "false",
             "logging.diagnostics_images": 8}
