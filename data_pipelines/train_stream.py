@@ -101,7 +101,8 @@ class StreamConfig(Section):
         None, ge=1, description="raw samples one host holds for shuffling, over all its ranks' canonical streams: "
         "each stream holds host_shuffle_buffer / (canonical streams per host) of the first launch (recorded as "
         "shuffle_buffer). The memory a node needs: `crate-clip plan`")
-    num_workers: Int = Field(2, ge=0, description="DataLoader worker processes per rank (0 = in the trainer)")
+    num_workers: Int = Field(2, ge=0, le=256, description="DataLoader worker processes per rank (0 = in the "
+                             "trainer; at most 256: each is a process holding its own decode buffers)")
     num_samples: Optional[Int] = Field(None, ge=1, description="samples per epoch; default: from _stats.json")
     max_image_pixels: Int = Field(DEFAULT_MAX_IMAGE_PIXELS, ge=1, description="larger images are counted "
                                   "as decompression bombs and skipped")
@@ -160,6 +161,8 @@ class StreamConfig(Section):
                                         "fix: one weight per source, or remove the weights"))
         elif self.weights is not None and (any(w < 0 for w in self.weights) or sum(self.weights) <= 0):
             problems.append(("weights", f"{self.weights}; fix: weights >= 0 with a positive sum"))
+        if not all(s > 0 for s in self.std):   # the stream divides by it: 0 makes every pixel inf or NaN
+            problems.append(("std", f"{list(self.std)}; fix: three positive values (R, G, B)"))
         if self.remote_backoff_base_s > self.remote_backoff_max_s:
             problems.append(("remote_backoff_base_s", f"{self.remote_backoff_base_s:g} is above remote_backoff_max_s "
                                                       f"({self.remote_backoff_max_s:g}); fix: base <= max"))

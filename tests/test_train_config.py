@@ -71,6 +71,8 @@ def test_unknown_key_is_named_with_a_suggestion():
     ("checkpoint.keep_last", 0, "checkpoint.keep_last: must be >= 1"),
     ("stages.1.crop_scale", [0.9, 0.5], "stages.1.crop_scale: [0.9, 0.5]; fix: [min, max]"),
     ("eval.evals", [{"name": "in1k", "type": "linear", "data": "x"}], "eval.evals.0.type: 'linear'"),
+    ("data.std", [0.2, 0.0, 0.2], "data.std: [0.2, 0.0, 0.2]; fix: three positive values"),
+    ("data.num_workers", 100000, "data.num_workers: must be <= 256"),
 ])
 def test_bad_values_name_the_key(path, value, expected):
     raw = _good()
