@@ -8,8 +8,6 @@ instead of exceptions. Data set sizes: shard_census.py.
 """
 from __future__ import annotations
 
-import os
-import stat
 import tarfile
 from collections import Counter
 from dataclasses import dataclass
@@ -18,7 +16,7 @@ from typing import Iterator
 
 from webdataset.tariterators import base_plus_ext
 
-from crate_clip.checkpoint_io.bounded_reads import file_kind
+from crate_clip.core.file_kinds import special_file
 from crate_clip.core.shard_sources import (PIPE, REMOTE_PREFIXES, STATS_PROBES, ShardListError,  # noqa: F401
                                      expand_source, is_remote, stats_url)
 
@@ -34,16 +32,6 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 SPECIAL_CHECKED = 16   # per source, spread over its list: shards stat-ed at the start for being special files
 
 
-def special_file_kind(path: str) -> str | None:
-    """'a FIFO', 'a socket', 'a character device', ... when `path` exists and is neither a regular file nor a
-    folder; None otherwise (a missing path included)."""
-    try:
-        mode = os.stat(path).st_mode
-    except (OSError, ValueError):
-        return None
-    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else file_kind(mode)
-
-
 def check_some_shard_exists(sources: list[str], shards: list[str]) -> None:
     """Raise ShardListError when every shard is a local path and none exists (a mistyped source), or when a
     shard a source names, or one of a sample spread over its list, is a FIFO, device or socket (reading one
@@ -54,7 +42,7 @@ def check_some_shard_exists(sources: list[str], shards: list[str]) -> None:
     local = [s for s in shards if not is_remote(s)]
     step = max(1, len(local) // SPECIAL_CHECKED)
     for shard in dict.fromkeys(local[::step][:SPECIAL_CHECKED] + [s for s in sources if s in local]):
-        kind = special_file_kind(shard)
+        kind = special_file(shard, name_link=False)
         if kind:
             raise ShardListError(f"shard {shard} is {kind}, not a regular file: give .tar files (a FIFO would "
                                  f"block the reader)")
@@ -88,7 +76,7 @@ def iter_shard_samples(url: str, skips: Counter, caps: MemberCaps = MemberCaps()
     """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard; bad data counted in `skips`, members above
     `caps` never read; a remote shard's transient failures retried by `retry` (ShardSourceUnavailable when it
     gives up)."""
-    if not is_remote(url) and special_file_kind(url):
+    if not is_remote(url) and special_file(url, name_link=False):
         skips["unreadable_shard"] += 1   # a FIFO would block the open for ever; a device reads without end
         return
     try:

@@ -18,17 +18,18 @@ def file_kind(mode: int) -> str:
                 else "a special file")
 
 
-def special_file(path: str | Path) -> Optional[str]:
-    """'a FIFO', 'a character device (a link to /dev/zero)', ... when `path` exists and is neither a regular
-    file nor a folder; None otherwise (missing, regular or a folder: the caller's own checks say which)."""
+def special_file(path: str | Path, name_link: bool = True) -> Optional[str]:
+    """'a FIFO', 'a character device (a link to /dev/zero)' (the link part only with `name_link`), ... when `path`
+    exists and is neither a regular file nor a folder; None otherwise (missing, regular or a folder: the caller's own checks say which; a name no
+    path can have, with a NUL byte, counts as missing). The shard lists (crate_clip.data) check their shards with it."""
     try:
         mode = os.stat(path).st_mode
-    except OSError:
+    except (OSError, ValueError):
         return None
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return None
     kind = file_kind(mode)
-    return f"{kind} (a link to {os.path.realpath(path)})" if os.path.islink(path) else kind
+    return f"{kind} (a link to {os.path.realpath(path)})" if name_link and os.path.islink(path) else kind
 
 
 def read_regular_text(path: str | Path, limit: int, what: str) -> str:

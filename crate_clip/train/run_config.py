@@ -25,7 +25,7 @@ from crate_clip.models.token_masks import TokenMask
 from crate_clip.data.device_decode import Decode
 from crate_clip.core.shard_sources import refused_source
 from crate_clip.data.shard_census import tar_ending
-from crate_clip.data.shard_reader import ShardListError, expand_source, is_remote, special_file_kind
+from crate_clip.data.shard_reader import ShardListError, expand_source, is_remote
 from crate_clip.data.tar_members import COMPRESSED_MAGIC
 from crate_clip.data.text_reduction import TextMask
 from crate_clip.data.train_stream import StreamConfig, crop_scale_problems
@@ -451,7 +451,7 @@ def _source_problems(key: str, source: str) -> list[str]:
         return [f"{key}: {source!r} names no .tar shard (an empty folder or a pattern that matches nothing); {fix}"]
     step = max(1, len(shards) // SHARDS_CHECKED)
     sample = shards[::step][:SHARDS_CHECKED]
-    special = [(shard, kind) for shard in sample if (kind := special_file_kind(shard))]
+    special = [(shard, kind) for shard in sample if (kind := special_file(shard, name_link=False))]
     if special:   # a FIFO would block the reader for ever, a device be read without end
         return [f"{key}: {special[0][0]!r} is {special[0][1]}, not a regular file; fix: give .tar files"]
     present = [shard for shard in sample if Path(shard).is_file()]
