@@ -20,8 +20,9 @@ def file_kind(mode: int) -> str:
 
 def special_file(path: str | Path, name_link: bool = True) -> Optional[str]:
     """'a FIFO', 'a character device (a link to /dev/zero)' (the link part only with `name_link`), ... when `path`
-    exists and is neither a regular file nor a folder; None otherwise (missing, regular or a folder: the caller's own checks say which; a name no
-    path can have, with a NUL byte, counts as missing). The shard lists (crate_clip.data) check their shards with it."""
+    exists and is neither a regular file nor a folder; None otherwise (missing, regular or a folder: the caller's
+    own checks say which; a name no path can have, with a NUL byte, counts as missing). The shard lists
+    (crate_clip.data) check their shards with it."""
     try:
         mode = os.stat(path).st_mode
     except (OSError, ValueError):
