@@ -17,6 +17,7 @@ from open_clip.transform import PreprocessCfg, image_transform_v2
 from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
                                                           consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint,
                                                           newest_complete_tag, read_info, resolve_checkpoint_tag)
+from crate_clip.checkpoint_io.run_layout import checkpoints_dir
 from crate_clip.core.errors import UserError
 from crate_clip.core.patch_tiling import PatchTilingError
 from crate_clip.core.resize_modes import RESOLUTION_RESIZE_MODES
@@ -148,8 +149,8 @@ def _check_model_name(model: str) -> None:
         if newest is not None:
             fix = (f"a checkpoints folder without its `{LATEST_FILE}` file (a run cut short before it was written?); "
                    f"fix: pass one checkpoint folder, e.g. --model {folder / newest} (the newest complete one)")
-        elif (folder / "checkpoints").is_dir():
-            fix = f"a run folder; fix: pass its checkpoints, --model {folder / 'checkpoints'}"
+        elif checkpoints_dir(folder).is_dir():
+            fix = f"a run folder; fix: pass its checkpoints, --model {checkpoints_dir(folder)}"
         elif (folder / CONFIG_FILE).is_file():
             fix = f"an export; fix: pass --model local-dir:{model}"
         else:

@@ -6,7 +6,11 @@ touches this module only. The trainer writes it, the export, the demo and `--res
     <run>/metrics.jsonl        one record per logged step;   <run>/results.jsonl   one row per evaluation
     <run>/run_config.yaml      the resolved run config of the first start (never rewritten)
     <run>/config_changes.jsonl the config changes resumes made since (step, key, old, new)
-    <run>/tensorboard/         TensorBoard events
+    <run>/tensorboard/         TensorBoard events;   <run>/metrics.csv, results.csv   the csv tracker's tables
+    <run>/wandb/, wandb_run_id.txt   Weights & Biases' offline files and the run id a resume continues
+    <run>/logs/                DeepSpeed's log of each rank (deepspeed-rank<r>.log)
+    <run>/eval_cache/          the evaluations' cache (zero-shot classifiers, linear-probe features)
+    <run>/linear_probe.json    the demo's linear probe of the final model
     <run>/training_curve.png   the loss curve at the end
     <run>/export/              the trainer's final export;   <run>/exports/<tag>/  `crate-clip export` of a checkpoint
     <run>.lock                 beside the folder: the lock the run's rank 0 holds
@@ -26,6 +30,13 @@ PLOT_FILE = "training_curve.png"
 RUN_CONFIG_FILE = "run_config.yaml"
 CONFIG_CHANGES_FILE = "config_changes.jsonl"   # what resumes changed of run_config.yaml (train/config_changes.py)
 TENSORBOARD_DIR = "tensorboard"
+METRICS_CSV = "metrics.csv"         # the csv tracker (train/trackers.py)
+RESULTS_CSV = "results.csv"
+WANDB_DIR = "wandb"
+WANDB_ID_FILE = "wandb_run_id.txt"
+LOG_DIR = "logs"                    # DeepSpeed's per-rank logs (train/deepspeed_output.py)
+EVAL_CACHE_DIR = "eval_cache"       # the stage evaluations' and the demo's cache
+DEMO_PROBE_FILE = "linear_probe.json"   # the demo's linear probe of the final model
 EXPORT_DIR = "export"               # the final export of a run
 EXPORTS_DIR = "exports"             # `crate-clip export` of one checkpoint: exports/<tag>/
 LOCK_SUFFIX = ".lock"
@@ -91,6 +102,11 @@ def checkpoints_in(path: Path) -> Path:
 def run_dir_of(tag_dir: Path) -> Path:
     """The run folder a checkpoint (tag folder) belongs to."""
     return Path(tag_dir).parent.parent
+
+
+def eval_cache_dir(run_dir: Path) -> Path:
+    """Where a run's evaluations cache their classifiers and features."""
+    return Path(run_dir) / EVAL_CACHE_DIR
 
 
 def export_dir(run_dir: Path) -> Path:

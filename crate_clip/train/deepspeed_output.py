@@ -16,7 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional, TextIO
 
-LOG_DIR = "logs"
+from crate_clip.checkpoint_io.run_layout import LOG_DIR
+
 DEEPSPEED_LOGGER = "DeepSpeed"
 _FORMAT = logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d] %(message)s")
 

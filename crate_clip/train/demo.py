@@ -17,7 +17,8 @@ from pathlib import Path
 from crate_clip.core.cli_conventions import CommandParser, accept_old_name, add_json_flag, chatter_to_stderr
 from crate_clip.core.cli_numbers import NON_NEGATIVE_INT, POSITIVE_INT
 from crate_clip.core.errors import EXIT_USAGE
-from crate_clip.checkpoint_io.run_layout import PLOT_FILE, checkpoints_dir, export_dir
+from crate_clip.checkpoint_io.run_layout import (DEMO_PROBE_FILE, PLOT_FILE, checkpoints_dir, eval_cache_dir,
+                                                 export_dir)
 from crate_clip.data.sources.debian_packages import DEBIAN_PACKAGES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -264,9 +265,9 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     print(f"[demo] linear probe of the export: features of {train_images:,} training images, then the fits",
           flush=True)   # minutes on 2 cores: its bars say where it is
     metrics = linear_probe.linear_probe_evaluate(model, preprocess=preprocess, settings=settings, progress=True,
-                                                 cache_dir=run_dir / "eval_cache")
+                                                 cache_dir=eval_cache_dir(run_dir))
     print(f"[demo] {linear_probe.summary(metrics)} in {metrics['extract_seconds'] + metrics['probe_seconds']:.0f} s")
-    (run_dir / "linear_probe.json").write_text(json.dumps(metrics, indent=1))
+    (run_dir / DEMO_PROBE_FILE).write_text(json.dumps(metrics, indent=1))
     log_probe(run_dir, metrics)   # beside the run's own numbers in TensorBoard / results.csv
     _card_with_probe(run_dir, export, metrics)
     return metrics

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch.distributed as tdist
 
+from crate_clip.checkpoint_io.run_layout import eval_cache_dir
 from crate_clip.core.errors import UserError
 from crate_clip.models.open_clip_configs import image_patch_size
 from crate_clip.models.patch_change import (patch_for_image_size, patch_input_size, set_resolution_by_patch,
@@ -77,7 +78,7 @@ def evaluate_after_stage(cfg: RunConfig, stage: ResolvedStage, weights: dict, pr
             check_finite_weights(model, f"stage {stage.index} ({stage.name})")
             results = evaluate_stage(model, model_name=cfg.model.name, evals=evals,
                                      image_size=pixels, device=dist.device, precision=cfg.precision,
-                                     cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main,
+                                     cache_dir=str(eval_cache_dir(cfg.run_dir)), progress=dist.is_main,
                                      bert_vocab=cfg.model.bert_vocab)
         except (ValueError, FileNotFoundError) as exc:   # the evaluations' refusals and data errors
             raise EvalRefusedError(
@@ -183,7 +184,7 @@ def evaluate_mid_stage(cfg: RunConfig, stage: ResolvedStage, engine, progress: P
     try:
         results = evaluate_stage(engine, model_name=cfg.model.name, evals=cfg.eval.evals,
                                  image_size=stage.image_size, device=dist.device, precision=cfg.precision,
-                                 cache_dir=str(cfg.run_dir / "eval_cache"), progress=dist.is_main,
+                                 cache_dir=str(eval_cache_dir(cfg.run_dir)), progress=dist.is_main,
                                  bert_vocab=cfg.model.bert_vocab)
     except (ValueError, FileNotFoundError) as exc:
         raise EvalRefusedError(f"stage {stage.index} ({stage.name}) mid-stage evaluation at step {progress.step}: "

@@ -16,10 +16,9 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Optional
 
-from crate_clip.checkpoint_io.run_layout import TENSORBOARD_DIR
+from crate_clip.checkpoint_io.run_layout import METRICS_CSV, RESULTS_CSV, TENSORBOARD_DIR, WANDB_DIR, WANDB_ID_FILE
 from crate_clip.core.errors import ConfigError
 
-METRICS_CSV, RESULTS_CSV, WANDB_DIR, WANDB_ID_FILE = "metrics.csv", "results.csv", "wandb", "wandb_run_id.txt"
 # metrics.csv columns: the step's place and its numbers (throughput figures follow, from the ThroughputRecord)
 STEP_COLUMNS = ("stage_index", "stage_name", "step", "global_step", "samples_seen", "image_size", "loss", "lr",
                 "logit_scale", "grad_norm", "samples_per_s", "nonfinite_skipped", "skipped", "time")
