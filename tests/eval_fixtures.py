@@ -160,6 +160,16 @@ def shared_crate_tiny() -> torch.nn.Module:
 CRATE_TINY = "CRATE-alpha-CLIPA-tiny"
 
 
+def write_tiny_export(out: Path) -> Path:
+    """shared_crate_tiny as an open_clip export folder at `out` (the refusal tests edit copies of its files)."""
+    from crate_clip.export.writer import export_open_clip
+
+    model = shared_crate_tiny()
+    export_open_clip({k: v.contiguous() for k, v in model.state_dict().items()}, CRATE_TINY, out,
+                     image_size=model.visual.image_size[0], context_length=model.context_length)
+    return out
+
+
 def assert_accuracies_agree(got: dict, want: dict, flips: int = 1) -> None:
     """Zero-shot metrics of one model on the same images, batched differently or computed by other code: equal
     image counts, and accuracies at most `flips` images apart (other batch shapes run other kernels, and an

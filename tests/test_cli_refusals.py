@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from crate_clip.cli import main as crate_clip_main
-from eval_fixtures import CRATE_TINY, shared_crate_tiny
+from eval_fixtures import CRATE_TINY, shared_crate_tiny, write_tiny_export
 from train_fixtures import REPO_ROOT, run_env, tiny_config, tiny_fmnist, write_config  # noqa: F401 (fixture)
 
 
@@ -89,13 +89,7 @@ def test_an_unknown_model_name_is_one_line_not_open_clips_list(capsys):
 # ---------------------------------------------------------------- an export config from a file
 @pytest.fixture(scope="module")
 def tiny_export(tmp_path_factory):
-    from crate_clip.export.writer import export_open_clip
-
-    model = shared_crate_tiny()
-    out = tmp_path_factory.mktemp("export") / "export"
-    export_open_clip({k: v.contiguous() for k, v in model.state_dict().items()}, CRATE_TINY, out,
-                     image_size=model.visual.image_size[0], context_length=model.context_length)
-    return out
+    return write_tiny_export(tmp_path_factory.mktemp("export") / "export")
 
 
 def _vision(cfg, key, value):

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 import warm_python
-from eval_fixtures import CRATE_TINY, shared_crate_tiny
+from eval_fixtures import CRATE_TINY, write_tiny_export
 from train_fixtures import REPO_ROOT, run_env
 
 PEAK_BOUND = 200 << 20   # what a refusal may add to the process's peak memory (the imports are in the zygote)
@@ -168,13 +168,7 @@ def test_bounded_aliases_still_work(tmp_path):
 # ---------------------------------------------------------------------------------------------- model folders
 @pytest.fixture(scope="module")
 def tiny_export(tmp_path_factory):
-    from crate_clip.export.writer import export_open_clip
-
-    model = shared_crate_tiny()
-    out = tmp_path_factory.mktemp("export") / "export"
-    export_open_clip({k: v.contiguous() for k, v in model.state_dict().items()}, CRATE_TINY, out,
-                     image_size=model.visual.image_size[0], context_length=model.context_length)
-    return out
+    return write_tiny_export(tmp_path_factory.mktemp("export") / "export")
 
 
 def _edit_config(export: Path, edit) -> None:
