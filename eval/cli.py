@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
         if settings.has_details:
             cmd.add_argument("--details", "--per-class", dest="details", action="store_true",
                              help="also print the task's detail table (e.g. per-class accuracy)")
+        if getattr(settings, "has_per_image", False):
+            cmd.add_argument("--per-image-out", type=Path, metavar="FILE",
+                             help="also write each image's index, label and top-1 class as CSV lines here (for "
+                                  "paired comparisons of two models on the same images)")
     return parser
 
 
@@ -132,6 +136,13 @@ def main(argv=None) -> int:
     return _evaluate(args)
 
 
+def _write_per_image(args, rows) -> None:
+    # CSV, not the metrics JSON: 10,000 rows would drown the summary and results files.
+    if rows is not None:
+        args.per_image_out.parent.mkdir(parents=True, exist_ok=True)
+        args.per_image_out.write_text("index,label,top1\n" + "".join(f"{i},{y},{p}\n" for i, y, p in rows))
+
+
 def _evaluate(args) -> int:
     """The parsed command: load the model, run the task, print (and write) its metrics."""
     from crate_clip.checkpoint_io.safe_unpickling import trusted_checkpoints
@@ -160,11 +171,13 @@ def _evaluate(args) -> int:
                                                                   device, bert_vocab=args.bert_vocab,
                                                                   resize=args.resize)
         context = EvalContext(tokenizer=tokenizer, preprocess=preprocess, device=device, precision=args.precision,
-                              cache_dir=args.cache_dir or None, progress=not args.no_progress)
+                              cache_dir=args.cache_dir or None, progress=not args.no_progress,
+                              per_image=getattr(args, "per_image_out", None) is not None)
         metrics = run_task(model, settings, context)
     except usage_errors as err:
         return report_error("crate-clip eval", err)
     if rank_and_world()[0] == 0:
+        _write_per_image(args, metrics.pop("per_image", None))
         task = task_module(args.task)
         record = {"model": args.model, "data": args.data, "task": args.task.replace("_", "-"), **metrics}
         if args.json:

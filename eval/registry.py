@@ -58,6 +58,7 @@ class EvalContext:
     precision: str = "fp32"
     cache_dir: str | Path | None = None
     progress: bool = True
+    per_image: bool = False   # zeroshot: also each image's top-1 class (`eval zeroshot --per-image-out`)
 
     def loop_args(self, settings: EvalSettings) -> dict:
         """The keyword arguments every evaluation loop takes."""

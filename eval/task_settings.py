@@ -25,6 +25,7 @@ class ZeroshotSettings(EvalSettings):
     """Zero-shot classification: text classifier from class names x templates, then top-1/top-5 accuracy."""
 
     has_details: ClassVar[bool] = True   # `--details`: the per-class table
+    has_per_image: ClassVar[bool] = True   # `--per-image-out FILE`: each image's top-1 class (paired comparisons)
     type: Literal["zeroshot"] = Field("zeroshot", description="the task (an entry without a type is a zeroshot one)")
     dataset: Optional[str] = Field(None, description=f"{' | '.join(BUILTIN_DATASETS)} (built-in class names) | any "
                                    f"name with classnames or {CLASSNAMES_FILE} beside the data (default: the data's "

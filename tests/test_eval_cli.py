@@ -16,8 +16,13 @@ def test_cli_zeroshot_writes_json_and_uses_the_cache(sets, vit_file, tmp_path, c
     args = ["eval", "zeroshot", "--model", name, "--pretrained", str(weights), "--data", str(sets["folder"]),
             "--dataset", "fashion_mnist", "--batch-size", "64", "--num-workers", "0", "--no-progress",
             "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "zs.json")]
-    assert crate_clip_main(args + ["--per-class"]) == 0
+    assert crate_clip_main(args + ["--per-class", "--per-image-out", str(tmp_path / "per_image.csv")]) == 0
     first = json.loads((tmp_path / "zs.json").read_text())
+    header, *rows = (tmp_path / "per_image.csv").read_text().splitlines()
+    rows = [tuple(map(int, r.split(","))) for r in rows]   # index, label, top-1 class; every image, in order
+    assert header == "index,label,top1" and [r[0] for r in rows] == list(range(first["n_images"]))
+    assert sum(label == top1 for _, label, top1 in rows) == round(first["top1"] * first["n_images"])
+    assert sorted({r[1] for r in rows}) == list(range(10)) and "per_image" not in first
     out = capsys.readouterr().out
     assert "zero-shot: top-1" in out and re.search(rf"\nankle boot +{PER_CLASS} +\d", out)
     assert crate_clip_main(args + ["--json"]) == 0   # the metrics on stdout as JSON, instead of the summary

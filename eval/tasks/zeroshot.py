@@ -16,7 +16,7 @@ from tqdm import tqdm
 from crate_clip.eval.class_sets import (BUILTIN_CLASSNAMES, dataset_name, resolve_classnames, resolve_templates,
                                         template_text)
 from crate_clip.eval.classifier_cache import cache_path, classifier_key, load_cached, save_cached
-from crate_clip.eval.distributed_batches import all_ranks_agree, all_reduce_sum, rank_and_world
+from crate_clip.eval.distributed_batches import all_ranks_agree, all_reduce_sum, gather_objects, rank_and_world
 from crate_clip.eval.eval_datasets import classification_dataset
 from crate_clip.eval.eval_loop import EvalPass, evaluation_mode
 from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
@@ -66,9 +66,12 @@ def zero_shot_evaluate(model, tokenizer, dataset, classnames: Sequence[str], tem
                        batch_size: int = 256, device="cpu", precision: str = "fp32",
                        cache_dir: str | Path | None = None, num_workers: int = 0, progress: bool = True,
                        max_images: int | None = None,
-                       max_unreadable_fraction: float = DEFAULT_MAX_UNREADABLE_FRACTION) -> dict:
+                       max_unreadable_fraction: float = DEFAULT_MAX_UNREADABLE_FRACTION,
+                       per_image: bool = False) -> dict:
     """Zero-shot top-1/top-5/mean-per-class accuracy of `model` on `dataset` (all ranks call this); refused
-    (UnreadableDataError) when more than `max_unreadable_fraction` of the images cannot be read."""
+    (UnreadableDataError) when more than `max_unreadable_fraction` of the images cannot be read. `per_image`:
+    also `metrics["per_image"]`, every readable image's (index, label, top-1 class) in index order, for paired
+    comparisons of two models on the same images."""
     check_precision(precision)
     classnames = list(classnames)
     _check_class_count(dataset, classnames)
@@ -81,24 +84,32 @@ def zero_shot_evaluate(model, tokenizer, dataset, classnames: Sequence[str], tem
                                                         precision=precision, cache_dir=cache_dir,
                                                         progress=progress and batches.rank == 0)
         start = time.perf_counter()
+        rows = []
         for batch in batches:
-            _score_batch(model, batch, classifier, counts, device=device, precision=precision)
+            top1 = _score_batch(model, batch, classifier, counts, device=device, precision=precision)
+            rows += zip(batch.indices.tolist(), batch.targets.tolist(), top1.tolist())
     metrics = _summary(all_reduce_sum(counts), batches.unreadable, batches.world, classnames, cache_info,
                        time.perf_counter() - start)
+    if per_image:   # every rank's rows, merged in index order
+        metrics["per_image"] = sorted(row for part in gather_objects(rows) for row in part)
     check_unreadable(f"zero-shot on {data_name(dataset)}", metrics["n_images"], metrics["n_unreadable"],
                      max_unreadable_fraction, batches.unreadable)
     return metrics
 
 
-def _score_batch(model, batch, classifier: torch.Tensor, counts: torch.Tensor, *, device, precision: str) -> None:
+def _score_batch(model, batch, classifier: torch.Tensor, counts: torch.Tensor, *, device,
+                 precision: str) -> torch.Tensor:
     # As open_clip_train.zero_shot: logits = 100 * features @ classifier; a hit is the label in the top-k.
+    # Returns the batch's top-1 classes.
     labels = batch.targets
     _check_labels(labels, counts.shape[1])
     logits = 100.0 * image_features(model, batch.images.to(device), precision) @ classifier
-    hits = logits.topk(min(5, counts.shape[1]), dim=1).indices.cpu() == labels.view(-1, 1)
+    ranked = logits.topk(min(5, counts.shape[1]), dim=1).indices.cpu()
+    hits = ranked == labels.view(-1, 1)
     counts[0].index_add_(0, labels, torch.ones(len(labels), dtype=torch.float64))
     counts[1].index_add_(0, labels, hits[:, 0].double())
     counts[2].index_add_(0, labels, hits.any(dim=1).double())
+    return ranked[:, 0]   # the same top-1 the hits count
 
 
 def _check_class_count(dataset, classnames) -> None:
@@ -148,7 +159,8 @@ def run(model, settings: Settings, context) -> dict:
     dataset = classification_dataset(settings.data, context.preprocess, dataset=name,
                                      num_classes=len(classnames), labels_file=settings.labels, classnames=classnames)
     return zero_shot_evaluate(model, context.tokenizer, dataset, classnames, templates,
-                              cache_dir=context.cache_dir, **context.loop_args(settings))
+                              cache_dir=context.cache_dir, per_image=context.per_image,
+                              **context.loop_args(settings))
 
 
 def data_problems(settings: Settings) -> list[tuple[str, str]]:
