@@ -14,10 +14,10 @@ import open_clip
 import torch
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
-                                                          consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint,
-                                                          newest_complete_tag, read_info, resolve_checkpoint_tag)
-from crate_clip.checkpoint_io.run_layout import checkpoints_dir
+from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, is_deepspeed_checkpoint, newest_complete_tag,
+                                                        read_info, resolve_checkpoint_tag)
+from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidate_deepspeed_checkpoint
+from crate_clip.checkpoint_io.run_layout import LATEST_FILE, checkpoints_dir
 from crate_clip.core.errors import UserError
 from crate_clip.core.patch_tiling import PatchTilingError
 from crate_clip.core.resize_modes import RESOLUTION_RESIZE_MODES

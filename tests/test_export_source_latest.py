@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from crate_clip.export.source import ExportSourceError, _tag_dir
+from crate_clip.export.source import ExportSourceError, export_source
 
 
 def _run_with_latest(tmp_path: Path) -> Path:
@@ -19,7 +19,7 @@ def test_a_latest_naming_a_folder_outside_the_checkpoints_is_refused(tmp_path):
     ckpts = _run_with_latest(tmp_path)
     (ckpts / "latest").write_text("../../elsewhere")
     with pytest.raises(ExportSourceError, match="latest: not one checkpoint folder's name"):
-        _tag_dir(tmp_path / "run", None)
+        export_source(tmp_path / "run")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
@@ -27,7 +27,7 @@ def test_a_latest_that_is_a_fifo_is_refused_without_blocking(tmp_path):
     ckpts = _run_with_latest(tmp_path)
     os.mkfifo(ckpts / "latest")
     with pytest.raises(ExportSourceError, match="latest: .*FIFO"):
-        _tag_dir(tmp_path / "run", None)
+        export_source(tmp_path / "run")
 
 
 def test_a_huge_latest_is_refused(tmp_path):
@@ -35,7 +35,7 @@ def test_a_huge_latest_is_refused(tmp_path):
     with open(ckpts / "latest", "wb") as f:
         f.truncate(1 << 30)   # sparse: 1 GiB of size, no disk used
     with pytest.raises(ExportSourceError, match="latest: .*bytes"):
-        _tag_dir(tmp_path / "run", None)
+        export_source(tmp_path / "run")
 
 
 def test_a_latest_naming_an_incomplete_checkpoint_is_refused(tmp_path):
@@ -43,11 +43,11 @@ def test_a_latest_naming_an_incomplete_checkpoint_is_refused(tmp_path):
     (ckpts / "stage1-step00000002").mkdir()
     (ckpts / "latest").write_text("stage1-step00000002\n")
     with pytest.raises(ExportSourceError, match="not a complete checkpoint"):
-        _tag_dir(tmp_path / "run", None)
+        export_source(tmp_path / "run")
 
 
 def test_a_latest_that_is_a_dangling_link_is_named_so(tmp_path):
     ckpts = _run_with_latest(tmp_path)
     (ckpts / "latest").symlink_to(tmp_path / "gone")
     with pytest.raises(ExportSourceError, match="latest: a link to nothing"):
-        _tag_dir(tmp_path / "run", None)
+        export_source(tmp_path / "run")

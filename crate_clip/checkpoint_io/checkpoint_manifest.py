@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE
+from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE
 from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, checksum_problem, file_checksum
 
 

@@ -2,20 +2,18 @@
 normalisation, the run's stages and the evaluation results its weights have (results.jsonl).
 
 A checkpoint is named as a user has it at hand: the run folder, its `checkpoints/` folder (the checkpoint
-`latest` names), one `<tag>/` folder, or a stage number (that stage's last checkpoint). Every value comes
-from the checkpoint's crate_clip.json, so an export of it is the same wherever and whenever it is made.
+`latest` names), one `<tag>/` folder, or a stage number (that stage's last checkpoint), resolved by
+crate_clip.checkpoint_io.checkpoint_record (user_checkpoint), where train and eval resolve theirs. Every value
+comes from the checkpoint's crate_clip.json, so an export of it is the same wherever and whenever it is made.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE, is_stage_end,
-                                                            latest_problem, read_info, read_latest_tag)
-from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, checkpoints_in, linked_outside, read_jsonl, run_dir_of
+from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE, is_stage_end, read_info, user_checkpoint
+from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, linked_outside, read_jsonl, run_dir_of
 from crate_clip.core.errors import UserError
-from crate_clip.core.file_kinds import special_file
 from crate_clip.models import preprocess_cfg_for
 from crate_clip.models.clip_tokenizers import tokenizer_record
 from crate_clip.models.model_cfg_check import check_recorded_normalisation
@@ -85,7 +83,7 @@ class ExportSource:
 def export_source(checkpoint: str | Path, stage: int | None = None, bert_vocab: str | None = None) -> ExportSource:
     """The checkpoint to export: `checkpoint` is a run folder, its checkpoints folder or one tag folder;
     `stage` picks that stage's last checkpoint. `bert_vocab` stands in for the vocabulary the run recorded."""
-    tag_dir = _tag_dir(Path(checkpoint), stage)
+    tag_dir = user_checkpoint(Path(checkpoint), stage, ExportSourceError)
     target = linked_outside(tag_dir)
     if target is not None:   # its results.jsonl and exports/ would be this run's: refused, not followed silently
         raise ExportSourceError(f"{tag_dir}: a symbolic link to {target}, outside its run folder (another run's "
@@ -98,51 +96,6 @@ def export_source(checkpoint: str | Path, stage: int | None = None, bert_vocab: 
     check_recorded_normalisation(info, tag_dir / INFO_FILE, "the checkpoint's record is damaged: export another one")
     vocab = _vocab(info, bert_vocab, tag_dir)
     return ExportSource(tag_dir, info, vocab, _results(tag_dir, info))
-
-
-def _tag_dir(path: Path, stage: int | None) -> Path:
-    """The tag folder a user's path (and stage) name."""
-    if not path.is_dir():   # a FIFO or a device is said to be one, not to be missing
-        what = f"{special_file(path) or 'a file'}, not a folder" if os.path.exists(path) else "no such folder"
-        raise ExportSourceError(f"{path}: {what} (a run folder, its checkpoints/ folder, or one checkpoint folder "
-                                "is exported)")
-    is_tag = read_info(path) is not None
-    root = path.parent if is_tag else checkpoints_in(path)
-    if stage is not None:
-        return _stage_end(root, stage)
-    if is_tag:
-        return path
-    if os.path.lexists(root / LATEST_FILE):   # a link to nothing is a broken `latest`, said so below
-        # bounded and checked like a resume's read: a FIFO, a huge file or a tag naming a path outside the
-        # checkpoints folder ("../x") is refused, not followed
-        tag = read_latest_tag(root)
-        if tag is None:
-            why = latest_problem(root) or "not one checkpoint folder's name"
-            raise ExportSourceError(f"{root / LATEST_FILE}: {why}; pass one of "
-                                    f"{_complete(root) or 'the checkpoint folders'} instead")
-        if read_info(root / tag) is None:
-            raise ExportSourceError(f"{root / LATEST_FILE} names {tag!r}, which is not a complete checkpoint; "
-                                    f"pass one of {_complete(root) or 'the checkpoint folders'} instead")
-        return root / tag
-    raise ExportSourceError(f"{path}: not a checkpoint (no {INFO_FILE}) and no {LATEST_FILE} file; pass a run folder, "
-                            f"its checkpoints/ folder or one of {_complete(root) or 'its checkpoint folders'}")
-
-
-def _complete(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and read_info(p) is not None) if root.is_dir() else []
-
-
-def _stage_end(root: Path, stage: int) -> Path:
-    """The last checkpoint of stage `stage` among the complete ones in `root`."""
-    ends = {}
-    for name in _complete(root):
-        info = read_info(root / name)
-        if info.get("stage_index") == stage and is_stage_end(info):
-            ends[name] = info
-    if not ends:
-        raise ExportSourceError(f"{root}: no complete final checkpoint of stage {stage} (the run has not finished it, "
-                                f"or it was pruned); complete checkpoints: {_complete(root) or 'none'}")
-    return root / max(ends)
 
 
 def _vocab(info: dict, bert_vocab: str | None, tag_dir: Path) -> str | None:

@@ -11,8 +11,8 @@ with the partial save removed (checkpoint_io/write_failures.py); a resume verifi
 (checkpoint_damage / intact_checkpoint, at the end of this file). Rank 0 also writes the table of all canonical data streams into it (`stream_table.json`:
 a resume at another world size continues the sample order from it, elastic_resume.py).
 
-The records a checkpoint carries live here too: the run's Progress, the CheckpointInfo written as
-crate_clip.json, and the ResumePoint a run starts from.
+The record a checkpoint carries (the run's Progress, the CheckpointInfo written as crate_clip.json) and the finding
+of checkpoints are checkpoint_io/checkpoint_record.py's; the ResumePoint a run starts from lives here.
 
 Nothing read on resume runs code: DeepSpeed's files go through the allow-listed reader
 (crate_clip.checkpoint_io.safe_unpickling) and the rank-state files hold only tensors, numbers, strings,
@@ -24,7 +24,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -36,10 +36,10 @@ from crate_clip.core.errors import EXIT_RESUME, UserError
 from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_write_text, fsync_tree, replace_dir,
                                                    restore_replaced)
 from crate_clip.checkpoint_io.checkpoint_manifest import checksum_share, damage_in_share
-from crate_clip.checkpoint_io.deepspeed_checkpoints import (INFO_FILE, LATEST_FILE,  # noqa: F401
-                                                            complete_tags_in, consolidated_state_dict,
-                                                            INFO_MISSING, is_stage_end, latest_complete_tag,
-                                                            read_info, read_info_checked)
+from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, CheckpointInfo, Progress,  # noqa: F401
+                                                        complete_tags_in, is_stage_end, latest_complete_tag,
+                                                        read_info, read_info_checked, resume_checkpoint)
+from crate_clip.checkpoint_io.deepspeed_checkpoints import LATEST_FILE, consolidated_state_dict  # noqa: F401
 from crate_clip.checkpoint_io.run_layout import (DAMAGED_SUFFIX, REPLACED_SUFFIX, checkpoint_tag,  # noqa: F401
                                                  is_own_staging, linked_outside, staging_name, tag_position)
 from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY
@@ -61,45 +61,6 @@ class CheckpointWriteError(RuntimeError):
 class ResumeError(UserError, RuntimeError):
     """A checkpoint that cannot be resumed from (missing, incomplete, or from another job shape or model)."""
     exit_code = EXIT_RESUME
-
-
-@dataclass
-class Progress:
-    """Where the run is; saved in every checkpoint (crate_clip.json)."""
-    stage_index: int = 0
-    step: int = 0                  # optimizer steps done in this stage (skipped non-finite steps included)
-    global_step: int = 0
-    samples_seen: int = 0
-    nonfinite_skipped: int = 0
-    nonfinite_in_a_row: int = 0
-
-    @classmethod
-    def from_info(cls, info: dict) -> "Progress":
-        """The progress a checkpoint's crate_clip.json records."""
-        return cls(**{f.name: info[f.name] for f in fields(cls) if f.name in info})
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What crate_clip.json records besides DeepSpeed's files: the model and stage that wrote it, and the progress
-    (eval/ rebuilds the model from it; a resume checks it against the job)."""
-    model_name: str
-    image_size: int
-    context_length: int
-    patch_size: Optional[int]      # the image tower's patch size in this stage (None: not a CRATE-alpha tower)
-    zero_stage: int
-    stage_name: str
-    stage_steps: int
-    precision: str
-    run_config: dict
-    normalisation: dict            # the training stream's image mean / std (an export's preprocessing)
-    tokenizer: dict
-    progress: Progress
-
-    def as_dict(self) -> dict:
-        """The JSON form: the progress's fields at the top level, beside the others."""
-        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "progress"},
-                **asdict(self.progress)}
 
 
 @dataclass
@@ -261,31 +222,9 @@ class CheckpointManager:
         return latest_complete_tag(self.root)
 
     def resolve(self, resume: str) -> Path:
-        """`latest` -> newest complete checkpoint of this run; else a tag folder or a checkpoints folder. A checkpoint
-        folder that is a link to another run's checkpoint is refused (linked_outside)."""
-        if resume == "latest":
-            return _not_linked_outside(self._latest_dir(), resume)
-        path = Path(resume)
-        if (path / LATEST_FILE).is_file() or (path.is_dir() and read_info(path) is None and
-                                              any(read_info(p) for p in path.iterdir() if p.is_dir())):
-            other = CheckpointManager(path, self.keep_last, self.rank, self.world_size)
-            return _not_linked_outside(other._latest_dir(), resume)
-        info, why = read_info_checked(path)
-        if info is None:
-            what = (f"its {INFO_FILE} {why}: damaged" if why != INFO_MISSING else
-                    f"no {INFO_FILE}: missing or an interrupted save")
-            raise ResumeError(f"--resume {resume}: not a complete checkpoint ({what}); fix: pass a checkpoint folder "
-                              "or 'latest'")
-        return _not_linked_outside(path, resume)
-
-    def _latest_dir(self) -> Path:
-        """The newest complete checkpoint's folder; ResumeError when there is none."""
-        tag = self.latest_tag()
-        if tag is None:
-            raise ResumeError(f"--resume latest: no complete checkpoint in {self.root}; fix: start without "
-                              "--resume (with --overwrite if the folder holds the files of a run cut short "
-                              "before its first checkpoint: they are moved aside)")
-        return self.root / tag
+        """`latest` -> newest complete checkpoint of this run; else a tag folder or a checkpoints folder; a link to
+        another run's checkpoint is refused (checkpoint_record.resume_checkpoint)."""
+        return resume_checkpoint(self.root, resume, ResumeError)
 
     # ------------------------------------------------------------ load
     @staticmethod
@@ -318,17 +257,6 @@ class CheckpointManager:
             return load_torch_file(path, allow=())
         except UntrustedCheckpointError as exc:
             raise _earlier_rank_state(exc) from None
-
-
-def _not_linked_outside(tag_dir: Path, resume: str) -> Path:
-    """`tag_dir`, unless it is a link leaving its checkpoints and run folder: a resume from it would continue
-    another run's checkpoint under this run's name without a word; ResumeError naming both."""
-    target = linked_outside(tag_dir)
-    if target is not None:
-        raise ResumeError(f"--resume {resume}: {tag_dir} is a symbolic link to {target}, outside its run folder "
-                          f"(another run's checkpoint); fix: remove the link, or pass --resume {target} to continue "
-                          "from that checkpoint knowingly")
-    return tag_dir
 
 
 def own_checkpoint(tag_dir: Path) -> Optional[dict]:
@@ -390,7 +318,7 @@ def find_resume_point(cfg: RunConfig, ckpts: CheckpointManager, resume: Optional
 # resume verifies the checkpoint it is about to load, the ranks sharing the hashing. `--resume latest` (or a run's
 # checkpoints folder) takes the newest intact checkpoint and says in one line which newer ones are damaged (a file
 # missing, truncated or changed; a crate_clip.json that is missing, does not parse or does not match its schema,
-# manifest_schema.py); `--resume <tag folder>` of a damaged checkpoint is an error: another one is never taken
+# checkpoint_record.py); `--resume <tag folder>` of a damaged checkpoint is an error: another one is never taken
 # silently. A checkpoint of an earlier version, which records no
 # checksums, is not verified.
 

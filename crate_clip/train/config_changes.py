@@ -24,7 +24,7 @@ import torch.distributed as tdist
 import yaml
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
-from crate_clip.checkpoint_io.deepspeed_checkpoints import latest_complete_tag, read_info
+from crate_clip.checkpoint_io.checkpoint_record import latest_complete_tag, read_info
 from crate_clip.checkpoint_io.run_layout import CONFIG_CHANGES_FILE, RUN_CONFIG_FILE, checkpoints_in, read_jsonl
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.safe_yaml import load_yaml_file

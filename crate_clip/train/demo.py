@@ -363,7 +363,7 @@ def _demo(args, record: dict | None = None) -> int:
     results = summarize(run_dir)
     if rc != 0:
         # say what failed and what was kept; no plot or export lines for files a failed run did not write
-        from crate_clip.checkpoint_io.deepspeed_checkpoints import latest_complete_tag
+        from crate_clip.checkpoint_io.checkpoint_record import latest_complete_tag
         saved = latest_complete_tag(checkpoints_dir(run_dir))   # what --resume latest takes
         kept = (f"the last checkpoint saved is {checkpoints_dir(run_dir) / saved}; `python -m crate_clip.train.demo "
                 f"--resume` continues from it" if saved else "no checkpoint was saved")

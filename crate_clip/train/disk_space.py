@@ -12,7 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Optional
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import UNIVERSAL_DIR, latest_complete_tag
+from crate_clip.checkpoint_io.checkpoint_record import latest_complete_tag
+from crate_clip.checkpoint_io.deepspeed_checkpoints import UNIVERSAL_DIR
 from crate_clip.checkpoint_io.run_layout import checkpoints_dir, is_own_staging, tag_position
 from crate_clip.core.errors import EXIT_NO_SPACE, UserError
 

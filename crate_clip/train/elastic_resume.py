@@ -55,7 +55,8 @@ from crate_clip.checkpoint_io.atomic_files import atomic_write_text, fsync_dir, 
 from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_small_json
 from crate_clip.checkpoint_io.file_checksums import (CHECKSUMS_KEY, ChecksumMismatchError, file_checksum,
                                                      verify_recorded_checksums)
-from crate_clip.checkpoint_io.deepspeed_checkpoints import UNIVERSAL_DIR, read_info
+from crate_clip.checkpoint_io.checkpoint_record import latest_complete_tag, read_info
+from crate_clip.checkpoint_io.deepspeed_checkpoints import UNIVERSAL_DIR
 from crate_clip.checkpoint_io.run_layout import EXPORT_DIR, RESULTS_FILE, checkpoints_in
 from crate_clip.checkpoint_io.safe_unpickling import deepspeed_reads, load_torch_file
 from crate_clip.core.errors import ConfigError
@@ -153,7 +154,7 @@ def settle_canonical_streams(cfg: RunConfig, world_size: int, tag_dir: Optional[
 def checkpoint_of(path: Path) -> Path:
     """The checkpoint a run folder, a checkpoints folder (its `latest`) or a tag folder names; ResumeError if none."""
     path = checkpoints_in(path)
-    tag = CheckpointManager(path, 1, 0, 1).latest_tag() if read_info(path) is None else None
+    tag = latest_complete_tag(path) if read_info(path) is None else None
     tag_dir = path / tag if tag else path
     if read_info(tag_dir) is None:
         raise ResumeError(f"{path}: no complete checkpoint (crate_clip.json) there; fix: pass a run folder, its "

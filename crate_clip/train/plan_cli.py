@@ -124,7 +124,7 @@ def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int
                 per_node: int = 8) -> tuple[dict, list]:
     """(how the run in progress would resume on `gpus` ranks, `per_node` a node, its remaining stages resolved for
     them)."""
-    from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE, read_info
+    from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE, read_info
     from crate_clip.checkpoint_io.run_layout import run_dir_of
     from crate_clip.train.config_changes import recorded_config
     from crate_clip.train.elastic_resume import checkpoint_of, resume_summary

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE
+from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE
 from crate_clip.checkpoint_io.run_layout import RUN_CONFIG_FILE, RUN_FILES, checkpoints_dir, tag_position
 from crate_clip.core.errors import UserError
 

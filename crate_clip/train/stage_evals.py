@@ -14,12 +14,12 @@ from typing import Optional
 
 import torch.distributed as tdist
 
-from crate_clip.checkpoint_io.run_layout import eval_cache_dir
+from crate_clip.checkpoint_io.checkpoint_record import Progress
+from crate_clip.checkpoint_io.run_layout import checkpoint_tag, eval_cache_dir
 from crate_clip.core.errors import UserError
 from crate_clip.models.open_clip_configs import image_patch_size
 from crate_clip.models.patch_change import (patch_for_image_size, patch_input_size, set_resolution_by_patch,
                                            tower_patch_size)
-from crate_clip.train.checkpoints import Progress, checkpoint_tag
 from crate_clip.train.engine import DistInfo
 from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl
 from crate_clip.train.run_config import RunConfig

@@ -22,15 +22,16 @@ import yaml
 from open_clip import ClipLoss
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
-from crate_clip.checkpoint_io.run_layout import RUN_CONFIG_FILE, checkpoints_dir, export_dir
+from crate_clip.checkpoint_io.checkpoint_record import CheckpointInfo, Progress, read_info
+from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
+from crate_clip.checkpoint_io.run_layout import RUN_CONFIG_FILE, checkpoint_tag, checkpoints_dir, export_dir
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_WARNING, checkpoints_trusted
 from crate_clip.core.errors import EXIT_NONFINITE, UserError
 from crate_clip.models import tokenizer_record
 from crate_clip.models.patch_change import tower_patch_size
 from crate_clip.train.batch_agreement import agreed_batches
-from crate_clip.train.checkpoints import (CheckpointInfo, CheckpointManager, Progress, ResumeError, ResumePoint,
-                                          checkpoint_tag, consolidated_state_dict, find_resume_point, read_info,
-                                          rng_state, set_rng_state)
+from crate_clip.train.checkpoints import (CheckpointManager, ResumeError, ResumePoint, find_resume_point, rng_state,
+                                          set_rng_state)
 from crate_clip.train.disk_space import check_space_for_next_save, remove_leftovers
 from crate_clip.train.elastic_resume import (STREAM_TABLE, gather_stream_table, load_resume_state, needs_universal,
                                              resolve_auto, resume_seed, settle_canonical_streams)
