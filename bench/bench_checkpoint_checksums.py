@@ -32,8 +32,8 @@ CHUNK = 16 * 2 ** 20   # floats per tensor: 64 MiB tensors, like a model's large
 
 def b16_params() -> int:
     """Parameters of CRATE-alpha-CLIPA-B-16 (counted on the meta device)."""
-    import open_clip
-    model = open_clip.create_model("CRATE-alpha-CLIPA-B-16", device="meta")
+    from crate_clip.models import create_clip
+    model = create_clip("CRATE-alpha-CLIPA-B-16", device="meta")
     return sum(p.numel() for p in model.parameters())
 
 

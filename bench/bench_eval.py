@@ -25,6 +25,7 @@ from bench.report import machine_line, write_section  # noqa: E402
 from crate_clip.eval.class_sets import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES  # noqa: E402
 from crate_clip.eval.eval_datasets import classification_dataset  # noqa: E402
 from crate_clip.eval.model_loading import eval_transform  # noqa: E402
+from crate_clip.models import create_clip  # noqa: E402
 from crate_clip.eval.tasks.zeroshot import build_text_classifier, cached_text_classifier, zero_shot_evaluate  # noqa: E402
 
 IMAGE_MODEL = "CRATE-alpha-CLIP-B-16"      # the real-size B/16 tower, at 224 px (CLIP-BPE text: no hub)
@@ -50,7 +51,7 @@ def write_224px_folder(root: Path, n: int) -> Path:
 
 def bench_images(n_images: int, batch_size: int, workers: int, rounds: int) -> list[tuple[str, float]]:
     """Images/s (best of `rounds`, interleaved): bare tower forward on tensors vs the full zero-shot pipeline."""
-    model = open_clip.create_model(IMAGE_MODEL).eval()
+    model = create_clip(IMAGE_MODEL).eval()
     preprocess = eval_transform(model)
     tokenizer = open_clip.get_tokenizer(IMAGE_MODEL)
     best = {}
@@ -82,7 +83,7 @@ def _bare_rate(model, tensors: torch.Tensor, batch_size: int) -> float:
 
 def bench_classifier(classes: int, baseline_classes: int) -> list[tuple[str, float, float | None]]:
     """Seconds to build the classes x 80 classifier: ours uncached and cached, and open_clip's builder."""
-    model = open_clip.create_model(TEXT_MODEL).eval()
+    model = create_clip(TEXT_MODEL).eval()
     tokenizer = open_clip.get_tokenizer(TEXT_MODEL)
     templates = list(open_clip.OPENAI_IMAGENET_TEMPLATES)
     rows = []

@@ -106,7 +106,7 @@ def main() -> int:
     args = p.parse_args()
 
     import crate_clip  # noqa: F401  (registers the towers)
-    from crate_clip.models.patch_change import create_clip_at_patch
+    from crate_clip.models import create_clip
     from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_eval_folder
     from crate_clip.eval.tasks import linear_probe
     from crate_clip.eval.model_loading import load_eval_model
@@ -128,8 +128,8 @@ def main() -> int:
     torch.manual_seed(0)
     run_config = export.parent / "run_config.yaml"
     model_name = yaml.safe_load(run_config.read_text())["model"]["name"] if run_config.is_file() else DEMO_MODEL
-    random_model = create_clip_at_patch(model_name, None, cfg["vision_cfg"].get("patch_size"),
-                                        image_size=size, context_length=cfg["text_cfg"]["context_length"]).eval()
+    random_model = create_clip(model_name, image_size=size, context_length=cfg["text_cfg"]["context_length"],
+                               patch_size=cfg["vision_cfg"].get("patch_size")).eval()
     rows.append(evaluate("random-init tower (same shape)", random_model, preprocess, settings, cache,
                          not args.no_sklearn))
     print("\n" + markdown(rows))

@@ -33,9 +33,8 @@ def flops_per_sample(model_name: str, image_size: int, patch: int, context_lengt
     """Training FLOPs (forward + backward) per sample of the tower at `patch` px patches, counted by torch."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from crate_clip.models.patch_change import create_clip_at_patch
-    model = create_clip_at_patch(model_name, None, patch, "pi_resize", image_size=image_size,
-                                 context_length=context_length)
+    from crate_clip.models import create_clip
+    model = create_clip(model_name, image_size=image_size, context_length=context_length, patch_size=patch)
     images, tokens = torch.randn(4, 3, image_size, image_size), torch.randint(1, 1000, (4, context_length))
     with FlopCounterMode(display=False) as counter:
         image_f, text_f, scale = model(image=images, text=tokens)[:3]

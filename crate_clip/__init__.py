@@ -96,9 +96,12 @@ def _install() -> None:
 
 
 def __getattr__(name: str):
-    """`crate_clip.models` (and its registration) on first use."""
+    """`crate_clip.models` (and its registration) on first use; `crate_clip.create_clip`, the one front door for
+    models (crate_clip.models.clip_factory), from it."""
     if name == "models":
         return importlib.import_module(_REGISTRY_MODULE)
+    if name == "create_clip":
+        return importlib.import_module(_REGISTRY_MODULE).create_clip
     raise AttributeError(f"module 'crate_clip' has no attribute {name!r}")
 
 

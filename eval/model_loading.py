@@ -21,13 +21,11 @@ from crate_clip.checkpoint_io.run_layout import LATEST_FILE, checkpoints_dir
 from crate_clip.core.errors import UserError
 from crate_clip.core.patch_tiling import PatchTilingError
 from crate_clip.core.resize_modes import RESOLUTION_RESIZE_MODES
-from crate_clip.models.clip_factory import create_clip, load_clip_weights, read_state_dict
+from crate_clip.models.clip_factory import create_clip, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
 from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR
-from crate_clip.models.export_folder_check import export_weights_file
-from crate_clip.models.export_loading import create_from_export
 from crate_clip.models.model_cfg_check import check_recorded_normalisation
-from crate_clip.models.patch_change import (checkpoint_input_sizes, create_clip_at_patch, model_tiling_problem,
+from crate_clip.models.patch_change import (checkpoint_input_sizes, model_tiling_problem,
                                            patch_input_size, set_resolution_by_patch, tower_patch_size)
 from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
 
@@ -68,7 +66,8 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
     by_patch = resize == "patch" and image_size is not None
     requested, image_size = image_size, (None if by_patch else image_size)   # 'patch': built at its own size
     if model.startswith(LOCAL_DIR):
-        clip, model_name, info = _from_local_dir(model, image_size), model, {}
+        # built at the requested size, then loaded with pos-embed resizing (open_clip alone cannot resize a timm tower)
+        clip, model_name, info = create_clip(model, image_size=image_size), model, {}
     elif is_deepspeed_checkpoint(model) or is_deepspeed_checkpoint(pretrained):
         clip, model_name, info = _from_deepspeed(model, pretrained, image_size)
     elif Path(model).is_file():
@@ -132,7 +131,7 @@ def _from_weights_file(model: str, pretrained: str | None, image_size: int | Non
               f"(--model local-dir:{Path(pretrained).parent} uses the export's own)", file=sys.stderr)
     state = read_state_dict(pretrained)
     saved_size, context_length = checkpoint_input_sizes(state)
-    return create_clip_at_patch(model, state, image_size=image_size or saved_size, context_length=context_length)
+    return create_clip(model, image_size=image_size or saved_size, context_length=context_length, pretrained=state)
 
 
 class ModelSourceError(UserError, ValueError):
@@ -172,16 +171,6 @@ def _check_not_a_missing_path(model: str) -> None:
                                 f"model name has no '/'): check the path")
 
 
-def _from_local_dir(model: str, image_size: int | None):
-    # Build at the requested size, then load with pos-embed resizing (open_clip alone cannot resize a timm tower).
-    folder = Path(model[len(LOCAL_DIR):])
-    weights = export_weights_file(folder)   # open_clip's choice, a regular file (not a FIFO, not /dev/zero)
-    # the weights are loaded on the next line, with the resizing
-    clip = create_from_export(folder, open_clip.create_model, load_weights=False, force_image_size=image_size)
-    load_clip_weights(clip, read_state_dict(weights), pos_embed_resize="grid_2d")
-    return clip
-
-
 def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
     checkpoint = model if is_deepspeed_checkpoint(model) else pretrained
     _check_normalisation(checkpoint)
@@ -193,8 +182,8 @@ def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
     if not model_name:
         raise ValueError(f"{checkpoint}: no {INFO_FILE} naming the model; pass --model NAME --pretrained {checkpoint}")
     # at the patch size the checkpoint was trained with (a stage may have changed it)
-    clip = create_clip_at_patch(model_name, state, image_size=image_size or info.get("image_size"),
-                                context_length=info.get("context_length"))
+    clip = create_clip(model_name, image_size=image_size or info.get("image_size"),
+                       context_length=info.get("context_length"), pretrained=state)
     _adopt_training_preprocess(clip, info)
     return clip, model_name, info
 

@@ -80,6 +80,20 @@ def test_zero_stages_consolidate_to_the_same_weights(distributed_run):
 
 
 @pytest.mark.timeout(600)
+def test_create_clip_takes_a_checkpoint_folder_as_pretrained(distributed_run):
+    """create_clip(name, pretrained=<checkpoint folder>) holds the consolidated weights (test_models_create_clip.py
+    tests its other options)."""
+    from crate_clip.models import create_clip
+    workdir, _ = distributed_run
+    expected = consolidate_deepspeed_checkpoint(workdir / "ckpt3")[0]
+    for folder in (workdir / "ckpt3", workdir / "ckpt3" / "stage0_step1"):   # via `latest`, one tag
+        got = create_clip(CRATE_TINY, pretrained=folder).state_dict()
+        assert set(got) == set(expected)
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value.reshape(got[key].shape), atol=0, rtol=0)
+
+
+@pytest.mark.timeout(600)
 def test_zero3_engine_uses_the_classifier_cache(distributed_run):
     _, results = distributed_run
     assert not results["engine3"]["cache_hit"] and results["engine3_cached"]["cache_hit"]

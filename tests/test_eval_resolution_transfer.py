@@ -10,8 +10,8 @@ from timm.layers import resample_patch_embed
 
 from crate_clip.cli import main as crate_clip_main
 from crate_clip.core.patch_tiling import PatchTilingError
-from crate_clip.models.patch_change import (create_clip_at_patch, patch_for_image_size, patch_input_size,
-                                           set_resolution_by_patch)
+from crate_clip.models import create_clip
+from crate_clip.models.patch_change import patch_for_image_size, patch_input_size, set_resolution_by_patch
 from crate_clip.models.pi_resize import pi_resize_kernel, resize_image_patches
 from crate_clip.models.pos_embed import resize_image_pos_embed
 from eval_fixtures import CRATE_TINY
@@ -39,7 +39,7 @@ def test_a_clip_moved_to_a_larger_image_by_patch_embeds_the_resized_image_as_the
     """The whole tiny CRATE-alpha CLIP at 21 px / patch 7, then at 27 px by --resize patch (patch 9, 3x3 grid kept):
     the same image embedding for the patch-wise resized image; 28 px, which 9 px patches do not tile, is refused."""
     torch.manual_seed(0)
-    model = create_clip_at_patch(CRATE_TINY, None, patch_size=7, image_size=21).eval()
+    model = create_clip(CRATE_TINY, patch_size=7, image_size=21).eval()
     x = torch.randn(2, 3, 21, 21)
     with pytest.raises(PatchTilingError, match=r"image_size 28 is not a multiple of the 3x3 patch grid"):
         set_resolution_by_patch(model, 28)
@@ -77,7 +77,7 @@ def test_cli_resize_patch_evaluates_a_21px_model_at_27px_with_its_grid(sets, tmp
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    model = create_clip_at_patch(CRATE_TINY, None, patch_size=7, image_size=21)
+    model = create_clip(CRATE_TINY, patch_size=7, image_size=21)
     weights = tmp_path / "m21.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights)
     base = ["eval", "zeroshot", "--model", CRATE_TINY, "--pretrained", str(weights), "--data", str(sets["folder"]),
@@ -145,8 +145,8 @@ def test_a_stage_moving_21px_p7_weights_to_27px_p9_keeps_the_grid_exactly():
     """A later stage at 27 px / patch 9 built from 21 px / patch 7 weights: the 3x3 grid is kept (no 3 -> 4 -> 3
     position-embedding round trip), the same model as --resize patch gives (the stage-0 eval at the same input)."""
     torch.manual_seed(0)
-    low = create_clip_at_patch(CRATE_TINY, None, patch_size=7, image_size=21).eval()
-    staged = create_clip_at_patch(CRATE_TINY, low.state_dict(), patch_size=9, image_size=27).eval()
+    low = create_clip(CRATE_TINY, patch_size=7, image_size=21).eval()
+    staged = create_clip(CRATE_TINY, pretrained=low.state_dict(), patch_size=9, image_size=27).eval()
     set_resolution_by_patch(low, 27)
     assert staged.visual.trunk.grid_size == (3, 3) and staged.visual.trunk.img_size == (27, 27)
     for key, value in low.state_dict().items():

@@ -7,7 +7,8 @@ import torch
 
 import crate_clip  # noqa: F401  (registers the towers and CLIP configs)
 from crate_clip.models.crate_alpha import CrateAlpha, resize_patch_kernel
-from crate_clip.models.patch_change import checkpoint_patch_size, create_clip_at_patch
+from crate_clip.models import create_clip
+from crate_clip.models.patch_change import checkpoint_patch_size
 from crate_clip.train.run_config import config_from_dict
 
 TINY = "CRATE-alpha-CLIPA-tiny"
@@ -79,7 +80,7 @@ def test_stage_change_resizes_the_kernel_and_eval_export_know_the_patch(resize, 
     assert fine.visual.trunk.pos_embed.shape[1] == 50
     # evaluation rebuilds a checkpoint at its own patch size: the same function as the trained model
     images, text = torch.randn(2, 3, 28, 28), torch.randint(1, 100, (2, 8))
-    rebuilt = create_clip_at_patch(TINY, weights, image_size=28, context_length=8).eval()
+    rebuilt = create_clip(TINY, pretrained=weights, image_size=28, context_length=8).eval()
     with torch.no_grad():
         torch.testing.assert_close(rebuilt(images, text)[0], coarse(images, text)[0])
     # the export at patch 7 loads in open_clip at patch 7 with exactly these weights
@@ -97,7 +98,7 @@ def test_eval_of_an_exports_weights_file_rebuilds_at_its_patch_image_size_and_co
     from crate_clip.eval.model_loading import load_eval_model
 
     torch.manual_seed(0)
-    weights = create_clip_at_patch(TINY, None, 7, image_size=21, context_length=16).state_dict()
+    weights = create_clip(TINY, patch_size=7, image_size=21, context_length=16).state_dict()
     export_open_clip(weights, TINY, tmp_path / "export", image_size=21, context_length=16)
     model, _, tokenizer, _ = load_eval_model(TINY, pretrained=str(tmp_path / "export" / WEIGHTS_FILE))
     assert model.visual.trunk.patch_size == 7 and model.visual.image_size == (21, 21) and model.context_length == 16
@@ -167,7 +168,7 @@ def test_an_export_at_a_size_its_patches_do_not_tile_is_refused_before_anything_
     from crate_clip.core.patch_tiling import PatchTilingError
     from crate_clip.export.writer import export_open_clip
 
-    weights = create_clip_at_patch(TINY, None, 9, image_size=27, context_length=16).state_dict()
+    weights = create_clip(TINY, patch_size=9, image_size=27, context_length=16).state_dict()
     with pytest.raises(PatchTilingError) as exc:
         export_open_clip(weights, TINY, tmp_path / "export", image_size=28, context_length=16)
     assert str(exc.value) == f"export of {TINY}: {UNTILED.split(': ', 1)[1]}"

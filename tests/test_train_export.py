@@ -177,11 +177,11 @@ def test_exports_load_in_a_fresh_interpreter_with_the_trained_features(bert_conf
 def test_identical_exports_are_byte_identical_and_the_header_is_sorted(tmp_path):
     from safetensors.torch import load_file
 
-    from crate_clip.models.patch_change import create_clip_at_patch
+    from crate_clip.models import create_clip
     from crate_clip.export.writer import CONFIG_FILE, WEIGHTS_FILE, export_open_clip
 
     torch.manual_seed(0)
-    state = create_clip_at_patch(TINY, None, 7, image_size=21, context_length=16).state_dict()
+    state = create_clip(TINY, patch_size=7, image_size=21, context_length=16).state_dict()
     first = export_open_clip(state, TINY, tmp_path / "a", image_size=21, context_length=16)
     second = export_open_clip(state, TINY, tmp_path / "b", image_size=21, context_length=16)
     for name in (WEIGHTS_FILE, CONFIG_FILE):

@@ -282,15 +282,15 @@ def test_demo_stages_log_the_tokens_and_flops_of_the_model_that_trains(demo_refe
     (16 patches); each record's FLOPs per sample are what torch's counter counts on that model."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from crate_clip.models.patch_change import create_clip_at_patch
+    from crate_clip.models import create_clip
     from crate_clip.train.train_step import attention_kernel
 
     rows = read_jsonl(demo_reference / "metrics.jsonl")
     for stage, size in ((0, 21), (1, 28)):
         (tokens, flops), = {(r["tokens_per_sample"], r["flops_per_sample"]) for r in rows if r["stage_index"] == stage}
         assert tokens == 1 + (size // 7) ** 2 + 16   # class token + patches + text tokens
-        model = create_clip_at_patch("CRATE-alpha-CLIPA-tiny", _export(demo_reference), image_size=size,
-                                     context_length=16)
+        model = create_clip("CRATE-alpha-CLIPA-tiny", pretrained=_export(demo_reference), image_size=size,
+                            context_length=16)
         assert model.visual.trunk.patch_size == 7
         images, text = torch.randn(2, 3, size, size), torch.randint(1, 1000, (2, 16))
         with attention_kernel("auto", "cpu"), FlopCounterMode(display=False) as counter:   # as training on a CPU

@@ -199,7 +199,8 @@ def _staging_dir(out_dir: Path) -> Path:
 
 
 def load_export(out_dir: Path, device: str = "cpu"):
-    """(model, preprocess, tokenizer) of an export, through open_clip's own `local-dir:` loader."""
+    """(model, preprocess, tokenizer) of an export, through open_clip's own `local-dir:` loader: what a user of
+    the export gets (verify_export compares it with the weights written), so not through create_clip."""
     folder = Path(out_dir).resolve()
     model, _, preprocess = create_from_export(folder, open_clip.create_model_and_transforms, device=device)
     return model.eval(), preprocess, open_clip.get_tokenizer(f"{LOCAL_DIR}{folder}")

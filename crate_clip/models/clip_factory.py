@@ -1,12 +1,12 @@
-"""Build CRATE-alpha CLIP models at a stage's image size / context length, and load weights into them.
+"""The one front door for models: `create_clip` builds every CRATE-alpha CLIP of the project (training stages,
+exports, evaluation, conversion, the white-box maps, the benchmarks), as open_clip's create_model does for its own.
 
-open_clip's own loader resizes only its native ViT's position embedding. `load_clip_weights` resizes
-`visual.trunk.pos_embed` and the text `positional_embedding` to the model when asked to
-(`pos_embed_resize='grid_2d'` or `'official_1d'`, see pos_embed.py), converts the official
-CRATE-alpha-CLIPA layout (official_clipa.py), and otherwise refuses a shape mismatch, naming it.
+It builds an open_clip config at a stage's image size / context length, or an export (`local-dir:FOLDER`), moves
+the image tower to another patch size (patch_change.py), and loads weights of any size into it: a weights file,
+a state dict, a DeepSpeed checkpoint folder or an export folder. Reading, resizing and loading weights is
+clip_weights.py's (re-exported here, where callers found it before).
 """
 import contextlib
-import logging
 from copy import deepcopy
 from pathlib import Path
 from typing import Dict, Optional, Union
@@ -16,33 +16,65 @@ import torch
 from open_clip.model import set_model_preprocess_cfg
 from torch import nn
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import (consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint,
-                                                            verify_recorded_file)
-from crate_clip.models.checkpoint_errors import CheckpointMismatchError, key_list
+from crate_clip.models.checkpoint_errors import CheckpointMismatchError  # noqa: F401  (re-exported)
 from crate_clip.models.clip_tokenizers import bert_text_cfg, bert_tokenizer  # noqa: F401  (re-exported)
-from crate_clip.models.weights_files import read_weights_file, refuse_special_file
-from crate_clip.models.crate_alpha import CrateAlpha
-from crate_clip.models.official_clipa import is_official_clipa_layout, official_clipa_to_open_clip, official_key
-from crate_clip.models.open_clip_configs import preprocess_cfg_for
-from crate_clip.models.pos_embed import (check_resize_mode, resize_image_pos_embed, resize_text_pos_embed,
-                                         square_grid)
+from crate_clip.models.clip_weights import (IMAGE_POS_KEY, TEXT_POS_KEY, TEXT_POS_KEYS,  # noqa: F401  (re-exported)
+                                            _image_tower, load_clip_weights, quiet_random_init, read_state_dict,
+                                            resize_clip_state_dict, strip_module_prefix)
+from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR
+from crate_clip.models.export_folder_check import export_weights_file
+from crate_clip.models.export_loading import create_from_export
+from crate_clip.models.open_clip_configs import image_patch_size, preprocess_cfg_for
+from crate_clip.models.patch_change import checkpoint_patch_size, load_clip_weights_at_patch, set_fresh_patch_size
 
-IMAGE_POS_KEY = "visual.trunk.pos_embed"
-TEXT_POS_KEY = "positional_embedding"
-TEXT_POS_KEYS = (TEXT_POS_KEY, "text." + TEXT_POS_KEY)  # CLIP's text tower, CustomTextCLIP's (CRATE-alpha text)
+Weights = Union[str, Path, Dict[str, torch.Tensor]]
 
 
 def create_clip(model_name: str, image_size: Optional[int] = None, context_length: Optional[int] = None,
-                pretrained: Union[str, Path, Dict, None] = None, device: Union[str, torch.device] = "cpu",
-                precision: str = "fp32", text_cfg: Optional[Dict] = None, pos_embed_resize: str = "grid_2d",
-                **open_clip_kwargs) -> nn.Module:
-    """Build an open_clip CLIP at `image_size` / `context_length` with the config's preprocessing; `pretrained`
-    (a file, ours or the official CRATE-alpha-CLIPA layout, or a state dict) of any size is loaded,
-    its position embeddings resized by `pos_embed_resize`.
+                pretrained: Optional[Weights] = None, device: Union[str, torch.device] = "cpu",
+                precision: str = "fp32", text_cfg: Optional[Dict] = None, pos_embed_resize: Optional[str] = "grid_2d",
+                *, patch_size: Optional[int] = None, patch_resize: str = "pi_resize", **open_clip_kwargs) -> nn.Module:
+    """A CLIP of config `model_name` at `image_size` / `context_length` with the config's preprocessing, or the
+    export `local-dir:FOLDER` (its own config, preprocessing and weights, checked by create_from_export).
 
-    `text_cfg` entries override the config's text tower (e.g. from `bert_text_cfg`). Unknown model names
-    raise open_clip's usual error.
+    `pretrained`: a weights file (ours or the official CRATE-alpha-CLIPA layout), a state dict, a DeepSpeed
+    checkpoint folder (consolidated to fp32) or an export folder (its weights file), of any size: its position
+    embeddings are resized by `pos_embed_resize`, and the image tower first takes the weights' patch size.
+    `patch_size`: the tower then moves to it (its kernel resized by `patch_resize`, patch_change.py; a fresh kernel
+    of that size without weights). `text_cfg` entries override the config's text tower (e.g. `bert_text_cfg`).
+    Unknown model names raise open_clip's usual error.
     """
+    if str(model_name).startswith(LOCAL_DIR):
+        return _create_from_export(Path(model_name[len(LOCAL_DIR):]), image_size, context_length, pretrained, device,
+                                   precision, pos_embed_resize, patch_size, patch_resize, **open_clip_kwargs)
+    weights, origin = pretrained_state(pretrained)
+    model = _build(model_name, image_size, context_length, device, precision, text_cfg, **open_clip_kwargs)
+    native = image_patch_size(model_name) if (patch_size is not None or weights is not None) else None
+    if patch_size in (None, native) and (weights is None or checkpoint_patch_size(weights) in (None, native)):
+        if weights is not None:   # no patch-size change anywhere
+            load_clip_weights(model, weights, strict=True, pos_embed_resize=pos_embed_resize, origin=origin)
+    elif weights is None:
+        set_fresh_patch_size(model, patch_size)
+    else:
+        load_clip_weights_at_patch(model, weights, patch_size, patch_resize, pos_embed_resize, origin)
+    return model
+
+
+def pretrained_state(pretrained: Optional[Weights]):
+    """(state dict, the path it was read from) of a `pretrained` value: a state dict as it is (without DDP's
+    'module.' prefix), an export folder's weights file, else a weights file or a DeepSpeed checkpoint folder."""
+    if pretrained is None:
+        return None, None
+    if not isinstance(pretrained, (str, Path)):
+        return strip_module_prefix(dict(pretrained)), None
+    path = Path(pretrained)
+    if path.is_dir() and (path / CONFIG_FILE).is_file():
+        path = export_weights_file(path)   # the file open_clip would load: a regular file
+    return read_state_dict(path), path
+
+
+def _build(model_name: str, image_size, context_length, device, precision, text_cfg, **open_clip_kwargs) -> nn.Module:
+    """The config at the sizes asked for, random weights, the config's preprocessing."""
     if text_cfg:
         merged = deepcopy(_model_cfg(model_name)["text_cfg"])
         merged.update(text_cfg)
@@ -56,26 +88,24 @@ def create_clip(model_name: str, image_size: Optional[int] = None, context_lengt
             model_name, pretrained=None, precision=precision, device=device,
             force_image_size=image_size, force_context_length=context_length, **open_clip_kwargs)
     set_model_preprocess_cfg(model, {**preprocess_cfg_for(model_name), "size": model.visual.image_size})
-    if pretrained is not None:
-        load_clip_weights(model, pretrained, strict=True, pos_embed_resize=pos_embed_resize)
     return model
 
 
-def _drop_random_init_warning(record: logging.LogRecord) -> bool:
-    return "No pretrained weights loaded" not in record.getMessage()
-
-
-@contextlib.contextmanager
-def quiet_random_init():
-    """Silence open_clip's "No pretrained weights loaded ... initialized randomly" while our code builds a
-    model: our loaders load the weights themselves right after (a checkpoint, an export, carried stage
-    weights), and a fresh stage-0 model is random by design, so the notice would only mislead."""
-    root = logging.getLogger()
-    root.addFilter(_drop_random_init_warning)
-    try:
-        yield
-    finally:
-        root.removeFilter(_drop_random_init_warning)
+def _create_from_export(folder: Path, image_size, context_length, pretrained, device, precision, pos_embed_resize,
+                        patch_size, patch_resize, **open_clip_kwargs) -> nn.Module:
+    """An export built at the size asked for, then its weights (or `pretrained`) loaded with the position
+    embeddings resized (open_clip alone cannot resize a timm tower)."""
+    weights = export_weights_file(folder)   # open_clip's choice, a regular file (not a FIFO, not /dev/zero)
+    if context_length is not None:
+        open_clip_kwargs["force_context_length"] = context_length
+    model = create_from_export(folder, open_clip.create_model, load_weights=False, force_image_size=image_size,
+                               device=device, precision=precision, **open_clip_kwargs)
+    state, origin = pretrained_state(weights if pretrained is None else pretrained)
+    if patch_size is None:
+        load_clip_weights(model, state, pos_embed_resize=pos_embed_resize, origin=origin)
+    else:
+        load_clip_weights_at_patch(model, state, patch_size, patch_resize, pos_embed_resize, origin)
+    return model
 
 
 def _model_cfg(model_name: str) -> Dict:
@@ -83,108 +113,6 @@ def _model_cfg(model_name: str) -> Dict:
     if cfg is None:
         raise RuntimeError(f"Model config for {model_name} not found (open_clip.list_models() names the known ones)")
     return cfg
-
-
-def _image_tower(model: nn.Module) -> Optional[CrateAlpha]:
-    model = getattr(model, "module", model)  # DeepSpeed engine / DDP wrapper
-    trunk = getattr(getattr(model, "visual", None), "trunk", None)
-    return trunk if isinstance(trunk, CrateAlpha) else None
-
-
-def resize_clip_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
-                           mode: str = "grid_2d") -> Dict[str, torch.Tensor]:
-    """Resize the image pos-embed (`mode`: 'grid_2d' or 'official_1d') and the text pos-embed (1-D linear)
-    to `model`."""
-    check_resize_mode(mode)
-    sd = dict(state_dict)
-    target = getattr(model, "module", model).state_dict()
-    pos = sd.get(IMAGE_POS_KEY)
-    if pos is not None and IMAGE_POS_KEY in target and pos.shape != target[IMAGE_POS_KEY].shape:
-        sd[IMAGE_POS_KEY] = _resize_image_pos(pos, target[IMAGE_POS_KEY], model, mode)
-    if "visual.positional_embedding" in sd and "visual.positional_embedding" in target:
-        # an open_clip ViT tower (the white-box benchmark's baseline): open_clip's own 2-D resize
-        open_clip.model.resize_pos_embed(sd, getattr(model, "module", model))
-    for key in TEXT_POS_KEYS:
-        tpos = sd.get(key)
-        # (another width cannot be resized: the loader's key and shape checks report it)
-        if tpos is not None and key in target and tpos.shape[1:] == target[key].shape[1:]:
-            sd[key] = resize_text_pos_embed(tpos, target[key].shape[0])
-    return sd
-
-
-def _resize_image_pos(pos: torch.Tensor, target: torch.Tensor, model: nn.Module, mode: str) -> torch.Tensor:
-    try:
-        old = square_grid(pos.shape[1], IMAGE_POS_KEY)
-    except ValueError:
-        old = None
-    if old is None or pos.shape[-1] != target.shape[-1] or pos.ndim != 3:
-        raise CheckpointMismatchError(
-            f"{IMAGE_POS_KEY}: checkpoint shape {tuple(pos.shape)} cannot be resized to {tuple(target.shape)}")
-    trunk = _image_tower(model)
-    new = trunk.grid_size if trunk is not None else square_grid(target.shape[1], IMAGE_POS_KEY)
-    return resize_image_pos_embed(pos, new, old, mode)
-
-
-def read_state_dict(source: Union[str, Path]) -> Dict[str, torch.Tensor]:
-    """Read a weights file (.safetensors, or torch.load weights_only=True; unwraps state_dict/module nesting) or
-    a DeepSpeed checkpoint folder of any ZeRO stage (consolidated to fp32), refusing pickled code either way."""
-    path = Path(source)
-    refuse_special_file(path)   # before anything opens it
-    if is_deepspeed_checkpoint(path):
-        return consolidate_deepspeed_checkpoint(path)[0]
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint file not found: {path}")
-    verify_recorded_file(path)   # a file of an export or a checkpoint: against the record beside it
-    sd = read_weights_file(path)   # a corrupt or truncated file: one line naming it
-    for key in ("state_dict", "module"):  # open_clip's trainer / DeepSpeed's mp_rank_00_model_states.pt
-        if isinstance(sd, dict) and isinstance(sd.get(key), dict):
-            sd = sd[key]
-            break
-    if not isinstance(sd, dict) or not sd:
-        raise CheckpointMismatchError(f"{path} holds no state dict (got {type(sd).__name__})")
-    return strip_module_prefix(sd)
-
-
-def strip_module_prefix(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Drop the 'module.' prefix DDP / DeepSpeed put on every key."""
-    if all(k.startswith("module.") for k in sd):
-        return {k[len("module."):]: v for k, v in sd.items()}
-    return sd
-
-
-def load_clip_weights(model: nn.Module, source: Union[str, Path, Dict[str, torch.Tensor]], strict: bool = True,
-                      pos_embed_resize: Optional[str] = None) -> None:
-    """Load a CLIP checkpoint (file or state dict; ours or the official CRATE-alpha-CLIPA layout) into `model`.
-
-    Position embeddings of another size are resized only when `pos_embed_resize` names a mode ('grid_2d',
-    'official_1d'); otherwise, as every other mismatch, they raise CheckpointMismatchError naming the
-    missing / unexpected keys (strict) or the mismatched shapes.
-    """
-    sd = read_state_dict(source) if isinstance(source, (str, Path)) else strip_module_prefix(dict(source))
-    target_model = getattr(model, "module", model)
-    target = target_model.state_dict()
-    where = f" in {source}" if isinstance(source, (str, Path)) else ""
-    name = str  # how keys are named in errors: the checkpoint's own names
-    if is_official_clipa_layout(sd):
-        sd, name = official_clipa_to_open_clip(sd), official_key
-        where = f" (official CRATE-alpha-CLIPA layout){where}"
-    for key in ("logit_scale", "logit_bias"):  # DeepSpeed trains them as [1], open_clip holds scalars
-        if key in sd and key in target and sd[key].shape != target[key].shape and sd[key].numel() == 1:
-            sd[key] = sd[key].reshape(target[key].shape)
-    if pos_embed_resize is not None:
-        sd = resize_clip_state_dict(sd, target_model, pos_embed_resize)
-    missing, unexpected = set(target) - set(sd), set(sd) - set(target)
-    if strict and (missing or unexpected):
-        raise CheckpointMismatchError(
-            f"checkpoint{where} does not match the model: missing keys [{key_list(map(name, missing))}]; "
-            f"unexpected keys [{key_list(map(name, unexpected))}]")
-    bad = {name(k): (tuple(v.shape), tuple(target[k].shape)) for k, v in sd.items()
-           if k in target and v.shape != target[k].shape}
-    if bad:
-        hint = (" (position embeddings of another size load with pos_embed_resize='grid_2d' or 'official_1d')"
-                if {name(IMAGE_POS_KEY), *TEXT_POS_KEYS} & set(bad) else "")
-        raise CheckpointMismatchError(f"checkpoint{where} has shape mismatches (checkpoint, model): {bad}{hint}")
-    target_model.load_state_dict({k: v for k, v in sd.items() if k in target}, strict=strict)
 
 
 def set_image_token_mask(clip_model: nn.Module, kind: str, drop_ratio: float = 0.0) -> None:

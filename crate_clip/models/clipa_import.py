@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError, key_list
-from crate_clip.models.clip_factory import (TEXT_POS_KEY, create_clip, load_clip_weights, read_state_dict,
+from crate_clip.models.clip_factory import (TEXT_POS_KEY, create_clip, read_state_dict,
                                             strip_module_prefix)
 from crate_clip.models.official_clipa import is_official_clipa_layout, official_clipa_to_open_clip
 from crate_clip.models.pos_embed import resize_text_pos_embed
@@ -33,9 +33,9 @@ def load_official_clipa(checkpoint_path: Union[str, Path], model_name: str = "CR
         raise CheckpointMismatchError(
             f"{checkpoint_path}: not the official CRATE-alpha-CLIPA layout (no visual.class_embedding or "
             f"visual.transformer.resblocks.* keys); load our own checkpoints with create_clip(name, pretrained=...)")
-    model = create_clip(model_name, image_size=image_size, device="cpu", precision="fp32")
-    try:
-        load_clip_weights(model, sd, pos_embed_resize=pos_embed_resize if image_size else None)
+    try:   # at the config's size the position embeddings must fit as they are
+        model = create_clip(model_name, image_size=image_size, pretrained=sd, device="cpu", precision="fp32",
+                            pos_embed_resize=pos_embed_resize if image_size else None)
     except CheckpointMismatchError as err:
         raise CheckpointMismatchError(f"{checkpoint_path} into {model_name}: {err}") from None
     return _to(model, device, precision)

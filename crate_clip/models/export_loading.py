@@ -9,7 +9,7 @@ from typing import Callable
 
 from crate_clip.checkpoint_io.bounded_reads import read_small_json
 from crate_clip.checkpoint_io.file_checksums import verify_recorded_checksums
-from crate_clip.models.clip_factory import quiet_random_init
+from crate_clip.models.clip_weights import quiet_random_init
 from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR
 from crate_clip.models.export_folder_check import check_tower_fits_weights, export_weights_file, note_links_leaving
 from crate_clip.models.model_cfg_check import check_model_cfg, check_preprocess_cfg

@@ -13,10 +13,9 @@ import torch
 from torch import nn
 
 from crate_clip.core.patch_tiling import PatchTilingError, grid_tiling_problem, patch_tiling_problem
-from crate_clip.models.clip_factory import (IMAGE_POS_KEY, TEXT_POS_KEY, _image_tower, create_clip,
-                                            load_clip_weights, read_state_dict, strip_module_prefix)
+from crate_clip.models.clip_weights import (IMAGE_POS_KEY, TEXT_POS_KEY, _image_tower, load_clip_weights,
+                                            read_state_dict, strip_module_prefix)
 from crate_clip.models.clip_tower_names import parse_clip_tower_name, register_clip_tower
-from crate_clip.models.open_clip_configs import image_patch_size
 from crate_clip.models.pos_embed import square_grid
 
 KERNEL_KEY = "visual.trunk.patch_embed.proj.weight"
@@ -50,11 +49,11 @@ def tower_patch_size(model: nn.Module) -> Optional[int]:
 
 def load_clip_weights_at_patch(model: nn.Module, source: Union[str, Path, Dict[str, torch.Tensor]],
                                patch_size: Optional[int] = None, resize: str = "pi_resize",
-                               pos_embed_resize: Optional[str] = "grid_2d") -> None:
+                               pos_embed_resize: Optional[str] = "grid_2d", origin: Optional[Path] = None) -> None:
     """Load a CLIP checkpoint of any patch size into `model`, then move the tower to `patch_size` (if given).
 
     The tower first takes the checkpoint's patch size (the kernel is then loaded as it is), so without
-    `patch_size` the model computes exactly what was saved.
+    `patch_size` the model computes exactly what was saved. `origin`: the file a state dict was read from, for errors.
     """
     sd = read_state_dict(source) if isinstance(source, (str, Path)) else strip_module_prefix(dict(source))
     trunk = _image_tower(model)
@@ -67,11 +66,11 @@ def load_clip_weights_at_patch(model: nn.Module, source: Union[str, Path, Dict[s
             # the new patch size keeps the saved grid (e.g. 21 px / p7 -> 28 px / p9): load at the saved size,
             # then only the kernel changes (PI-resize), the position embedding is kept exactly
             trunk.set_input_size(grid * saved)
-            load_clip_weights(model, sd, pos_embed_resize=pos_embed_resize)
+            load_clip_weights(model, sd, pos_embed_resize=pos_embed_resize, origin=origin)
             trunk.img_size = target
             trunk.set_patch_size(patch_size, resize)
             return
-    load_clip_weights(model, sd, pos_embed_resize=pos_embed_resize)
+    load_clip_weights(model, sd, pos_embed_resize=pos_embed_resize, origin=origin)
     if patch_size is not None:
         if trunk is None:
             raise ValueError(f"patch_size {patch_size}: only a CRATE-alpha image tower can change its patch size")
@@ -84,23 +83,6 @@ def _saved_grid(state_dict: Dict[str, torch.Tensor]) -> Optional[int]:
         return square_grid(pos.shape[1])[0] if pos is not None and pos.ndim == 3 else None
     except ValueError:
         return None
-
-
-def create_clip_at_patch(model_name: str, source=None, patch_size: Optional[int] = None,
-                         resize: str = "pi_resize", **create_kwargs) -> nn.Module:
-    """create_clip(model_name, pretrained=source, ...) for a checkpoint of any patch size, the tower then
-    moved to `patch_size` if given (a fresh kernel of that size when there is no checkpoint)."""
-    sd = None if source is None else (read_state_dict(source) if isinstance(source, (str, Path))
-                                      else strip_module_prefix(dict(source)))
-    native = image_patch_size(model_name)
-    if (patch_size in (None, native)) and (sd is None or checkpoint_patch_size(sd) in (None, native)):
-        return create_clip(model_name, pretrained=sd, **create_kwargs)   # no patch-size change anywhere
-    model = create_clip(model_name, **create_kwargs)   # the weights are loaded below
-    if sd is None:
-        set_fresh_patch_size(model, patch_size)
-    else:
-        load_clip_weights_at_patch(model, sd, patch_size, resize, create_kwargs.get("pos_embed_resize", "grid_2d"))
-    return model
 
 
 def set_fresh_patch_size(model: nn.Module, patch_size: int) -> None:

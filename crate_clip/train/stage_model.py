@@ -21,8 +21,7 @@ from torch import nn
 
 from crate_clip.core.errors import ConfigError
 from crate_clip.data.stream_layout import StreamSettings, stream_settings
-from crate_clip.models import preprocess_cfg_for, set_image_token_mask
-from crate_clip.models.patch_change import create_clip_at_patch
+from crate_clip.models import create_clip, preprocess_cfg_for, set_image_token_mask
 from crate_clip.train import planner
 from crate_clip.train.engine import model_dtype, zero_stage_of
 from crate_clip.train.run_config import ModelSection, RunConfig, StageConfig
@@ -114,9 +113,9 @@ class ResolvedStage:
         `device='meta'` builds shapes only."""
         torch.manual_seed(self.seed)   # identical initial weights on every rank
         start = weights if weights is not None else self.model.pretrained if read_files else None
-        model = create_clip_at_patch(self.model.name, start, self.patch_size, self.patch_resize,
-                                     image_size=image_size or self.image_size, context_length=self.context_length,
-                                     pos_embed_resize=self.model.pos_embed_resize, device=device)
+        model = create_clip(self.model.name, image_size=image_size or self.image_size,
+                            context_length=self.context_length, pretrained=start, patch_size=self.patch_size,
+                            patch_resize=self.patch_resize, pos_embed_resize=self.model.pos_embed_resize, device=device)
         set_image_token_mask(model, self.image_mask, self.image_mask_ratio)
         self._set_preprocess(model)
         apply_text_config(model, text_pretrained=self.model.text_pretrained, lock_text=self.model.lock_text,
