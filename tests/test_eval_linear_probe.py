@@ -43,7 +43,7 @@ def test_fixed_weight_decay_and_metrics_by_hand():
 
 def test_cli_linear_probe_and_fewshot_on_a_clip_with_the_feature_cache(sets, vit_file, tmp_path, capsys):
     name, weights = vit_file
-    base = ["eval", "linear_probe", "--model", name, "--pretrained", str(weights), "--train-data", str(sets["shards"]),
+    base = ["eval", "linear-probe", "--model", name, "--pretrained", str(weights), "--train-data", str(sets["shards"]),
             "--data", str(sets["folder"]), "--dataset", "fashion_mnist", "--num-workers", "0", "--no-progress",
             "--cache-dir", str(tmp_path / "cache"), "--batch-size", "64"]
     assert crate_clip_main(base + ["--output", str(tmp_path / "lp.json")]) == 0
@@ -69,7 +69,7 @@ def test_cli_linear_probe_on_a_timm_classifier_and_a_flat_folder(sets, tmp_path)
     model = timm.create_model("crate_alpha_tiny_patch16_224", img_size=32)
     weights = tmp_path / "crate.pth"
     torch.save(model.state_dict(), weights)
-    assert crate_clip_main(["eval", "linear_probe", "--model", "timm:crate_alpha_tiny_patch16_224", "--pretrained",
+    assert crate_clip_main(["eval", "linear-probe", "--model", "timm:crate_alpha_tiny_patch16_224", "--pretrained",
                             str(weights), "--image-size", "32", "--train-data", str(sets["folder"]),
                             "--data", str(sets["flat"]), "--labels", str(sets["labels"]),
                             "--dataset", "fashion_mnist", "--num-workers", "0", "--no-progress", "--cache-dir", "",

@@ -35,7 +35,7 @@ def _one_line_error(capsys) -> str:
     return err
 
 
-@pytest.mark.parametrize("task", ["zeroshot", "linear_probe", "retrieval"])
+@pytest.mark.parametrize("task", ["zeroshot", "linear-probe", "retrieval"])
 def test_an_eval_that_reads_no_image_exits_2_and_writes_no_result(task, sets, unreadable_sets, vit_file, tmp_path,
                                                                   capsys):
     name, weights = vit_file
@@ -44,7 +44,7 @@ def test_an_eval_that_reads_no_image_exits_2_and_writes_no_result(task, sets, un
             "--cache-dir", "", "--output", str(tmp_path / "out.json")]
     if task != "retrieval":
         args += ["--dataset", "fashion_mnist"]
-    if task == "linear_probe":
+    if task == "linear-probe":
         args += ["--train-data", str(sets["folder"]), "--weight-decay", "1e-4"]
     assert crate_clip_main(args) == 2
     err = _one_line_error(capsys)
@@ -56,7 +56,7 @@ def test_the_threshold_is_an_option_with_its_default_in_the_help():
     from crate_clip.eval.cli import build_parser
 
     sub = build_parser()._subparsers._group_actions[0].choices
-    for task in ("zeroshot", "linear_probe", "retrieval"):
+    for task in ("zeroshot", "linear-probe", "retrieval"):
         text = " ".join(sub[task].format_help().split())
         assert "--max-unreadable-fraction" in text and "cannot be read (always when none can) (default: 0.01)" in text
     args = build_parser().parse_args(["zeroshot", "--model", "m", "--data", "d", "--max-unreadable-fraction", "0.2"])
@@ -120,7 +120,7 @@ def test_class_folders_are_matched_to_class_names_not_to_sort_order(sets, vit_fi
     zeroshot = [_eval_json(tmp_path, name, "zeroshot", *model, "--data", str(d))["top1"]
                 for d in (sets["folder"], renamed)]
     assert zeroshot[0] > 0.25 and abs(zeroshot[0] - zeroshot[1]) <= 1 / 160, zeroshot
-    probe = ["linear_probe", *model, "--train-data", str(sets["folder"]), "--weight-decay", "1e-4"]
+    probe = ["linear-probe", *model, "--train-data", str(sets["folder"]), "--weight-decay", "1e-4"]
     probes = [_eval_json(tmp_path, name, *probe, "--data", str(d))["top1"] for d in (sets["folder"], renamed)]
     assert probes[0] > 0.4 and abs(probes[0] - probes[1]) <= 1 / 160, probes
 
@@ -131,7 +131,7 @@ def test_a_class_folder_that_matches_no_class_name_is_an_error_naming_it(sets, v
                               lambda old: "socks" if old.startswith("08") else _without_index(old))
     base = ["--model", name, "--pretrained", str(weights), "--data", str(renamed), "--dataset", "fashion_mnist",
             "--no-progress", "--cache-dir", ""]
-    for task in (["zeroshot"], ["linear_probe", "--train-data", str(sets["folder"])]):
+    for task in (["zeroshot"], ["linear-probe", "--train-data", str(sets["folder"])]):
         assert crate_clip_main(["eval", *task, *base]) == 2
         err = _one_line_error(capsys)
         assert f"{renamed}: folders 'socks' match no class name" in err and "fix: name each folder" in err
