@@ -104,3 +104,14 @@ def test_demo_paths_come_from_its_config_and_the_makefile_installs_the_listed_pa
                              capture_output=True, text=True, check=True).stdout.split()
     assert printed == list(DEBIAN_PACKAGES.values())
     assert "DEB_DATA := $(shell $(PYTHON) data_pipelines/sources/debian_packages.py)" in (root / "Makefile").read_text()
+
+
+def test_the_summary_lists_each_stage_end_not_the_mid_stage_evaluations(tmp_path, capsys):
+    from crate_clip.train.demo import summarize
+
+    row = dict(n_images=10, stage_index=0, stage_name="low", stage_image_size=21, image_size=21, patch_size=7)
+    rows = [dict(row, top1=0.5, at="mid_stage"), dict(row, top1=0.6), dict(row, top1=None)]
+    (tmp_path / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert summarize(tmp_path) == rows   # every row returned (the demo's --json record)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  stage")]
+    assert printed == ["  stage 0 low      trained at  21 px, evaluated at  21 px / patch 7:  60.00%"]

@@ -125,7 +125,8 @@ def launch_command(config: str, nproc: int, overrides: list[str], resume: bool, 
 
 
 def summarize(run_dir: Path) -> list[dict]:
-    """Print the zero-shot results of every stage; returns them."""
+    """Print the zero-shot results of every stage's end (mid-stage ones, eval.every_samples, are in results.jsonl
+    and on the curve); returns every row."""
     from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, read_jsonl
 
     results = read_jsonl(run_dir / RESULTS_FILE)
@@ -133,7 +134,7 @@ def summarize(run_dir: Path) -> list[dict]:
         return []
     print(f"\n[demo] zero-shot top-1 on the {results[0]['n_images']:,} Fashion-MNIST test images:")
     for r in results:
-        if r.get("top1") is None:   # a skipped evaluation (its reason is in the training log)
+        if r.get("top1") is None or r.get("at") == "mid_stage":   # skipped (its reason is in the log), mid-stage
             continue
         patch = f" / patch {r['patch_size']}" if r.get("patch_size") else ""
         how = " (grid kept, kernel PI-resized)" if r.get("resize") == "patch" else (
