@@ -133,7 +133,7 @@ def test_a_server_that_never_answers_ends_in_one_line_and_exit_code_7(capsys):
             list(torch.utils.data.DataLoader(_ShardSamples(url, policy), batch_size=None, num_workers=1))
     finally:
         server.close()
-    assert time.monotonic() - start < 15   # no hang: the stall timeout broke every silent transfer off
+    assert time.monotonic() - start < 60   # no hang (for ever): the stall timeout broke every silent transfer off
     assert server.accepted >= 3            # retried before giving up
     line = str(err.value)
     assert "\n" not in line and url in line and "no byte for 0.3 s" in line and "--resume latest" in line
@@ -146,14 +146,17 @@ def test_a_size_probe_of_a_silent_server_is_unknown_not_a_hang(shards):
     from crate_clip.data.shard_census import remote_shard_size
 
     server, files = SilentServer(), FaultyHttpServer(shards[0].parent, {})
-    start = time.monotonic()
     try:
+        start = time.monotonic()
         silent = remote_shard_size(f"{server.url}/00000000.tar", timeout=0.3)
+        waited = time.monotonic() - start
         served = remote_shard_size(f"{files.url}/{shards[0].name}", timeout=5)
     finally:
         server.close()
         files.close()
-    assert silent is None and time.monotonic() - start < 5
+    # a hang would never return: the bound only tells "gave up after its timeout" from "waited for ever", with room
+    # for a loaded machine (not a speed check)
+    assert silent is None and waited < 30, waited
     assert served == 8   # the shard's _stats.json, read through the same transport
 
 
@@ -172,7 +175,7 @@ def test_pipe_commands_retried_on_failure_and_stall_skipped_when_the_object_is_m
     start = time.monotonic()
     with pytest.raises(ShardSourceUnavailable, match=r"pipe:sleep 30 still unreachable .* no byte for 0.3 s"):
         read_keys(["pipe:sleep 30"], stalled)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 25   # broken off at the stall timeout, not after the command's 30 s
 
 
 def test_s3_urls_are_refused_with_the_pipe_form_to_use():
