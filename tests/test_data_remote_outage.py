@@ -150,7 +150,8 @@ def test_a_size_probe_of_a_silent_server_is_unknown_not_a_hang(shards):
         start = time.monotonic()
         silent = remote_shard_size(f"{server.url}/00000000.tar", timeout=0.3)
         waited = time.monotonic() - start
-        served = remote_shard_size(f"{files.url}/{shards[0].name}", timeout=5)
+        # a ceiling, not a speed check: on a loaded CI machine this answer once came after 5 s
+        served = remote_shard_size(f"{files.url}/{shards[0].name}", timeout=60)
     finally:
         server.close()
         files.close()
