@@ -118,6 +118,45 @@ def test_peak_memory_with_bad_shards_stays_within_10_percent(shard_sets):
     assert both_kb <= 1.1 * clean_kb, f"peak RSS {clean_kb} KB without the bad shards, {both_kb} KB with them"
 
 
+@pytest.mark.slow   # two fresh training processes: ~15 s of CPU
+def test_a_training_runs_peak_memory_with_bad_shards_stays_within_10_percent(shard_sets, tmp_path):
+    """The same for `crate-clip train` (4 steps, the reading in the trainer: num_workers 0) on the clean shard, then
+    on it with the uncompressed bad shards beside it (a compressed shard is refused before training: test above)."""
+    from train_fixtures import tiny_config, write_config
+
+    clean, bad = shard_sets
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for shard in sorted(bad.glob("*.tar")):
+        if shard.name != "00000001.tar":   # the gzip one
+            (mixed / shard.name).symlink_to(shard)
+    stage = {"name": "s", "image_size": 16, "context_length": 16, "samples": 16, "global_batch": 4, "lr": 1e-3,
+             "warmup_steps": 1}
+    configs = []
+    for name, data in (("clean", clean), ("mixed", mixed)):
+        cfg = tiny_config(tmp_path / f"run-{name}", tmp_path, precision="fp32", stages=[dict(stage)], evals=False,
+                          logging={"every_steps": 1, "progress": False, "tensorboard": False, "plot": False})
+        cfg["data"].update(sources=[str(data)], num_workers=0, shuffle_buffer=4)
+        configs.append(str(write_config(cfg, tmp_path / f"{name}.yaml")))
+    train = [sys.executable, "-m", "crate_clip.cli", "train"]
+    wrapper = ("import json, resource, subprocess, sys\n"
+               "peaks = []\n"
+               "for config in sys.argv[1:]:\n"
+               f"    done = subprocess.run({train!r} + [config], capture_output=True, text=True)\n"
+               "    assert done.returncode == 0, done.stderr[-3000:]\n"
+               "    peaks.append(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+               "print(json.dumps(peaks))\n")
+    proc = subprocess.run([sys.executable, "-c", wrapper, *configs], env=run_env(), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    clean_kb, both_kb = json.loads(proc.stdout)
+    assert both_kb <= 1.1 * clean_kb, f"peak RSS {clean_kb} KB without the bad shards, {both_kb} KB with them"
+    skips = {}
+    for line in (tmp_path / "run-mixed" / "metrics.jsonl").read_text().splitlines():
+        skips.update(json.loads(line).get("data_skips") or {})
+    assert all(skips.get(k) for k in ("oversized_member", "decompression_bomb", "oversized_caption")), skips
+
+
 def test_caps_are_options_of_inspect(shard_sets):
     clean, _ = shard_sets
     proc = inspect(str(clean), *EPOCH, "--max-caption-bytes", "5", "--max-member-bytes", "100000")
