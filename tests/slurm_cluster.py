@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,15 +23,11 @@ from typing import Iterator, Optional
 
 import pytest
 
+from crate_clip.train.engine import _free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "sinfo")
 INSTALL = "make system-data installs it as root (apt-get install slurm-wlm)"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _which(name: str) -> Optional[str]:

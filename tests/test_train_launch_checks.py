@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import warm_python
+from crate_clip.train.engine import _free_port
 from train_fixtures import REPO_ROOT, run_env, tiny_config, write_config
 
 STAGE = {"name": "s", "image_size": 16, "context_length": 16, "samples": 64, "global_batch": 8, "lr": 1e-3}
@@ -84,12 +85,6 @@ def _running(cmdline: str) -> bool:
         except OSError:
             continue
     return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
