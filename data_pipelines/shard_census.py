@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
 import tarfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from webdataset.tariterators import base_plus_ext
 from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_small_bytes
 
 from .remote_retry import RetryPolicy, open_remote_shard
-from .shard_reader import IMAGE_EXTS, PIPE, STATS_PROBES, is_remote, stats_url
+from .shard_reader import IMAGE_EXTS, STATS_PROBES, is_remote, stats_url
 from .tar_members import BLOCK, TruncatedTarError, compression_of, iter_members
 
 COUNT_KEYS = ("count", "successes", "failed_to_download", "failed_to_resize")   # img2dataset's _stats.json
@@ -90,13 +89,14 @@ def remote_shard_size(shard: str, timeout: float = 60.0) -> int | None:
     """Samples in a remote shard, read from its _stats.json through the same command/URL; None if unknown."""
     url = stats_url(shard)
     try:
-        if url.startswith(PIPE):
-            raw = subprocess.run(url[len(PIPE):], shell=True, capture_output=True, timeout=timeout, check=True).stdout
-        else:
-            # one try, silent for at most `timeout` seconds (a size probe: unknown is an answer)
-            with open_remote_shard(url, RetryPolicy(total_s=0, stall_s=timeout)) as f:
-                raw = f.read(MAX_STATS_BYTES + 1)
-        return stats_counts(raw[:MAX_STATS_BYTES], url)["successes"]
+        # One try, silent for at most `timeout` seconds (a size probe: unknown is an answer), through the shards'
+        # own transport: at most MAX_STATS_BYTES + 1 bytes are read, and a `pipe:` command that would print more
+        # is killed when the stream closes, instead of its whole output being held in memory.
+        with open_remote_shard(url, RetryPolicy(total_s=0, stall_s=timeout)) as f:
+            raw = f.read(MAX_STATS_BYTES + 1)
+        if len(raw) > MAX_STATS_BYTES:
+            return None
+        return stats_counts(raw, url)["successes"]
     except Exception:  # a missing or malformed stats file just means "unknown"
         return None
 

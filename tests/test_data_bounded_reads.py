@@ -256,3 +256,21 @@ def test_long_member_names_of_gnu_and_pax_tars_are_read(tmp_path, fmt):
     samples = list(iter_shard_samples(str(tmp_path / "long.tar"), skips))
     assert [s["__key__"] for s in samples] == [key] and samples[0]["txt"] == "caption \u00e9".encode()
     assert sum(skips.values()) == 0
+
+
+def test_a_pipe_stats_probe_reads_a_bounded_prefix(tmp_path):
+    """A `pipe:` source's _stats.json is read through the shards' transport: a command printing without end is
+    "size unknown" after at most MAX_STATS_BYTES + 1 bytes (it is killed, its output never held whole), and a
+    well-formed one is read."""
+    import resource
+
+    from crate_clip.data.shard_census import MAX_STATS_BYTES, remote_shard_size
+
+    (tmp_path / "a_stats.json").write_text(json.dumps({"successes": 7}))
+    assert remote_shard_size(f"pipe:cat {tmp_path}/a.tar", timeout=30) == 7
+    # `yes` never ends: its first MAX_STATS_BYTES + 1 bytes decide, then the command is killed
+    endless = f"pipe:sh -c 'yes {'x' * 1000}; cat {tmp_path}/b.tar'"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert remote_shard_size(endless, timeout=30) is None
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    assert grown < 4 * MAX_STATS_BYTES, grown
