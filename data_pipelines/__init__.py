@@ -1,6 +1,6 @@
 """DataComp-layout webdataset shards: the training stream (reading) and shard writing from local sources.
 
-Main entry points (imported lazily so `import data_pipelines` stays cheap):
+Main entry points (imported lazily so `import crate_clip.data` stays cheap):
 `StreamConfig`, `build_train_stream`, `TrainStream` (train_stream), `merge_stream_states`,
 `split_stream_state` (stream_layout: a checkpoint's stream states at another world size), `write_shards` (shard_writer),
 `write_fashion_mnist_shards`, `write_fashion_mnist_eval_folder`,
