@@ -58,18 +58,18 @@ def fashion_mnist_dir():
     return FASHION_MNIST_DIR
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def sets(tmp_path_factory, fashion_mnist_dir) -> dict:
     """The Fashion-MNIST evaluation sets (folder, flat folder, shards, captioned shards), built once per session."""
-    from eval_fixtures import shared_eval_sets
-    return shared_eval_sets(tmp_path_factory, fashion_mnist_dir)
+    from eval_fixtures import write_eval_sets
+    return write_eval_sets(tmp_path_factory.mktemp("eval_sets"), fashion_mnist_dir)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def vit(tmp_path_factory, fashion_mnist_dir):
     """(model, open_clip name) of the tiny ViT CLIP trained once per session on Fashion-MNIST."""
-    from eval_fixtures import shared_trained_vit
-    return shared_trained_vit(tmp_path_factory, fashion_mnist_dir)
+    from eval_fixtures import train_tiny_vit
+    return train_tiny_vit(tmp_path_factory.mktemp("evaltest_config"), fashion_mnist_dir)
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Fixtures for the eval tests: Fashion-MNIST eval sets on disk and a briefly trained tiny CLIP."""
-import gzip
+import functools
+import io
 import json
 import os
 import sys
@@ -13,6 +14,7 @@ import webdataset as wds
 from PIL import Image
 
 import crate_clip  # noqa: F401  (registers the CRATE-alpha open_clip configs)
+from crate_clip.data.sources.fashion_mnist import load_fashion_mnist
 from crate_clip.eval.class_sets import FASHION_MNIST_CLASSNAMES
 
 PER_CLASS = 16          # eval images per class -> 160 images
@@ -21,13 +23,8 @@ TRAIN_STEPS = 150
 
 
 def read_idx(directory: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """Fashion-MNIST images (N,28,28) uint8 and labels (N,) from the Debian idx.gz files."""
-    prefix = "t10k" if split == "test" else "train"
-    with gzip.open(directory / f"{prefix}-images-idx3-ubyte.gz") as f:
-        images = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 28, 28)
-    with gzip.open(directory / f"{prefix}-labels-idx1-ubyte.gz") as f:
-        labels = np.frombuffer(f.read(), np.uint8, offset=8)
-    return images, labels
+    """Fashion-MNIST images (N,28,28) uint8 and labels (N,) of a split, read by the project's own reader."""
+    return load_fashion_mnist(split, directory)
 
 
 def balanced_subset(labels: np.ndarray, per_class: int) -> np.ndarray:
@@ -41,16 +38,19 @@ def class_dir(label: int) -> str:
     return f"{label:02d}_{FASHION_MNIST_CLASSNAMES[label].replace('/', '_').replace(' ', '_')}"
 
 
-def jpeg_bytes(image: np.ndarray) -> bytes:
+def _jpeg(image: np.ndarray) -> bytes:
     """A 28x28 grayscale array as JPEG bytes."""
-    import io
     buf = io.BytesIO()
     Image.fromarray(image).save(buf, format="JPEG", quality=95)
     return buf.getvalue()
 
 
-def write_eval_sets(root: Path, images: np.ndarray, labels: np.ndarray) -> dict[str, Path]:
-    """ImageFolder, flat folder + label file, and .cls / .txt shards of the same images."""
+def write_eval_sets(root: Path, fashion_mnist_dir: Path) -> dict[str, Path]:
+    """The first PER_CLASS test images of each class as an ImageFolder, a flat folder + label file, and .cls / .txt
+    shards (conftest.py's `sets`, once per session)."""
+    images, labels = load_fashion_mnist("test", fashion_mnist_dir)
+    pick = balanced_subset(labels, PER_CLASS)
+    images, labels = images[pick], labels[pick]
     folder, flat, shards, captions = root / "folder", root / "flat", root / "shards", root / "captions"
     for path in (folder, flat, shards, captions):
         path.mkdir(parents=True)
@@ -58,7 +58,7 @@ def write_eval_sets(root: Path, images: np.ndarray, labels: np.ndarray) -> dict[
     with wds.TarWriter(str(shards / "00000000.tar")) as cls_sink, \
             wds.TarWriter(str(captions / "00000000.tar")) as txt_sink:
         for i, (img, label) in enumerate(zip(images, labels)):
-            data, label, key = jpeg_bytes(img), int(label), f"{i:012d}"
+            data, label, key = _jpeg(img), int(label), f"{i:012d}"
             (folder / class_dir(label)).mkdir(exist_ok=True)
             (folder / class_dir(label) / f"img_{i:05d}.jpg").write_bytes(data)
             (flat / f"val_{i:05d}.jpg").write_bytes(data)
@@ -125,36 +125,19 @@ def train_tiny_clip(model_name: str, images: np.ndarray, labels: np.ndarray, ste
     return model.requires_grad_(False)
 
 
-# Built once per test session and shared by the eval test modules (pytest would otherwise build a
-# session fixture imported into several modules once per module).
-_SHARED: dict = {}
+def train_tiny_vit(config_dir: Path, fashion_mnist_dir: Path) -> tuple[torch.nn.Module, str]:
+    """(the tiny ViT CLIP trained for TRAIN_STEPS on Fashion-MNIST train, its open_clip name, registered with its
+    config written into config_dir): conftest.py's `vit`, once per session."""
+    name = register_tiny_vit(config_dir)
+    images, labels = load_fashion_mnist("train", fashion_mnist_dir)
+    return train_tiny_clip(name, images[:TRAIN_IMAGES], labels[:TRAIN_IMAGES]), name
 
 
-def shared_eval_sets(tmp_path_factory, fashion_mnist_dir: Path) -> dict[str, Path]:
-    """The Fashion-MNIST eval sets (PER_CLASS images per class) written once per session."""
-    if "sets" not in _SHARED:
-        images, labels = read_idx(fashion_mnist_dir, "test")
-        pick = balanced_subset(labels, PER_CLASS)
-        _SHARED["sets"] = write_eval_sets(tmp_path_factory.mktemp("eval_sets"), images[pick], labels[pick])
-        _SHARED["labels"] = labels[pick]
-    return _SHARED["sets"]
-
-
-def shared_trained_vit(tmp_path_factory, fashion_mnist_dir: Path) -> tuple[torch.nn.Module, str]:
-    """(tiny ViT CLIP trained for TRAIN_STEPS on Fashion-MNIST train, its registered open_clip name)."""
-    if "vit" not in _SHARED:
-        name = register_tiny_vit(tmp_path_factory.mktemp("evaltest_config"))
-        images, labels = read_idx(fashion_mnist_dir, "train")
-        _SHARED["vit"] = (train_tiny_clip(name, images[:TRAIN_IMAGES], labels[:TRAIN_IMAGES]), name)
-    return _SHARED["vit"]
-
-
+@functools.cache   # one model per pytest process, shared by the modules that read it (none changes it)
 def shared_crate_tiny() -> torch.nn.Module:
     """CRATE-alpha-CLIPA-tiny with seeded random weights (checkpoint round trips compare exactly)."""
-    if "crate" not in _SHARED:
-        torch.manual_seed(0)
-        _SHARED["crate"] = open_clip.create_model(CRATE_TINY).eval()
-    return _SHARED["crate"]
+    torch.manual_seed(0)
+    return open_clip.create_model(CRATE_TINY).eval()
 
 
 CRATE_TINY = "CRATE-alpha-CLIPA-tiny"
@@ -224,7 +207,7 @@ def distributed_worker(workdir: str) -> None:
                                   batch_size=DIST_BATCH, max_images=DIST_MAX_IMAGES, progress=False, **kwargs)
 
     results = {"plain": evaluate(fresh_model().eval())}
-    images = to_model_input(read_idx(Path("/usr/share/datasets/fashion-mnist"), "test")[0][:8])
+    images = to_model_input(load_fashion_mnist("test")[0][:8])   # the Debian package's copy
     tokens = tokenizer([f"a photo of a {c}." for c in FASHION_MNIST_CLASSNAMES[:8]])
     for stage in DS_STAGES:
         model = fresh_model()

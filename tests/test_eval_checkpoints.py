@@ -12,7 +12,7 @@ from crate_clip.eval.eval_datasets import classification_dataset
 from crate_clip.eval.model_loading import consolidate_deepspeed_checkpoint, eval_transform, load_eval_model
 from crate_clip.eval.tasks.zeroshot import zero_shot_evaluate
 from eval_fixtures import (CRATE_TINY, DIST_BATCH, DIST_MAX_IMAGES, DS_STAGES, assert_accuracies_agree,
-                           shared_crate_tiny, shared_eval_sets)
+                           shared_crate_tiny)
 from train_fixtures import ranks_cmd, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
@@ -27,9 +27,8 @@ def evaluate(model, tokenizer, shards, max_images=DIST_MAX_IMAGES):
 
 
 @pytest.fixture(scope="module")
-def distributed_run(tmp_path_factory, fashion_mnist_dir):
+def distributed_run(tmp_path_factory, sets):
     """Two gloo ranks: plain-model evaluation, then DeepSpeed ZeRO 0/2/3 engines evaluated and checkpointed."""
-    sets = shared_eval_sets(tmp_path_factory, fashion_mnist_dir)
     workdir = tmp_path_factory.mktemp("distributed")
     (workdir / "shards").symlink_to(sets["shards"], target_is_directory=True)
     torch.save(shared_crate_tiny().state_dict(), workdir / "init.pt")
@@ -113,8 +112,7 @@ def test_checkpoint_for_another_model_names_the_keys(distributed_run, tmp_path):
         load_eval_model("evaltest-other-vit", pretrained=str(workdir / "ckpt2"))
 
 
-def test_weights_file_and_local_dir_load_the_same_model(tmp_path_factory, fashion_mnist_dir, tmp_path):
-    sets = shared_eval_sets(tmp_path_factory, fashion_mnist_dir)
+def test_weights_file_and_local_dir_load_the_same_model(sets, tmp_path):
     reference = shared_crate_tiny()
     state = {k: v.contiguous() for k, v in reference.state_dict().items()}
     save_file(state, tmp_path / "open_clip_model.safetensors")
