@@ -1,6 +1,9 @@
 """Figures the code derives, shown in README.md, BENCHMARKS.md and docs/ (plans, FLOPs, GPU-hours, parameter
 counts, `--validate` output), are generated blocks: the committed pages must be what the code gives now, and a
-derived number edited by hand fails the check."""
+derived number edited by hand fails the check. Measured figures are not generated: those the README gives are ones
+BENCHMARKS.md records, with the date and machine."""
+import re
+
 import pytest
 
 from crate_clip import doc_outputs
@@ -54,6 +57,17 @@ def test_check_reports_stale_pages_and_writes_nothing(tmp_path, monkeypatch, cap
     assert "stale: page.md: model counts" in capsys.readouterr().out and "stale<" in page.read_text()
     assert doc_outputs.main([]) == 0 and doc_outputs.main(["--check"]) == 0
     assert "526,848,000" in page.read_text()
+
+
+def test_the_readmes_measured_figures_are_dated_benchmarks():
+    """Measured figures are not generated: each `mean ± std` the README gives is one BENCHMARKS.md records, and the
+    section that gives it says when and on which machine it was measured."""
+    benchmarks = (REPO / "BENCHMARKS.md").read_text()
+    for section in (REPO / "README.md").read_text().split("\n## "):
+        figures = re.findall(r"[+-]?\d+\.\d+ ± \d+\.\d+", section)
+        assert not figures or (re.search(r"\b20\d\d-\d\d-\d\d\b", section) and re.search(r"\b\d+-core\b", section)), \
+            f"README section {section.splitlines()[0]!r}: its figures need the date and machine of their measurement"
+        assert [f for f in figures if f not in benchmarks] == [], "README figures BENCHMARKS.md does not record"
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ def test_clip_benchmark_gives_crate_clip_evals_numbers(vit, fashion_mnist_dir, t
     words = documented_command()
     assert words[0].endswith("/python") and "--output" in words
     paths = {"local-dir:runs/fashion_mnist_demo/export": f"local-dir:{export}", "data/fmnist_wds": str(data),
-             "fmnist_clip_benchmark.json": str(tmp_path / "cb.json")}
+             "runs/fmnist_clip_benchmark.json": str(tmp_path / "cb.json")}
     cmd = [str(CB_PYTHON)] + [paths.get(w, w) for w in words[1:]]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)   # the checkout, as documented
     assert done.returncode == 0, done.stderr[-3000:]
