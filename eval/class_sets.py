@@ -1,22 +1,45 @@
-"""Built-in class names and prompt templates (ImageNet-1K from open_clip, Fashion-MNIST from crate_clip.core.class_names)."""
+"""Built-in class names and prompt templates (ImageNet-1K from open_clip, Fashion-MNIST from crate_clip.core.class_names)
+and where a data set's own ones are found. No torch at import: the zero-shot settings' help names these sets, and
+open_clip's lists are imported on first use."""
+from functools import cache
 from pathlib import Path
-
-from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
 
 from crate_clip.core.class_names import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES
 from crate_clip.eval.class_folders import name_key
-from crate_clip.eval.task_settings import (BUILTIN_DATASETS, CLASSNAMES_FILE, DEFAULT_DATASET,
-                                           DEFAULT_TEMPLATES, TEMPLATE_SETS, TEMPLATES_FILE)
 
-BUILTIN_CLASSNAMES = {"imagenet1k": tuple(IMAGENET_CLASSNAMES), "fashion_mnist": FASHION_MNIST_CLASSNAMES}
-BUILTIN_TEMPLATES = {
-    "openai": tuple(OPENAI_IMAGENET_TEMPLATES),   # callables: lambda c: f"... {c}."
-    "simple": tuple(SIMPLE_IMAGENET_TEMPLATES),
-    "fashion_mnist": FASHION_MNIST_TEMPLATES,
-    "plain": ("a photo of a {}.",),
-}
-# the settings' help names these sets without importing open_clip: the two lists must agree
-assert tuple(BUILTIN_CLASSNAMES) == BUILTIN_DATASETS and tuple(BUILTIN_TEMPLATES) == TEMPLATE_SETS
+BUILTIN_DATASETS = ("imagenet1k", "fashion_mnist")   # the built-in class sets (their names: builtin_classnames)
+TEMPLATE_SETS = ("openai", "simple", "fashion_mnist", "plain")   # the built-in template sets
+DEFAULT_TEMPLATES = {"imagenet1k": "openai", "fashion_mnist": "fashion_mnist"}
+DEFAULT_DATASET = "imagenet1k"   # the data set when neither a name nor the data's own classnames.txt says
+CLASSNAMES_FILE = "classnames.txt"
+TEMPLATES_FILE = "zeroshot_classification_templates.txt"   # CLIP_benchmark's name; `{c}` for the class
+
+
+@cache
+def _builtin_sets() -> tuple[dict, dict]:
+    # open_clip (and with it torch) only when a built-in set is used
+    from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
+
+    classnames = {"imagenet1k": tuple(IMAGENET_CLASSNAMES), "fashion_mnist": FASHION_MNIST_CLASSNAMES}
+    templates = {
+        "openai": tuple(OPENAI_IMAGENET_TEMPLATES),   # callables: lambda c: f"... {c}."
+        "simple": tuple(SIMPLE_IMAGENET_TEMPLATES),
+        "fashion_mnist": FASHION_MNIST_TEMPLATES,
+        "plain": ("a photo of a {}.",),
+    }
+    # the names above are what the settings' help lists without importing open_clip: they must agree
+    assert tuple(classnames) == BUILTIN_DATASETS and tuple(templates) == TEMPLATE_SETS
+    return classnames, templates
+
+
+def builtin_classnames(dataset: str) -> tuple:
+    """The class names of a built-in set (one of BUILTIN_DATASETS), in label order."""
+    return _builtin_sets()[0][dataset]
+
+
+def builtin_templates(name: str) -> tuple:
+    """The prompt templates of a built-in set (one of TEMPLATE_SETS): '{}' strings or open_clip's callables."""
+    return _builtin_sets()[1][name]
 
 
 def read_lines(path: str | Path) -> list[str]:
@@ -67,12 +90,12 @@ def resolve_classnames(dataset: str | None, data: str | Path | None = None,
     own_file = own_classnames_file(data)
     if classnames_file:
         chosen, chosen_from = read_lines(classnames_file), f"classnames file {str(classnames_file)!r}"
-    elif dataset in BUILTIN_CLASSNAMES:
-        chosen, chosen_from = list(BUILTIN_CLASSNAMES[dataset]), f"dataset {dataset!r}"
+    elif dataset in BUILTIN_DATASETS:
+        chosen, chosen_from = list(builtin_classnames(dataset)), f"dataset {dataset!r}"
     elif own_file:
         return read_lines(own_file)
     elif not dataset:
-        return list(BUILTIN_CLASSNAMES[DEFAULT_DATASET])
+        return list(builtin_classnames(DEFAULT_DATASET))
     else:
         raise FileNotFoundError(
             f"no class names for dataset {dataset!r}: pass a class-names file (one name per line, in label order) "
@@ -89,11 +112,11 @@ def resolve_templates(templates: str | None, dataset: str, data: str | Path | No
     if templates is None:
         own = next((p for p in _beside(data, TEMPLATES_FILE) if p.is_file()), None)
         templates = str(own) if own else DEFAULT_TEMPLATES.get(dataset, "simple")
-    if templates in BUILTIN_TEMPLATES:
-        return list(BUILTIN_TEMPLATES[templates])
+    if templates in TEMPLATE_SETS:
+        return list(builtin_templates(templates))
     path = Path(templates)
     if not path.is_file():
-        raise ValueError(f"templates must be one of {sorted(BUILTIN_TEMPLATES)} or a file with one '{{}}' "
+        raise ValueError(f"templates must be one of {sorted(TEMPLATE_SETS)} or a file with one '{{}}' "
                          f"template per line; {templates!r} is neither")
     lines = read_lines(path)
     bad = [t for t in lines if "{}" not in t and "{c}" not in t]

@@ -13,7 +13,8 @@ from crate_clip.core.cli_conventions import CommandParser, accept_old_name, add_
 from crate_clip.core.cli_numbers import bounded
 from crate_clip.core.resize_modes import RESOLUTION_RESIZE_MODES
 from crate_clip.eval.eval_settings import EvalSettings
-from crate_clip.eval.task_settings import TASK_SETTINGS, TIMM_PREFIX, task_help
+from crate_clip.eval.registry import TASK_SETTINGS, task_help
+from crate_clip.eval.tasks.linear_probe import TIMM_PREFIX
 # command-line option -> the shared eval setting it sets (defaults come from the settings schema)
 COMMON_OPTIONS = {"--data": "data", "--batch-size": "batch_size", "--num-workers": "num_workers",
                   "--max-images": "max_images", "--max-unreadable-fraction": "max_unreadable_fraction"}

@@ -1,12 +1,13 @@
 """The evaluation tasks and what the trainer, the CLI and the logger need of them: the settings schema of every task
 (one union, told apart by `type`), parsing with errors that name the key, and running a declared evaluation.
 
-A task NAME is its settings class in crate_clip.eval.task_settings (TASK_SETTINGS) and its module
-crate_clip.eval.tasks.NAME (`run`, `summary`, optionally `details` and `data_problems`), imported only when
-the task runs: parsing a config or building the CLI's --help loads no torch."""
+A task NAME is one file, crate_clip.eval.tasks.NAME: its settings class `Settings` (whose `type` is NAME), `run`,
+`summary`, optionally `details` and `data_problems`. A task module imports torch only inside the functions that run
+the task, so parsing a config or building the CLI's --help loads no torch."""
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -14,9 +15,9 @@ from typing import Annotated, Any, Union
 
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 
+import crate_clip.eval.tasks
 from crate_clip.core.config_schema import error_lines
 from crate_clip.eval.eval_settings import EvalSettings
-from crate_clip.eval.task_settings import TASK_SETTINGS
 
 DEFAULT_TYPE = "zeroshot"   # an evaluation declared without a type
 
@@ -24,6 +25,20 @@ DEFAULT_TYPE = "zeroshot"   # an evaluation declared without a type
 def task_module(name: str) -> ModuleType:
     """The code of task `name` (eval/tasks/NAME.py)."""
     return importlib.import_module(f"crate_clip.eval.tasks.{name}")
+
+
+def task_names() -> list[str]:
+    """Every task, by name: the modules of eval/tasks/ (a new file there is a new task)."""
+    return sorted(m.name for m in pkgutil.iter_modules(crate_clip.eval.tasks.__path__) if not m.name.startswith("_"))
+
+
+# task name (the `type` key, the module eval/tasks/NAME.py) -> its settings, by name as the docs list them
+TASK_SETTINGS = {name: task_module(name).Settings for name in task_names()}
+
+
+def task_help(name: str) -> str:
+    """The task's one-line description (its settings' docstring's first line)."""
+    return (TASK_SETTINGS[name].__doc__ or name).splitlines()[0]
 
 
 def _type_of(value: Any) -> Any:

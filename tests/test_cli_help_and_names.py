@@ -98,7 +98,7 @@ def test_import_crate_clip_and_help_import_no_torch():
 
 
 # `--help` builds the parser from light modules; the command imports torch & co. once parsed (`eval`'s options
-# come from the tasks' settings schemas, crate_clip.eval.task_settings, apart from the tasks' code).
+# come from the settings schema in each task's file, eval/tasks/NAME.py, which imports torch only to run the task).
 LIGHT_HELP = [["train"], ["plan"], ["export"], ["convert"], ["demo"], ["models"], ["shards"], ["inspect"],
               ["inspect", "maps"],
               ["inspect", "text"], ["segment"], ["eval"], ["eval", "zeroshot"], ["eval", "linear-probe"],
@@ -113,19 +113,30 @@ def test_subcommand_help_imports_no_torch(argv):
     assert out.strip().splitlines()[-1] == "0 []", out[-2000:]
 
 
-def test_each_task_module_has_its_settings_registered_and_the_parts_the_cli_names():
+def test_each_task_module_has_its_settings_and_the_parts_the_cli_names():
     import pkgutil
 
     import crate_clip.eval.tasks
-    from crate_clip.eval.registry import task_module
-    from crate_clip.eval.task_settings import TASK_SETTINGS
+    from crate_clip.eval.registry import TASK_SETTINGS, task_module
 
     modules = sorted(i.name for i in pkgutil.iter_modules(crate_clip.eval.tasks.__path__) if not i.name.startswith("_"))
-    assert sorted(TASK_SETTINGS) == modules   # a task file without registered settings (or the reverse) is caught
+    assert sorted(TASK_SETTINGS) == modules == ["linear_probe", "retrieval", "zeroshot"]
     for name, settings in TASK_SETTINGS.items():
         task = task_module(name)
+        assert settings.model_fields["type"].default == name   # a config's `type: NAME` is the file NAME.py
         assert task.Settings is settings and callable(task.run) and callable(task.summary)
         assert hasattr(task, "details") == settings.has_details   # `--details` is offered exactly where it works
+
+
+def test_task_modules_import_no_torch():
+    """Each task's file holds its settings and is imported for --help and config checks: torch, open_clip and
+    numpy wait until the task runs. One interpreter imports every module of eval/tasks/ and the registry."""
+    out = _python("import importlib, pkgutil, sys\nimport crate_clip.eval.tasks as tasks\n"
+                  "names = sorted(m.name for m in pkgutil.iter_modules(tasks.__path__))\n"
+                  "for name in names:\n    importlib.import_module(f'crate_clip.eval.tasks.{name}')\n"
+                  "import crate_clip.eval.registry\n"
+                  "print(names, sorted(m for m in ('torch', 'timm', 'open_clip', 'numpy') if m in sys.modules))")
+    assert out.strip().splitlines()[-1] == "['linear_probe', 'retrieval', 'zeroshot'] []", out[-2000:]
 
 
 @pytest.mark.parametrize("order", ["import crate_clip, timm, open_clip", "import open_clip, crate_clip",

@@ -9,7 +9,7 @@ from PIL import Image
 
 from crate_clip.cli import main as crate_clip_main
 from crate_clip.core.class_names import FASHION_MNIST_CLASSNAMES
-from crate_clip.eval.class_sets import BUILTIN_CLASSNAMES, resolve_classnames
+from crate_clip.eval.class_sets import builtin_classnames, resolve_classnames
 from crate_clip.eval.eval_datasets import imagenet_wnids
 
 
@@ -28,7 +28,7 @@ def _refusal(capsys) -> str:
 def test_own_classnames_win_over_the_default_and_a_disagreeing_choice_is_refused(tmp_path):
     data = tmp_path / "set" / "test"
     data.mkdir(parents=True)
-    assert resolve_classnames(None, data) == list(BUILTIN_CLASSNAMES["imagenet1k"])   # nothing beside: default
+    assert resolve_classnames(None, data) == list(builtin_classnames("imagenet1k"))   # nothing beside: default
     (tmp_path / "set" / "classnames.txt").write_text("\n".join(FASHION_MNIST_CLASSNAMES) + "\n")
     assert resolve_classnames(None, data) == list(FASHION_MNIST_CLASSNAMES)
     assert resolve_classnames("fashion_mnist", data) == list(FASHION_MNIST_CLASSNAMES)   # agrees: kept

@@ -11,6 +11,9 @@ per-class recall. Few-shot (`fewshot_k`): k training images per class drawn with
 
 The task `linear_probe` (`crate-clip eval linear-probe`, `type: linear_probe`): its settings, run and summary
 are here.
+
+No torch at import: the settings serve the CLI's --help and a config's validation, so torch, numpy and the
+evaluation modules built on them are imported inside the functions that run the task.
 """
 from __future__ import annotations
 
@@ -19,36 +22,83 @@ import json
 import math
 import os
 import time
+from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal, Optional
 
-import numpy as np
-import torch
-from tqdm import tqdm
-import torch.nn.functional as F
-from torch import nn
+from pydantic import Field
 
+from crate_clip.core.config_schema import Float, Int
 from crate_clip.eval.class_sets import resolve_classnames
-from crate_clip.eval.distributed_batches import gather_objects, rank_and_world
-from crate_clip.eval.eval_datasets import classification_dataset
-from crate_clip.eval.eval_loop import EvalPass
-from crate_clip.eval.model_calls import autocast_context, check_precision, image_features, unwrap_model
-from crate_clip.eval.model_loading import check_finite_weights
-from crate_clip.eval.task_settings import LinearProbeSettings
+from crate_clip.eval.eval_settings import EvalSettings
 from crate_clip.eval.unreadable_images import check_unreadable, data_name
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from torch import nn
 
 NAME = "linear_probe"
 CACHE_VERSION = 2   # 2: keyed by the class each folder of an ImageFolder split is matched to
-WD_GRID = np.logspace(-6, 2, num=97)             # CLIP_benchmark's weight-decay grid
-WD_COARSE = list(range(0, len(WD_GRID), 16))     # its 7 coarse points (1e-6, ..., 1e2)
+WD_GRID_POINTS = 97                              # CLIP_benchmark's weight-decay grid: logspace(-6, 2, 97)
+WD_COARSE = list(range(0, WD_GRID_POINTS, 16))   # its 7 coarse points (1e-6, ..., 1e2)
 WD_FIRST_SPAN = 8                                # then +-8, +-4, +-2, +-1 grid steps around the best
+TIMM_PREFIX = "timm:"   # `crate-clip eval --model timm:NAME`: a timm classifier's tower features (linear probe)
 
 
-Settings = LinearProbeSettings   # the task's schema: crate_clip.eval.task_settings (light, for the CLI)
+class LinearProbeSettings(EvalSettings):
+    """Linear probe and few-shot evaluation (the CLIP_benchmark protocol) on cached image features.
+
+    The keys of a `type: linear_probe` eval entry and the options of `crate-clip eval linear-probe`. The test
+    split is `data`; `batch_size` is the feature-extraction batch."""
+
+    has_details: ClassVar[bool] = False
+    type: Literal["linear_probe"] = Field("linear_probe", description="the task")
+    train_data: str = Field("", description="training split: ImageFolder, flat folder (with train_labels) or .cls shards")
+    dataset: str = Field("custom", description="fashion_mnist / imagenet1k (built-in class lists) or any name")
+    classnames: Optional[str] = Field(None, description="class-name file: the classes that folders are matched to; "
+                                                        "default classnames.txt beside the data")
+    train_labels: Optional[str] = Field(None, description="label file of a flat training folder")
+    labels: Optional[str] = Field(None, description="label file of a flat test folder")
+    features: Literal["auto", "image", "tower"] = Field("auto", description="image: CLIP image embedding; tower: "
+                                                        "pooled pre-projection features (auto: image for CLIP, "
+                                                        "tower for a timm:NAME classifier)")
+    normalize: bool = Field(True, description="L2-normalise the features")
+    max_train_images: Optional[Int] = Field(None, ge=1, description="use this many training images (spread evenly)")
+    fewshot_k: Optional[Int] = Field(None, ge=1, description="k training images per class (few-shot probe)")
+    fewshot_seeds: Int = Field(3, ge=1, description="few-shot draws (seeds 0..n-1): mean and spread")
+    weight_decay: Optional[Float] = Field(None, ge=0, description="fixed weight decay (skips the validation search)")
+    epochs: Int = Field(10, ge=1, description="probe training epochs")
+    lr: Float = Field(0.1, gt=0, description="AdamW learning rate of the probe (cosine schedule, no warm-up)")
+    probe_batch_size: Int = Field(64, ge=1, description="batch size of the probe's training")
+    val_proportion: Float = Field(0.2, gt=0, lt=1, description="share of the training split held out to choose "
+                                                                "the weight decay")
+    seed: Int = Field(0, description="seed of the held-out split and of the probe's initialisation and order")
+
+    def checks(self) -> list[tuple[str, str]]:
+        """The training split is required."""
+        problems = super().checks()
+        if not str(self.train_data).strip():
+            problems.append(("train_data", "empty; fix: the labelled training split of the linear probe"))
+        return problems
+
+
+Settings = LinearProbeSettings   # the task's schema, by the name every task module gives it (crate_clip.eval.registry)
+
+
+@cache
+def weight_decay_grid() -> np.ndarray:
+    """CLIP_benchmark's weight-decay grid, np.logspace(-6, 2, 97)."""
+    import numpy as np
+
+    return np.logspace(-6, 2, num=WD_GRID_POINTS)
 
 
 # ---------------------------------------------------------------- features
 def is_clip(model) -> bool:
     """True for an open_clip CLIP (has an image tower `visual` and a text side)."""
+    from crate_clip.eval.model_calls import unwrap_model
+
     inner = unwrap_model(model)
     return hasattr(inner, "visual") and hasattr(inner, "encode_text")
 
@@ -64,6 +114,8 @@ def resolve_feature_kind(model, kind: str) -> str:
 
 def _tower_features(model, images: torch.Tensor) -> torch.Tensor:
     # The pooled image-tower output before any projection or classification head.
+    from crate_clip.eval.model_calls import unwrap_model
+
     inner = unwrap_model(model)
     tower = inner.visual if is_clip(inner) else inner
     tower = getattr(tower, "trunk", tower)          # open_clip TimmModel: the timm trunk, without the proj head
@@ -78,16 +130,21 @@ def _tower_features(model, images: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"features='tower': {type(tower).__name__} has neither forward_head nor an open_clip proj")
 
 
-@torch.no_grad()
 def batch_features(model, images: torch.Tensor, kind: str, normalize: bool, precision: str) -> torch.Tensor:
     """Float32 features of one batch: the CLIP image embedding or the tower's pooled features."""
-    if kind == "image":
-        feats = image_features(model, images, precision)
-    else:
-        dtype = next(unwrap_model(model).parameters()).dtype
-        with autocast_context(precision, images.device):
-            feats = _tower_features(model, images.to(dtype)).float()
-    return F.normalize(feats, dim=-1, eps=1e-8) if normalize else feats
+    import torch
+    import torch.nn.functional as F
+
+    from crate_clip.eval.model_calls import autocast_context, image_features, unwrap_model
+
+    with torch.no_grad():
+        if kind == "image":
+            feats = image_features(model, images, precision)
+        else:
+            dtype = next(unwrap_model(model).parameters()).dtype
+            with autocast_context(precision, images.device):
+                feats = _tower_features(model, images.to(dtype)).float()
+        return F.normalize(feats, dim=-1, eps=1e-8) if normalize else feats
 
 
 def extract_features(model, dataset, *, kind: str, normalize: bool = True, batch_size: int = 256,
@@ -95,6 +152,11 @@ def extract_features(model, dataset, *, kind: str, normalize: bool = True, batch
                      progress: bool = True, desc: str = "features") -> tuple[torch.Tensor, torch.Tensor, int]:
     """(features [N, D], labels [N], unreadable count) of a data set; ranks split it, every rank gets all;
     UnreadableDataError when no image could be read."""
+    import torch
+
+    from crate_clip.eval.distributed_batches import gather_objects
+    from crate_clip.eval.eval_loop import EvalPass
+
     # no idle forward: features are computed per rank without collectives (plain models only)
     batches = EvalPass(model, dataset, batch_size=batch_size, num_workers=num_workers, max_images=max_images,
                        desc=desc, progress=progress)
@@ -118,6 +180,10 @@ def extract_features(model, dataset, *, kind: str, normalize: bool = True, batch
 # ---------------------------------------------------------------- feature cache
 def image_weights_digest(model) -> str:
     """sha256 of the image tower's weights (the whole model for a timm classifier)."""
+    import torch
+
+    from crate_clip.eval.model_calls import unwrap_model
+
     inner = unwrap_model(model)
     tower = inner.visual if is_clip(inner) else inner
     digest = hashlib.sha256()
@@ -143,6 +209,10 @@ def feature_cache_key(model, data: str, preprocess, *, kind: str, normalize: boo
 def cached_features(model, dataset, data: str, preprocess, *, cache_dir, kind: str, normalize: bool,
                     precision: str, max_images, labels, **kwargs) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Features and labels from the cache when there (every rank), else extracted and saved by rank 0."""
+    import torch
+
+    from crate_clip.eval.distributed_batches import gather_objects, rank_and_world
+
     path = None
     if cache_dir is not None:
         classes = sorted({(Path(p).parent.name, label) for p, label in getattr(dataset, "samples", [])})
@@ -170,6 +240,8 @@ def cached_features(model, dataset, data: str, preprocess, *, cache_dir, kind: s
 def train_linear(features: torch.Tensor, labels: torch.Tensor, num_classes: int, weight_decay: float, *,
                  lr: float = 0.1, epochs: int = 10, batch_size: int = 64, seed: int = 0) -> nn.Linear:
     """One nn.Linear on fixed features: AdamW, cross-entropy, per-step cosine LR from `lr` to 0, no warm-up."""
+    import torch
+
     threads = torch.get_num_threads()
     # one thread: a 64-row step is all overhead, and on a busy machine extra threads made it ~13x slower
     torch.set_num_threads(1)
@@ -181,6 +253,10 @@ def train_linear(features: torch.Tensor, labels: torch.Tensor, num_classes: int,
 
 
 def _train_linear(features, labels, num_classes, weight_decay, lr, epochs, batch_size, seed) -> nn.Linear:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     clf = nn.Linear(features.shape[1], num_classes)
@@ -202,9 +278,11 @@ def _train_linear(features, labels, num_classes, weight_decay, lr, epochs, batch
     return clf
 
 
-@torch.no_grad()
 def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, num_classes: int) -> dict:
     """top-1, top-5 (top-k with k = min(5, classes)) and mean per-class recall."""
+    import numpy as np
+
+    logits = logits.detach()   # scores only: no graph
     topk = logits.topk(min(5, num_classes), dim=1).indices == labels.view(-1, 1)
     top1 = topk[:, 0].float()
     present = [c for c in range(num_classes) if (labels == c).any()]
@@ -216,11 +294,14 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, num_class
 def search_weight_decay(train: tuple, val: tuple, num_classes: int, on_fit=None, **train_kw) -> tuple[float, dict]:
     """CLIP_benchmark's search: best val top-1 over the 7 coarse grid points, then +-8, 4, 2, 1 steps around it
     (`on_fit`: called after each fit, the progress display's)."""
+    import torch
+
+    grid = weight_decay_grid()
     scores: dict[int, float] = {}
 
     def score(i: int) -> float:
         if i not in scores:
-            clf = train_linear(*train, num_classes, float(WD_GRID[i]), **train_kw)
+            clf = train_linear(*train, num_classes, float(grid[i]), **train_kw)
             if on_fit:
                 on_fit()
             with torch.no_grad():
@@ -232,13 +313,15 @@ def search_weight_decay(train: tuple, val: tuple, num_classes: int, on_fit=None,
 
     best, span = peak(WD_COARSE), WD_FIRST_SPAN
     while span > 0:
-        best = peak([max(best - span, 0), best, min(best + span, len(WD_GRID) - 1)])
+        best = peak([max(best - span, 0), best, min(best + span, len(grid) - 1)])
         span //= 2
-    return float(WD_GRID[best]), {"val_top1": scores[best], "wd_trials": len(scores)}
+    return float(grid[best]), {"val_top1": scores[best], "wd_trials": len(scores)}
 
 
 def split_train_val(labels: torch.Tensor, proportion: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random (train, val) index split of the training data, `proportion` of it held out for validation."""
+    import torch
+
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     n_val = max(1, int(round(proportion * len(labels))))
     return order[n_val:], order[:n_val]
@@ -246,6 +329,8 @@ def split_train_val(labels: torch.Tensor, proportion: float, seed: int) -> tuple
 
 def fewshot_indices(labels: torch.Tensor, k: int, seed: int) -> torch.Tensor:
     """k indices per class drawn with `seed` (all of a class's when it has fewer)."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     picks = []
     for c in labels.unique().tolist():
@@ -260,6 +345,8 @@ def probe(train_feats, train_labels, test_feats, test_labels, num_classes: int, 
 
     `pool` (few-shot) restricts the final training set to these indices of the non-validation part.
     """
+    import torch
+
     train_kw = dict(lr=settings.lr, epochs=settings.epochs, batch_size=settings.probe_batch_size, seed=settings.seed)
     tr, va = split_train_val(train_labels, settings.val_proportion, settings.seed if split_seed is None else split_seed)
     if pool is not None:
@@ -308,6 +395,11 @@ def run(model, settings: Settings, context) -> dict:
 def linear_probe_evaluate(model, *, preprocess, settings: Settings | dict, device="cpu", precision: str = "fp32",
                           cache_dir: str | Path | None = None, progress: bool = True, tokenizer=None) -> dict:
     """Linear-probe (or few-shot) metrics of `model` (a CLIP or a timm classifier; all ranks call this)."""
+    from tqdm import tqdm
+
+    from crate_clip.eval.eval_datasets import classification_dataset
+    from crate_clip.eval.model_calls import check_precision
+
     settings = settings if isinstance(settings, Settings) else Settings(**settings)
     check_precision(precision)
     start = time.perf_counter()
@@ -344,6 +436,8 @@ def linear_probe_evaluate(model, *, preprocess, settings: Settings | dict, devic
 def fewshot_probe(xtr, ytr, xte, yte, num_classes: int, settings: Settings, on_fit=None) -> dict:
     """Few-shot metrics: the probe on `fewshot_k` images per class, drawn with seeds 0..fewshot_seeds-1
     (mean and standard deviation over the draws)."""
+    import numpy as np
+
     runs = []
     for seed in range(settings.fewshot_seeds):
         tr, _ = split_train_val(ytr, settings.val_proportion, settings.seed)
@@ -374,6 +468,8 @@ def load_timm_classifier(name: str, pretrained: str | None, image_size: int | No
     """(model, eval preprocessing) of a timm classifier `name` with an optional weights file."""
     import timm
     from timm.data import create_transform, resolve_data_config
+
+    from crate_clip.eval.model_loading import check_finite_weights
 
     kwargs = {"img_size": image_size} if image_size else {}
     model = timm.create_model(name, pretrained=False, checkpoint_path=pretrained or "", **kwargs)

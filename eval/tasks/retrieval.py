@@ -1,21 +1,35 @@
 """Image<->text retrieval on captioned shards (`.jpg` + `.txt`): recall@1/5/10, mean and median rank.
-The task `retrieval` (`crate-clip eval retrieval`, `type: retrieval`): its settings, run and summary are here."""
+The task `retrieval` (`crate-clip eval retrieval`, `type: retrieval`): its settings, run and summary are here.
+
+No torch at import: the settings serve the CLI's --help and a config's validation, so torch and the evaluation
+modules built on it are imported inside the functions that run the task."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-import numpy as np
-import torch
+from pydantic import Field
 
-from crate_clip.eval.distributed_batches import all_reduce_sum, gather_objects
-from crate_clip.eval.eval_datasets import ShardSamples, shard_urls
-from crate_clip.eval.eval_loop import EvalPass
-from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
-from crate_clip.eval.task_settings import RetrievalSettings
+from crate_clip.eval.eval_settings import EvalSettings
 from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
+
+if TYPE_CHECKING:
+    import torch
+
+    from crate_clip.eval.eval_datasets import ShardSamples
 
 RECALL_KS = (1, 5, 10)
 SIMILARITY_ROWS = 4096   # images per block of the similarity matrix (bounds memory at N x 4096 floats)
+
+
+class RetrievalSettings(EvalSettings):
+    """Image<->text retrieval on captioned shards (`.jpg` + `.txt`): recall@1/5/10, mean and median rank."""
+
+    has_details: ClassVar[bool] = False
+    type: Literal["retrieval"] = Field("retrieval", description="the task")
+
+
+Settings = RetrievalSettings   # the task's schema, by the name every task module gives it (crate_clip.eval.registry)
 
 
 def retrieval_evaluate(model, tokenizer, dataset: ShardSamples, *, batch_size: int = 256, device="cpu",
@@ -24,6 +38,12 @@ def retrieval_evaluate(model, tokenizer, dataset: ShardSamples, *, batch_size: i
                        max_unreadable_fraction: float = DEFAULT_MAX_UNREADABLE_FRACTION) -> dict:
     """Recall@k in both directions over all readable (image, caption) pairs (all ranks call this); refused
     (UnreadableDataError) when more than `max_unreadable_fraction` of the images cannot be read."""
+    import torch
+
+    from crate_clip.eval.distributed_batches import all_reduce_sum
+    from crate_clip.eval.eval_loop import EvalPass
+    from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
+
     check_precision(precision)
     if getattr(dataset, "target", "txt") != "txt":
         raise ValueError("retrieval needs captioned shards (.txt members); these were opened for .cls labels")
@@ -52,6 +72,10 @@ def retrieval_evaluate(model, tokenizer, dataset: ShardSamples, *, batch_size: i
 
 
 def _gathered_in_order(indices, images, texts) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    from crate_clip.eval.distributed_batches import gather_objects
+
     empty = torch.zeros(0, dtype=torch.int64)
     local = (torch.cat(indices) if indices else empty,
              torch.cat(images) if images else None, torch.cat(texts) if texts else None)
@@ -62,6 +86,9 @@ def _gathered_in_order(indices, images, texts) -> tuple[torch.Tensor, torch.Tens
 
 def recall_metrics(image_feats: torch.Tensor, text_feats: torch.Tensor) -> dict:
     """Recall@k, mean and median rank (1 = best) where pair i's image matches caption i."""
+    import numpy as np
+    import torch
+
     n = len(image_feats)
     positive = (image_feats * text_feats).sum(dim=1)
     rank_i2t = torch.zeros(n, dtype=torch.int64)
@@ -82,11 +109,10 @@ def recall_metrics(image_feats: torch.Tensor, text_feats: torch.Tensor) -> dict:
 
 
 # ---------------------------------------------------------------- the task
-Settings = RetrievalSettings   # the task's schema: crate_clip.eval.task_settings (light, for the CLI)
-
-
 def run(model, settings: Settings, context) -> dict:
     """Recall@k of `model` on the settings' captioned shards (all ranks call this)."""
+    from crate_clip.eval.eval_datasets import ShardSamples, shard_urls
+
     dataset = ShardSamples(shard_urls(settings.data), context.preprocess, target="txt")
     return retrieval_evaluate(model, context.tokenizer, dataset, **context.loop_args(settings))
 

@@ -3,46 +3,76 @@ The task `zeroshot` (`crate-clip eval zeroshot`, `type: zeroshot`): its settings
 
 Numbers match open_clip's zero-shot path (build_zero_shot_classifier + open_clip_train.zero_shot):
 classifier = normalised mean of normalised template embeddings; logits = 100 * image_features @ classifier.
+
+No torch at import: the settings serve the CLI's --help and a config's validation, so torch and the evaluation
+modules built on it are imported inside the functions that run the task.
 """
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, ClassVar, Literal, Optional, Sequence
 
-import torch
-from tqdm import tqdm
+from pydantic import Field
 
-from crate_clip.eval.class_sets import (BUILTIN_CLASSNAMES, dataset_name, resolve_classnames, resolve_templates,
-                                        template_text)
-from crate_clip.eval.classifier_cache import cache_path, classifier_key, load_cached, save_cached
-from crate_clip.eval.distributed_batches import all_ranks_agree, all_reduce_sum, gather_objects, rank_and_world
-from crate_clip.eval.eval_datasets import classification_dataset
-from crate_clip.eval.eval_loop import EvalPass, evaluation_mode
-from crate_clip.eval.model_calls import check_precision, dummy_images, image_features, text_features
-from crate_clip.eval.task_settings import CLASSNAMES_FILE, ZeroshotSettings
+from crate_clip.eval.class_sets import (BUILTIN_DATASETS, CLASSNAMES_FILE, DEFAULT_DATASET, DEFAULT_TEMPLATES,
+                                        TEMPLATE_SETS, TEMPLATES_FILE, dataset_name, resolve_classnames,
+                                        resolve_templates, template_text)
+from crate_clip.eval.eval_settings import EvalSettings
 from crate_clip.eval.unreadable_images import DEFAULT_MAX_UNREADABLE_FRACTION, check_unreadable, data_name
+
+if TYPE_CHECKING:
+    import torch
 
 CLASSES_PER_BATCH = 10   # as open_clip: 10 classes x all templates per text forward
 
 
-@torch.no_grad()
+class ZeroshotSettings(EvalSettings):
+    """Zero-shot classification: text classifier from class names x templates, then top-1/top-5 accuracy."""
+
+    has_details: ClassVar[bool] = True   # `--details`: the per-class table
+    has_per_image: ClassVar[bool] = True   # `--per-image-out FILE`: each image's top-1 class (paired comparisons)
+    type: Literal["zeroshot"] = Field("zeroshot", description="the task (an entry without a type is a zeroshot one)")
+    dataset: Optional[str] = Field(None, description=f"{' | '.join(BUILTIN_DATASETS)} (built-in class names) | any "
+                                   f"name with classnames or {CLASSNAMES_FILE} beside the data (default: the data's "
+                                   f"own {CLASSNAMES_FILE}, else {DEFAULT_DATASET}; a built-in set that disagrees "
+                                   "with the data's own is refused)")
+    templates: Optional[str] = Field(None, description=f"{' | '.join(TEMPLATE_SETS)} | a file of '{{}}' "
+                                                       f"or '{{c}}' lines (default: {TEMPLATES_FILE} beside the "
+                                                       f"data, else the dataset's, {DEFAULT_TEMPLATES})")
+    classnames: Optional[str] = Field(None, description="file with one class name per line, in label order")
+    labels: Optional[str] = Field(None, description="ground truth for a flat val folder (`file label` lines, "
+                                                    "one label per line, or Kaggle's LOC_val_solution.csv)")
+
+
+Settings = ZeroshotSettings   # the task's schema, by the name every task module gives it (crate_clip.eval.registry)
+
+
 def build_text_classifier(model, tokenizer, classnames: Sequence[str], templates: Sequence, *, device="cpu",
                           precision: str = "fp32", progress: bool = True) -> torch.Tensor:
     """[embed_dim, num_classes] classifier: per class the normalised mean of normalised template embeddings."""
+    import torch
+    from tqdm import tqdm
+
+    from crate_clip.eval.model_calls import text_features
+
     chunks = []
     starts = range(0, len(classnames), CLASSES_PER_BATCH)
-    for start in tqdm(starts, desc="text classifier", unit="batch", disable=not progress):
-        names = classnames[start:start + CLASSES_PER_BATCH]
-        tokens = tokenizer([template_text(t, c) for c in names for t in templates]).to(device)
-        feats = text_features(model, tokens, precision).reshape(len(names), len(templates), -1).mean(dim=1)
-        chunks.append(feats / feats.norm(dim=1, keepdim=True))
-    return torch.cat(chunks).T.contiguous()
+    with torch.no_grad():
+        for start in tqdm(starts, desc="text classifier", unit="batch", disable=not progress):
+            names = classnames[start:start + CLASSES_PER_BATCH]
+            tokens = tokenizer([template_text(t, c) for c in names for t in templates]).to(device)
+            feats = text_features(model, tokens, precision).reshape(len(names), len(templates), -1).mean(dim=1)
+            chunks.append(feats / feats.norm(dim=1, keepdim=True))
+        return torch.cat(chunks).T.contiguous()
 
 
 def cached_text_classifier(model, tokenizer, classnames, templates, *, device="cpu", precision="fp32",
                            cache_dir: str | Path | None = None, progress: bool = True) -> tuple[torch.Tensor, dict]:
     """The text classifier from the on-disk cache when every rank has it, else built (rank 0 saves it)."""
+    from crate_clip.eval.classifier_cache import cache_path, classifier_key, load_cached, save_cached
+    from crate_clip.eval.distributed_batches import all_ranks_agree, rank_and_world
+
     start = time.perf_counter()
     info = {"cache_hit": False, "cache_path": None}
     cached = None
@@ -72,6 +102,12 @@ def zero_shot_evaluate(model, tokenizer, dataset, classnames: Sequence[str], tem
     (UnreadableDataError) when more than `max_unreadable_fraction` of the images cannot be read. `per_image`:
     also `metrics["per_image"]`, every readable image's (index, label, top-1 class) in index order, for paired
     comparisons of two models on the same images."""
+    import torch
+
+    from crate_clip.eval.distributed_batches import all_reduce_sum, gather_objects
+    from crate_clip.eval.eval_loop import EvalPass, evaluation_mode
+    from crate_clip.eval.model_calls import check_precision, dummy_images, image_features
+
     check_precision(precision)
     classnames = list(classnames)
     _check_class_count(dataset, classnames)
@@ -101,6 +137,10 @@ def _score_batch(model, batch, classifier: torch.Tensor, counts: torch.Tensor, *
                  precision: str) -> torch.Tensor:
     # As open_clip_train.zero_shot: logits = 100 * features @ classifier; a hit is the label in the top-k.
     # Returns the batch's top-1 classes.
+    import torch
+
+    from crate_clip.eval.model_calls import image_features
+
     labels = batch.targets
     _check_labels(labels, counts.shape[1])
     logits = 100.0 * image_features(model, batch.images.to(device), precision) @ classifier
@@ -126,6 +166,10 @@ def _check_labels(labels: torch.Tensor, num_classes: int) -> None:
 
 def _summary(counts: torch.Tensor, unreadable: list[str], world: int, classnames, cache_info: dict,
              seconds: float) -> dict:
+    import torch
+
+    from crate_clip.eval.distributed_batches import all_reduce_sum
+
     n_unreadable = int(all_reduce_sum(torch.tensor([len(unreadable)], dtype=torch.int64)).item())
     images, top1, top5 = counts
     n = int(images.sum().item())
@@ -148,11 +192,10 @@ def _summary(counts: torch.Tensor, unreadable: list[str], world: int, classnames
 
 
 # ---------------------------------------------------------------- the task
-Settings = ZeroshotSettings   # the task's schema: crate_clip.eval.task_settings (light, for the CLI)
-
-
 def run(model, settings: Settings, context) -> dict:
     """Zero-shot metrics of `model` on the settings' data (all ranks call this)."""
+    from crate_clip.eval.eval_datasets import classification_dataset
+
     classnames = resolve_classnames(settings.dataset, settings.data, settings.classnames)
     name = dataset_name(settings.dataset, settings.data)
     templates = resolve_templates(settings.templates, name, settings.data)
@@ -176,7 +219,7 @@ def data_problems(settings: Settings) -> list[tuple[str, str]]:
     except ValueError as err:   # a built-in set that disagrees with the data's own classnames.txt
         return [("dataset", str(err))]
     except FileNotFoundError:
-        return [("dataset", f"{settings.dataset!r} has no built-in class names ({', '.join(BUILTIN_CLASSNAMES)}) "
+        return [("dataset", f"{settings.dataset!r} has no built-in class names ({', '.join(BUILTIN_DATASETS)}) "
                             f"and there is no {CLASSNAMES_FILE} beside {settings.data!r}; fix: set classnames: "
                             f"FILE (one class name per line, in label order), put {CLASSNAMES_FILE} beside the "
                             "data, or use a built-in dataset name")]
