@@ -164,7 +164,7 @@ def evaluate_checkpoints(run_dir: Path, cfg: dict, flops: list[float], eval_imag
     (a low-resolution checkpoint: the grid grown when the last stage keeps its patch, else the grid kept)."""
     import torch
 
-    from crate_clip.checkpoint_io.deepspeed_checkpoints import read_info
+    from crate_clip.checkpoint_io.checkpoint_record import read_record
     from crate_clip.eval.model_loading import load_eval_model
     from crate_clip.eval.registry import EvalContext, parse_eval, run_task
 
@@ -176,8 +176,8 @@ def evaluate_checkpoints(run_dir: Path, cfg: dict, flops: list[float], eval_imag
     for tag in sorted((run_dir / "checkpoints").iterdir()):
         if not (tag.is_dir() and _complete(tag)):
             continue
-        info = read_info(tag)
-        idx, step = info["stage_index"], info["step"]
+        progress = read_record(tag).progress
+        idx, step = progress.stage_index, progress.step
         done_flops = sum(steps[i] * batch * flops[i] for i in range(idx)) + step * batch * flops[idx]
         last = cfg["stages"][-1]
         resize = "grid" if cfg["stages"][idx]["patch_size"] == last["patch_size"] else "patch"
@@ -186,13 +186,13 @@ def evaluate_checkpoints(run_dir: Path, cfg: dict, flops: list[float], eval_imag
                           cache_dir=None, progress=False)
         top1 = run_task(model, parse_eval(spec), ctx)["top1"]
         points.append({"stage": idx, "step": step, "flops": done_flops, "top1": top1,
-                       "samples": info["samples_seen"]})
+                       "samples": progress.samples_seen})
     return sorted(points, key=lambda p: p["flops"])
 
 
 def _complete(tag: Path) -> bool:
-    from crate_clip.checkpoint_io.deepspeed_checkpoints import INFO_FILE
-    return (tag / INFO_FILE).is_file()
+    from crate_clip.checkpoint_io.checkpoint_record import read_record
+    return read_record(tag) is not None   # its crate_clip.json present and well formed
 
 
 def flops_to_reach(points: list[dict], target: float) -> float | None:

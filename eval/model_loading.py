@@ -14,8 +14,8 @@ import open_clip
 import torch
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
-from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, is_deepspeed_checkpoint, newest_complete_tag,
-                                                        read_info, resolve_checkpoint_tag)
+from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, CheckpointInfo, is_deepspeed_checkpoint,
+                                                        newest_complete_tag, read_record, resolve_checkpoint_tag)
 from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidate_deepspeed_checkpoint
 from crate_clip.checkpoint_io.run_layout import LATEST_FILE, checkpoints_dir
 from crate_clip.core.errors import UserError
@@ -67,15 +67,15 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
     requested, image_size = image_size, (None if by_patch else image_size)   # 'patch': built at its own size
     if model.startswith(LOCAL_DIR):
         # built at the requested size, then loaded with pos-embed resizing (open_clip alone cannot resize a timm tower)
-        clip, model_name, info = create_clip(model, image_size=image_size), model, {}
+        clip, model_name, record = create_clip(model, image_size=image_size), model, None
     elif is_deepspeed_checkpoint(model) or is_deepspeed_checkpoint(pretrained):
-        clip, model_name, info = _from_deepspeed(model, pretrained, image_size)
+        clip, model_name, record = _from_deepspeed(model, pretrained, image_size)
     elif Path(model).is_file():
         raise ValueError(f"--model {model} is a weights file: pass the model name as --model and the file as "
                          f"--pretrained (or use local-dir:FOLDER for an exported model with open_clip_config.json)")
     else:
         _check_model_name(model)
-        clip, model_name, info = _from_weights_file(model, pretrained, image_size), model, {}
+        clip, model_name, record = _from_weights_file(model, pretrained, image_size), model, None
     check_finite_weights(clip, pretrained or model)
     if by_patch:
         old = tower_patch_size(clip)
@@ -85,7 +85,7 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
               f"{image_size} px", file=sys.stderr)
     _check_tiling(clip, model, requested)
     clip = clip.to(device).eval()
-    bert_vocab = bert_vocab or _recorded_vocab(info)
+    bert_vocab = bert_vocab or _recorded_vocab(record)
     return clip, eval_transform(clip, image_size), eval_tokenizer(model_name, clip, bert_vocab), model_name
 
 
@@ -115,9 +115,9 @@ def check_finite_weights(model: torch.nn.Module, source) -> None:
                                     f"comes from diverged: use an earlier checkpoint or export")
 
 
-def _recorded_vocab(info: dict) -> str | None:
+def _recorded_vocab(record: CheckpointInfo | None) -> str | None:
     # the vocabulary a run was trained with, when it is still where the run found it
-    vocab = (info.get("tokenizer") or {}).get("bert_vocab")
+    vocab = record.tokenizer.get("bert_vocab") if record is not None else None
     return vocab if vocab and Path(vocab).is_dir() else None
 
 
@@ -178,14 +178,15 @@ def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
         state, info = consolidate_deepspeed_checkpoint(checkpoint)
     except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile) as exn:   # truncated / corrupt
         raise CorruptWeightsError(corrupt_file_message(checkpoint, exn)) from exn
-    model_name = info.get("model_name") if checkpoint == model else model
+    record = CheckpointInfo.from_dict(info)   # all None for a DeepSpeed checkpoint from elsewhere
+    model_name = record.model_name if checkpoint == model else model
     if not model_name:
         raise ValueError(f"{checkpoint}: no {INFO_FILE} naming the model; pass --model NAME --pretrained {checkpoint}")
     # at the patch size the checkpoint was trained with (a stage may have changed it)
-    clip = create_clip(model_name, image_size=image_size or info.get("image_size"),
-                       context_length=info.get("context_length"), pretrained=state)
-    _adopt_training_preprocess(clip, info)
-    return clip, model_name, info
+    clip = create_clip(model_name, image_size=image_size or record.image_size,
+                       context_length=record.context_length, pretrained=state)
+    _adopt_training_preprocess(clip, record)
+    return clip, model_name, record
 
 
 def _check_normalisation(checkpoint) -> None:
@@ -195,15 +196,16 @@ def _check_normalisation(checkpoint) -> None:
         tag_dir = resolve_checkpoint_tag(checkpoint)
     except (OSError, ValueError):
         return   # the consolidation says what is wrong with the folder
-    check_recorded_normalisation(read_info(tag_dir), tag_dir / INFO_FILE, "the checkpoint's record is damaged: "
-                                 "use another checkpoint")
+    record = read_record(tag_dir)
+    check_recorded_normalisation(record.normalisation if record else None, tag_dir / INFO_FILE,
+                                 "the checkpoint's record is damaged: use another checkpoint")
 
 
-def _adopt_training_preprocess(clip: torch.nn.Module, info: dict) -> None:
+def _adopt_training_preprocess(clip: torch.nn.Module, record: CheckpointInfo) -> None:
     """The preprocessing the run trained with (its normalisation, its crops' resampling filter), as the stage's
     evaluations and the run's export use it, where the checkpoint records it."""
-    trained = {k: v for k, v in (info.get("normalisation") or {}).items() if k in ("mean", "std")}
-    interpolation = ((info.get("run_config") or {}).get("data") or {}).get("crop_interpolation")
+    trained = {k: v for k, v in record.normalisation.items() if k in ("mean", "std")}
+    interpolation = (record.run_config.get("data") or {}).get("crop_interpolation")
     if interpolation:
         trained["interpolation"] = interpolation
     if trained and hasattr(clip, "visual"):

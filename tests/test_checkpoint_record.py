@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from crate_clip.checkpoint_io.checkpoint_record import (INFO_FIELDS, INFO_FILE, CheckpointInfo, Progress,
-                                                        complete_tags_in, info_problem, stage_final_tag,
+                                                        complete_tags_in, info_problem, read_record, stage_final_tag,
                                                         user_checkpoint)
 
 
@@ -29,6 +29,21 @@ def test_the_written_record_is_the_checked_record():
     assert set(info) == set(INFO_FIELDS) and info_problem(info) is None
     assert "global_step is a string" in info_problem({**info, "global_step": "4"})
     assert info_problem({**info, "step": -1}) == "step is negative (-1)"
+
+
+def test_the_record_read_back_is_the_dataclass_written(tmp_path):
+    """Export and eval read crate_clip.json as CheckpointInfo: what the trainer wrote comes back equal; a record of
+    an earlier version reads with its missing fields None (objects {}, counts 0), and only a stage's last step ends
+    it."""
+    written = _checkpoint(tmp_path, "stage0-step00000004", _info(0, 4, 4))
+    record = read_record(written)
+    assert record.as_dict() == {k: v for k, v in _info(0, 4, 4).items() if k != "world_size"}
+    assert record.ends_stage and not CheckpointInfo.from_dict(_info(0, 3, 3)).ends_stage
+    old = CheckpointInfo.from_dict({"model_name": "RN50", "image_size": 224, "step": 7})
+    assert (old.model_name, old.image_size, old.patch_size, old.stage_steps) == ("RN50", 224, None, None)
+    assert old.run_config == old.normalisation == old.tokenizer == {} and old.progress == Progress(step=7)
+    assert not old.ends_stage   # no stage length recorded: not taken for a stage's final
+    assert read_record(tmp_path / "missing") is None
 
 
 def test_listing_and_a_stages_final_go_by_step_not_by_name(tmp_path):

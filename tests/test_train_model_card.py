@@ -5,6 +5,7 @@ from pathlib import Path
 
 import yaml
 
+from crate_clip.checkpoint_io.checkpoint_record import CheckpointInfo
 from crate_clip.export.source import ExportSource
 from crate_clip.export.model_card import model_card, project_license, public_name
 from crate_clip.eval.tasks.linear_probe import summary
@@ -27,7 +28,7 @@ def _source(tmp_path: Path, sources: list[str]) -> ExportSource:
             "stage_name": "full", "step": 2, "stage_steps": 2, "run_config": run}
     results = [{"stage_index": 0, "stage_name": "full", "eval": "zeroshot", "image_size": 28, "top1": 0.841,
                 "top5": 0.9954, "mean_per_class": 0.841, "n_images": 10000, "n_unreadable": 0}]
-    return ExportSource(tag, info, None, results)
+    return ExportSource(tag, CheckpointInfo.from_dict(info), None, results)
 
 
 def test_card_has_the_projects_license_and_a_source_install(tmp_path):

@@ -5,7 +5,7 @@ The record: CheckpointInfo (the model and stage that wrote it) with its Progress
 files' checksums (checkpoint_manifest.py). Its schema (INFO_FIELDS) is derived from those two dataclasses, so the
 written shape and the checked shape cannot drift apart; a record that parses as JSON but does not match it counts
 as damaged. Fields are checked where present (a checkpoint of an earlier version may lack some); unknown fields
-are kept.
+are kept. Readers take the record as that dataclass (read_record, CheckpointInfo.from_dict), not as the raw dict.
 
 Listing: complete checkpoints (crate_clip.json present and well formed) are ordered by global step, everywhere.
 Resolving which checkpoint is meant:
@@ -72,6 +72,21 @@ class CheckpointInfo:
         return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "progress"},
                 **asdict(self.progress)}
 
+    @classmethod
+    def from_dict(cls, info: dict) -> "CheckpointInfo":
+        """The record a parsed crate_clip.json holds (read_info's dict). A field that a checkpoint of an earlier
+        version (or a DeepSpeed checkpoint from elsewhere) lacks is None, {} for the objects (run config,
+        normalisation, tokenizer), 0 for the progress's counts; what a save adds beside them (world_size, the
+        files' checksums) is read where it is checked."""
+        hints = get_type_hints(cls)
+        return cls(**{f.name: info.get(f.name, {} if hints[f.name] is dict else None)
+                      for f in fields(cls) if f.name != "progress"}, progress=Progress.from_info(info))
+
+    @property
+    def ends_stage(self) -> bool:
+        """True for a stage's last checkpoint (the weights its after-stage evaluations measured)."""
+        return self.stage_steps is not None and self.progress.step >= self.stage_steps
+
 
 _JSON_TYPES = {int: (int,), str: (str,), dict: (dict,), Optional[int]: (int, type(None))}
 _EXPECTED = {int: "an integer", str: "a string", dict: "an object"}
@@ -128,9 +143,15 @@ def read_info(tag_dir: Path) -> dict | None:
     return read_info_checked(tag_dir)[0]
 
 
+def read_record(tag_dir: Path) -> CheckpointInfo | None:
+    """The checkpoint's record, or None when the checkpoint is incomplete or its record damaged."""
+    info = read_info(tag_dir)
+    return None if info is None else CheckpointInfo.from_dict(info)
+
+
 def is_stage_end(info: dict) -> bool:
     """True for the checkpoint info of a stage's last step (the weights its after-stage evaluations measured)."""
-    return info.get("step", 0) >= info.get("stage_steps", float("inf"))
+    return CheckpointInfo.from_dict(info).ends_stage
 
 
 # ------------------------------------------------------------------------------------------------ listing

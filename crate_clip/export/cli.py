@@ -65,12 +65,13 @@ def main(argv=None) -> int:
     except (*USER_ERRORS, TokenizerUnavailableError, FileExistsError) as err:   # one line naming the fix
         return report_error("crate-clip export", err)
     verify = None if args.no_verify else (lambda: verify_export(out, state, "crate-clip export"))
+    progress = source.record.progress
     if args.json:
         return print_json_result({"out": str(out), "checkpoint": str(source.tag_dir), "load": f"local-dir:{out}",
-                                  "stage": source.info.get("stage_index"), "step": source.info.get("step"),
+                                  "stage": progress.stage_index, "step": progress.step,
                                   "image_size": source.image_size}, verify)
-    print(f"wrote {out} from {source.tag_dir} (stage {source.info.get('stage_index')}, step "
-          f"{source.info.get('step')}, {source.image_size} px); load it with open_clip.create_model_and_transforms("
+    print(f"wrote {out} from {source.tag_dir} (stage {progress.stage_index}, step "
+          f"{progress.step}, {source.image_size} px); load it with open_clip.create_model_and_transforms("
           f"'local-dir:{out}') after `import crate_clip`")
     return verify() if verify else 0
 

@@ -76,7 +76,7 @@ def model_card(source: ExportSource, config: dict, hub_id: str | None = None, pr
     run = source.run_config
     vision, text = config["model_cfg"]["vision_cfg"], config["model_cfg"]["text_cfg"]
     name = (run.get("run") or {}).get("name") or source.model_name
-    info = source.info
+    record, progress = source.record, source.record.progress
     repo_url = repo_url or project_url()
     front = yaml.safe_dump(card_metadata(source, name, probes or []), sort_keys=False, allow_unicode=True)
     lines = ["---", front.rstrip("\n"), "---", "",
@@ -88,9 +88,9 @@ def model_card(source: ExportSource, config: dict, hub_id: str | None = None, pr
              f"- open_clip config: `{source.model_name}`; image tower `{vision.get('timm_model_name', 'ViT')}` "
              f"(patch {vision.get('patch_size')} px, {vision['image_size']} px input); text context "
              f"{text['context_length']} tokens, tokenizer `{public_name(text.get('hf_tokenizer_name') or 'CLIP BPE')}`",
-             f"- checkpoint `{source.tag_dir.name}`: stage {info.get('stage_index')} "
-             f"({info.get('stage_name')}), step {info.get('step')} of {info.get('stage_steps')}, "
-             f"{info.get('samples_seen', 0):,} samples seen, {info.get('precision')} training",
+             f"- checkpoint `{source.tag_dir.name}`: stage {progress.stage_index} "
+             f"({record.stage_name}), step {progress.step} of {record.stage_steps}, "
+             f"{progress.samples_seen:,} samples seen, {record.precision} training",
              f"- preprocessing: resize ({config['preprocess_cfg']['resize_mode']}, "
              f"{config['preprocess_cfg']['interpolation']}) and center crop to {vision['image_size']} px, mean "
              f"{_numbers(config['preprocess_cfg']['mean'])}, std {_numbers(config['preprocess_cfg']['std'])}",

@@ -4,14 +4,15 @@ normalisation, the run's stages and the evaluation results its weights have (res
 A checkpoint is named as a user has it at hand: the run folder, its `checkpoints/` folder (the checkpoint
 `latest` names), one `<tag>/` folder, or a stage number (that stage's last checkpoint), resolved by
 crate_clip.checkpoint_io.checkpoint_record (user_checkpoint), where train and eval resolve theirs. Every value
-comes from the checkpoint's crate_clip.json, so an export of it is the same wherever and whenever it is made.
+comes from the checkpoint's record (crate_clip.json, read as that module's CheckpointInfo), so an export of it is
+the same wherever and whenever it is made.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE, is_stage_end, read_info, user_checkpoint
+from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE, CheckpointInfo, read_record, user_checkpoint
 from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, linked_outside, read_jsonl, run_dir_of
 from crate_clip.core.errors import UserError
 from crate_clip.models import preprocess_cfg_for
@@ -27,29 +28,29 @@ class ExportSourceError(UserError, ValueError):
 class ExportSource:
     """One complete checkpoint and what its export needs."""
     tag_dir: Path
-    info: dict
+    record: CheckpointInfo   # its crate_clip.json
     bert_vocab: str | None
     results: list = field(default_factory=list)   # results.jsonl rows of the stages up to this checkpoint
 
     @property
     def run_config(self) -> dict:
         """The run config the checkpoint was trained under (as saved in it)."""
-        return self.info.get("run_config") or {}
+        return self.record.run_config
 
     @property
     def model_name(self) -> str:
         """The open_clip config name."""
-        return self.info["model_name"]
+        return self.record.model_name
 
     @property
     def image_size(self) -> int:
         """The stage's image size."""
-        return int(self.info["image_size"])
+        return int(self.record.image_size)
 
     @property
     def context_length(self) -> int:
         """The stage's text context length."""
-        return int(self.info["context_length"])
+        return int(self.record.context_length)
 
     @property
     def tokenizer_name(self) -> str:
@@ -67,7 +68,7 @@ class ExportSource:
         return self._normalisation()["std"]
 
     def _normalisation(self) -> dict:
-        recorded = self.info.get("normalisation")
+        recorded = self.record.normalisation
         if recorded:
             return recorded
         # a checkpoint that does not record it: data.mean / std where they differ from the stream's
@@ -88,20 +89,21 @@ def export_source(checkpoint: str | Path, stage: int | None = None, bert_vocab: 
     if target is not None:   # its results.jsonl and exports/ would be this run's: refused, not followed silently
         raise ExportSourceError(f"{tag_dir}: a symbolic link to {target}, outside its run folder (another run's "
                                 f"checkpoint); fix: export {target} itself, or remove the link")
-    info = read_info(tag_dir)
-    if not info or "model_name" not in info:
+    record = read_record(tag_dir)
+    if record is None or record.model_name is None:
         raise ExportSourceError(f"{tag_dir}: {INFO_FILE} missing, unreadable or naming no model (an interrupted "
                                 f"save?); pass a complete checkpoint")
     # finite, or the export would hold it (and NaN every image)
-    check_recorded_normalisation(info, tag_dir / INFO_FILE, "the checkpoint's record is damaged: export another one")
-    vocab = _vocab(info, bert_vocab, tag_dir)
-    return ExportSource(tag_dir, info, vocab, _results(tag_dir, info))
+    check_recorded_normalisation(record.normalisation, tag_dir / INFO_FILE,
+                                 "the checkpoint's record is damaged: export another one")
+    vocab = _vocab(record, bert_vocab, tag_dir)
+    return ExportSource(tag_dir, record, vocab, _results(tag_dir, record))
 
 
-def _vocab(info: dict, bert_vocab: str | None, tag_dir: Path) -> str | None:
+def _vocab(checkpoint: CheckpointInfo, bert_vocab: str | None, tag_dir: Path) -> str | None:
     """The BERT vocabulary folder to write the tokenizer from: the given one (which must be the run's), else the
     one the run recorded, when it is still there."""
-    record = info.get("tokenizer") or {}
+    record = checkpoint.tokenizer
     if bert_vocab is None:
         recorded = record.get("bert_vocab")
         if recorded and not Path(recorded).is_dir():
@@ -109,17 +111,17 @@ def _vocab(info: dict, bert_vocab: str | None, tag_dir: Path) -> str | None:
                                     f"holding its vocab.txt (--bert-vocab)")
         return recorded
     wanted = record.get("vocab_sha1")
-    got = tokenizer_record(info["model_name"], bert_vocab)["vocab_sha1"] if wanted else None
+    got = tokenizer_record(checkpoint.model_name, bert_vocab)["vocab_sha1"] if wanted else None
     if wanted and got != wanted:
         raise ExportSourceError(f"--bert-vocab {bert_vocab}: not the vocabulary the run trained with "
                                 f"(sha1 {got[:12]} vs {wanted[:12]}); pass that one")
     return str(Path(bert_vocab))
 
 
-def _results(tag_dir: Path, info: dict) -> list[dict]:
+def _results(tag_dir: Path, record: CheckpointInfo) -> list[dict]:
     """results.jsonl rows of the stages whose weights end in this checkpoint (the last row per evaluation)."""
     run_dir = run_dir_of(tag_dir)
-    stage, finished = info.get("stage_index", 0), is_stage_end(info)
+    stage, finished = record.progress.stage_index, record.ends_stage
     rows = {}
     for row in read_jsonl(run_dir / RESULTS_FILE):
         if row.get("stage_index", -1) < stage or (finished and row.get("stage_index") == stage):

@@ -146,9 +146,9 @@ def check_preprocess_cfg(preprocess_cfg, source, name: str = "preprocess_cfg", f
         raise ModelConfigError(f"{source}: its image preprocessing cannot be used: {'; '.join(problems)}; fix: {fix}")
 
 
-def check_recorded_normalisation(info, source, fix: str) -> None:
-    """check_preprocess_cfg of the normalisation (mean, std) a checkpoint's record (crate_clip.json) holds."""
-    recorded = info.get("normalisation") if isinstance(info, dict) else None
+def check_recorded_normalisation(recorded, source, fix: str) -> None:
+    """check_preprocess_cfg of the normalisation (mean, std) a checkpoint's record (crate_clip.json) holds
+    (CheckpointInfo.normalisation; None or {} when it records none)."""
     if isinstance(recorded, dict):
         recorded = {k: v for k, v in recorded.items() if k in ("mean", "std")}
     check_preprocess_cfg(recorded, source, "normalisation", fix)
