@@ -5,7 +5,7 @@ Writes the `elastic-resume` section of BENCHMARKS.md.
 
     .venv/bin/python bench/bench_elastic_resume.py            # ~9 min on 2 cores, 18 GB in /tmp
 
-Every run is the real trainer (crate_clip.train.stage_loop.run_training under torchrun) through
+Every run is the real trainer (crate_clip.train.loop.stage_loop.run_training under torchrun) through
 tests/elastic_workers.py, which records each batch's keys, the engine state after a load and the load's seconds.
 """
 from __future__ import annotations

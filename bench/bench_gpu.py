@@ -91,7 +91,7 @@ SMOKE_MODEL, SMOKE_SIZES, SMOKE_BATCH = "CRATE-alpha-CLIPA-tiny", {80: 16, 224: 
 def recipe_cases(path: str, batches: dict, model: str | None = None, sizes: dict | None = None) -> list[Case]:
     """One case per stage of a shipped run config, as it trains (text lock, masks, checkpointing); `model`
     and `sizes` shrink it for the smoke run."""
-    from crate_clip.train.run_config import load_run_config
+    from crate_clip.train.run.run_config import load_run_config
 
     cfg = load_run_config(ROOT / path, check_paths=False)
     m = cfg.model
@@ -116,7 +116,7 @@ def all_cases(smoke: bool) -> list[Case]:
 def _cfg(case: Case):
     """A one-stage run config of the case, its text lock included (the stage's model is built without reading
     model.text_pretrained: random weights, the kernels of the locked tower)."""
-    from crate_clip.train.run_config import config_from_dict
+    from crate_clip.train.run.run_config import config_from_dict
     lock = {"lock_text": case.lock_text, "lock_logit_scale": case.lock_logit_scale,
             "text_pretrained": "not-read" if case.lock_text else None}
     return config_from_dict({
@@ -130,11 +130,11 @@ def _cfg(case: Case):
 def train_case(dist, case: Case, steps: int, budget_s: float) -> dict:
     """Build the engine as training does, run 3 warm-up steps, then time `steps` steps (fewer if the budget
     runs out, but at least MIN_STEPS)."""
-    from crate_clip.train.engine import build_engine, model_dtype
-    from crate_clip.train.stage_loop import _make_loss
-    from crate_clip.train.stage_model import resolve_stage
-    from crate_clip.train.throughput import device_peak_tflops
-    from crate_clip.train.train_step import train_step
+    from crate_clip.train.stage_setup.engine import build_engine, model_dtype
+    from crate_clip.train.loop.stage_loop import _make_loss
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
+    from crate_clip.train.reporting.throughput import device_peak_tflops
+    from crate_clip.train.loop.train_step import train_step
 
     cuda = dist.device.startswith("cuda")
     cfg = _cfg(case)
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, help="start no new training case after this long (default: 480 s on "
                                                   "a GPU, 1800 s for --smoke, whose CPU steps are slow)")
     args = p.parse_args(argv)
-    from crate_clip.train.engine import init_distributed
+    from crate_clip.train.stage_setup.engine import init_distributed
     dist = init_distributed()
     cuda = dist.device.startswith("cuda")
     smoke = args.smoke or not cuda

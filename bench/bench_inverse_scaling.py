@@ -86,8 +86,8 @@ def stage(name: str, shape: dict, samples: int, lr: float, base: dict, warmup: i
 
 def flops_per_sample(cfg_dict: dict) -> list[float]:
     """Training FLOPs per sample of each stage, as the step meter counts them (ResolvedStage.counts)."""
-    from crate_clip.train.run_config import config_from_dict
-    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.run.run_config import config_from_dict
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
 
     # the evaluations count no training FLOPs (and the demo's eval.full_image_size is not every arm's)
     cfg = config_from_dict({**cfg_dict, "eval": {**cfg_dict.get("eval", {}), "after_each_stage": False}},

@@ -134,7 +134,7 @@ def main() -> int:
     p.add_argument("--runs", default=str(ROOT / "runs"), help="parent folder of the run folders")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="extra demo override, all arms")
     args = p.parse_args()
-    from crate_clip.train.run_config import load_run_config
+    from crate_clip.train.run.run_config import load_run_config
     cfg = load_run_config(DEMO, args.overrides, check_paths=False)
     arms = variants(cfg)
     done = {}

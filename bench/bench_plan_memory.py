@@ -95,9 +95,9 @@ def child_step(overrides: list) -> dict:
     """Planned and measured process memory of the stage's training step."""
     import torch
 
-    from crate_clip.train.planner import measure_stage, plan_stage
-    from crate_clip.train.run_config import load_run_config
-    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.planning.planner import measure_stage, plan_stage
+    from crate_clip.train.run.run_config import load_run_config
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
 
     cfg = load_run_config(DEMO, overrides, check_paths=False)
     stage = resolve_stage(cfg, 0, ranks_per_host=1)
@@ -128,9 +128,9 @@ def child_host(overrides: list, pattern: str, sample_bytes: float) -> dict:
     import psutil
 
     from crate_clip.data.train_stream import build_train_stream
-    from crate_clip.train import planner
-    from crate_clip.train.run_config import load_run_config
-    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.planning import planner
+    from crate_clip.train.run.run_config import load_run_config
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
 
     cfg = load_run_config(DEMO, overrides + [f"data.sources=[{json.dumps(pattern)}]"], check_paths=False)
     stage = resolve_stage(cfg, 0, ranks_per_host=1)

@@ -34,7 +34,7 @@ IMAGE, BATCH_PER_RANK, TIMED_STEPS = 20, 64, 10
 
 # ------------------------------------------------------------------ worker (runs under torchrun)
 def _cfg(zero_stage: int, context: int):
-    from crate_clip.train.run_config import config_from_dict
+    from crate_clip.train.run.run_config import config_from_dict
     return config_from_dict({
         "model": {"name": MODEL}, "data": {"sources": ["unused"]}, "precision": "bf16",
         "deepspeed": {"zero_stage": zero_stage,
@@ -45,9 +45,9 @@ def _cfg(zero_stage: int, context: int):
 
 def _engine(text_cfg: dict, context: int, zero_stage: int, mode: str, dist):
     from crate_clip.models import create_clip
-    from crate_clip.train.engine import build_engine
-    from crate_clip.train.stage_model import resolve_stage
-    from crate_clip.train.text_lock import is_text_key, lock_text_tower
+    from crate_clip.train.stage_setup.engine import build_engine
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
+    from crate_clip.train.stage_setup.text_lock import is_text_key, lock_text_tower
 
     cfg = _cfg(zero_stage, context)
     stage = resolve_stage(cfg, 0, dist.world_size)
@@ -65,9 +65,9 @@ def _engine(text_cfg: dict, context: int, zero_stage: int, mode: str, dist):
 def worker(out: Path) -> None:
     """Footprint per (model, ZeRO stage, mode); step times of trainable vs locked under ZeRO-2."""
     import zero_footprint  # bench/zero_footprint.py
-    from crate_clip.train.engine import init_distributed, model_dtype
-    from crate_clip.train.stage_loop import _make_loss
-    from crate_clip.train.train_step import forward_loss, train_step
+    from crate_clip.train.stage_setup.engine import init_distributed, model_dtype
+    from crate_clip.train.loop.stage_loop import _make_loss
+    from crate_clip.train.loop.train_step import forward_loss, train_step
 
     dist = init_distributed()
     loss_fn, dtype = _make_loss(dist), model_dtype("bf16")
@@ -150,7 +150,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def _torchrun(*args: str) -> list[str]:
-    from crate_clip.train.engine import _free_port
+    from crate_clip.train.stage_setup.engine import _free_port
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
             "--master_port", str(_free_port()), *args]
 

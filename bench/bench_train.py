@@ -28,7 +28,7 @@ TIMED_STEPS = 12
 
 # ------------------------------------------------------------------ worker (runs under torchrun)
 def _cfg(zero_stage: int, image_size: int, precision: str = "bf16"):
-    from crate_clip.train.run_config import config_from_dict
+    from crate_clip.train.run.run_config import config_from_dict
     return config_from_dict({
         "model": {"name": MODEL}, "data": {"sources": ["unused"]}, "precision": precision,
         "deepspeed": {"zero_stage": zero_stage,
@@ -54,10 +54,10 @@ def _flops_per_sample(image_size: int) -> float:
 def worker(out: Path) -> None:
     """Per-rank footprint of ZeRO 0-3 and timed steps at the demo's two stage sizes."""
     import zero_footprint  # bench/zero_footprint.py
-    from crate_clip.train.engine import build_engine, init_distributed, model_dtype
-    from crate_clip.train.stage_loop import _make_loss
-    from crate_clip.train.stage_model import resolve_stage
-    from crate_clip.train.train_step import forward_loss, train_step
+    from crate_clip.train.stage_setup.engine import build_engine, init_distributed, model_dtype
+    from crate_clip.train.loop.stage_loop import _make_loss
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
+    from crate_clip.train.loop.train_step import forward_loss, train_step
 
     dist = init_distributed()
     rows = []
@@ -100,7 +100,7 @@ def worker(out: Path) -> None:
 
 # ------------------------------------------------------------------ driver
 def _torchrun(*args: str) -> list[str]:
-    from crate_clip.train.engine import _free_port
+    from crate_clip.train.stage_setup.engine import _free_port
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
             "--master_port", str(_free_port()), *args]
 
@@ -112,7 +112,7 @@ def _env() -> dict:
 def end_to_end(tmp: Path) -> list[dict]:
     """A shortened demo run (real shards, 2 processes, ZeRO-2): samples/s at the end of each stage."""
     from crate_clip.train.demo import prepare_data
-    from crate_clip.train.metrics_log import read_jsonl
+    from crate_clip.train.reporting.metrics_log import read_jsonl
 
     train_dir, _ = prepare_data(ROOT / "data" / "fashion_mnist")
     run_dir = tmp / "e2e"

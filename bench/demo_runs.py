@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from crate_clip.train.whitebox_log import TOWER_KEYS
+from crate_clip.train.reporting.whitebox_log import TOWER_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo" / "fashion_mnist.yaml"

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from crate_clip.train.run_config import RunConfig
+from crate_clip.train.run.run_config import RunConfig
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 REGENERATE = "python -m crate_clip.config_docs"

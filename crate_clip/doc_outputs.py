@@ -107,8 +107,8 @@ MASKED_L14 = ["stages.0.context_length=8", "stages.0.image_mask=random", "stages
 
 def _masked_l14_flops() -> str:
     """Training FLOPs per sample of the L/14 config's 84 px stage at 8 tokens with half the patches masked."""
-    from crate_clip.train.run_config import load_run_config
-    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.run.run_config import load_run_config
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
 
     cfg = load_run_config(REPO / L14, MASKED_L14, check_paths=False)
     return f"{resolve_stage(cfg, 0).counts.flops / 1e9:.1f} GFLOP"

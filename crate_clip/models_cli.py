@@ -48,7 +48,7 @@ def model_row(name: str) -> ModelRow:
     import torch
 
     from crate_clip.models.clip_factory import create_clip
-    from crate_clip.train.planner import count_cut_per_sample
+    from crate_clip.train.planning.planner import count_cut_per_sample
 
     model = create_clip(name, device="meta")
     visual = model.visual

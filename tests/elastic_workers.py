@@ -3,7 +3,7 @@
 
     elastic_workers.py CONFIG OUT_DIR [--resume X] [--dump-at TAG] [--set KEY=VALUE ...]
 
-The training run of CONFIG (crate_clip.train.stage_loop.run_training, the real stream, engine and checkpoints).
+The training run of CONFIG (crate_clip.train.loop.stage_loop.run_training, the real stream, engine and checkpoints).
 Observed, not changed: every rank appends the __key__s of each batch it takes to OUT_DIR/keys_rank<r>.jsonl;
 after a checkpoint is loaded (a resume) the engine's state is written to OUT_DIR/state_loaded.json, and after
 the save of checkpoint TAG to OUT_DIR/state_saved.json: sha256 of every parameter's full fp32 master value and
@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import crate_clip  # noqa: E402,F401
-from crate_clip.train import stage_loop  # noqa: E402
-from crate_clip.train.run_config import load_run_config  # noqa: E402
+from crate_clip.train.loop import stage_loop  # noqa: E402
+from crate_clip.train.run.run_config import load_run_config  # noqa: E402
 
 
 class KeyRecorder:

@@ -55,7 +55,7 @@ def _steps(batches) -> str:
 
 def agreement(out: str) -> None:
     """Rank r writes OUT.r.json: how the eval loop and the training fetch stopped."""
-    from crate_clip.train.batch_agreement import agreed_batches
+    from crate_clip.train.loop.batch_agreement import agreed_batches
     from crate_clip.eval.distributed_batches import lockstep
 
     result = {"eval": _steps(lockstep(_failing_on_rank_1())), "train": _steps(agreed_batches(_failing_on_rank_1()))}

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import crate_clip  # noqa: E402,F401
-from crate_clip.train.run_config import load_run_config  # noqa: E402
-from crate_clip.train.stage_loop import run_training  # noqa: E402
+from crate_clip.train.run.run_config import load_run_config  # noqa: E402
+from crate_clip.train.loop.stage_loop import run_training  # noqa: E402
 
 
 def _die() -> None:
@@ -29,7 +29,7 @@ def _die() -> None:
 
 def kill_between_evals(config: Path) -> None:
     """Stage 0 trains at low resolution: its own-size eval is recorded, then the kill comes at full size."""
-    import crate_clip.train.stage_evals as stage_evals   # where the trainer calls crate_clip.eval.stage_hook.evaluate_stage
+    import crate_clip.train.loop.stage_evals as stage_evals   # where the trainer calls crate_clip.eval.stage_hook.evaluate_stage
 
     cfg = load_run_config(config)
     real = stage_evals.evaluate_stage

@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 
 import pytest
 
-from crate_clip.train.engine import _free_port
+from crate_clip.train.stage_setup.engine import _free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "sinfo")

@@ -19,10 +19,10 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from crate_clip.core.errors import UserError, report_error  # noqa: E402
-from crate_clip.train.checkpoints import CheckpointManager  # noqa: E402
-from crate_clip.train.run_config import load_run_config  # noqa: E402
-from crate_clip.train.stage_loop import default_stream_factory, run_training  # noqa: E402
-from crate_clip.train.stop_requests import (DEFAULT_SIGNALS, StopRequested, parse_signals,  # noqa: E402
+from crate_clip.train.checkpointing.checkpoints import CheckpointManager  # noqa: E402
+from crate_clip.train.run.run_config import load_run_config  # noqa: E402
+from crate_clip.train.loop.stage_loop import default_stream_factory, run_training  # noqa: E402
+from crate_clip.train.loop.stop_requests import (DEFAULT_SIGNALS, StopRequested, parse_signals,  # noqa: E402
                                             stop_signals_handled)
 
 SOURCE_EXIT = 7

@@ -263,3 +263,81 @@ def test_layout_doc_lists_exactly_the_packages():
 def test_layout_doc_checks_can_fail():
     assert _documented_folders("| `a/b/` | x |\n| `c/` (top) | y |\nno | `d/` |\n") == {"a/b", "c"}
     assert layers_line().startswith("layers: `crate_clip/core` < `crate_clip/checkpoint_io` < ")
+
+
+# ---------------------------------------------------------------- inside crate_clip/train
+TRAIN = ROOT / "crate_clip" / "train"
+TRAIN_ENTRY = "*.py"   # crate_clip/train's own modules (cli, plan_cli, demo, worker_launch): the top, as TOP is above
+# train's subpackages from the bottom up, each importing only the layers below its own (docs/layout.md)
+TRAIN_LAYERS = (
+    ("planning",),             # no torch: memory fit, micro-batch, FLOPs, wall time of a stage
+    ("run", "reporting"),      # the run config, folder, lock and processes | the meter, metrics files, trackers
+    ("stage_setup",),          # ResolvedStage and its model, the text lock, the optimizer, the DeepSpeed engine
+    ("checkpointing",),        # checkpoints and their records, elastic resume, config changes on resume
+    ("loop",),                 # the step, batch agreement, stop requests, stage evaluations, the stage loop
+    (TRAIN_ENTRY,),
+)
+TRAIN_LAYER_OF = {part: i for i, layer in enumerate(TRAIN_LAYERS) for part in layer}
+
+
+def _train_part(module: str) -> str | None:
+    """The TRAIN_LAYERS entry of a dotted name under crate_clip.train (None: outside train, or train's __init__)."""
+    parts = module.split(".")
+    if parts[:2] != ["crate_clip", "train"] or len(parts) == 2:
+        return None
+    return parts[2] if (TRAIN / parts[2]).is_dir() else TRAIN_ENTRY
+
+
+def train_part_graph() -> dict[str, set[str]]:
+    """TRAIN_LAYERS entry -> the entries its files import (any depth; `from crate_clip.train import cli` counts)."""
+    graph = {}
+    for path in sorted(TRAIN.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        rel = path.relative_to(TRAIN).parts
+        mine = rel[0] if len(rel) > 1 else TRAIN_ENTRY
+        graph.setdefault(mine, set())
+        for _, module in _imported_modules(path, names=True):
+            other = _train_part(module)
+            if other is not None and other != mine:
+                graph[mine].add(other)
+    return graph
+
+
+def test_every_train_subpackage_has_a_layer():
+    subpackages = {init.parent.name for init in TRAIN.glob("*/__init__.py")}
+    assert subpackages | {TRAIN_ENTRY} == set(TRAIN_LAYER_OF)
+    assert set(train_part_graph()) == set(TRAIN_LAYER_OF)
+
+
+def test_train_imports_run_down_its_layers():
+    """Inside crate_clip/train, every arrow between two subpackages points to a lower layer, and there is no cycle."""
+    graph = train_part_graph()
+    up = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if TRAIN_LAYER_OF[b] >= TRAIN_LAYER_OF[a])
+    assert up == []
+    assert find_cycle(graph) == []
+
+
+def test_train_scan_sees_an_import_running_up(tmp_path, monkeypatch):
+    """The train scan works: planning importing the loop (inside a function) is an arrow up and, with the loop's use
+    of planning, a cycle."""
+    for part, text in {"planning": "def f():\n    from crate_clip.train.loop.stage_loop import run_training\n",
+                       "loop": "from crate_clip.train.planning import planner\n"}.items():
+        (tmp_path / part).mkdir()
+        (tmp_path / part / "__init__.py").write_text("")
+        (tmp_path / part / "m.py").write_text(text)
+    (tmp_path / "cli.py").write_text("from crate_clip.train import demo\n")
+    monkeypatch.setattr(__import__(__name__), "TRAIN", tmp_path)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    graph = train_part_graph()
+    assert graph == {"planning": {"loop"}, "loop": {"planning"}, TRAIN_ENTRY: set()}
+    assert find_cycle(graph) == ["loop", "planning", "loop"]
+
+
+def train_layers_line() -> str:
+    """docs/layout.md's line of train's layers, as TRAIN_LAYERS says it."""
+    return "train layers: " + " < ".join(", ".join(f"`{p}`" for p in layer) for layer in TRAIN_LAYERS)
+
+
+def test_layout_doc_states_the_train_layers():
+    assert train_layers_line() in LAYOUT_DOC.read_text().splitlines()

@@ -261,8 +261,8 @@ MALFORMED = {
 @pytest.mark.slow
 @pytest.mark.parametrize("what", [*MALFORMED, "crate_clip.json deleted"])
 def test_a_malformed_manifest_marks_its_checkpoint_damaged_and_latest_falls_back(trained, tmp_path, capsys, what):
-    from crate_clip.train.checkpoints import CheckpointManager
-    from crate_clip.train.checkpoints import intact_checkpoint
+    from crate_clip.train.checkpointing.checkpoints import CheckpointManager
+    from crate_clip.train.checkpointing.checkpoints import intact_checkpoint
 
     run = _copy(trained, tmp_path)
     tag = run / "checkpoints" / TAGS[3]
@@ -334,8 +334,8 @@ def test_universal_folder_has_a_manifest_verified_before_use_and_counts_links_on
     """convert_to_universal records every file of universal/ in converted.json; a changed fp32.pt is found
     (and the resume converts again instead of loading it); the free-space accounting counts the model-states
     file hard-linked under both loaders' names once; a killed conversion's folder is a leftover."""
-    from crate_clip.train.disk_space import checkpoint_bytes, leftovers, remove_leftovers, save_bytes
-    from crate_clip.train.elastic_resume import CONVERTED_FILE, convert_to_universal, universal_damage
+    from crate_clip.train.run.disk_space import checkpoint_bytes, leftovers, remove_leftovers, save_bytes
+    from crate_clip.train.checkpointing.elastic_resume import CONVERTED_FILE, convert_to_universal, universal_damage
 
     run = _copy(trained, tmp_path)
     tag = run / "checkpoints" / TAGS[3]
@@ -368,8 +368,8 @@ def test_universal_folder_has_a_manifest_verified_before_use_and_counts_links_on
 @pytest.mark.slow
 def test_checksum_names_outside_the_folder_are_refused_without_looking(trained, tmp_path):
     from crate_clip.checkpoint_io.file_checksums import ChecksumMismatchError, verify_recorded_checksums
-    from crate_clip.train.checkpoints import CheckpointManager
-    from crate_clip.train.checkpoints import checkpoint_damage
+    from crate_clip.train.checkpointing.checkpoints import CheckpointManager
+    from crate_clip.train.checkpointing.checkpoints import checkpoint_damage
 
     run = _copy(trained, tmp_path)
     tag = run / "checkpoints" / TAGS[3]
@@ -414,7 +414,7 @@ def test_a_fifo_latest_gives_one_line_and_does_not_block(trained, tmp_path):
                           capture_output=True, text=True, timeout=120)
     line = _one_line(proc.stderr)
     assert proc.returncode == 2 and "latest: a FIFO, not a regular file" in line, line
-    from crate_clip.train.checkpoints import CheckpointManager
+    from crate_clip.train.checkpointing.checkpoints import CheckpointManager
 
     assert CheckpointManager(run / "checkpoints", 3, 0, 1).latest_tag() == TAGS[3]
 

@@ -65,7 +65,7 @@ def test_replace_dir_keeps_the_old_folder_until_the_new_one_has_its_name(tmp_pat
 
 
 def test_checkpoint_commit_is_durable_before_latest_moves(tmp_path, disk_events):
-    from crate_clip.train.checkpoints import CheckpointManager
+    from crate_clip.train.checkpointing.checkpoints import CheckpointManager
 
     root = tmp_path / "checkpoints"
     staging = root / ".stage0-step00000002.saving"

@@ -124,7 +124,7 @@ def test_keep_last_1_keeps_each_stage_end_and_the_docs_export_commands_run_as_wr
 @pytest.mark.parametrize("keep_last", [1, 2])
 def test_rotation_keeps_every_stage_end_whatever_keep_last(tmp_path, keep_last):
     """Records only (no weights): 3 stages of 3 steps, a checkpoint every step, rotated after each save."""
-    from crate_clip.train.checkpoints import CheckpointManager
+    from crate_clip.train.checkpointing.checkpoints import CheckpointManager
 
     root = tmp_path / "checkpoints"
     manager = CheckpointManager(root, keep_last=keep_last, rank=0, world_size=1)
@@ -143,7 +143,7 @@ def test_rotation_keeps_every_stage_end_whatever_keep_last(tmp_path, keep_last):
 def test_leftovers_and_removable_copies_are_the_runs_own_only(tmp_path):
     """What a resume removes (interrupted saves and conversions) and names as removable (converted copies): only
     under the trainer's own names, never in a user's folder that happens to hold such a name."""
-    from crate_clip.train.disk_space import leftovers, removable
+    from crate_clip.train.run.disk_space import leftovers, removable
 
     root = tmp_path / "checkpoints"
     for name in (".stage0-step00000002.saving", ".keep.saving", "stage0-step00000004/.universal.converting",

@@ -166,8 +166,8 @@ def test_export_reader_refuses_a_checkpoint_that_pickles_code(poisoned, zs, tmp_
 @pytest.mark.parametrize("zs", LAYOUTS)
 def test_model_pretrained_and_text_pretrained_refuse_a_checkpoint_that_pickles_code(poisoned, zs):
     from crate_clip.models.text_sources import TextTowerError
-    from crate_clip.train.run_config import config_from_dict
-    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.run.run_config import config_from_dict
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
 
     run, tag, marker = poisoned[zs]
     sources = [run / "checkpoints", tag] + ([tag / POISONED_FILE[zs]] if "model_states" in POISONED_FILE[zs] else [])
@@ -187,7 +187,7 @@ def test_model_pretrained_and_text_pretrained_refuse_a_checkpoint_that_pickles_c
 @pytest.mark.slow
 @pytest.mark.parametrize("zs", LAYOUTS)
 def test_resume_refuses_a_checkpoint_that_pickles_code(poisoned, zs):
-    from crate_clip.train.checkpoints import CheckpointManager
+    from crate_clip.train.checkpointing.checkpoints import CheckpointManager
 
     _, tag, marker = poisoned[zs]
     ckpts = CheckpointManager(tag.parent, 3, rank=0, world_size=1)
@@ -222,7 +222,7 @@ def resumed(trained, tmp_path_factory):
 
 @pytest.mark.slow
 def test_resume_command_refuses_a_poisoned_rank_state_in_one_line(resumed):
-    from crate_clip.train.checkpoints import CheckpointManager
+    from crate_clip.train.checkpointing.checkpoints import CheckpointManager
 
     _, tag, marker, proc = resumed["poisoned"]
     _refused(lambda: CheckpointManager(tag.parent, 3, rank=0, world_size=1).load_rank_state(tag),
@@ -248,7 +248,7 @@ def test_trust_checkpoint_is_an_explicit_opt_in_that_unpickles(trained, tmp_path
 
 @pytest.mark.slow
 def test_rank_state_of_an_earlier_version_loads_with_the_opt_in(trained, tmp_path):
-    from crate_clip.train.checkpoints import CheckpointManager, set_rng_state
+    from crate_clip.train.checkpointing.checkpoints import CheckpointManager, set_rng_state
 
     tag = tmp_path / "checkpoints" / MID_TAG
     shutil.copytree(trained[2][1] / "checkpoints" / MID_TAG, tag)
@@ -319,7 +319,7 @@ def test_trainer_checkpoints_need_nothing_beyond_the_allow_list(trained, zs):
 
 
 def test_rank_state_round_trips_exactly_without_an_allow_list(tmp_path):
-    from crate_clip.train.checkpoints import rng_state, set_rng_state
+    from crate_clip.train.checkpointing.checkpoints import rng_state, set_rng_state
 
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     np.random.standard_normal()   # leaves a cached gaussian in numpy's state

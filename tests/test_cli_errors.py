@@ -81,7 +81,7 @@ def test_plan_refuses_impossible_numbers_in_one_line(args, says, capsys):
 
 
 def test_byte_sizes_take_binary_units_down_to_kib():
-    from crate_clip.train.planner import parse_bytes
+    from crate_clip.train.planning.planner import parse_bytes
 
     assert [parse_bytes(t) for t in ("1KiB", "64kb", "2k", "1.5MiB", "80GiB", "141G", "1TiB", "512")] == \
         [1024, 64 * 1024, 2048, 3 * 2 ** 19, 80 * 2 ** 30, 141 * 2 ** 30, 2 ** 40, 512]
@@ -114,7 +114,7 @@ def _stage0_checkpoint(root, tag, step):
 
 def test_a_latest_file_that_is_not_text_counts_as_missing(tmp_path):
     from crate_clip.checkpoint_io.deepspeed_checkpoints import resolve_checkpoint_tag
-    from crate_clip.train.checkpoints import CheckpointManager
+    from crate_clip.train.checkpointing.checkpoints import CheckpointManager
     from crate_clip.eval.model_loading import load_eval_model
 
     root = tmp_path / "run" / "checkpoints"

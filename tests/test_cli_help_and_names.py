@@ -79,7 +79,7 @@ def test_train_and_plan_take_the_config_both_ways():
 
 
 def test_flop_rates_print_in_the_unit_that_fits():
-    from crate_clip.train.metrics_log import flop_rate
+    from crate_clip.train.reporting.metrics_log import flop_rate
 
     assert flop_rate(0.0123, on_gpu=False) == ("GFLOP/s/rank", "12.3")
     assert flop_rate(312.46, on_gpu=True) == ("TFLOP/s/gpu", "312.5")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from crate_clip.train.run_config import load_run_config
+from crate_clip.train.run.run_config import load_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 DATACOMP = sorted((REPO / "configs" / "datacomp").glob("*.yaml"))

@@ -144,10 +144,10 @@ def test_undecodable_bytes_fall_back_then_are_replaced(shards):
 
 
 def test_stage_key_decode_reaches_the_stream(shards):
-    from crate_clip.train.engine import DistInfo
-    from crate_clip.train.run_config import ConfigError, config_from_dict
-    from crate_clip.train.stage_loop import default_stream_factory
-    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.stage_setup.engine import DistInfo
+    from crate_clip.train.run.run_config import ConfigError, config_from_dict
+    from crate_clip.train.loop.stage_loop import default_stream_factory
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
 
     raw = {"data": {"sources": [str(shards)], "num_workers": 0, "shuffle_buffer": 8},
            "model": {"name": "CRATE-alpha-CLIPA-tiny"},

@@ -96,12 +96,12 @@ def test_eval_tokenizer_drops_a_training_reduction_mask(tmp_path):
 def test_retrieval_eval_in_a_run_config_is_evaluated_and_logged(sets, tmp_path, capsys):
     """A `type: retrieval` eval of a run config goes through the trainer's eval hook and the logger
     (which once read 'top1' from every result); its numbers reach results.jsonl and TensorBoard."""
-    from crate_clip.train.engine import DistInfo
-    from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl, write_plot
-    from crate_clip.train.run_config import load_run_config
-    from crate_clip.train.checkpoints import Progress
-    from crate_clip.train.stage_evals import evaluate_after_stage
-    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.stage_setup.engine import DistInfo
+    from crate_clip.train.reporting.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl, write_plot
+    from crate_clip.train.run.run_config import load_run_config
+    from crate_clip.train.checkpointing.checkpoints import Progress
+    from crate_clip.train.loop.stage_evals import evaluate_after_stage
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
 
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({
@@ -129,7 +129,7 @@ def test_retrieval_eval_in_a_run_config_is_evaluated_and_logged(sets, tmp_path, 
 
 def test_eval_settings_are_one_definition_for_run_config_and_cli(sets):
     """Run-config evals can set num_workers, classnames and labels, and get the CLI's defaults."""
-    from crate_clip.train.run_config import config_from_dict
+    from crate_clip.train.run.run_config import config_from_dict
     from crate_clip.eval.cli import _settings, build_parser
 
     raw = {"data": {"sources": ["/x"]}, "stages": [{"samples": 8, "global_batch": 4}],

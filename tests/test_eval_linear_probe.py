@@ -93,7 +93,7 @@ def test_declared_after_a_stage_through_the_stage_hook(sets, tmp_path):
 
 
 def test_run_config_needs_the_training_split_of_a_probe():
-    from crate_clip.train.run_config import ConfigError, config_from_dict
+    from crate_clip.train.run.run_config import ConfigError, config_from_dict
     raw = {"data": {"sources": ["x"]}, "stages": [dict(name="s", image_size=28, samples=512, global_batch=256)],
            "eval": {"evals": [{"name": "p", "type": "linear_probe", "data": "test"}]}}
     with pytest.raises(ConfigError, match="eval.evals.0.train_data: empty"):

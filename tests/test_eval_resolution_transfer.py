@@ -100,7 +100,7 @@ def test_cli_resize_patch_evaluates_a_21px_model_at_27px_with_its_grid(sets, tmp
 
 
 def _two_stages(tmp_path, full: dict, eval_section: dict | None = None):
-    from crate_clip.train.run_config import config_from_dict
+    from crate_clip.train.run.run_config import config_from_dict
 
     return config_from_dict({"run": {"output_dir": str(tmp_path)}, "model": {"name": CRATE_TINY},
                              "data": {"sources": ["/data/{00000000..00000009}.tar"]},
@@ -114,7 +114,7 @@ def _two_stages(tmp_path, full: dict, eval_section: dict | None = None):
 def test_stage_evaluations_take_the_full_size_each_way_whose_patches_tile_it(tmp_path):
     """After a 21 px / patch 7 stage: at 28 px only by grid growth (4x4 of 7 px; a 3x3 grid would need 9.33 px
     patches), at 27 px only by patch resize (3x3 of 9 px; 27 is no multiple of 7): the fine-tune's input each time."""
-    from crate_clip.train.stage_evals import eval_points
+    from crate_clip.train.loop.stage_evals import eval_points
 
     grown = _two_stages(tmp_path, {"image_size": 28})
     assert eval_points(grown, 0) == [(21, "grid"), (28, "grid")] and eval_points(grown, 1) == [(28, "grid")]

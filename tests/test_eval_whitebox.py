@@ -81,9 +81,9 @@ def test_zero3_shadow_tower_follows_the_stage_patch_size(patch):
     """The probe's plain copy of a ZeRO-3 tower takes the trained tower's weights also after a stage changed
     the patch size (a stage's `patch_size`), and then computes what the trained tower computes."""
     from crate_clip.models import create_clip
-    from crate_clip.train.run_config import config_from_dict
-    from crate_clip.train.stage_model import resolve_stage
-    from crate_clip.train.whitebox_log import shadow_towers
+    from crate_clip.train.run.run_config import config_from_dict
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
+    from crate_clip.train.reporting.whitebox_log import shadow_towers
     from crate_clip.eval.whitebox import find_crate_tower
 
     torch.manual_seed(0)

@@ -154,7 +154,7 @@ def test_a_fifo_config_says_it_is_a_fifo_and_does_not_block(tmp_path):
 
 def test_bounded_aliases_still_work(tmp_path):
     """Aliases are bounded, not refused: a config may share a stage's settings."""
-    from crate_clip.train.run_config import load_run_config
+    from crate_clip.train.run.run_config import load_run_config
 
     config = _config(tmp_path)
     shared = "stages:\n  - &base {name: a, image_size: 16, context_length: 8, samples: 4, global_batch: 2}\n" \
@@ -282,7 +282,7 @@ def test_a_special_file_given_to_export_says_what_it_is_and_writes_nothing(tmp_p
 def test_a_run_folder_record_with_an_alias_chain_is_refused_in_one_line(tmp_path):
     """The run_config.yaml a resume compares against is read through the same bounds (a run folder from elsewhere)."""
     from crate_clip.core.errors import ConfigError
-    from crate_clip.train.config_changes import recorded_config
+    from crate_clip.train.checkpointing.config_changes import recorded_config
 
     record = tmp_path / "run_config.yaml"
     record.write_text(_alias_chain(8))

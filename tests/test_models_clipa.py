@@ -196,8 +196,8 @@ def test_official_1d_resize_is_jax_bilinear_over_the_sequence(old, new):
 
 @pytest.mark.parametrize("mode", ["official_1d", "grid_2d"])
 def test_stage_change_uses_the_run_configs_mode(mode):
-    from crate_clip.train.run_config import config_from_dict
-    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.run.run_config import config_from_dict
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
 
     stages = [dict(name=n, image_size=px, context_length=8, samples=4, global_batch=2, lr=1e-3)
               for n, px in (("low", 12), ("full", 28))]
@@ -211,7 +211,7 @@ def test_stage_change_uses_the_run_configs_mode(mode):
 
 
 def test_bad_resize_mode_in_run_config_is_named():
-    from crate_clip.train.run_config import ConfigError, config_from_dict
+    from crate_clip.train.run.run_config import ConfigError, config_from_dict
 
     with pytest.raises(ConfigError, match=r"model\.pos_embed_resize: 'linear' is not one of"):
         config_from_dict({"model": {"pos_embed_resize": "linear"}, "data": {"sources": ["x"]},

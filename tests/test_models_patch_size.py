@@ -9,7 +9,7 @@ import crate_clip  # noqa: F401  (registers the towers and CLIP configs)
 from crate_clip.models.crate_alpha import CrateAlpha, resize_patch_kernel
 from crate_clip.models import create_clip
 from crate_clip.models.patch_change import checkpoint_patch_size
-from crate_clip.train.run_config import config_from_dict
+from crate_clip.train.run.run_config import config_from_dict
 
 TINY = "CRATE-alpha-CLIPA-tiny"
 
@@ -67,7 +67,7 @@ def _two_stage_config(patch0, patch1, resize="pi_resize"):
 @pytest.mark.parametrize("resize", ["pi_resize", "bilinear"])
 def test_stage_change_resizes_the_kernel_and_eval_export_know_the_patch(resize, tmp_path):
     from crate_clip.export.writer import export_open_clip, load_export
-    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
 
     cfg = _two_stage_config(7, 4, resize)
     coarse = resolve_stage(cfg, 0).build_model().eval()
@@ -111,7 +111,7 @@ def test_eval_of_an_exports_weights_file_rebuilds_at_its_patch_image_size_and_co
 
 
 def test_patch_size_keys_are_checked():
-    from crate_clip.train.run_config import ConfigError
+    from crate_clip.train.run.run_config import ConfigError
     with pytest.raises(ConfigError, match=r"stages.1.patch_resize: 'nearest'"):
         _two_stage_config(7, 4, "nearest")
     with pytest.raises(ConfigError, match=r"stages.0.patch_size: 64"):

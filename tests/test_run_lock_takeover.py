@@ -1,4 +1,4 @@
-"""The run lock under requeues and signals (crate_clip/train/run_lock.py, issue 29 item 7): a Slurm `--requeue` of the
+"""The run lock under requeues and signals (crate_clip/train/run/run_lock.py, issue 29 item 7): a Slurm `--requeue` of the
 same job onto other nodes takes over the lock its earlier attempt left, while another job's fresh lock still refuses;
 `--take-over-lock` takes it when the user knows that run is gone; SIGTERM and SIGINT release the lock; a malformed
 lock file (empty, garbage, a folder) is said to be malformed and moved aside instead of blocking for 600 s."""
@@ -28,7 +28,7 @@ def no_job(monkeypatch):
 
 def _lock_of(path, **fields):
     """A fresh lock file of a holder on another host (it refreshes it: its modification time is now)."""
-    from crate_clip.train.run_lock import LockHolder
+    from crate_clip.train.run.run_lock import LockHolder
 
     holder = replace(LockHolder.of_this_process(), host="node-b", pid=4242, **fields)
     path.write_text(json.dumps(asdict(holder)))
@@ -36,7 +36,7 @@ def _lock_of(path, **fields):
 
 
 def test_a_slurm_requeue_onto_other_nodes_takes_over_its_earlier_attempts_lock(tmp_path, monkeypatch):
-    from crate_clip.train.run_lock import RunLock
+    from crate_clip.train.run.run_lock import RunLock
 
     run_dir, path = tmp_path / "run", tmp_path / "run.lock"
     _lock_of(path, job="slurm:7001", attempt=[0, 0])   # the first attempt, on node-b, seconds ago
@@ -60,7 +60,7 @@ def test_a_slurm_requeue_onto_other_nodes_takes_over_its_earlier_attempts_lock(t
     ("slurm:7001", {}),                                                     # this run is in no job
 ], ids=["other-job", "same-attempt", "holder-in-no-job", "me-in-no-job"])
 def test_a_different_live_run_still_refuses(tmp_path, monkeypatch, holder_job, env):
-    from crate_clip.train.run_lock import RunLock, RunLockedError
+    from crate_clip.train.run.run_lock import RunLock, RunLockedError
 
     _lock_of(tmp_path / "run.lock", job=holder_job, attempt=[0, 0] if holder_job else None)
     for key, value in env.items():
@@ -72,7 +72,7 @@ def test_a_different_live_run_still_refuses(tmp_path, monkeypatch, holder_job, e
 
 def test_torchruns_default_run_id_names_no_job(tmp_path, monkeypatch):
     """`torchrun` without --rdzv_id gives every job the run id "none": a restart count there proves nothing."""
-    from crate_clip.train.run_lock import RunLock, RunLockedError, launcher_job
+    from crate_clip.train.run.run_lock import RunLock, RunLockedError, launcher_job
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
@@ -89,8 +89,8 @@ def test_torchruns_default_run_id_names_no_job(tmp_path, monkeypatch):
 
 
 def test_take_over_lock_takes_a_fresh_lock_of_another_host_but_not_a_running_local_process(tmp_path):
-    from crate_clip.train.run_lock import LockHolder, RunLock, RunLockedError
-    from crate_clip.train.run_lock import run_folder_lock
+    from crate_clip.train.run.run_lock import LockHolder, RunLock, RunLockedError
+    from crate_clip.train.run.run_lock import run_folder_lock
 
     run_dir, path = tmp_path / "run", tmp_path / "run.lock"
     _lock_of(path, job="slurm:1")
@@ -143,7 +143,7 @@ def _folder(path):
 
 @pytest.mark.parametrize("make", [_empty, _garbage, _wrong_fields, _folder])
 def test_a_malformed_lock_is_said_moved_aside_and_taken(tmp_path, make):
-    from crate_clip.train.run_lock import RunLock
+    from crate_clip.train.run.run_lock import RunLock
 
     run_dir, path = tmp_path / "run", tmp_path / "run.lock"
     why, content = make(path)
@@ -167,7 +167,7 @@ def test_a_malformed_lock_is_said_moved_aside_and_taken(tmp_path, make):
 HOLDER = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from crate_clip.train.run_lock import RunLock
+from crate_clip.train.run.run_lock import RunLock
 lock, _ = RunLock.acquire({run_dir!r})
 print("held", flush=True)
 time.sleep(60)

@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from crate_clip.checkpoint_io.deepspeed_checkpoints import verify_checkpoint
-from crate_clip.train.stop_requests import parse_signals
+from crate_clip.train.loop.stop_requests import parse_signals
 from train_fixtures import REPO_ROOT, ranks_cmd, read_jsonl, run_job, tiny_config, write_config
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from crate_clip.train.run_config import (ConfigError, apply_override, check_runtime, config_from_dict,
+from crate_clip.train.run.run_config import (ConfigError, apply_override, check_runtime, config_from_dict,
                                          load_run_config)
-from crate_clip.train.stage_model import resolve_stage
+from crate_clip.train.stage_setup.stage_model import resolve_stage
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
@@ -128,7 +128,7 @@ def test_cli_rejects_a_bad_config_before_training(tmp_path, capsys):
 
 
 def test_deepspeed_json_is_derived_from_the_run_config():
-    from crate_clip.train.engine import deepspeed_config
+    from crate_clip.train.stage_setup.engine import deepspeed_config
 
     raw = _good()
     raw["deepspeed"] = {"config": str(REPO / "configs/deepspeed/zero3.json"), "overrides": {"zero_optimization": {
@@ -144,8 +144,8 @@ def test_deepspeed_json_is_derived_from_the_run_config():
 def test_param_groups_and_schedule():
     import crate_clip  # noqa: F401
     from crate_clip.models import create_clip
-    from crate_clip.train.engine import prepare_model_for_deepspeed
-    from crate_clip.train.optim import param_groups, warmup_cosine
+    from crate_clip.train.stage_setup.engine import prepare_model_for_deepspeed
+    from crate_clip.train.stage_setup.optim import param_groups, warmup_cosine
 
     model = prepare_model_for_deepspeed(create_clip("CRATE-alpha-CLIPA-tiny", image_size=16, context_length=16))
     assert model.logit_scale.shape == (1,)

@@ -23,7 +23,7 @@ DOCS = REPO_ROOT / "docs" / "training.md"
 
 
 def _cfg(tmp_path: Path, *overrides: str):
-    from crate_clip.train.run_config import apply_override, config_from_dict
+    from crate_clip.train.run.run_config import apply_override, config_from_dict
 
     raw = tiny_config(tmp_path / "run", tmp_path / "data")
     for assignment in overrides:
@@ -67,8 +67,8 @@ EVERY_SECTION = [
 
 
 def test_every_section_is_compared_key_by_key_and_classified(tmp_path):
-    from crate_clip.train.config_changes import ABSENT, compare
-    from crate_clip.train.run_config import RunConfig
+    from crate_clip.train.checkpointing.config_changes import ABSENT, compare
+    from crate_clip.train.run.run_config import RunConfig
 
     base = _cfg(tmp_path).to_dict()
     for override, key, free in EVERY_SECTION:
@@ -81,7 +81,7 @@ def test_every_section_is_compared_key_by_key_and_classified(tmp_path):
 
 
 def test_a_key_not_listed_as_free_is_a_change_to_what_is_trained():
-    from crate_clip.train.config_changes import FREE_TO_CHANGE, is_free, matches
+    from crate_clip.train.checkpointing.config_changes import FREE_TO_CHANGE, is_free, matches
 
     assert not is_free("loss.kind") and not is_free("data.some_new_key") and not is_free("stages.3.new_setting")
     assert not is_free("stages.2") and not is_free("deepspeed") and not is_free("runs.name")
@@ -92,14 +92,14 @@ def test_a_key_not_listed_as_free_is_a_change_to_what_is_trained():
 
 
 def test_every_free_key_is_a_key_of_the_run_config(tmp_path):
-    from crate_clip.train.config_changes import FREE_TO_CHANGE, flat, matches
+    from crate_clip.train.checkpointing.config_changes import FREE_TO_CHANGE, flat, matches
 
     keys = flat(_cfg(tmp_path).to_dict())
     assert [pattern for pattern in FREE_TO_CHANGE if not any(matches(pattern, key) for key in keys)] == []
 
 
 def test_stages_added_and_removed_are_one_change_each_and_replay_in_order(tmp_path):
-    from crate_clip.train.config_changes import ABSENT, apply_changes, compare
+    from crate_clip.train.checkpointing.config_changes import ABSENT, apply_changes, compare
 
     stage = {"name": "s", "image_size": 28, "context_length": 16, "samples": 32, "global_batch": 16}
     four = _cfg(tmp_path, f"stages=[{json.dumps(stage)}, {json.dumps(dict(stage, name='t'))}, "
@@ -117,7 +117,7 @@ def test_stages_added_and_removed_are_one_change_each_and_replay_in_order(tmp_pa
 
 
 def test_an_allowed_change_that_would_break_the_runs_accounting_is_refused(tmp_path):
-    from crate_clip.train.config_changes import ConfigChange, ResumedAt, _breaks_accounting
+    from crate_clip.train.checkpointing.config_changes import ConfigChange, ResumedAt, _breaks_accounting
 
     where = ResumedAt(stage_index=1, step=3, global_step=13, checkpoint="stage1-step00000003")
     cfg = _cfg(tmp_path, "stages.1.samples=32")   # 2 steps of 16
@@ -132,7 +132,7 @@ def test_an_allowed_change_that_would_break_the_runs_accounting_is_refused(tmp_p
 
 
 def test_docs_table_lists_the_free_keys_of_the_code():
-    from crate_clip.train.config_changes import FREE_TO_CHANGE
+    from crate_clip.train.checkpointing.config_changes import FREE_TO_CHANGE
 
     text = DOCS.read_text()
     section = text.split("## Changing the config of a run", 1)[1].split("\n## ", 1)[0]
@@ -160,7 +160,7 @@ def test_a_changed_resume_is_refused_unless_named_then_recorded_and_scheduled_as
     from crate_clip.cli import main
     from crate_clip.core.errors import EXIT_CONFIG
     from crate_clip.train.demo import _refused_changes
-    from crate_clip.train.optim import warmup_cosine
+    from crate_clip.train.stage_setup.optim import warmup_cosine
 
     stage = {"name": "only", "image_size": 16, "context_length": 16, "samples": 16, "global_batch": 8, "lr": 2e-3,
              "warmup_steps": 1, "min_lr": 1e-4}

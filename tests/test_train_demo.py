@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from crate_clip.train.metrics_log import RESULTS_FILE, read_jsonl
+from crate_clip.train.reporting.metrics_log import RESULTS_FILE, read_jsonl
 
 TINY_RUN = ["stages.0.samples=128", "stages.0.global_batch=64", "stages.0.warmup_steps=0",
             "stages.1.samples=64", "stages.1.global_batch=64", "stages.1.warmup_steps=0", "data.num_workers=0",
@@ -91,7 +91,7 @@ def test_demo_paths_come_from_its_config_and_the_makefile_installs_the_listed_pa
     from pathlib import Path
 
     from crate_clip.train.demo import DEMO_CONFIG, demo_paths
-    from crate_clip.train.run_config import load_run_config
+    from crate_clip.train.run.run_config import load_run_config
     from crate_clip.data.sources.debian_packages import DEBIAN_PACKAGES
 
     cfg = load_run_config(DEMO_CONFIG, check_paths=False)

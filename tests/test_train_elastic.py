@@ -112,7 +112,7 @@ def test_resume_at_another_world_size_continues_exactly(references, run, nproc, 
 def test_universal_conversion_is_staged_and_holds_the_saved_fp32_weights(references, tmp_path):
     """A conversion cut short is redone; the converted weights are zero_to_fp32's consolidation, bit for bit."""
     from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
-    from crate_clip.train.elastic_resume import CONVERTED_FILE, UNIVERSAL_DIR, convert_to_universal
+    from crate_clip.train.checkpointing.elastic_resume import CONVERTED_FILE, UNIVERSAL_DIR, convert_to_universal
 
     tag = tmp_path / RESUME_AT
     shutil.copytree(references / "zero3" / "checkpoints" / RESUME_AT, tag, ignore=shutil.ignore_patterns("universal"))
@@ -131,10 +131,10 @@ def test_universal_conversion_is_staged_and_holds_the_saved_fp32_weights(referen
 
 
 def test_resume_auto_takes_the_newest_complete_checkpoint_or_starts(references, tmp_path):
-    from crate_clip.train.checkpoints import CheckpointManager, find_resume_point
-    from crate_clip.train.elastic_resume import resolve_auto
-    from crate_clip.train.run_config import load_run_config
-    from crate_clip.train.run_dir import ExistingRunError
+    from crate_clip.train.checkpointing.checkpoints import CheckpointManager, find_resume_point
+    from crate_clip.train.checkpointing.elastic_resume import resolve_auto
+    from crate_clip.train.run.run_config import load_run_config
+    from crate_clip.train.run.run_dir import ExistingRunError
 
     cfg = load_run_config(references / "zero2.yaml")
     root = tmp_path / "checkpoints"
@@ -175,8 +175,8 @@ def test_resume_auto_on_a_finished_run_exports_it_again_identically(references):
 def test_which_checkpoints_need_the_universal_form(tmp_path):
     """Another world size or ZeRO stage with partitioned optimizer states: universal; ZeRO-0 (nothing partitioned):
     DeepSpeed's plain load at any world size; a change to or from ZeRO-0: refused in one line."""
-    from crate_clip.train.checkpoints import ResumeError
-    from crate_clip.train.elastic_resume import needs_universal
+    from crate_clip.train.checkpointing.checkpoints import ResumeError
+    from crate_clip.train.checkpointing.elastic_resume import needs_universal
 
     (tmp_path / "crate_clip.json").write_text(json.dumps({"world_size": 2, "zero_stage": 0}))
     assert not needs_universal(tmp_path, 2, 0) and not needs_universal(tmp_path, 1, 0)
@@ -192,10 +192,10 @@ def test_which_checkpoints_need_the_universal_form(tmp_path):
 
 def test_a_job_the_canonical_streams_do_not_fit_is_refused_in_one_line(references, tmp_path):
     from crate_clip.core.errors import report_error
-    from crate_clip.train.checkpoints import ResumeError
-    from crate_clip.train.engine import DistInfo
-    from crate_clip.train.run_config import load_run_config
-    from crate_clip.train.stage_loop import run_training
+    from crate_clip.train.checkpointing.checkpoints import ResumeError
+    from crate_clip.train.stage_setup.engine import DistInfo
+    from crate_clip.train.run.run_config import load_run_config
+    from crate_clip.train.loop.stage_loop import run_training
 
     ckpt = references / "zero2" / "checkpoints" / RESUME_AT
     cfg = load_run_config(references / "zero2.yaml", [f"run.output_dir={tmp_path / 'run'}", "data.num_workers=3"])

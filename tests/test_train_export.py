@@ -68,7 +68,7 @@ def bert_config(tmp_path_factory):
 
 
 def _run_config(model: str, patch: int, px: int, lock: bool, mean, text_file: Path):
-    from crate_clip.train.run_config import config_from_dict
+    from crate_clip.train.run.run_config import config_from_dict
 
     model_section = {"name": model, "bert_vocab": str(BERT_VOCAB) if model == TINY_BERT else None}
     if lock:
@@ -81,7 +81,7 @@ def _run_config(model: str, patch: int, px: int, lock: bool, mean, text_file: Pa
 
 def _trained(cfg, seed: int):
     """The trainer's stage model, with one optimizer step on a fixed batch (so no weight is its init)."""
-    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
 
     stage = resolve_stage(cfg, 0)
     model = stage.build_model()
@@ -123,7 +123,7 @@ def test_exports_load_in_a_fresh_interpreter_with_the_trained_features(bert_conf
 
     from crate_clip.models import clip_tokenizer
     from crate_clip.export.writer import export_open_clip
-    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
     from crate_clip.data.image_decode import normalize_batch
 
     text_source = tmp_path / "text.pt"   # the locked case's pretrained text tower

@@ -1,5 +1,5 @@
-"""What `crate-clip train` checks before any worker starts (crate_clip/train/launch_checks.py), and the folders a run
-may not write into (crate_clip/train/run_dir.py), each against the real command as a subprocess:
+"""What `crate-clip train` checks before any worker starts (crate_clip/train/run/launch_checks.py), and the folders a run
+may not write into (crate_clip/train/run/run_dir.py), each against the real command as a subprocess:
 
   - `--validate --nproc N`: the config's keys (a warm-up longer than its stage), the batches against N processes,
     data and evaluation sets present, remote sources answering (a real `python -m http.server`, a closed port, a
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import warm_python
-from crate_clip.train.engine import _free_port
+from crate_clip.train.stage_setup.engine import _free_port
 from train_fixtures import REPO_ROOT, run_env, tiny_config, write_config
 
 STAGE = {"name": "s", "image_size": 16, "context_length": 16, "samples": 64, "global_batch": 8, "lr": 1e-3}

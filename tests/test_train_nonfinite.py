@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tiny_fmnist, tmp_path):
-    from crate_clip.train.checkpoints import consolidated_state_dict, read_info
+    from crate_clip.train.checkpointing.checkpoints import consolidated_state_dict, read_info
 
     run_dir = tmp_path / "run"
     stages = [{"name": "only", "image_size": 16, "context_length": 16, "samples": 320, "global_batch": 16,

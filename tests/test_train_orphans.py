@@ -1,5 +1,5 @@
 """A killed launcher's workers stop: SIGKILL of the torchrun process of a 2-process run ends both training processes
-within seconds (crate_clip/train/launcher_watch.py) instead of leaving them to train unsupervised; the last complete
+within seconds (crate_clip/train/run/launcher_watch.py) instead of leaving them to train unsupervised; the last complete
 checkpoint is kept, and `--resume latest` continues the run (the run-folder lock was released by the stopping rank 0).
 """
 from __future__ import annotations
@@ -20,16 +20,16 @@ STAGE = {"name": "low", "image_size": 16, "context_length": 16, "samples": 160, 
 
 
 def _children(pid: int) -> list[int]:
-    from crate_clip.train.process_info import parent_pid
+    from crate_clip.train.run.process_info import parent_pid
 
     return [int(p.name) for p in os.scandir("/proc") if p.name.isdigit() and parent_pid(int(p.name)) == pid]
 
 
 def test_sigkill_of_the_launcher_stops_its_workers_and_the_run_resumes(tiny_fmnist, tmp_path):
-    from crate_clip.train.process_info import is_running
+    from crate_clip.train.run.process_info import is_running
 
     run_dir = tmp_path / "run"
-    lock = tmp_path / "run.lock"   # crate_clip.train.run_lock.lock_path(run_dir)
+    lock = tmp_path / "run.lock"   # crate_clip.train.run.run_lock.lock_path(run_dir)
     cfg = tiny_config(run_dir, tiny_fmnist, precision="fp32", stages=[STAGE], every_steps=2, evals=False,
                       logging={"tensorboard": False, "plot": False})
     cfg["data"]["num_workers"] = 0   # the loader in the trainer: no worker process to start

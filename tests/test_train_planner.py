@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from crate_clip.train.stage_model import resolve_stage
+from crate_clip.train.stage_setup.stage_model import resolve_stage
 from train_fixtures import REPO_ROOT, run_env, tiny_clip_params, tiny_text_params
 
 PEAK_SCRIPT = r"""
 import json, resource, sys, torch
 import crate_clip
-from crate_clip.train.run_config import config_from_dict
-from crate_clip.train.stage_model import resolve_stage
+from crate_clip.train.run.run_config import config_from_dict
+from crate_clip.train.stage_setup.stage_model import resolve_stage
 cfg = config_from_dict(json.loads(sys.argv[1]), check_paths=False)
 stage, batch = resolve_stage(cfg, 0), int(sys.argv[2])
 torch.manual_seed(0)
@@ -62,7 +62,7 @@ def _cfg(image_size=32, batch=128, ckpt=False):
 
 
 def test_state_bytes_follow_the_zero_stage():
-    from crate_clip.train.planner import state_bytes_per_rank
+    from crate_clip.train.planning.planner import state_bytes_per_rank
 
     z1 = state_bytes_per_rank(100, 20, "bf16", 1, 4)
     assert z1 == {"weights": 240, "grads": 200, "optimizer": 300}
@@ -74,8 +74,8 @@ def test_state_bytes_follow_the_zero_stage():
 def test_a_locked_text_tower_counts_as_frozen_and_is_held_whole_by_every_rank():
     """text_lock keeps the locked tower's weights as fp32 buffers: the planner counts them (frozen) and gives
     every rank all of them, as ZeRO partitions parameters only."""
-    from crate_clip.train.planner import locked_buffer_params, state_bytes_per_rank
-    from crate_clip.train.run_config import config_from_dict
+    from crate_clip.train.planning.planner import locked_buffer_params, state_bytes_per_rank
+    from crate_clip.train.run.run_config import config_from_dict
 
     raw = _cfg(16)
     raw["model"].update(lock_text=True, text_pretrained="text.pt")
@@ -86,8 +86,8 @@ def test_a_locked_text_tower_counts_as_frozen_and_is_held_whole_by_every_rank():
 
 
 def test_flops_are_counted_and_scale_with_tokens():
-    from crate_clip.train.planner import measure_stage
-    from crate_clip.train.run_config import config_from_dict
+    from crate_clip.train.planning.planner import measure_stage
+    from crate_clip.train.run.run_config import config_from_dict
 
     small = config_from_dict(_cfg(16), check_paths=False)
     large = config_from_dict(_cfg(32), check_paths=False)
@@ -105,8 +105,8 @@ def test_depth_cut_trace_matches_the_full_trace():
     """The planner traces towers cut to 1 and 2 blocks and extrapolates by depth; the tiny model (4 image
     blocks, 2 text blocks) traced at full depth gives the same FLOPs and activations (with the cycle
     collector paused during a trace, both are deterministic)."""
-    from crate_clip.train.planner import measure_stage
-    from crate_clip.train.run_config import config_from_dict
+    from crate_clip.train.planning.planner import measure_stage
+    from crate_clip.train.run.run_config import config_from_dict
 
     stage = resolve_stage(config_from_dict(_cfg(32, 8), check_paths=False), 0)
     cut, full = measure_stage(stage, full_depth=False), measure_stage(stage, full_depth=True)
@@ -123,8 +123,8 @@ def test_the_fake_tensor_trace_holds_the_bytes_of_a_real_cpu_step(precision):
     kernel, and in bf16 the locked text tower's autocast (its weights cast at each call)."""
     import torch
 
-    from crate_clip.train.planner import _peak_bytes, _trace
-    from crate_clip.train.run_config import config_from_dict
+    from crate_clip.train.planning.planner import _peak_bytes, _trace
+    from crate_clip.train.run.run_config import config_from_dict
 
     raw = dict(_cfg(28), precision=precision)
     raw["model"].update(lock_text=True, text_pretrained="text.pt")
@@ -141,8 +141,8 @@ def test_the_fake_tensor_trace_holds_the_bytes_of_a_real_cpu_step(precision):
 
 @pytest.mark.slow
 def test_memory_prediction_matches_the_real_cpu_peak():
-    from crate_clip.train.planner import logits_bytes, measure_stage, state_bytes_per_rank
-    from crate_clip.train.run_config import config_from_dict
+    from crate_clip.train.planning.planner import logits_bytes, measure_stage, state_bytes_per_rank
+    from crate_clip.train.run.run_config import config_from_dict
 
     raw, batch = _cfg(32, 128), 128
     m = measure_stage(resolve_stage(config_from_dict(raw, check_paths=False), 0))

@@ -9,9 +9,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from crate_clip.train.plan_cli import main as plan_main
-from crate_clip.train.planner import measure_stage, plan_stage
-from crate_clip.train.run_config import config_from_dict
-from crate_clip.train.stage_model import resolve_stage
+from crate_clip.train.planning.planner import measure_stage, plan_stage
+from crate_clip.train.run.run_config import config_from_dict
+from crate_clip.train.stage_setup.stage_model import resolve_stage
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "CRATE-alpha-CLIPA-tiny"

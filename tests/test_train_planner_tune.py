@@ -9,11 +9,11 @@ import torch
 import yaml
 
 from crate_clip.data.stream_layout import stream_settings
-from crate_clip.train.elastic_resume import settle_canonical_streams
+from crate_clip.train.checkpointing.elastic_resume import settle_canonical_streams
 from crate_clip.train.plan_cli import main as plan_main
-from crate_clip.train.planner import RAW_SAMPLE_BYTES, measure_stage, plan_stage
-from crate_clip.train.run_config import config_from_dict, load_run_config
-from crate_clip.train.stage_model import resolve_stage
+from crate_clip.train.planning.planner import RAW_SAMPLE_BYTES, measure_stage, plan_stage
+from crate_clip.train.run.run_config import config_from_dict, load_run_config
+from crate_clip.train.stage_setup.stage_model import resolve_stage
 
 TINY = "CRATE-alpha-CLIPA-tiny"
 LOCKED = {"lock_text": True, "lock_logit_scale": True, "text_pretrained": "text.pt"}

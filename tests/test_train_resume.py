@@ -59,7 +59,7 @@ def _sigkill_job(proc: subprocess.Popen) -> list[int]:
 
 def _wait_gone(pids: list[int], timeout: float = 30.0) -> None:
     """Until every process in `pids` has exited (zombies count as exited): an awaited event, not a fixed sleep."""
-    from crate_clip.train.process_info import is_running
+    from crate_clip.train.run.process_info import is_running
 
     deadline = time.time() + timeout
     while any(is_running(pid) for pid in pids) and time.time() < deadline:
@@ -146,7 +146,7 @@ def test_sigkill_mid_stage_then_resume_matches_uninterrupted(reference_run, tiny
 
 
 def test_stage_transition_resizes_pos_embed_and_evaluates(reference_run):
-    from crate_clip.train.checkpoints import consolidated_state_dict
+    from crate_clip.train.checkpointing.checkpoints import consolidated_state_dict
 
     ckpts = reference_run / "checkpoints"
     tags = sorted(p.name for p in ckpts.iterdir() if (p / "crate_clip.json").is_file())
@@ -198,7 +198,7 @@ def test_crate_clip_export_of_any_checkpoint_and_of_the_last_is_the_trainers_exp
     import json
 
     from crate_clip.cli import main
-    from crate_clip.train.checkpoints import consolidated_state_dict
+    from crate_clip.train.checkpointing.checkpoints import consolidated_state_dict
     from crate_clip.export.writer import export_state_equal, load_export
 
     assert main(["export", str(reference_run), "--out", str(tmp_path / "final"), "--no-verify"]) == 0
@@ -283,7 +283,7 @@ def test_demo_stages_log_the_tokens_and_flops_of_the_model_that_trains(demo_refe
     from torch.utils.flop_counter import FlopCounterMode
 
     from crate_clip.models import create_clip
-    from crate_clip.train.train_step import attention_kernel
+    from crate_clip.train.loop.train_step import attention_kernel
 
     rows = read_jsonl(demo_reference / "metrics.jsonl")
     for stage, size in ((0, 21), (1, 28)):

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from crate_clip.train.elastic_resume import resume_summary
-from crate_clip.train.run_config import config_from_dict
-from crate_clip.train.stage_model import resolve_stage
+from crate_clip.train.checkpointing.elastic_resume import resume_summary
+from crate_clip.train.run.run_config import config_from_dict
+from crate_clip.train.stage_setup.stage_model import resolve_stage
 
 
 def _config(zero_stage):

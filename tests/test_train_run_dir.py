@@ -111,10 +111,10 @@ def test_train_into_a_finished_run_is_refused(resumed_run, capsys):
 
 
 def test_rejected_resume_leaves_run_config_alone(resumed_run):
-    from crate_clip.train.checkpoints import ResumeError
-    from crate_clip.train.engine import DistInfo
-    from crate_clip.train.run_config import load_run_config
-    from crate_clip.train.stage_loop import run_training
+    from crate_clip.train.checkpointing.checkpoints import ResumeError
+    from crate_clip.train.stage_setup.engine import DistInfo
+    from crate_clip.train.run.run_config import load_run_config
+    from crate_clip.train.loop.stage_loop import run_training
 
     run_dir = resumed_run["run_dir"]
     before = (run_dir / "run_config.yaml").read_bytes()
@@ -150,7 +150,7 @@ def test_overwrite_moves_the_earlier_run_aside(resumed_run, tiny_fmnist, tmp_pat
 def test_resave_mid_stage_1_keeps_the_old_checkpoint_and_one_metrics_row_per_step(resumed_run):
     """Resume in stage 1 from its step-2 checkpoint with model.pretrained now unreadable (a resumed stage takes
     every weight from the checkpoint), then die while DeepSpeed writes the step-3 checkpoint a second time."""
-    from crate_clip.train.checkpoints import read_info
+    from crate_clip.train.checkpointing.checkpoints import read_info
 
     run_dir = resumed_run["run_dir"]
     resumed_run["pretrained"].write_bytes(b"not a weights file")

@@ -1,4 +1,4 @@
-"""One writer per run folder (crate_clip/train/run_lock.py): a live holder is refused by name, a lock of a process
+"""One writer per run folder (crate_clip/train/run/run_lock.py): a live holder is refused by name, a lock of a process
 of this host that is gone is taken over and said so, another host's lock is respected until it has not been
 refreshed for STALE_AFTER_S, the holder refreshes it, and a holder whose lock was taken over stops.
 The runs that use it end to end: test_train_run_safety.py (two trainers at once, --resume / --overwrite of a live
@@ -23,7 +23,7 @@ def _write_lock(path, holder) -> None:
 
 
 def test_a_live_holder_is_refused_by_name_and_released(tmp_path):
-    from crate_clip.train.run_lock import RunLock, RunLockedError, lock_path
+    from crate_clip.train.run.run_lock import RunLock, RunLockedError, lock_path
 
     run_dir = tmp_path / "run"
     lock, note = RunLock.acquire(run_dir)
@@ -42,7 +42,7 @@ def test_a_live_holder_is_refused_by_name_and_released(tmp_path):
 
 
 def test_the_lock_of_a_process_that_is_gone_is_taken_over_and_said_so(tmp_path):
-    from crate_clip.train.run_lock import LockHolder, RunLock
+    from crate_clip.train.run.run_lock import LockHolder, RunLock
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()   # reaped: its PID runs nothing now
@@ -62,7 +62,7 @@ def test_the_lock_of_a_process_that_is_gone_is_taken_over_and_said_so(tmp_path):
 
 
 def test_another_hosts_lock_is_respected_until_it_is_no_longer_refreshed(tmp_path):
-    from crate_clip.train.run_lock import STALE_AFTER_S, LockHolder, RunLock, RunLockedError
+    from crate_clip.train.run.run_lock import STALE_AFTER_S, LockHolder, RunLock, RunLockedError
 
     run_dir, path = tmp_path / "run", tmp_path / "run.lock"
     _write_lock(path, replace(LockHolder.of_this_process(), host="node-b", pid=1))
@@ -79,7 +79,7 @@ def test_another_hosts_lock_is_respected_until_it_is_no_longer_refreshed(tmp_pat
 HOLDER = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
-import crate_clip.train.run_lock as run_lock
+import crate_clip.train.run.run_lock as run_lock
 run_lock.HEARTBEAT_S = 0.1
 lock, _ = run_lock.RunLock.acquire({run_dir!r})
 print("held", flush=True)
@@ -90,7 +90,7 @@ time.sleep(30)
 def test_the_holder_refreshes_its_lock_and_stops_when_it_was_taken_over(tmp_path):
     """A holder stopped for longer than STALE_AFTER_S (here: its lock rewritten by a successor) ends at its next
     heartbeat rather than write beside the new holder."""
-    from crate_clip.train.run_lock import LockHolder
+    from crate_clip.train.run.run_lock import LockHolder
 
     run_dir, path = tmp_path / "run", tmp_path / "run.lock"
     proc = subprocess.Popen([sys.executable, "-c", HOLDER.format(repo=str(REPO_ROOT), run_dir=str(run_dir))],

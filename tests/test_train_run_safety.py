@@ -89,7 +89,7 @@ def _hold_the_winner_while_the_other_arrives(lock: Path, procs: list) -> str:
     machine one can import, train its 6 steps and release the lock before the other gets there (it then finds a
     finished run: exit 2, not the race this test is about); a stopped holder is a live one, so the late one is
     refused whenever it arrives. Returns what happened, for the assertion messages."""
-    from crate_clip.train.run_lock import _read_holder
+    from crate_clip.train.run.run_lock import _read_holder
 
     pids = {p.pid: p for p in procs}
     deadline = time.monotonic() + 300
@@ -134,7 +134,7 @@ def test_two_trainers_started_together_one_trains_one_is_refused(raced):
 
 
 def test_resume_and_overwrite_of_a_live_run_are_refused_naming_it(raced):
-    from crate_clip.train.run_lock import RunLock
+    from crate_clip.train.run.run_lock import RunLock
 
     run_dir, config = raced["run_dir"], str(raced["config"])
     before = sorted((str(p), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
@@ -228,15 +228,15 @@ def _recorded(tag_dir: Path, name: str) -> int:
 
 
 def _port() -> int:
-    from crate_clip.train.engine import _free_port
+    from crate_clip.train.stage_setup.engine import _free_port
     return _free_port()
 
 
 def test_an_explicit_damaged_checkpoint_is_an_error_and_each_kind_of_damage_is_found(raced, tmp_path, capsys):
     """`--resume <tag folder>` of a damaged checkpoint names the file and the fix (another checkpoint is never taken
     silently); each kind of damage, and a crate_clip.json that does not parse, is found."""
-    from crate_clip.train.checkpoints import CheckpointManager, ResumeError
-    from crate_clip.train.checkpoints import checkpoint_damage, intact_checkpoint
+    from crate_clip.train.checkpointing.checkpoints import CheckpointManager, ResumeError
+    from crate_clip.train.checkpointing.checkpoints import checkpoint_damage, intact_checkpoint
 
     ckpts = tmp_path / "checkpoints"
     shutil.copytree(raced["run_dir"] / "checkpoints", ckpts)
@@ -272,7 +272,7 @@ def test_a_resume_that_could_not_save_says_so_before_training(raced, tmp_path, m
     """Resuming in place on a disk with less free space than a checkpoint takes: one line, before any step."""
     import shutil as shutil_module
 
-    from crate_clip.train import disk_space
+    from crate_clip.train.run import disk_space
 
     tag_dir = raced["run_dir"] / "checkpoints" / TAGS[6]
     needed = disk_space.checkpoint_bytes(tag_dir)

@@ -9,7 +9,7 @@ from PIL import Image
 
 def test_a_refused_evaluation_is_said_once_per_job(monkeypatch, capsys):
     from crate_clip.core.errors import EXIT_CONFIG, report_error
-    from crate_clip.train.stage_evals import EvalRefusedError
+    from crate_clip.train.loop.stage_evals import EvalRefusedError
 
     error = EvalRefusedError("stage 0 (low) evaluation at 16 px: /data/val: none of its 50 images could be read")
     monkeypatch.setenv("RANK", "1")   # every rank raises it: only rank 0 says it
@@ -30,8 +30,8 @@ def test_the_whitebox_probe_matches_class_folders_by_name(tmp_path):
     """Folders are matched to the eval's class names (never taken in sort order): a folder that names no class is
     an error naming it, as in the evaluation itself."""
     from crate_clip.models import create_clip
-    from crate_clip.train.run_config import config_from_dict
-    from crate_clip.train.whitebox_log import _probe_images
+    from crate_clip.train.run.run_config import config_from_dict
+    from crate_clip.train.reporting.whitebox_log import _probe_images
 
     def probe(root):
         cfg = config_from_dict({"data": {"sources": ["/data/{00000000..00000009}.tar"]},

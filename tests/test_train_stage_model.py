@@ -9,13 +9,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from crate_clip.models import create_clip
-from crate_clip.train.engine import DistInfo
-from crate_clip.train.planner import measure_stage
+from crate_clip.train.stage_setup.engine import DistInfo
+from crate_clip.train.planning.planner import measure_stage
 from crate_clip.train.plan_cli import main as plan_main
-from crate_clip.train.run_config import config_from_dict, load_run_config
-from crate_clip.train.stage_model import resolve_stage
-from crate_clip.train.throughput import StepMeter
-from crate_clip.train.train_step import attention_kernel
+from crate_clip.train.run.run_config import config_from_dict, load_run_config
+from crate_clip.train.stage_setup.stage_model import resolve_stage
+from crate_clip.train.reporting.throughput import StepMeter
+from crate_clip.train.loop.train_step import attention_kernel
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "configs").rglob("*.yaml"))
@@ -80,7 +80,7 @@ def test_locked_text_tower_meter_flops_equal_planner_flops():
 def test_the_cut_count_of_deep_towers_is_the_whole_models_count(config, changes):
     """planner.count_cut_per_sample, on towers cut to 1 and 2 blocks and extrapolated in depth, gives the counts of
     the whole model to the FLOP (and its tokens), for deep towers (the stages' counts use it above 4 blocks)."""
-    from crate_clip.train import planner
+    from crate_clip.train.planning import planner
 
     sets = [f"{'model' if key == 'lock_text' else 'stages.0'}.{key}={value}" for key, value in changes.items()]
     cfg = load_run_config(REPO / "configs" / "datacomp" / f"{config}.yaml", sets, check_paths=False)

@@ -88,8 +88,8 @@ def _text_equal(model, source) -> bool:
 
 
 def test_load_from_file_and_lock(tmp_path):
-    from crate_clip.train.optim import param_groups
-    from crate_clip.train.text_lock import apply_text_config, frozen_names
+    from crate_clip.train.stage_setup.optim import param_groups
+    from crate_clip.train.stage_setup.text_lock import apply_text_config, frozen_names
 
     source = _text_source(tmp_path / "text.pt")
     model = _model()
@@ -110,7 +110,7 @@ def test_load_from_file_and_lock(tmp_path):
 
 
 def test_locked_text_forward_matches_the_plain_model_in_fp32(tmp_path):
-    from crate_clip.train.text_lock import lock_text_tower
+    from crate_clip.train.stage_setup.text_lock import lock_text_tower
 
     plain, locked = _model(), _model()
     lock_text_tower(locked, lock_text=True)
@@ -148,7 +148,7 @@ def test_a_crate_alpha_text_tower_loads_from_its_own_kind_and_locks(tmp_path):
     the transformer; a checkpoint with the other kind of text tower is refused naming both kinds, either way."""
     from crate_clip.models import create_clip
     from crate_clip.models.text_sources import TextTowerError, load_pretrained_text_tower
-    from crate_clip.train.text_lock import apply_text_config, frozen_names
+    from crate_clip.train.stage_setup.text_lock import apply_text_config, frozen_names
 
     torch.manual_seed(123)
     crate = create_clip(CRATE_TEXT, image_size=16, context_length=16)
@@ -203,7 +203,7 @@ def _raw(**model) -> dict:
 
 
 def test_config_keys_and_errors():
-    from crate_clip.train.run_config import ConfigError, config_from_dict
+    from crate_clip.train.run.run_config import ConfigError, config_from_dict
 
     with pytest.raises(ConfigError) as exc:
         config_from_dict(_raw(lock_text=True), check_paths=False)
@@ -223,7 +223,7 @@ def test_run_with_locked_text_resumes_without_the_text_file_and_exports(tiny_fmn
     from safetensors.torch import load_file
 
     from crate_clip.export.writer import load_export
-    from crate_clip.train.text_lock import is_text_key
+    from crate_clip.train.stage_setup.text_lock import is_text_key
 
     source = _text_source(tmp_path / "text.pt")
     text_keys = [k for k in source if is_text_key(k)] + ["logit_scale"]
@@ -268,7 +268,7 @@ def test_run_with_locked_text_resumes_without_the_text_file_and_exports(tiny_fmn
 def test_datacomp_configs_lock_clipa_text_and_the_demo_trains_its_own():
     from pathlib import Path
 
-    from crate_clip.train.run_config import load_run_config
+    from crate_clip.train.run.run_config import load_run_config
 
     configs = Path(__file__).resolve().parents[1] / "configs"
     for size in ("b-16", "l-14", "h-14"):

@@ -23,7 +23,7 @@ def _train_cmd(config, *extra):
 
 
 def test_both_crate_run_evaluates_each_stage_and_logs_both_towers(both_crate_run):
-    from crate_clip.train.checkpoints import consolidated_state_dict
+    from crate_clip.train.checkpointing.checkpoints import consolidated_state_dict
 
     run_dir, _, _ = both_crate_run
     results = read_jsonl(run_dir / "results.jsonl")

@@ -1,9 +1,9 @@
 """Throughput accounting: counted model FLOPs, data wait vs step time, the warning, the GPU peak table."""
 import time
 
-from crate_clip.train.engine import DistInfo
-from crate_clip.train.run_config import config_from_dict
-from crate_clip.train.stage_model import resolve_stage
+from crate_clip.train.stage_setup.engine import DistInfo
+from crate_clip.train.run.run_config import config_from_dict
+from crate_clip.train.stage_setup.stage_model import resolve_stage
 
 
 def _cfg(mask="random"):
@@ -14,7 +14,7 @@ def _cfg(mask="random"):
 
 
 def test_step_meter_fields_and_data_wait_warning():
-    from crate_clip.train.throughput import StepMeter
+    from crate_clip.train.reporting.throughput import StepMeter
 
     cfg = _cfg()
     meter = StepMeter(resolve_stage(cfg, 0), DistInfo(0, 1, 0, "cpu"))
@@ -45,7 +45,7 @@ def test_masking_halves_the_image_flops():
 
 
 def test_gpu_peak_table():
-    from crate_clip.train.planner import gpu_peak_tflops, parse_bytes
+    from crate_clip.train.planning.planner import gpu_peak_tflops, parse_bytes
 
     assert gpu_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert gpu_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
@@ -55,7 +55,7 @@ def test_gpu_peak_table():
 
 
 def test_the_loader_warning_comes_once_per_stage_with_advice_that_applies():
-    from crate_clip.train.throughput import StepMeter, loader_advice
+    from crate_clip.train.reporting.throughput import StepMeter, loader_advice
 
     assert loader_advice(1, 1, 8, "cpu", "cpu").startswith("raise data.num_workers")
     assert loader_advice(6, 1, 8, "cpu", "cuda:0").startswith("raise data.num_workers")   # one core left for it

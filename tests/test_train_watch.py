@@ -14,9 +14,9 @@ from train_fixtures import ranks_cmd, read_jsonl, run_job, tiny_config, write_co
 
 # ---------------------------------------------------------------- cheap: the pieces
 def test_mid_stage_marks_fall_on_every_samples_and_never_on_the_last_step():
-    from crate_clip.train.checkpoints import Progress
-    from crate_clip.train.run_config import config_from_dict
-    from crate_clip.train.stage_evals import mid_stage_due
+    from crate_clip.train.checkpointing.checkpoints import Progress
+    from crate_clip.train.run.run_config import config_from_dict
+    from crate_clip.train.loop.stage_evals import mid_stage_due
 
     cfg = config_from_dict({"data": {"sources": ["/data/{00000000..00000009}.tar"]},
                             "stages": [{"name": "s", "image_size": 16, "samples": 160, "global_batch": 16}],
@@ -29,7 +29,7 @@ def test_mid_stage_marks_fall_on_every_samples_and_never_on_the_last_step():
 
 
 def test_the_budget_defers_an_evaluation_over_its_share_and_says_so_once():
-    from crate_clip.train.stage_evals import EvalBudget
+    from crate_clip.train.loop.stage_evals import EvalBudget
 
     budget = EvalBudget(0.05)
     assert budget.allows(train_s=1.0)   # the first runs: it measures the cost
@@ -43,7 +43,7 @@ def test_the_budget_defers_an_evaluation_over_its_share_and_says_so_once():
 
 
 def test_progress_is_a_plain_line_every_n_seconds_off_a_terminal(capsys):
-    from crate_clip.train.progress_display import StageProgress
+    from crate_clip.train.reporting.progress_display import StageProgress
 
     display = StageProgress("stage 0 low @16px", total_steps=4, done_steps=0, samples_per_step=16, every_s=3600,
                             bar=False)
@@ -59,7 +59,7 @@ def test_progress_is_a_plain_line_every_n_seconds_off_a_terminal(capsys):
 
 
 def test_the_curve_labels_each_point_and_keeps_both_ways_to_full_resolution(tmp_path):
-    from crate_clip.train.training_curve import eval_series, point_label, series_label, stage_spans, write_plot
+    from crate_clip.train.reporting.training_curve import eval_series, point_label, series_label, stage_spans, write_plot
 
     steps = [{"stage_index": i, "stage_name": n, "step": s, "samples_seen": x, "image_size": p, "loss": 3.0 - x / 100}
              for i, n, p, xs in ((0, "low", 16, (16, 32, 48)), (1, "full", 28, (64, 80))) for s, x in enumerate(xs, 1)]
@@ -88,7 +88,7 @@ def test_the_curve_labels_each_point_and_keeps_both_ways_to_full_resolution(tmp_
 
 
 def test_report_to_wandb_without_wandb_installed_is_one_line(monkeypatch):
-    from crate_clip.train.run_config import config_from_dict, runtime_problems
+    from crate_clip.train.run.run_config import config_from_dict, runtime_problems
 
     monkeypatch.setitem(sys.modules, "wandb", None)   # what an install without the extra imports: nothing
     cfg = config_from_dict({"data": {"sources": ["/data/{00000000..00000009}.tar"]},
@@ -181,7 +181,7 @@ def test_a_run_reports_mid_stage_evaluations_to_every_tracker(tiny_fmnist, tmp_p
     assert "Processing zero checkpoint" in (run / "logs" / "deepspeed-rank1.log").read_text()
 
     # a probe measured after the run (the demo's linear probe of its export) joins the run's TensorBoard and CSV
-    from crate_clip.train.metrics_log import log_probe
+    from crate_clip.train.reporting.metrics_log import log_probe
     assert log_probe(run, {"top1": 0.5, "top5": 0.9, "n_train": 60}) == ["tensorboard", "csv"]
     events = EventAccumulator(str(run / "tensorboard")).Reload()
     assert [(e.step, e.value) for e in events.Scalars("probe/linear_probe/top1")] == [(96, 0.5)]

@@ -14,8 +14,8 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 def test_diagnostics_logged_under_zero3_match_the_final_weights(both_crate_run):
     from crate_clip.models import create_clip
     from crate_clip.models.clip_factory import read_state_dict
-    from crate_clip.train.run_config import load_run_config
-    from crate_clip.train.whitebox_log import _probe_images, _probe_tokens
+    from crate_clip.train.run.run_config import load_run_config
+    from crate_clip.train.reporting.whitebox_log import _probe_images, _probe_tokens
     from crate_clip.eval.whitebox import layer_diagnostics
     from crate_clip.eval.whitebox_text import text_layer_diagnostics
 
@@ -45,7 +45,7 @@ def test_crate_clip_export_of_a_mid_run_zero3_checkpoint(both_crate_run, tmp_pat
     """Stage 0's last checkpoint of the ZeRO-3 run (partitioned weights) exports at its 16 px and reloads
     through open_clip with exactly its consolidated weights."""
     from crate_clip.cli import main
-    from crate_clip.train.checkpoints import consolidated_state_dict
+    from crate_clip.train.checkpointing.checkpoints import consolidated_state_dict
     from crate_clip.export.writer import export_state_equal, load_export
 
     run_dir, _, _ = both_crate_run
@@ -56,7 +56,7 @@ def test_crate_clip_export_of_a_mid_run_zero3_checkpoint(both_crate_run, tmp_pat
 
 
 def test_diagnostics_need_an_eval_set(tmp_path):
-    from crate_clip.train.run_config import ConfigError, load_run_config
+    from crate_clip.train.run.run_config import ConfigError, load_run_config
 
     cfg = tiny_config(tmp_path / "run", tmp_path, evals=False, logging={"diagnostics_every": 5})
     with pytest.raises(ConfigError, match="logging.diagnostics_every"):

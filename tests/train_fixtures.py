@@ -115,7 +115,7 @@ def write_config(cfg: dict, path: Path) -> Path:
 def torchrun_cmd(nproc: int, *args: str, module: str | None = None) -> list[str]:
     """`python -m torch.distributed.run --nproc_per_node N (-m module | tests/train_workers.py) args`: for the tests
     of what torchrun does (its restarts, a killed launcher, its exit code and output); the others use ranks_cmd."""
-    from crate_clip.train.engine import _free_port
+    from crate_clip.train.stage_setup.engine import _free_port
 
     target = ["-m", module] if module else [str(WORKERS)]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),

@@ -20,12 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import crate_clip  # noqa: E402,F401
 from bench import zero_footprint  # noqa: E402  (test and bench helper, not library code)
-from crate_clip.train.engine import build_engine, init_distributed, model_dtype  # noqa: E402
-from crate_clip.train.run_config import config_from_dict, load_run_config  # noqa: E402
-from crate_clip.train.stage_loop import (NonFiniteLossError, _make_loss, default_stream_factory,  # noqa: E402
+from crate_clip.train.stage_setup.engine import build_engine, init_distributed, model_dtype  # noqa: E402
+from crate_clip.train.run.run_config import config_from_dict, load_run_config  # noqa: E402
+from crate_clip.train.loop.stage_loop import (NonFiniteLossError, _make_loss, default_stream_factory,  # noqa: E402
                                          run_training)
-from crate_clip.train.stage_model import resolve_stage  # noqa: E402
-from crate_clip.train.train_step import forward_loss, train_step  # noqa: E402
+from crate_clip.train.stage_setup.stage_model import resolve_stage  # noqa: E402
+from crate_clip.train.loop.train_step import forward_loss, train_step  # noqa: E402
 
 ZERO_CASES = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16")]
 
@@ -86,9 +86,9 @@ def lock_probe(out_dir: Path) -> None:
     """Per case: 6 steps on one fixed batch per rank; losses, footprint (and the frozen buffers' bytes), the
     parameters the optimizer updates, and whether the saved + consolidated text tower equals the source."""
     from crate_clip.models.clip_factory import read_state_dict
-    from crate_clip.train.checkpoints import consolidated_state_dict
-    from crate_clip.train.optim import param_groups
-    from crate_clip.train.text_lock import is_text_key
+    from crate_clip.train.checkpointing.checkpoints import consolidated_state_dict
+    from crate_clip.train.stage_setup.optim import param_groups
+    from crate_clip.train.stage_setup.text_lock import is_text_key
 
     dist = init_distributed()
     source = read_state_dict(out_dir / "text.pt")

@@ -45,7 +45,7 @@ PIPE, STDOUT, DEVNULL, TimeoutExpired = subprocess.PIPE, subprocess.STDOUT, subp
 # optimizer (deepspeed/runtime/zero/utils.py), and with it torch.compile's inductor: ~1 s of CPU in every rank.
 # matplotlib.pyplot: rank 0's training curve at the end (~0.4 s; the backend is chosen when the curve is drawn).
 RANK_PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "deepspeed.runtime.zero.muon.muon_optimizer", "open_clip",
-                "matplotlib.pyplot", "crate_clip.train.stage_loop")
+                "matplotlib.pyplot", "crate_clip.train.loop.stage_loop")
 # What the commands import first: a rank's modules and the CLIs'.
 PRELOAD = RANK_PRELOAD + ("crate_clip.train.cli", "crate_clip.cli", "crate_clip.eval.cli", "crate_clip.export.cli")
 # Variables a library reads as it loads (or the interpreter as it starts): a command that sets one differently from

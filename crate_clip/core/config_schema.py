@@ -3,7 +3,7 @@ that YAML 1.1 reads as text (`1e-3`) accepted, every number finite and within 64
 the key they are about, and error lines that echo a value shortened and a key with its control characters escaped.
 
 Each schema lives with the code that uses it (the stream's in crate_clip.data.train_stream, an evaluation's
-in its eval/ task module, the run's in crate_clip.train.run_config); this module is the bottom layer they
+in its eval/ task module, the run's in crate_clip.train.run.run_config); this module is the bottom layer they
 all may import.
 """
 from __future__ import annotations

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     if args.nproc and os.environ.get("RANK") is not None:
         parser.error("--nproc starts the training processes itself; under torchrun, deepspeed or accelerate launch "
                      "leave it out (the launcher's process count is used)")
-    from crate_clip.train import stop_requests   # torch's import, as below
+    from crate_clip.train.loop import stop_requests   # torch's import, as below
 
     try:
         stop_signals = stop_requests.parse_signals(args.save_on_signal)
@@ -87,11 +87,11 @@ def main(argv=None) -> int:
     from crate_clip.core.errors import USER_ERRORS, ConfigError, report_error
     from crate_clip.core.shard_sources import shell_commands
     from crate_clip.core.writable_folders import unwritable_error
-    from crate_clip.train.disk_space import no_space_while_writing
-    from crate_clip.train.launcher_watch import watch_launcher
-    from crate_clip.train.config_changes import config_changes
-    from crate_clip.train.launch_checks import checked_config
-    from crate_clip.train.stage_loop import run_training
+    from crate_clip.train.run.disk_space import no_space_while_writing
+    from crate_clip.train.run.launcher_watch import watch_launcher
+    from crate_clip.train.checkpointing.config_changes import config_changes
+    from crate_clip.train.run.launch_checks import checked_config
+    from crate_clip.train.loop.stage_loop import run_training
 
     watch_launcher()   # under torchrun / deepspeed / accelerate: stop when the launcher is gone
     # DeepSpeed 0.19 and open_clip's ClipLoss (gather_with_grad) still call torch collectives under their old

@@ -93,7 +93,7 @@ def demo_paths(config: str, data_dir: str | None, run_dir: str | None,
     """(training shards, zero-shot eval set, run folder), absolute: the config's own paths (relative to the
     working directory) unless --data-dir / --run-dir are given. The config with the user's --set overrides is
     validated here (ConfigError), before any data is written or a trainer launched."""
-    from crate_clip.train.run_config import load_run_config
+    from crate_clip.train.run.run_config import load_run_config
 
     cfg = load_run_config(config, overrides, check_paths=False)
     if not (cfg.data.sources and cfg.eval.evals):
@@ -110,7 +110,7 @@ def launch_command(config: str, nproc: int, overrides: list[str], resume: bool, 
                    trust_checkpoint: bool = False, allow_changes: tuple = ()) -> list[str]:
     """`torchrun --nproc_per_node N -m crate_clip.train.cli ...` (torch's launcher, shipped with torch) through
     crate_clip.train.worker_launch, which exits with the trainer's own code (torchrun says 1 for any failure);
-    `overwrite`: an earlier run is moved aside by the trainer (crate_clip.train.run_dir) before it starts;
+    `overwrite`: an earlier run is moved aside by the trainer (crate_clip.train.run.run_dir) before it starts;
     `trust_checkpoint`: the trainer's --trust-checkpoint; `allow_changes`: its --allow-change keys."""
     from crate_clip.train import worker_launch
 
@@ -147,7 +147,7 @@ def summarize(run_dir: Path) -> list[dict]:
 def training_flops(run_dir: Path) -> tuple[float, int, float] | None:
     """(the run's training FLOPs, its samples, the last stage's FLOPs per sample), from the step meter's records
     in metrics.jsonl (flops_per_sample of each stage x its samples)."""
-    from crate_clip.train.metrics_log import METRICS_FILE, read_jsonl
+    from crate_clip.train.reporting.metrics_log import METRICS_FILE, read_jsonl
 
     last: dict[int, dict] = {}
     for r in read_jsonl(run_dir / METRICS_FILE):
@@ -250,7 +250,7 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     from crate_clip.eval.tasks import linear_probe
     from crate_clip.eval.model_loading import load_eval_model
     from crate_clip.models.export_files import CONFIG_FILE   # crate_clip.models: torch, so not at module level
-    from crate_clip.train.metrics_log import log_probe
+    from crate_clip.train.reporting.metrics_log import log_probe
 
     export = export_dir(run_dir)
     if train_images <= 0 or not (export / CONFIG_FILE).is_file():
@@ -291,7 +291,7 @@ def _card_with_probe(run_dir: Path, export: Path, metrics: dict) -> None:
 
 def _run_config(config: str, overrides: list[str]) -> dict:
     """The run config the trainer ran (the file with the --set overrides), as a dict."""
-    from crate_clip.train.run_config import load_run_config
+    from crate_clip.train.run.run_config import load_run_config
 
     return load_run_config(config, overrides, check_paths=False).to_dict()
 
@@ -300,8 +300,8 @@ def _refused_changes(config: str, overrides: list[str], allow_changes: list[str]
     """The exit code of a resume whose config changes what the run trains without --allow-change naming it (said
     in one line per key, as the trainer says it), else 0."""
     from crate_clip.core.errors import ConfigError, report_error
-    from crate_clip.train.config_changes import config_changes
-    from crate_clip.train.run_config import load_run_config
+    from crate_clip.train.checkpointing.config_changes import config_changes
+    from crate_clip.train.run.run_config import load_run_config
 
     try:
         config_changes(load_run_config(config, overrides), "latest", allow_changes)
@@ -320,7 +320,7 @@ def _check_before_launch(config: str, overrides: list[str], nproc: int, overwrit
     """What the trainer would refuse (batches against the processes, the run folder: --overwrite moves only a run,
     never `/`, a home folder or the data), said before the data is written and any process started: a ConfigError
     with every problem, one line each."""
-    from crate_clip.train.launch_checks import checked_config
+    from crate_clip.train.run.launch_checks import checked_config
 
     checked_config(config, overrides, world_size=nproc, overwrite=overwrite, data_written=False)
 

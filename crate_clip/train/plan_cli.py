@@ -8,7 +8,7 @@ import sys
 
 from crate_clip.core.cli_conventions import CommandParser
 from crate_clip.core.errors import ConfigError, report_error
-from crate_clip.train.plan_inputs import DEFAULT_MFU, GPU_TABLE, parse_bytes
+from crate_clip.train.planning.plan_inputs import DEFAULT_MFU, GPU_TABLE, parse_bytes
 
 PROG = "crate-clip plan"
 
@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 def plan_stages(config: str, overrides: list[str], gpus: int, per_node: int = 8) -> list:
     """The run's stages resolved for `gpus` ranks, `per_node` a node (what training resolves, without a device's
     micro_batch auto)."""
-    from crate_clip.train.run_config import check_runtime, load_run_config
-    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.run.run_config import check_runtime, load_run_config
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
 
     cfg = load_run_config(config, overrides, check_paths=False)
     check_runtime(cfg, gpus, "cuda")   # the batches must split over the GPUs, as training checks it
@@ -102,7 +102,7 @@ def write_tuned_config(config: str, overrides: list[str], plans: list, out: str,
     import yaml
 
     from crate_clip.core.safe_yaml import load_yaml_file
-    from crate_clip.train.run_config import apply_override
+    from crate_clip.train.run.run_config import apply_override
 
     raw = load_yaml_file(config) or {}
     for assignment in overrides:
@@ -126,10 +126,10 @@ def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int
     them)."""
     from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE, read_info
     from crate_clip.checkpoint_io.run_layout import run_dir_of
-    from crate_clip.train.config_changes import recorded_config
-    from crate_clip.train.elastic_resume import checkpoint_of, resume_summary
-    from crate_clip.train.run_config import apply_override, check_runtime, config_from_dict, load_run_config
-    from crate_clip.train.stage_model import resolve_stage
+    from crate_clip.train.checkpointing.config_changes import recorded_config
+    from crate_clip.train.checkpointing.elastic_resume import checkpoint_of, resume_summary
+    from crate_clip.train.run.run_config import apply_override, check_runtime, config_from_dict, load_run_config
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
 
     tag_dir = checkpoint_of(resume)
     if config is not None:
@@ -163,8 +163,8 @@ def main(argv=None) -> int:
             parser.error("give the run config once: as the positional or with --config")
         args.config = args.config_option
     # the planner's modules (torch, open_clip, DeepSpeed: seconds of CPU) after parsing: --help stays instant
-    from crate_clip.train.checkpoints import ResumeError
-    from crate_clip.train.planner import format_plan, format_tune, plan_run, plans_as_dicts, tune_run, unfit_line
+    from crate_clip.train.checkpointing.checkpoints import ResumeError
+    from crate_clip.train.planning.planner import format_plan, format_tune, plan_run, plans_as_dicts, tune_run, unfit_line
 
     gpu_key = (args.gpu or "").lower()
     try:

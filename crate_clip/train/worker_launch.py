@@ -49,7 +49,7 @@ def run_workers(torchrun_args: list[str]) -> int:
 
 def save_signals(args: list[str]) -> tuple[int, ...]:
     """The signals the trainer saves on, read from its `--save-on-signal` among `args` (the default otherwise)."""
-    from crate_clip.train.stop_requests import parse_signals
+    from crate_clip.train.loop.stop_requests import parse_signals
 
     text = DEFAULT_SAVE_SIGNALS
     for i, arg in enumerate(args):
@@ -77,7 +77,7 @@ def _forward_to_workers(signum, frame) -> None:
 def torchrun_args(nproc: int, train_args: list[str]) -> list[str]:
     """torchrun's arguments for `nproc` training processes on this host, each running `crate-clip train`; the
     trainer's save signals are left out of the set torchrun handles (run_workers forwards them)."""
-    from crate_clip.train.engine import _free_port
+    from crate_clip.train.stage_setup.engine import _free_port
 
     forwarded = {signal.Signals(s).name for s in save_signals(train_args)}
     handled = ",".join(name for name in TORCHRUN_SIGNALS if name not in forwarded)

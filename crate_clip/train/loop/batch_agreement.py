@@ -10,7 +10,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as tdist
 
-from crate_clip.train.stop_requests import stops_with_checkpoint
+from crate_clip.train.loop.stop_requests import stops_with_checkpoint
 
 
 class OtherRankDataError(RuntimeError):

@@ -30,7 +30,7 @@ from crate_clip.data.tar_members import COMPRESSED_MAGIC
 from crate_clip.data.text_reduction import TextMask
 from crate_clip.data.train_stream import StreamConfig, crop_scale_problems
 from crate_clip.eval.registry import EvalSpec, data_problems
-from crate_clip.train.run_dir import output_dir_problems
+from crate_clip.train.run.run_dir import output_dir_problems
 
 Precision = Literal["bf16", "fp16", "fp32"]
 # scaled_dot_product_attention kernel: 'auto' = the math kernel on CPU (its backward is several times

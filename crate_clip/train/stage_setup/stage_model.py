@@ -22,10 +22,10 @@ from torch import nn
 from crate_clip.core.errors import ConfigError
 from crate_clip.data.stream_layout import StreamSettings, stream_settings
 from crate_clip.models import create_clip, preprocess_cfg_for, set_image_token_mask
-from crate_clip.train import planner
-from crate_clip.train.engine import model_dtype, zero_stage_of
-from crate_clip.train.run_config import ModelSection, RunConfig, StageConfig
-from crate_clip.train.text_lock import apply_text_config
+from crate_clip.train.planning import planner
+from crate_clip.train.stage_setup.engine import model_dtype, zero_stage_of
+from crate_clip.train.run.run_config import ModelSection, RunConfig, StageConfig
+from crate_clip.train.stage_setup.text_lock import apply_text_config
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,9 @@ from crate_clip.checkpoint_io.run_layout import EXPORT_DIR, RESULTS_FILE, checkp
 from crate_clip.checkpoint_io.safe_unpickling import deepspeed_reads, load_torch_file
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.shard_sources import expand_source
-from crate_clip.train.checkpoints import CheckpointManager, ResumeError, rank_state_path
-from crate_clip.train.run_config import RunConfig
-from crate_clip.train.run_dir import ExistingRunError
+from crate_clip.train.checkpointing.checkpoints import CheckpointManager, ResumeError, rank_state_path
+from crate_clip.train.run.run_config import RunConfig
+from crate_clip.train.run.run_dir import ExistingRunError
 from crate_clip.data.stream_layout import (KEY as STREAMS_KEY, STATE_VERSION, LayoutError, merge_stream_states,
                                           per_stream_buffer, resolve_layout, split_stream_state, stream_count)
 
@@ -165,7 +165,7 @@ def checkpoint_of(path: Path) -> Path:
 def resume_summary(tag_dir: Path, cfg: RunConfig, world_size: int) -> dict:
     """How a job of `world_size` processes with run config `cfg` would continue checkpoint `tag_dir` (its JSON files
     only); the launch's own checks, as one-line errors."""
-    from crate_clip.train.stage_model import resolve_stage   # (DeepSpeed's import, for `plan` only when resuming)
+    from crate_clip.train.stage_setup.stage_model import resolve_stage   # (DeepSpeed's import, for `plan` only when resuming)
 
     info = read_info(tag_dir)
     stage = int(info.get("stage_index", 0))

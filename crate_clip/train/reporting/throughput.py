@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as tdist
 
-from crate_clip.train.planner import gpu_peak_tflops
+from crate_clip.train.planning.planner import gpu_peak_tflops
 
 DATA_WAIT_WARN = 0.10  # warn when the loader holds up more than this fraction of step time
 

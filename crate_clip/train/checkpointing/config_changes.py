@@ -28,8 +28,8 @@ from crate_clip.checkpoint_io.checkpoint_record import latest_complete_tag, read
 from crate_clip.checkpoint_io.run_layout import CONFIG_CHANGES_FILE, RUN_CONFIG_FILE, checkpoints_in, read_jsonl
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.safe_yaml import load_yaml_file
-from crate_clip.train.engine import DistInfo
-from crate_clip.train.run_config import RunConfig, config_from_dict
+from crate_clip.train.stage_setup.engine import DistInfo
+from crate_clip.train.run.run_config import RunConfig, config_from_dict
 
 # key pattern (dotted; `*` is any one part; a section names all its keys) -> why changing it trains the same thing
 FREE_TO_CHANGE: dict[str, str] = {

@@ -20,10 +20,10 @@ from crate_clip.core.errors import UserError
 from crate_clip.models.open_clip_configs import image_patch_size
 from crate_clip.models.patch_change import (patch_for_image_size, patch_input_size, set_resolution_by_patch,
                                            tower_patch_size)
-from crate_clip.train.engine import DistInfo
-from crate_clip.train.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl
-from crate_clip.train.run_config import RunConfig
-from crate_clip.train.stage_model import ResolvedStage
+from crate_clip.train.stage_setup.engine import DistInfo
+from crate_clip.train.reporting.metrics_log import RESULTS_FILE, MetricsLog, read_jsonl
+from crate_clip.train.run.run_config import RunConfig
+from crate_clip.train.stage_setup.stage_model import ResolvedStage
 from crate_clip.eval.model_loading import check_finite_weights
 from crate_clip.eval.registry import summary_line
 from crate_clip.eval.stage_hook import evaluate_stage

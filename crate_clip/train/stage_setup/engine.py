@@ -18,9 +18,9 @@ import torch
 
 from crate_clip.core.file_kinds import read_regular_text
 from crate_clip.core.safe_yaml import MAX_CONFIG_BYTES, load_yaml
-from crate_clip.train.launcher_watch import watch_launcher
-from crate_clip.train.optim import build_optimizer, build_schedule
-from crate_clip.train.run_config import RunConfig
+from crate_clip.train.run.launcher_watch import watch_launcher
+from crate_clip.train.stage_setup.optim import build_optimizer, build_schedule
+from crate_clip.train.run.run_config import RunConfig
 
 # DeepSpeed is imported inside the functions that start it: importing it takes about a second and probes the
 # accelerator, which the planner, the config check and the plot writer (importers of this module) never need.

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from crate_clip.core.errors import ConfigError
-from crate_clip.train.plan_inputs import DEFAULT_MFU, GPU_TABLE, parse_bytes  # noqa: F401 (planner's API)
+from crate_clip.train.planning.plan_inputs import DEFAULT_MFU, GPU_TABLE, parse_bytes  # noqa: F401 (planner's API)
 
 MEMORY_RESERVE = 0.10       # allocator fragmentation, CUDA context, NCCL buffers
 ZERO_STAGES = (1, 2, 3)   # tried by the tune, lowest first: the least communication wins a tie

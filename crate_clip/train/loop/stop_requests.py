@@ -25,7 +25,7 @@ import torch
 import torch.distributed as tdist
 
 from crate_clip.core.errors import EXIT_PREEMPTED, UserError
-from crate_clip.train.launcher_watch import launcher_gone, stop_orphan
+from crate_clip.train.run.launcher_watch import launcher_gone, stop_orphan
 
 DEFAULT_SIGNALS = "USR1,TERM"
 _request: list = []        # [(reason, exit_code)] once a stop is requested; the first request wins

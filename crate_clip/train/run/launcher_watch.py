@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Optional
 
-from crate_clip.train.process_info import command_line, is_running, parent_pid, process_start
+from crate_clip.train.run.process_info import command_line, is_running, parent_pid, process_start
 
 WATCH_S = 1.0
 PR_SET_PDEATHSIG = 1
@@ -95,7 +95,7 @@ def _stop(pid: int) -> None:
     rank = os.environ.get("RANK", "?")
     print(f"crate-clip train: rank {rank}: its launcher (PID {pid}) is gone; stopping. The last complete checkpoint "
           "is kept: relaunch with --resume latest", file=sys.stderr, flush=True)
-    from crate_clip.train.run_lock import release_held_locks   # here: the watchdog needs it only when it acts
+    from crate_clip.train.run.run_lock import release_held_locks   # here: the watchdog needs it only when it acts
 
     release_held_locks()   # os._exit skips the `finally` that would: the relaunch finds the folder free
     os._exit(EXIT_LAUNCHER_GONE)

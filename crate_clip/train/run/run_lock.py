@@ -47,7 +47,7 @@ import torch.distributed as tdist
 from crate_clip.checkpoint_io.run_layout import lock_path
 from crate_clip.core.errors import EXIT_LOCKED, UserError
 from crate_clip.core.writable_folders import unwritable_error
-from crate_clip.train.process_info import is_running, process_start
+from crate_clip.train.run.process_info import is_running, process_start
 
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 600.0

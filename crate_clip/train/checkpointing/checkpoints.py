@@ -46,8 +46,8 @@ from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY
 from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, UntrustedCheckpointError, check_checkpoint_folder,
                                                       deepspeed_reads, load_torch_file)
 from crate_clip.checkpoint_io.write_failures import WriteFailures, is_no_space, recorded_writes
-from crate_clip.train.disk_space import NoSpaceError, checkpoint_bytes, no_space_in_save
-from crate_clip.train.run_config import RunConfig
+from crate_clip.train.run.disk_space import NoSpaceError, checkpoint_bytes, no_space_in_save
+from crate_clip.train.run.run_config import RunConfig
 
 # what an earlier crate-clip pickled into its rank-state files: numpy's RNG state as an array
 EARLIER_RANK_STATE_CLASSES = {"numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",

@@ -13,7 +13,7 @@ from typing import Optional
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write
 from crate_clip.checkpoint_io.run_layout import METRICS_FILE, PLOT_FILE, RESULTS_FILE, read_jsonl
-from crate_clip.train.whitebox_log import draw_whitebox_curves, whitebox_keys
+from crate_clip.train.reporting.whitebox_log import draw_whitebox_curves, whitebox_keys
 
 RESIZE_WORDS = {"grid": "grid grown", "patch": "kernel resized"}
 

@@ -15,12 +15,12 @@ from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_tex
 # the run folder's file names and its JSONL reader (run_layout.py), imported here by the log's callers too
 from crate_clip.checkpoint_io.run_layout import (METRICS_FILE, PLOT_FILE, RESULTS_FILE, RUN_CONFIG_FILE,  # noqa: F401
                                                  TENSORBOARD_DIR, read_jsonl)
-from crate_clip.train.progress_display import StageProgress
-from crate_clip.train.throughput import ThroughputRecord
-from crate_clip.train.trackers import Tracker, build_trackers, per_class_table
+from crate_clip.train.reporting.progress_display import StageProgress
+from crate_clip.train.reporting.throughput import ThroughputRecord
+from crate_clip.train.reporting.trackers import Tracker, build_trackers, per_class_table
 # the curve is drawn by training_curve.py; its names are imported from here by the log's callers too
-from crate_clip.train.training_curve import latest_per_step, write_plot  # noqa: F401
-from crate_clip.train.whitebox_log import whitebox_scalars
+from crate_clip.train.reporting.training_curve import latest_per_step, write_plot  # noqa: F401
+from crate_clip.train.reporting.whitebox_log import whitebox_scalars
 
 
 
