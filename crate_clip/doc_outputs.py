@@ -1,5 +1,6 @@
 """The figures and command outputs the code derives (plans, FLOPs and GPU-hours, parameter counts, `--validate`
-output), written into README.md, BENCHMARKS.md and docs/ between markers, so no page can disagree with the code:
+and `crate-clip models` output), written into README.md, BENCHMARKS.md and docs/ between markers, so no page can
+disagree with the code:
 
     <!-- generated: plan l-14 -->
     ...what the block's generator gives...
@@ -32,6 +33,7 @@ PLAN_L14 = [L14, "--gpus", "64", "--gpu-memory", "80GiB", "--gpu", "h100"]
 VALIDATE_B16 = ["--config", "configs/datacomp/crate_alpha_clipa_b-16.yaml", "--validate",
                 "--set", 'data.sources=["pipe:aws s3 cp s3://bucket/{00000000..00139827}.tar -"]',
                 "--set", "eval.evals=[]"]
+MODELS_TINY = ["--filter", "tiny"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,14 @@ def _validate_block() -> str:
     return _shown("crate-clip train", VALIDATE_B16, _run(main, VALIDATE_B16), wrap_after=3)
 
 
+def _models_block() -> str:
+    """What `crate-clip models --filter tiny` prints (docs/cli.md): every tiny registered config, counted on the meta
+    device."""
+    from crate_clip.models_cli import main
+
+    return _shown("crate-clip models", MODELS_TINY, _run(main, MODELS_TINY))
+
+
 def _model_counts() -> str:
     """The parameter counts docs/models.md quotes, counted on the meta device."""
     from crate_clip.models import create_clip, image_tower_param_count
@@ -141,6 +151,7 @@ GENERATORS: dict[str, Generator] = {
     "validate b-16": Generator(_validate_block),
     "flops l-14 masked": Generator(_masked_l14_flops),
     "model counts": Generator(_model_counts),
+    "models tiny": Generator(_models_block),
 }
 
 

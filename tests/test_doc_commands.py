@@ -65,10 +65,11 @@ def test_the_finder_reads_blocks_outputs_scripts_and_inline_commands(tmp_path):
     page.write_text("Run `make demo`, or see `crate-clip plan` and `crate-clip train --validate`.\n\n"
                     "```bash\ncrate-clip export runs/x \\\n    --out exports/y   # a comment\n# only a comment\n```\n\n"
                     "```\n$ crate-clip trian\ncrate-clip: unknown command\n```\n\n"
-                    "```bash\n#!/bin/bash\n#SBATCH --nodes=1\nsrun x\n```\n")
+                    "```bash\n#!/bin/bash\n#SBATCH --nodes=1\nsrun x\nsrun -m crate_clip.cli train C.yaml \\\n  --resume auto\n```\n")
     found = [(c.kind, c.text) for c in commands([page])]
     assert found == [("block", "crate-clip export runs/x --out exports/y"), ("output", "crate-clip trian"),
-                     ("script", "srun x"), ("inline", "make demo"), ("inline", "crate-clip plan"),
+                     ("script", "srun x"), ("script line", "srun -m crate_clip.cli train C.yaml --resume auto"),
+                     ("inline", "make demo"), ("inline", "crate-clip plan"),
                      ("inline", "crate-clip train --validate")]
     assert [c.text for c in invocations([page])] == ["crate-clip export runs/x --out exports/y", "crate-clip trian",
                                                      "srun x", "make demo"]
@@ -297,7 +298,9 @@ def test_documented_command_runs_here_and_leaves_no_untracked_file(text, checkou
             code = exc.code
     printed = out.getvalue() + err.getvalue()
     assert code == run.code, printed[-3000:]
-    for line in _shown_output(cmd) if cmd.kind == "output" else []:
+    if cmd.kind == "output" and run.code == 0:   # a result shown whole: the page has every line it prints
+        assert out.getvalue().rstrip("\n").splitlines() == _shown_output(cmd), out.getvalue()
+    for line in _shown_output(cmd) if cmd.kind == "output" else []:   # an error shown by its telling lines
         pattern = ".*".join(re.escape(part) for part in line.split("..."))
         assert re.search(pattern, printed), f"{cmd.page} shows {line!r}; the command printed:\n{printed[-2000:]}"
     written = sorted(_files(tmp_path) - before)

@@ -25,6 +25,7 @@ def test_the_pages_hold_the_blocks_the_issues_named():
     assert {"plan l-14", "plan l-14 total", "plan l-14 flops", "plan l-14 memory",
             "flops l-14 masked"} <= names["BENCHMARKS.md"]
     assert "validate b-16" in names["docs/safety.md"] and "model counts" in names["docs/models.md"]
+    assert "models tiny" in names["docs/cli.md"]
     assert "plan l-14 shuffle buffers" in names["docs/data.md"] & names["docs/scaling.md"]
     assert set().union(*names.values()) <= set(GENERATORS)
 
