@@ -29,7 +29,8 @@ def _die() -> None:
 
 def kill_between_evals(config: Path) -> None:
     """Stage 0 trains at low resolution: its own-size eval is recorded, then the kill comes at full size."""
-    import crate_clip.train.loop.stage_evals as stage_evals   # where the trainer calls crate_clip.eval.stage_hook.evaluate_stage
+    # where the trainer calls crate_clip.eval.stage_hook.evaluate_stage
+    import crate_clip.train.loop.stage_evals as stage_evals
 
     cfg = load_run_config(config)
     real = stage_evals.evaluate_stage

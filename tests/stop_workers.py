@@ -23,7 +23,7 @@ from crate_clip.train.checkpointing.checkpoints import CheckpointManager  # noqa
 from crate_clip.train.run.run_config import load_run_config  # noqa: E402
 from crate_clip.train.loop.stage_loop import default_stream_factory, run_training  # noqa: E402
 from crate_clip.train.loop.stop_requests import (DEFAULT_SIGNALS, StopRequested, parse_signals,  # noqa: E402
-                                            stop_signals_handled)
+                                                 stop_signals_handled)
 
 SOURCE_EXIT = 7
 

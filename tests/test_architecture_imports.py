@@ -313,7 +313,8 @@ def test_every_train_subpackage_has_a_layer():
 def test_train_imports_run_down_its_layers():
     """Inside crate_clip/train, every arrow between two subpackages points to a lower layer, and there is no cycle."""
     graph = train_part_graph()
-    up = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if TRAIN_LAYER_OF[b] >= TRAIN_LAYER_OF[a])
+    up = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                if TRAIN_LAYER_OF[b] >= TRAIN_LAYER_OF[a])
     assert up == []
     assert find_cycle(graph) == []
 

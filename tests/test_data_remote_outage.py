@@ -289,7 +289,8 @@ def test_a_source_that_stays_away_saves_exits_7_and_resume_latest_ends_with_the_
     """The server stopped for longer than data.remote_retry_total_s: a checkpoint of the last completed step, one
     line naming the source, the error and --resume latest, exit code 7; the resume, with the server back, trains on
     to the undisturbed run's losses."""
-    pytest.importorskip("crate_clip.train.loop.stop_requests", reason="the trainer's stop-save-exit (task 38D) is not in")
+    pytest.importorskip("crate_clip.train.loop.stop_requests",
+                        reason="the trainer's stop-save-exit (task 38D) is not in")
     proc = tiny_runs.train("gave_up", float("inf"), remote_retry_total_s=2)
     assert proc.returncode == EXIT_SOURCE_UNAVAILABLE, proc.stderr[-3000:]
     said = [ln for ln in proc.stderr.splitlines() if "still unreachable after 2 s" in ln]

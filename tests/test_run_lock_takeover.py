@@ -1,4 +1,4 @@
-"""The run lock under requeues and signals (crate_clip/train/run/run_lock.py, issue 29 item 7): a Slurm `--requeue` of the
+"""The run lock under requeues and signals (train/run/run_lock.py, issue 29 item 7): a Slurm `--requeue` of the
 same job onto other nodes takes over the lock its earlier attempt left, while another job's fresh lock still refuses;
 `--take-over-lock` takes it when the user knows that run is gone; SIGTERM and SIGINT release the lock; a malformed
 lock file (empty, garbage, a folder) is said to be malformed and moved aside instead of blocking for 600 s."""

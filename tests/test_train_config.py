@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from crate_clip.train.run.run_config import (ConfigError, apply_override, check_runtime, config_from_dict,
-                                         load_run_config)
+                                             load_run_config)
 from crate_clip.train.stage_setup.stage_model import resolve_stage
 
 REPO = Path(__file__).resolve().parents[1]

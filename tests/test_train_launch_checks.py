@@ -1,4 +1,4 @@
-"""What `crate-clip train` checks before any worker starts (crate_clip/train/run/launch_checks.py), and the folders a run
+"""What `crate-clip train` checks before any worker starts (train/run/launch_checks.py), and the folders a run
 may not write into (crate_clip/train/run/run_dir.py), each against the real command as a subprocess:
 
   - `--validate --nproc N`: the config's keys (a warm-up longer than its stage), the batches against N processes,

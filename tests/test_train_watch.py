@@ -59,7 +59,8 @@ def test_progress_is_a_plain_line_every_n_seconds_off_a_terminal(capsys):
 
 
 def test_the_curve_labels_each_point_and_keeps_both_ways_to_full_resolution(tmp_path):
-    from crate_clip.train.reporting.training_curve import eval_series, point_label, series_label, stage_spans, write_plot
+    from crate_clip.train.reporting.training_curve import (eval_series, point_label, series_label, stage_spans,
+                                                           write_plot)
 
     steps = [{"stage_index": i, "stage_name": n, "step": s, "samples_seen": x, "image_size": p, "loss": 3.0 - x / 100}
              for i, n, p, xs in ((0, "low", 16, (16, 32, 48)), (1, "full", 28, (64, 80))) for s, x in enumerate(xs, 1)]

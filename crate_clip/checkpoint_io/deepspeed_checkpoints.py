@@ -28,7 +28,8 @@ from crate_clip.checkpoint_io.run_layout import LATEST_FILE  # noqa: F401
 from crate_clip.checkpoint_io.safe_unpickling import deepspeed_reads, load_torch_file
 
 STAGE0_MODEL_FILE = "mp_rank_00_model_states.pt"
-UNIVERSAL_DIR = "universal"   # a checkpoint's converted copy for another world size (train/checkpointing/elastic_resume.py)
+# a checkpoint's converted copy for another world size (train/checkpointing/elastic_resume.py)
+UNIVERSAL_DIR = "universal"
 
 
 class DamagedCheckpointError(ChecksumMismatchError):

@@ -28,7 +28,8 @@ METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.jsonl"
 PLOT_FILE = "training_curve.png"
 RUN_CONFIG_FILE = "run_config.yaml"
-CONFIG_CHANGES_FILE = "config_changes.jsonl"   # what resumes changed of run_config.yaml (train/checkpointing/config_changes.py)
+# what resumes changed of run_config.yaml (train/checkpointing/config_changes.py)
+CONFIG_CHANGES_FILE = "config_changes.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 METRICS_CSV = "metrics.csv"         # the csv tracker (train/reporting/trackers.py)
 RESULTS_CSV = "results.csv"

@@ -164,7 +164,8 @@ def main(argv=None) -> int:
         args.config = args.config_option
     # the planner's modules (torch, open_clip, DeepSpeed: seconds of CPU) after parsing: --help stays instant
     from crate_clip.train.checkpointing.checkpoints import ResumeError
-    from crate_clip.train.planning.planner import format_plan, format_tune, plan_run, plans_as_dicts, tune_run, unfit_line
+    from crate_clip.train.planning.planner import (format_plan, format_tune, plan_run, plans_as_dicts, tune_run,
+                                                   unfit_line)
 
     gpu_key = (args.gpu or "").lower()
     try:

@@ -165,7 +165,8 @@ def checkpoint_of(path: Path) -> Path:
 def resume_summary(tag_dir: Path, cfg: RunConfig, world_size: int) -> dict:
     """How a job of `world_size` processes with run config `cfg` would continue checkpoint `tag_dir` (its JSON files
     only); the launch's own checks, as one-line errors."""
-    from crate_clip.train.stage_setup.stage_model import resolve_stage   # (DeepSpeed's import, for `plan` only when resuming)
+    # here: DeepSpeed's import, for `plan` only when resuming
+    from crate_clip.train.stage_setup.stage_model import resolve_stage
 
     info = read_info(tag_dir)
     stage = int(info.get("stage_index", 0))

@@ -29,31 +29,33 @@ from crate_clip.checkpoint_io.safe_unpickling import TRUST_WARNING, checkpoints_
 from crate_clip.core.errors import EXIT_NONFINITE, UserError
 from crate_clip.models import tokenizer_record
 from crate_clip.models.patch_change import tower_patch_size
-from crate_clip.train.loop.batch_agreement import agreed_batches
-from crate_clip.train.checkpointing.checkpoints import (CheckpointManager, ResumeError, ResumePoint, find_resume_point, rng_state,
-                                          set_rng_state)
-from crate_clip.train.run.disk_space import check_space_for_next_save, remove_leftovers
-from crate_clip.train.checkpointing.elastic_resume import (STREAM_TABLE, gather_stream_table, load_resume_state, needs_universal,
-                                             resolve_auto, resume_seed, settle_canonical_streams)
-from crate_clip.train.stage_setup.engine import DistInfo, build_engine, init_distributed, model_dtype
-from crate_clip.train.stage_setup.optim import restore_schedule_settings, schedule_settings
 from crate_clip.export.writer import export_checkpoint
-from crate_clip.train.checkpointing.checkpoints import intact_checkpoint
-from crate_clip.train.checkpointing.config_changes import ConfigChange, ResumedAt, agreed_config_changes, record_changes
+from crate_clip.train.checkpointing.checkpoints import (CheckpointManager, ResumeError, ResumePoint,
+                                                        find_resume_point, intact_checkpoint, rng_state,
+                                                        set_rng_state)
+from crate_clip.train.checkpointing.config_changes import (ConfigChange, ResumedAt, agreed_config_changes,
+                                                           record_changes)
+from crate_clip.train.checkpointing.elastic_resume import (STREAM_TABLE, gather_stream_table, load_resume_state,
+                                                           needs_universal, resolve_auto, resume_seed,
+                                                           settle_canonical_streams)
+from crate_clip.train.loop.batch_agreement import agreed_batches
+from crate_clip.train.loop.stage_evals import (EvalBudget, agreed, agreed_missing_evals, evaluate_after_stage,
+                                               evaluate_mid_stage, mid_stage_due)
+from crate_clip.train.loop.stop_requests import StopRequested, agreed_stop, request_stop, stops_with_checkpoint
+from crate_clip.train.loop.train_step import train_step
+from crate_clip.train.reporting.deepspeed_output import (close_log, deepspeed_log_path, deepspeed_prints,
+                                                         divert_deepspeed_logs, log_to, warnings_to_log)
 from crate_clip.train.reporting.metrics_log import PLOT_FILE, MetricsLog, set_aside_rows_after, write_plot
+from crate_clip.train.reporting.throughput import StepMeter
+from crate_clip.train.reporting.trackers import TrackerError
+from crate_clip.train.reporting.whitebox_log import WhiteboxProbe
+from crate_clip.train.run.disk_space import check_space_for_next_save, remove_leftovers
 from crate_clip.train.run.run_config import RunConfig, check_runtime
 from crate_clip.train.run.run_dir import check_run_dir, move_run_aside
 from crate_clip.train.run.run_lock import run_folder_lock
-from crate_clip.train.reporting.deepspeed_output import (close_log, deepspeed_log_path, deepspeed_prints,
-                                               divert_deepspeed_logs, log_to, warnings_to_log)
-from crate_clip.train.loop.stage_evals import (EvalBudget, agreed, agreed_missing_evals, evaluate_after_stage,
-                                          evaluate_mid_stage, mid_stage_due)
+from crate_clip.train.stage_setup.engine import DistInfo, build_engine, init_distributed, model_dtype
+from crate_clip.train.stage_setup.optim import restore_schedule_settings, schedule_settings
 from crate_clip.train.stage_setup.stage_model import ResolvedStage, resolve_stage
-from crate_clip.train.loop.stop_requests import StopRequested, agreed_stop, request_stop, stops_with_checkpoint
-from crate_clip.train.reporting.throughput import StepMeter
-from crate_clip.train.reporting.trackers import TrackerError
-from crate_clip.train.loop.train_step import train_step
-from crate_clip.train.reporting.whitebox_log import WhiteboxProbe
 from crate_clip.data.train_stream import build_train_stream
 
 

@@ -16,7 +16,7 @@ from crate_clip.core.shard_sources import PIPE, ShardListError, expand_source, i
 from crate_clip.data.remote_transport import (COMMAND_SCHEMES, PermanentSourceError, TransientSourceError,
                                               open_transport, shown_source)
 from crate_clip.train.run.run_config import (RunConfig, apply_override, batch_problem, load_run_config,
-                                         path_problems, runtime_problems)
+                                             path_problems, runtime_problems)
 from crate_clip.train.run.run_dir import output_dir_problems, overwrite_problem
 
 PROBE_TIMEOUT_S = 10.0   # per remote source (or data.remote_stall_timeout_s when shorter): a server that answers
