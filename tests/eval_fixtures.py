@@ -22,11 +22,6 @@ TRAIN_IMAGES = 2048
 TRAIN_STEPS = 150
 
 
-def read_idx(directory: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """Fashion-MNIST images (N,28,28) uint8 and labels (N,) of a split, read by the project's own reader."""
-    return load_fashion_mnist(split, directory)
-
-
 def balanced_subset(labels: np.ndarray, per_class: int) -> np.ndarray:
     """The first `per_class` indices of every class, in data order."""
     picks = [np.flatnonzero(labels == c)[:per_class] for c in range(10)]

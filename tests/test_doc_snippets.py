@@ -30,15 +30,15 @@ def stand_ins(tmp_path_factory, fashion_mnist_dir) -> dict:
     import open_clip
     from PIL import Image
 
+    from crate_clip.data.sources.fashion_mnist import load_fashion_mnist
     from crate_clip.export.writer import export_open_clip
     from data_fixtures import write_numbered_shards
-    from eval_fixtures import read_idx
 
     root = tmp_path_factory.mktemp("snippets")
     model = open_clip.create_model("CRATE-alpha-CLIPA-tiny")
     export = export_open_clip(model.state_dict(), "CRATE-alpha-CLIPA-tiny", root / "export", image_size=28,
                               context_length=16)
-    images, labels = read_idx(fashion_mnist_dir, "test")
+    images, labels = load_fashion_mnist("test", fashion_mnist_dir)
     png = root / "ankle_boot.png"
     Image.fromarray(images[int(np.flatnonzero(labels == 9)[0])]).save(png)
     write_numbered_shards(root / "shards", 64, 32, fashion_mnist_dir)

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from crate_clip.cli import main as crate_clip_main
+from crate_clip.data.sources.fashion_mnist import load_fashion_mnist
 from crate_clip.eval.tasks import linear_probe
-from eval_fixtures import PER_CLASS, read_idx
+from eval_fixtures import PER_CLASS
 
 
 def pixel_features(fashion_mnist_dir, split: str, n: int):
     """L2-normalised raw-pixel features of the first n images of a split (a real, not separable, problem)."""
-    images, labels = read_idx(fashion_mnist_dir, split)
+    images, labels = load_fashion_mnist(split, fashion_mnist_dir)
     x = torch.from_numpy(images[:n].reshape(n, -1).astype(np.float32) / 255)
     return torch.nn.functional.normalize(x, dim=1), torch.from_numpy(labels[:n].astype(np.int64))
 

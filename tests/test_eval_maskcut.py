@@ -100,10 +100,10 @@ def test_segment_and_maps_skip_unusable_images_with_one_line(tmp_path, fashion_m
     """A text file named .png, a 0-byte PNG and images smaller than the 7x7 patch grid are skipped and named in
     one line; the readable image is still segmented. Nothing usable at all is an error (exit 2)."""
     from crate_clip.cli import main
-    from eval_fixtures import read_idx
+    from crate_clip.data.sources.fashion_mnist import load_fashion_mnist
 
     good = tmp_path / "good.png"
-    Image.fromarray(read_idx(fashion_mnist_dir, "test")[0][0]).save(good)
+    Image.fromarray(load_fashion_mnist("test", fashion_mnist_dir)[0][0]).save(good)
     text, empty, dot, small = (tmp_path / n for n in ("text.png", "empty.png", "dot.png", "small.png"))
     text.write_text("not an image\n")
     empty.write_bytes(b"")
