@@ -23,6 +23,7 @@ import yaml
 
 import warm_python
 from eval_fixtures import CRATE_TINY, write_tiny_export
+from file_snapshots import snapshot
 from train_fixtures import REPO_ROOT, run_env
 
 PEAK_BOUND = 200 << 20   # what a refusal may add to the process's peak memory (the imports are in the zygote)
@@ -62,17 +63,6 @@ def _refusal(tmp_path: Path, *argv: str) -> tuple[str, int]:
     return lines[0], peak
 
 
-def _snapshot(*paths: Path) -> dict:
-    """What the user's files are: kind, size and content of each file under `paths` (links not followed)."""
-    found = {}
-    for root in paths:
-        for path in [root, *root.rglob("*")] if root.is_dir() and not root.is_symlink() else [root]:
-            st = os.lstat(path)
-            content = path.read_bytes() if stat.S_ISREG(st.st_mode) else os.readlink(path) if path.is_symlink() else ""
-            found[str(path)] = (stat.S_IFMT(st.st_mode), st.st_size, content)
-    return found
-
-
 # ---------------------------------------------------------------------------------------------- run configs
 def _config(tmp_path: Path, text: str = "", data: bool = True) -> Path:
     """A valid tiny run config (one stage, one shard unless `data` is False) followed by `text`."""
@@ -100,11 +90,11 @@ def _alias_chain(levels: int) -> str:
 def test_a_1kb_alias_chain_is_refused_in_one_line_before_it_expands(tmp_path):
     config = _config(tmp_path, _alias_chain(8), data=False)
     assert config.stat().st_size < 1024
-    before = _snapshot(config)
+    before = snapshot(config)
     line, peak = _refusal(tmp_path, "train", "--config", str(config), "--validate")
     assert line.startswith(f"crate-clip train: {config}: refused: its aliases expand to more than 1,000,000 values")
     assert peak < PEAK_BOUND, f"{peak / 2 ** 20:.0f} MiB"   # 10^8 values: gigabytes before
-    assert _snapshot(config) == before and not (tmp_path / "run").exists()
+    assert snapshot(config) == before and not (tmp_path / "run").exists()
 
 
 def test_a_chain_within_the_bound_gives_short_lines_naming_each_key(tmp_path):
@@ -221,12 +211,12 @@ def test_an_export_is_checked_before_anything_is_built(tiny_export, tmp_path, ma
     export = tmp_path / "export"
     shutil.copytree(tiny_export, export)
     says = make(export)
-    before = _snapshot(export)
+    before = snapshot(export)
     line, peak = _refusal(tmp_path, *command(export))
     prog = " ".join(command(export)[:2 if command is _inspect else 1])
     assert line.startswith(f"crate-clip {prog}: {export}/") and says in line, line
     assert peak < PEAK_BOUND, f"{peak / 2 ** 20:.0f} MiB"   # the gigantic tower: 8.2 GB before
-    assert _snapshot(export) == before
+    assert snapshot(export) == before
 
 
 def test_a_weights_link_out_of_the_export_is_named(tiny_export, tmp_path):
