@@ -204,6 +204,13 @@ RUN_HERE = {
     "crate-clip shards eval-folder --split test --out data/fmnist_val": Run(FEW),
     "crate-clip shards eval-shards --split test --out data/fmnist_wds": Run(FEW),
     "crate-clip shards scenes --out data/fmnist_scenes": Run(("--count", "4")),
+    # on the demo's export (the untrained tiny CLIP stands in) and data (40 images)
+    "crate-clip eval zeroshot --model local-dir:runs/fashion_mnist_demo/export --data data/fmnist_wds "
+    "--dataset fashion_mnist --batch-size 500": Run(),
+    "crate-clip eval linear-probe --model local-dir:runs/fashion_mnist_demo/export --train-data "
+    "data/fashion_mnist/probe_train_10000 --data data/fashion_mnist/test --dataset fashion_mnist": Run(),
+    "crate-clip inspect maps --model local-dir:runs/fashion_mnist_demo/export --images a.png b.png --out runs/maps/ "
+    "[--layer 1] [--image-size 56]": Run(),
     # refusals and checks
     "crate-clip plan --gpus 0": Run(code=2),
     "crate-clip train --config C.yaml --validate": Run(),
@@ -245,14 +252,9 @@ COVERED_BY = {
         "tests/test_eval_cli.py::test_cli_zeroshot_writes_json_and_uses_the_cache",
     "crate-clip eval retrieval --model runs/b16/checkpoints --data '/data/coco_val/{00000000..00000004}.tar'":
         "tests/test_eval_cli.py::test_cli_retrieval",
-    "crate-clip eval linear-probe --model local-dir:runs/fashion_mnist_demo/export --train-data "
-    "data/fashion_mnist/probe_train_10000 --data data/fashion_mnist/test --dataset fashion_mnist": PROBE,
     "crate-clip eval linear-probe ... --fewshot-k 10": PROBE,
     "crate-clip eval linear-probe --model timm:crate_alpha_base_patch16_224 --pretrained w.pth ...":
         "tests/test_eval_linear_probe.py::test_cli_linear_probe_on_a_timm_classifier_and_a_flat_folder",
-    "crate-clip eval zeroshot --model local-dir:runs/fashion_mnist_demo/export --data data/fmnist_wds "
-    "--dataset fashion_mnist --batch-size 500":
-        "tests/test_eval_cli.py::test_cli_reads_the_clip_benchmark_wds_layout_of_eval_shards",
     "crate-clip eval zeroshot --model CRATE-alpha-CLIPA-tiny --pretrained "
     "runs/fashion_mnist_demo/export/open_clip_model.safetensors --data data/fmnist_wds --dataset fashion_mnist":
         DOC_EXPORTS,
@@ -265,8 +267,6 @@ COVERED_BY = {
     "sys.exit(main())' eval --model_type open_clip --model local-dir:runs/fashion_mnist_demo/export --pretrained "
     "none --dataset wds/fmnist --dataset_root data/fmnist_wds --task zeroshot_classification --batch_size 500 "
     "--num_workers 0 --no_amp --output runs/fmnist_clip_benchmark.json": CLIP_BENCHMARK,
-    "crate-clip inspect maps --model local-dir:runs/fashion_mnist_demo/export --images a.png b.png --out runs/maps/ "
-    "[--layer 1] [--image-size 56]": "tests/test_eval_maskcut.py::test_segment_cli_writes_png_and_coco_json",
     "crate-clip shards inspect --mode epoch":
         "tests/test_data_reliability.py::test_shards_inspect_prints_samples_read_next_to_the_claimed_size",
     "crate-clip train --config configs/datacomp/crate_alpha_clipa_b-16.yaml --validate --set "

@@ -231,16 +231,30 @@ def test_no_documented_output_is_an_untracked_file():
 @pytest.fixture(scope="module")
 def checkout_like(tmp_path_factory, fashion_mnist_dir) -> Path:
     """The stand-ins, laid out as STAND_INS names them: two tiny shards, a class folder, a caption table, the demo
-    config's shards and test folder, and configs/ (a link to the checkout's)."""
+    config's shards and test folder, and configs/ (a link to the checkout's); and where the pages name what the demo
+    writes, that path holds a small one: runs/fashion_mnist_demo/export (the untrained tiny CLIP), the probe's
+    training folder, data/fmnist_wds (40 test images), a.png and b.png."""
+    import open_clip
     from PIL import Image
 
-    from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_eval_folder
+    from crate_clip.data.sources.fashion_mnist import (load_fashion_mnist, write_fashion_mnist_classification_shards,
+                                                       write_fashion_mnist_eval_folder)
+    from crate_clip.export.writer import export_open_clip
     from data_fixtures import write_numbered_shards
 
     root = tmp_path_factory.mktemp("checkout")
     write_numbered_shards(root / "shards", 64, 32, fashion_mnist_dir)
-    write_numbered_shards(root / "data" / "fashion_mnist" / "train", 64, 32, fashion_mnist_dir)
-    write_fashion_mnist_eval_folder(root / "data" / "fashion_mnist" / "test", "test", fashion_mnist_dir, limit=20)
+    demo_data = root / "data" / "fashion_mnist"
+    write_numbered_shards(demo_data / "train", 64, 32, fashion_mnist_dir)
+    write_fashion_mnist_eval_folder(demo_data / "test", "test", fashion_mnist_dir, limit=20)
+    write_fashion_mnist_eval_folder(demo_data / "probe_train_10000", "train", fashion_mnist_dir, limit=20)
+    write_fashion_mnist_classification_shards(root / "data" / "fmnist_wds", "test", source_dir=fashion_mnist_dir,
+                                              limit=40)
+    export_open_clip(open_clip.create_model("CRATE-alpha-CLIPA-tiny").state_dict(), "CRATE-alpha-CLIPA-tiny",
+                     root / "runs" / "fashion_mnist_demo" / "export", image_size=28, context_length=16)
+    images, _ = load_fashion_mnist("test", fashion_mnist_dir)
+    for i, name in enumerate(("a.png", "b.png")):
+        Image.fromarray(images[i]).save(root / name)
     for cls, color in (("golden_retriever", (200, 150, 50)), ("red_car", (220, 0, 0))):
         (root / "pictures" / "by_class" / cls).mkdir(parents=True)
         for i in range(2):
@@ -277,17 +291,19 @@ def test_documented_command_runs_here_and_leaves_no_untracked_file(text, checkou
     if "emoji" in text and not Path("/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf").is_file():
         pytest.skip("fonts-noto-color-emoji is not installed")
     run, cmd = RUN_HERE[text], RUNS[text]
-    for name in os.listdir(checkout_like):   # each command in a fresh folder holding the stand-ins, and its own data/
-        if name == "data":
+    writes = [w for i, w in enumerate(text.split()) if i and text.split()[i - 1] == "--out"]
+    for name in os.listdir(checkout_like):   # each command in a fresh folder holding links to the stand-ins,
+        if name in ("data", "runs"):           # with data/ and runs/ of its own, the folder it writes not linked
             (tmp_path / name).mkdir()
             for sub in os.listdir(checkout_like / name):
-                (tmp_path / name / sub).symlink_to(checkout_like / name / sub)
+                if f"{name}/{sub}" not in writes:
+                    (tmp_path / name / sub).symlink_to(checkout_like / name / sub)
         else:
             (tmp_path / name).symlink_to(checkout_like / name)
     before = _files(tmp_path)
     for placeholder, stand_in in STAND_INS.items():
         text = text.replace(placeholder, stand_in)
-    words = argv(text)
+    words = argv(text.replace("[", "").replace("]", ""))   # an optional part shown in brackets is run too
     assert words[0] == "crate-clip"
     monkeypatch.chdir(tmp_path)
     out, err = io.StringIO(), io.StringIO()
