@@ -65,7 +65,8 @@ def test_the_finder_reads_blocks_outputs_scripts_and_inline_commands(tmp_path):
     page.write_text("Run `make demo`, or see `crate-clip plan` and `crate-clip train --validate`.\n\n"
                     "```bash\ncrate-clip export runs/x \\\n    --out exports/y   # a comment\n# only a comment\n```\n\n"
                     "```\n$ crate-clip trian\ncrate-clip: unknown command\n```\n\n"
-                    "```bash\n#!/bin/bash\n#SBATCH --nodes=1\nsrun x\nsrun -m crate_clip.cli train C.yaml \\\n  --resume auto\n```\n")
+                    "```bash\n#!/bin/bash\n#SBATCH --nodes=1\nsrun x\n"
+                    "srun -m crate_clip.cli train C.yaml \\\n  --resume auto\n```\n")
     found = [(c.kind, c.text) for c in commands([page])]
     assert found == [("block", "crate-clip export runs/x --out exports/y"), ("output", "crate-clip trian"),
                      ("script", "srun x"), ("script line", "srun -m crate_clip.cli train C.yaml --resume auto"),
