@@ -308,7 +308,7 @@ NOT_HERE = {
     "hf download UCSC-VLAA/ViT-H-14-CLIPA-datacomp1B": "the Hugging Face hub",
     "hf auth login": "a Hugging Face account",
     "pip install awscli": "a network install",
-    "pip install 'crate-clip[wandb]'": "a network install",
+    "pip install wandb": "a network install",
     "python bench/bench_patch_size.py": "a benchmark: three demo runs, ~15 min (BENCHMARKS.md)",
     "python bench/bench_text_tower.py --demo --data-dir /tmp/fmnist": "a benchmark: a full demo run per text tower",
     "python bench/bench_segmentation.py --train --write --figures": "a benchmark: trains two towers on the demo data",

@@ -96,7 +96,7 @@ def test_report_to_wandb_without_wandb_installed_is_one_line(monkeypatch):
                             "stages": [{"name": "s", "image_size": 16, "samples": 16, "global_batch": 16}],
                             "logging": {"report_to": ["tensorboard", "wandb"]}}, check_paths=False)
     assert runtime_problems(cfg, 1) == ["logging.report_to: names wandb, which is not installed; fix: pip install "
-                                        "'crate-clip[wandb]' (or remove wandb from logging.report_to)"]
+                                        "wandb (or remove wandb from logging.report_to)"]
 
 
 @pytest.mark.multiproc

@@ -514,7 +514,7 @@ def runtime_problems(cfg: RunConfig, world_size: int, device: Optional[str] = "c
     if device == "cpu" and cfg.precision == "fp16":
         errors.append("precision: fp16 is not supported by DeepSpeed on CPU; fix: use bf16 or fp32")
     if "wandb" in cfg.logging.report_to and not _importable("wandb"):   # an optional extra
-        errors.append("logging.report_to: names wandb, which is not installed; fix: pip install 'crate-clip[wandb]' "
+        errors.append("logging.report_to: names wandb, which is not installed; fix: pip install wandb "
                       "(or remove wandb from logging.report_to)")
     return errors
 
