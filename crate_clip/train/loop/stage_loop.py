@@ -55,6 +55,7 @@ from crate_clip.train.run.run_dir import check_run_dir, move_run_aside
 from crate_clip.train.run.run_lock import run_folder_lock
 from crate_clip.train.stage_setup.engine import DistInfo, build_engine, init_distributed, model_dtype
 from crate_clip.train.stage_setup.optim import restore_schedule_settings, schedule_settings
+from crate_clip.train.stage_setup.optimizer_carry import CARRY, CarriedState, apply_state, check_carry, collect_state
 from crate_clip.train.stage_setup.stage_model import ResolvedStage, resolve_stage
 from crate_clip.data.train_stream import build_train_stream
 
@@ -76,6 +77,7 @@ class RunContext:
     log: MetricsLog
     stream_factory: Callable
     config_changes: list[ConfigChange] = dataclasses.field(default_factory=list)   # recorded once the resume took
+    carried: Optional[CarriedState] = None   # the last stage's AdamW state, for a next stage that carries it
 
 
 def run_training(cfg: RunConfig, resume: Optional[str] = None, stream_factory: Optional[Callable] = None,
@@ -100,6 +102,7 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
     recorded config, recorded once the checkpoint loaded with them)."""
     earlier_run = check_run_dir(cfg.run_dir, resume, overwrite)  # again: a run may have ended in the meantime
     check_runtime(cfg, dist.world_size, "cuda" if dist.device.startswith("cuda") else "cpu")
+    check_carry(cfg)
     stream_factory = stream_factory or default_stream_factory
     ckpts = CheckpointManager(checkpoints_dir(cfg.run_dir), cfg.checkpoint.keep_last, dist.rank, dist.world_size)
     start = find_resume_point(cfg, ckpts, _intact(ckpts, resolve_auto(cfg.run_dir, ckpts, resume)))  # before any write
@@ -207,6 +210,8 @@ def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], st
         with deepspeed_prints():
             weights = consolidated_state_dict(start.tag_dir, verify=False)   # verified by the resume
         _record_config_changes(run, start)
+        if _next_stage_carries(cfg, stage):   # its AdamW state is in the checkpoint: load it to pass it on
+            run.carried = _state_of_checkpoint(run, stage, start.tag_dir)
         return start.tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
     # resuming: every weight comes from the checkpoint loaded below, the model only needs the stage's shapes
     model = stage.build_model(weights, read_files=start is None)
@@ -229,12 +234,43 @@ def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], st
             _seed_everything(resume_seed(cfg.run.seed, stage.index, progress.global_step, dist.rank))
     else:
         progress.stage_index, progress.step, progress.nonfinite_in_a_row = stage.index, 0, 0
+        if stage.config.optimizer_state == CARRY:
+            _carry_into(run, stage, engine)
     tag_dir = train_stage(run, stage, engine, stream, progress)
+    run.carried = collect_state(engine) if _next_stage_carries(cfg, stage) else None
     engine.destroy()
     del engine, model, stream
     with deepspeed_prints():
         weights = consolidated_state_dict(tag_dir, verify=False)   # this job wrote and hashed it
     return tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
+
+
+def _next_stage_carries(cfg: RunConfig, stage: ResolvedStage) -> bool:
+    """Whether the stage after `stage` starts from its AdamW state (stages.N.optimizer_state: carry)."""
+    return stage.index + 1 < len(cfg.stages) and cfg.stages[stage.index + 1].optimizer_state == CARRY
+
+
+def _state_of_checkpoint(run: RunContext, stage: ResolvedStage, tag_dir: Path) -> CarriedState:
+    """The AdamW state saved in a finished stage's checkpoint (a resume between two stages): the stage's engine is
+    built and loaded only to gather it."""
+    universal = needs_universal(tag_dir, run.dist.world_size, stage.zero_stage)
+    model = stage.build_model(None, read_files=False)
+    with deepspeed_prints():
+        engine = build_engine(model, run.cfg, stage, run.dist, load_universal=universal)
+    _load_checkpoint(run, engine, stage, tag_dir, universal)
+    carried = collect_state(engine)
+    engine.destroy()
+    return carried
+
+
+def _carry_into(run: RunContext, stage: ResolvedStage, engine) -> None:
+    """Start `stage`'s optimizer from the previous stage's AdamW state (optimizer_carry.py says what carries)."""
+    if run.carried is None:   # the run config refuses carry in stage 0; a stage before this one always sets it
+        raise RuntimeError(f"stage {stage.index}: optimizer_state carry without the AdamW state of stage "
+                           f"{stage.index - 1}")
+    report = apply_state(engine, run.carried)
+    run.log.print(report.line(stage.name, run.carried.step))
+    run.carried = None
 
 
 def _load_checkpoint(run: RunContext, engine, stage: ResolvedStage, tag_dir: Path, universal: bool) -> dict:

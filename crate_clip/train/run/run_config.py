@@ -131,6 +131,11 @@ class StageConfig(Section):
         "default: every block of "
         "both towers with model.grad_checkpointing, none without. `crate-clip plan --tune` picks the fewest that "
         "fit (CRATE-alpha towers)")
+    optimizer_state: Literal["fresh", "carry"] = Field(
+        "fresh", description="the AdamW state the stage starts from: fresh (zero moments, step 0) or carry (the "
+                             "previous stage's moments and step count; a parameter whose shape changes at the "
+                             "boundary, such as a resized patch kernel or a grown position embedding, starts from "
+                             "zero moments; ZeRO stage 1 or 2)")
     decode: Decode = Field("cpu", description="where JPEGs are decoded: cpu (loader workers) or device (workers draw "
                                               "the crops and ship the bytes; batched decode + crop/resize/normalise "
                                               "on the training device; same crops and seeds)")
@@ -359,6 +364,8 @@ class RunConfig(Section):
             problems.append(("stages", f"duplicate stage names {names}; fix: give each a unique name"))
         problems += self._patch_problems()
         problems += self._text_lock_problems()
+        if self.stages and self.stages[0].optimizer_state == "carry":
+            problems.append(("stages.0.optimizer_state", "carry, but no stage comes before it; fix: fresh"))
         if self.logging.diagnostics_every and not self.eval.evals:
             problems.append(("logging.diagnostics_every", "the probe batch comes from eval.evals[0]; fix: declare "
                                                           "an eval set or set it to 0"))
