@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 import warm_python
+from file_snapshots import snapshot
 from train_fixtures import REPO_ROOT, ranks_cmd, read_jsonl, run_env, run_job, tiny_config, write_config
 
 DOCS = REPO_ROOT / "docs" / "training.md"
@@ -149,9 +150,10 @@ def _train(config: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def _snapshot(folder: Path) -> dict:
-    """Every file under `folder` (and beside it: the lock) with its bytes' size, mtime and content."""
-    files = sorted(folder.rglob("*")) + sorted(folder.parent.glob(folder.name + ".*"))
-    return {str(p): (p.stat().st_mtime_ns, p.read_bytes()) for p in files if p.is_file()}
+    """The run folder and what lies beside it under its name (its lock, the config run.yaml), as file_snapshots
+    records them."""
+    return {k: v for k, v in snapshot(folder.parent).items()
+            if k.split("/")[0] == folder.name or k.startswith(folder.name + ".")}
 
 
 @pytest.mark.slow
