@@ -25,8 +25,7 @@ from crate_clip.checkpoint_io.deepspeed_checkpoints import (DamagedCheckpointErr
 from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, file_checksum
 from crate_clip.checkpoint_io.safe_unpickling import UntrustedCheckpointError, load_torch_file
 import warm_python
-from train_fixtures import (REPO_ROOT, ranks_cmd, run_env, run_job, tiny_config, tiny_fmnist,  # noqa: F401
-                            write_config)
+from train_fixtures import REPO_ROOT, ranks_cmd, run_env, run_job, tiny_config, write_config
 
 TAGS = [f"stage0-step{s:08d}" for s in range(5)]
 OPTIM = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"

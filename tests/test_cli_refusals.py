@@ -15,7 +15,7 @@ import pytest
 
 from crate_clip.cli import main as crate_clip_main
 from eval_fixtures import CRATE_TINY, shared_crate_tiny, write_tiny_export
-from train_fixtures import REPO_ROOT, run_env, tiny_config, tiny_fmnist, write_config  # noqa: F401 (fixture)
+from train_fixtures import REPO_ROOT, run_env, tiny_config, write_config
 
 
 def _one_line(capsys) -> str:
@@ -221,7 +221,7 @@ for name, argv in json.loads(os.environ["COMMANDS"]):
 
 
 @pytest.mark.skipif(not _can_mount_privately(), reason="needs `unshare -rm` to mount a read-only tmpfs privately")
-def test_a_read_only_file_system_is_one_line_for_train_export_and_shards(tmp_path, tiny_fmnist):  # noqa: F811
+def test_a_read_only_file_system_is_one_line_for_train_export_and_shards(tmp_path, tiny_fmnist):
     """A real read-only mount (a tmpfs mounted ro in a private mount namespace of a user namespace: `unshare -rm`,
     so nothing outside the test sees it); a chmod-ed folder would not do, root writes into it anyway."""
     ro, logs = tmp_path / "ro", tmp_path / "logs"

@@ -8,7 +8,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import pytest
 import yaml
 
 import warm_python
@@ -34,13 +33,6 @@ def write_tiny_fmnist(root: Path, fashion_mnist_dir: Path) -> Path:
     write_fashion_mnist_eval_folder(root / "test", split="test", limit=TINY_EVAL_IMAGES,
                                     source_dir=fashion_mnist_dir)
     return root
-
-
-@pytest.fixture(scope="session")
-def tiny_fmnist(tmp_path_factory, fashion_mnist_dir):
-    """Kept for modules that still import it (they get a copy of their own); conftest.py's `tiny_fmnist`, used by
-    every module that does not import this one, writes the set once per session."""
-    return write_tiny_fmnist(tmp_path_factory.mktemp("fmnist"), fashion_mnist_dir)
 
 
 def default_stages() -> list[dict]:
