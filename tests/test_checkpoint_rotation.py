@@ -107,6 +107,10 @@ def test_keep_last_1_keeps_each_stage_end_and_the_docs_export_commands_run_as_wr
         assert proc.returncode == 0, (argv, _show(proc))
         if argv[0] == "export":
             assert "verified: open_clip reloads the export with identical weights" in proc.stdout, _show(proc)
+            # its progress: a plain line as each phase ends, on stderr (issue 42 item 2)
+            phases = [line for line in proc.stderr.splitlines() if line.startswith("crate-clip export: ")]
+            assert [p.split(" ")[2] for p in phases] == ["read", "wrote"], _show(proc)
+            assert phases[0].endswith(" s") and "consolidated to fp32 weights" in phases[0], _show(proc)
         else:
             assert "zero-shot: top-1" in proc.stdout, _show(proc)
 

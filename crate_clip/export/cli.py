@@ -5,7 +5,9 @@ training further. The trainer's final export is this command on the run's last c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import time
 from pathlib import Path
 
 from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING
@@ -35,6 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def phase(what: str):
+    """One plain progress line as each phase ends (on a terminal or not), on stderr (stdout holds the result):
+    consolidating a large model's ZeRO shards takes minutes (the reload check's line is its verdict). Said at the
+    end, so that a refusal inside a phase (a damaged or unsafe checkpoint) stays the command's one line."""
+    t0 = time.perf_counter()
+    yield
+    print(f"crate-clip export: {what} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     """Run `crate-clip export`; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -58,10 +70,12 @@ def main(argv=None) -> int:
         if args.trust_checkpoint:
             print(TRUST_WARNING, file=sys.stderr)
         # DeepSpeed's consolidation talks on stdout: with --json, stdout holds the result alone
-        with trusted_checkpoints(args.trust_checkpoint), chatter_to_stderr(args.json):
+        with phase(f"read {source.tag_dir} (its ZeRO shards consolidated to fp32 weights)"), \
+                trusted_checkpoints(args.trust_checkpoint), chatter_to_stderr(args.json):
             state = consolidated_state_dict(source.tag_dir)
-        export_checkpoint(source.tag_dir, out, state=state, bert_vocab=args.bert_vocab, hub_id=args.hub_id,
-                          repo_url=args.repo_url)
+        with phase(f"wrote the weights, open_clip config, tokenizer and model card to {out}"):
+            export_checkpoint(source.tag_dir, out, state=state, bert_vocab=args.bert_vocab, hub_id=args.hub_id,
+                              repo_url=args.repo_url)
     except (*USER_ERRORS, TokenizerUnavailableError, FileExistsError) as err:   # one line naming the fix
         return report_error("crate-clip export", err)
     verify = None if args.no_verify else (lambda: verify_export(out, state, "crate-clip export"))
