@@ -188,3 +188,31 @@ def test_a_run_reports_mid_stage_evaluations_to_every_tracker(tiny_fmnist, tmp_p
     assert [(e.step, e.value) for e in events.Scalars("probe/linear_probe/top1")] == [(96, 0.5)]
     with open(run / "results.csv") as f:
         assert list(csv.DictReader(f))[-1]["at"] == "after_run"
+
+
+def test_a_resume_sets_the_csv_rows_after_its_checkpoint_aside(tmp_path):
+    """The csv tracker's files on resume, as metrics.jsonl's: the rows a cut-short segment wrote after the checkpoint
+    it resumes from move to *.superseded.csv (under a header), a torn last line to *.torn.txt; what stays is one row
+    per step up to the checkpoint, and the resumed run's rows follow on lines of their own (issue 42)."""
+    from crate_clip.train.reporting.metrics_log import set_aside_rows_after
+    from crate_clip.train.reporting.trackers import CsvTracker
+
+    tracker = CsvTracker(tmp_path, ("tokens_per_s",))
+    for step in (10, 20, 30, 40):
+        tracker.step_row({"stage_index": 0, "step": step, "global_step": step, "loss": 1.0 / step, "skipped": None})
+    tracker.eval_row({"stage_index": 0, "at": "mid_stage", "global_step": 30, "top1": 0.5})
+    with open(tmp_path / "metrics.csv", "a") as f:
+        f.write("0,,50,5")   # a kill in the middle of a row's write
+    assert set_aside_rows_after(tmp_path, 20) == 4   # steps 30 and 40, the torn line, the evaluation at 30
+
+    def rows(name):
+        with open(tmp_path / name) as f:
+            return list(csv.DictReader(f))
+
+    assert [r["global_step"] for r in rows("metrics.csv")] == ["10", "20"]
+    assert [r["global_step"] for r in rows("metrics.superseded.csv")] == ["30", "40"]
+    assert (tmp_path / "metrics.torn.txt").read_text() == "0,,50,5\n"
+    assert rows("results.csv") == [] and [r["top1"] for r in rows("results.superseded.csv")] == ["0.5"]
+    tracker.step_row({"stage_index": 0, "step": 30, "global_step": 30, "loss": 0.5})   # the redone step
+    assert [r["global_step"] for r in rows("metrics.csv")] == ["10", "20", "30"]
+    assert set_aside_rows_after(tmp_path, 30) == 0 and len(rows("metrics.superseded.csv")) == 2   # nothing later

@@ -1,6 +1,7 @@
 """Training metrics: progress on rank 0, the trackers (trackers.py), metrics.jsonl / results.jsonl, the PNG plot."""
 from __future__ import annotations
 
+import csv
 import json
 import os
 import time
@@ -13,8 +14,8 @@ import yaml
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text
 # the run folder's file names and its JSONL reader (run_layout.py), imported here by the log's callers too
-from crate_clip.checkpoint_io.run_layout import (METRICS_FILE, PLOT_FILE, RESULTS_FILE, RUN_CONFIG_FILE,  # noqa: F401
-                                                 TENSORBOARD_DIR, read_jsonl)
+from crate_clip.checkpoint_io.run_layout import (METRICS_CSV, METRICS_FILE, PLOT_FILE, RESULTS_CSV,  # noqa: F401
+                                                 RESULTS_FILE, RUN_CONFIG_FILE, TENSORBOARD_DIR, read_jsonl)
 from crate_clip.train.reporting.progress_display import StageProgress
 from crate_clip.train.reporting.throughput import ThroughputRecord
 from crate_clip.train.reporting.trackers import Tracker, build_trackers, per_class_table
@@ -193,8 +194,9 @@ def set_aside_rows_after(run_dir: Path, global_step: int) -> int:
     and is redone from its checkpoint) to metrics.superseded.jsonl / results.superseded.jsonl, and lines that
     are not a whole row (a kill in the middle of a write tears the last one) to metrics.torn.txt /
     results.torn.txt, so every reader sees one row per step, the next row starts on a line of its own, and nothing
-    is lost; returns how many rows and fragments moved."""
-    moved = 0
+    is lost; the csv tracker's metrics.csv / results.csv the same way (_set_aside_csv_rows_after). Returns how many
+    rows and fragments moved."""
+    moved = sum(_set_aside_csv_rows_after(Path(run_dir) / name, global_step) for name in (METRICS_CSV, RESULTS_CSV))
     for name in (METRICS_FILE, RESULTS_FILE):
         path = Path(run_dir) / name
         rows, torn, ends_a_line = _rows_and_fragments(path)
@@ -208,6 +210,36 @@ def set_aside_rows_after(run_dir: Path, global_step: int) -> int:
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
         moved += len(later) + len(torn)
     return moved
+
+
+def _set_aside_csv_rows_after(path: Path, global_step: int) -> int:
+    """set_aside_rows_after for one of the csv tracker's files: rows whose global_step is later go to
+    <name>.superseded.csv (under its own header line), lines that are not a whole row to <name>.torn.txt."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return 0
+    text = path.read_text(encoding="utf-8", errors="replace")
+    header, *lines = text.split("\n")
+    columns = next(csv.reader([header]))
+    if "global_step" not in columns:   # not a file this tracker wrote: left as it is
+        return 0
+    kept, later, torn = [], [], []
+    for line in lines:
+        if not line.strip():
+            continue
+        cells = next(csv.reader([line]), [])
+        step = cells[columns.index("global_step")] if len(cells) == len(columns) else ""
+        if not step.isdigit():
+            torn.append(line)
+        else:
+            (later if int(step) > global_step else kept).append(line)
+    if not (later or torn) and text.endswith("\n"):
+        return 0
+    superseded = path.with_name(path.stem + ".superseded.csv")
+    head = "" if superseded.is_file() and superseded.stat().st_size else header + "\n"
+    _append_durably(superseded, head + "".join(line + "\n" for line in later) if later else "")
+    _append_durably(path.with_name(path.stem + ".torn.txt"), "".join(line + "\n" for line in torn))
+    atomic_write_text(path, "".join(line + "\n" for line in [header, *kept]))
+    return len(later) + len(torn)
 
 
 def _rows_and_fragments(path: Path) -> tuple[list[dict], list[str], bool]:

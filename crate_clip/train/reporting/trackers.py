@@ -99,8 +99,8 @@ class WandbTracker(Tracker):
 
 
 class CsvTracker(Tracker):
-    """metrics.csv and results.csv with fixed columns (a resumed run appends: the last row of a step counts, as in
-    metrics.jsonl)."""
+    """metrics.csv and results.csv with fixed columns; a resumed run appends after the rows of its checkpoint's
+    step, the later ones set aside to *.superseded.csv first (metrics_log.set_aside_rows_after), as in metrics.jsonl."""
 
     def __init__(self, run_dir: Path, throughput_columns: Iterable[str]):
         self._steps = _CsvFile(run_dir / METRICS_CSV, (*STEP_COLUMNS, *throughput_columns))
