@@ -61,16 +61,11 @@ def warmup_cosine(step: int, *, total_steps: int, warmup_steps: int, min_ratio: 
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas, eps: float):
-    """torch AdamW over the weight-decay groups (DeepSpeed wraps a torch optimizer; no C++ op build); on the CPU its
-    fused kernel (below)."""
+    """torch AdamW over the weight-decay groups (DeepSpeed wraps a torch optimizer; no C++ op build)."""
     groups = param_groups(model, weight_decay)
     for g in groups:
         g.pop("names")
-    # on the CPU torch's default is a per-tensor loop of ~10 passes over memory: fused, one pass, the demo's
-    # AdamW (~2M parameters a rank, 80% of them the text tower's token embedding) takes 3.6 ms instead of 12-17
-    # and a training run ~8% less CPU (BENCHMARKS.md, "The demo from a fresh clone"); GPUs keep torch's default
-    on_cpu = all(p.device.type == "cpu" for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, **({"fused": True} if on_cpu else {}))
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
 
 
 def build_schedule(optimizer, *, total_steps: int, warmup_steps: int, lr: float, min_lr: float):
