@@ -6,6 +6,10 @@ PY     := $(VENV)/bin/python
 # On a machine with no torch, pin the release this project is tested with (on the dev machines these
 # wheels lie on disk, CPU-runnable); a torch already installed in $(PYTHON) is respected instead.
 TORCH_PIN ?= torch==2.14.1 torchvision==0.29.1
+# The installer: uv (PyPI's fast installer: BENCHMARKS.md, "make install") when it is on PATH, else installed into
+# the venv from PyPI first; pip when neither works, when uv fails, or with INSTALLER=pip. uv reads no pip
+# configuration, so tools/uv_install.py hands it pip's package sources (where the pinned torch wheels lie).
+INSTALLER ?= uv
 # Debian packages holding the real local data sets used by the demo and the tests (one list, in Python).
 DEB_DATA := $(shell $(PYTHON) data_pipelines/sources/debian_packages.py)
 # Debian packages of the real components some tests run: a one-node Slurm on localhost (tests/slurm_cluster.py).
@@ -22,8 +26,16 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	else \
 	    $(PYTHON) -m venv $(VENV); pin="$(TORCH_PIN)"; \
 	fi; \
-	$(PY) -m pip install -q --upgrade pip && \
-	$(PY) -m pip install -q $$pin -e '.[dev]'
+	uv=""; if [ "$(INSTALLER)" = uv ]; then \
+	    uv=$$(command -v uv || { $(PY) -m pip install -q uv >/dev/null 2>&1 && echo $(VENV)/bin/uv; }); \
+	fi; \
+	if [ -n "$$uv" ] && $(PY) tools/uv_install.py $$uv $(PY) -q --upgrade-package pip pip $$pin -e '.[dev]'; then \
+	    echo "installed with $$uv"; \
+	else \
+	    if [ -n "$$uv" ]; then echo "uv failed (above); installing with pip"; fi; \
+	    $(PY) -m pip install -q --upgrade pip && \
+	    $(PY) -m pip install -q $$pin -e '.[dev]'; \
+	fi
 	@touch $@
 
 # Installs the Debian data and test-tool packages when missing (needs root and apt); otherwise says what to install.
