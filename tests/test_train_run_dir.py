@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 import warm_python
+from file_snapshots import snapshot
 from train_fixtures import REPO_ROOT, read_jsonl, run_env, tiny_config, write_config
 
 pytestmark = [pytest.mark.slow]
@@ -47,12 +48,6 @@ def _run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 def _train(config: Path, *extra: str) -> subprocess.CompletedProcess:
     return _run("-m", "crate_clip.train.cli", "--config", str(config), *extra)
-
-
-def _snapshot(folder: Path) -> dict:
-    """Every file under `folder` with its size and modification time."""
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def _show(proc: subprocess.CompletedProcess) -> str:
@@ -102,12 +97,12 @@ def test_train_into_a_finished_run_is_refused(resumed_run, capsys):
     from crate_clip.train.cli import main
 
     run_dir = resumed_run["run_dir"]
-    before = _snapshot(run_dir)
+    before = snapshot(run_dir)
     assert main(["--config", str(resumed_run["config"])]) == EXIT_CONFIG
     err = capsys.readouterr().err
     assert f"run.output_dir {run_dir} already holds a run" in err
     assert "--resume latest" in err and "--overwrite" in err
-    assert _snapshot(run_dir) == before  # nothing written, moved or deleted
+    assert snapshot(run_dir) == before  # nothing written, moved or deleted
 
 
 def test_rejected_resume_leaves_run_config_alone(resumed_run):
@@ -134,7 +129,7 @@ def test_overwrite_moves_the_earlier_run_aside(resumed_run, tiny_fmnist, tmp_pat
     earlier.mkdir()
     for name in ("run_config.yaml", "metrics.jsonl", "results.jsonl"):
         shutil.copy(resumed_run["run_dir"] / name, earlier / name)
-    kept = _snapshot(earlier)
+    kept = snapshot(earlier)
     one_step = [dict(STAGES[0], samples=8, warmup_steps=0)]
     config = write_config(_config(earlier, tiny_fmnist, resumed_run["pretrained"], stages=one_step, evals=False),
                           tmp_path / "one_step.yaml")
@@ -142,7 +137,7 @@ def test_overwrite_moves_the_earlier_run_aside(resumed_run, tiny_fmnist, tmp_pat
     assert proc.returncode == 0, _show(proc)
     previous = tmp_path / "run.previous"
     assert f"moved to {previous}" in proc.stdout
-    assert _snapshot(previous) == kept  # the earlier run, untouched, beside the new one
+    assert snapshot(previous) == kept  # the earlier run, untouched, beside the new one
     assert [r["step"] for r in read_jsonl(earlier / "metrics.jsonl")] == [1]
     assert not (earlier / "results.jsonl").exists()
 
@@ -155,11 +150,11 @@ def test_resave_mid_stage_1_keeps_the_old_checkpoint_and_one_metrics_row_per_ste
     run_dir = resumed_run["run_dir"]
     resumed_run["pretrained"].write_bytes(b"not a weights file")
     old = run_dir / "checkpoints" / "stage1-step00000003"
-    before, info = _snapshot(old), read_info(old)
+    before, info = snapshot(old), read_info(old)
     proc = _run(str(WORKERS), "kill_in_save", str(resumed_run["config"]), "stage1-step00000003",
                 str(run_dir / "checkpoints" / "stage1-step00000002"))
     assert proc.returncode == -signal.SIGKILL, _show(proc)
-    assert _snapshot(old) == before and read_info(old) == info  # the complete old checkpoint is still there
+    assert snapshot(old) == before and read_info(old) == info  # the complete old checkpoint is still there
     assert (run_dir / "checkpoints" / "latest").read_text() == "stage1-step00000003"
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
