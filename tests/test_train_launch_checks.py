@@ -10,7 +10,6 @@ may not write into (crate_clip/train/run/run_dir.py), each against the real comm
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import socket
 import subprocess
@@ -24,6 +23,7 @@ import pytest
 
 import warm_python
 from crate_clip.train.stage_setup.engine import _free_port
+from file_snapshots import snapshot
 from train_fixtures import REPO_ROOT, run_env, tiny_config, write_config
 
 STAGE = {"name": "s", "image_size": 16, "context_length": 16, "samples": 64, "global_batch": 8, "lr": 1e-3}
@@ -62,9 +62,8 @@ def _train(config: Path, *args: str, env: dict | None = None) -> subprocess.Comp
 
 
 def _snapshot(root: Path) -> dict:
-    """Every file under `root` (but the config) with the sha256 of its bytes."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "config.yaml"}
+    """Everything under `root` but the config (file_snapshots.snapshot)."""
+    return {k: v for k, v in snapshot(root).items() if Path(k).name != "config.yaml"}
 
 
 def _problem_lines(stderr: str) -> list[str]:
