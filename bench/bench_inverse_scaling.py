@@ -11,12 +11,18 @@ shards of Fashion-MNIST) from the demo config (configs/demo/fashion_mnist.yaml: 
          demo does) at 27 px, the size 9 px patches tile (28 px would drop a pixel row and column: issue 39): its
          fine-tune costs fewer FLOPs per sample, so its first stage gets more samples.
 Checkpoints are evaluated zero-shot at the input their arm's fine-tune trains on (28 px; clipa-p9: 27 px) on
-`--eval-images` test images spread over the classes; a low-resolution checkpoint reaches it as the fine-tune
-does (clipa: the grid grown, `--resize grid`; clipa-p9: the grid kept, `--resize patch`). For each arm: the
-final top-1 and the training FLOPs it needs to reach the full arm's final top-1 (the first crossing, linear
-between checkpoints; "not reached" otherwise). Writes docs/inverse_scaling.md, docs/inverse_scaling.json and docs/inverse_scaling.png.
+`--eval-images` test images spread over the classes (the curve); a low-resolution checkpoint reaches it as the
+fine-tune does (clipa: the grid grown, `--resize grid`; clipa-p9: the grid kept, `--resize patch`). Each final
+model is scored on all `--final-images` (10,000) test images with each image's top-1 kept (issue 39 item 3). For
+each arm: the final top-1; its difference from the full arm's final top-1 (same seed) with a paired standard error
+(per-image agreement: d_i = correct_arm_i - correct_full_i, SE = sqrt(var(d) / n), seeds pooled); and the training
+FLOPs to reach the full arm's final top-1 two ways, linear between checkpoints: the first checkpoint that crosses
+it (a low-resolution model run at the fine-tune's input may cross it before its fine-tune), and the arm's final
+model's: the FLOPs from which its curve stays at or above it to the end ("not reached" when the final model
+ends below). Writes its section of docs/inverse_scaling.md (between `inverse-scaling-study` markers; the other
+section is bench/bench_inverse_scaling_law.py's), docs/inverse_scaling.json and docs/inverse_scaling.png.
 
-    python bench/bench_inverse_scaling.py                 # the study (under 90 min on the idle 2-core machine)
+    python bench/bench_inverse_scaling.py                 # the study (about 90 min on the idle 2-core machine)
     python bench/bench_inverse_scaling.py --smoke         # a few seconds of training: the script works
 """
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import copy
 import datetime as dt
 import json
+import math
 import os
 import platform
 import shlex
@@ -37,6 +44,9 @@ import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.report import write_section  # noqa: E402
+
 DEMO_CONFIG = ROOT / "configs" / "demo" / "fashion_mnist.yaml"
 DOCS = ROOT / "docs"
 WIDTHS = {"w128": "CRATE-alpha-CLIPA-tiny", "w64": "CRATE-alpha-CLIPA-tiny-w64"}
@@ -47,13 +57,20 @@ FINETUNE_LR_RATIO = 0.1   # its peak rate / the first stage's (the paper: 1/20; 
 ARMS = ("full", "clipa", "clipa-p9")
 # the fine-tune's (image size, patch): the grid grows to 4x4, or the 3x3 grid is kept at 27 px (patches that tile)
 FINE = {"clipa": (28, 7), "clipa-p9": (27, 9)}
+SECTION = "inverse-scaling-study"
+DOC_HEAD = ("# Inverse scaling on Fashion-MNIST\n\nWritten by `bench/bench_inverse_scaling.py` (the compute-matched "
+            "study) and `bench/bench_inverse_scaling_law.py` (the inverse scaling law), each between its own markers "
+            "(do not edit by hand).\n")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=51200, help="the full arm's training samples (default 51200)")
     p.add_argument("--evals", type=int, default=8, help="checkpoints evaluated per arm (default 8)")
-    p.add_argument("--eval-images", type=int, default=2000, help="test images per evaluation (default 2000)")
+    p.add_argument("--eval-images", type=int, default=2000, help="test images per checkpoint of the curve "
+                                                                 "(default 2000)")
+    p.add_argument("--final-images", type=int, default=10000, help="test images scoring each final model, each "
+                                                                   "image's top-1 kept (default all 10,000)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--widths", nargs="+", default=list(WIDTHS), choices=list(WIDTHS))
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
@@ -70,6 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.samples, args.evals, args.eval_images, args.seeds, args.widths = 256, 2, 100, 1, ["w64"]
+        args.final_images = args.eval_images
         if "--arms" not in (argv if argv is not None else sys.argv[1:]):
             args.arms = ["full", "clipa-p9"]
         args.docs = args.out / "docs"
@@ -159,9 +177,10 @@ def train(cfg: dict, run_dir: Path, nproc: int) -> float:
     return wall
 
 
-def evaluate_checkpoints(run_dir: Path, cfg: dict, flops: list[float], eval_images: int) -> list[dict]:
+def evaluate_checkpoints(run_dir: Path, cfg: dict, flops: list[float], eval_images: int, final: dict) -> list[dict]:
     """(training FLOPs, samples, top-1) of every checkpoint of the run, zero-shot at the input of its last stage
-    (a low-resolution checkpoint: the grid grown when the last stage keeps its patch, else the grid kept)."""
+    (a low-resolution checkpoint: the grid grown when the last stage keeps its patch, else the grid kept) on
+    `eval_images` test images; the final checkpoint's is `final` (score_final: more images)."""
     import torch
 
     from crate_clip.checkpoint_io.checkpoint_record import read_record
@@ -179,6 +198,10 @@ def evaluate_checkpoints(run_dir: Path, cfg: dict, flops: list[float], eval_imag
         progress = read_record(tag).progress
         idx, step = progress.stage_index, progress.step
         done_flops = sum(steps[i] * batch * flops[i] for i in range(idx)) + step * batch * flops[idx]
+        if tag.name == final["checkpoint"]:
+            points.append({"stage": idx, "step": step, "flops": done_flops, "top1": final["top1"],
+                           "samples": progress.samples_seen, "images": final["eval_images"]})
+            continue
         last = cfg["stages"][-1]
         resize = "grid" if cfg["stages"][idx]["patch_size"] == last["patch_size"] else "patch"
         model, preprocess, tokenizer, _ = load_eval_model(str(tag), image_size=last["image_size"], resize=resize)
@@ -186,8 +209,68 @@ def evaluate_checkpoints(run_dir: Path, cfg: dict, flops: list[float], eval_imag
                           cache_dir=None, progress=False)
         top1 = run_task(model, parse_eval(spec), ctx)["top1"]
         points.append({"stage": idx, "step": step, "flops": done_flops, "top1": top1,
-                       "samples": progress.samples_seen})
+                       "samples": progress.samples_seen, "images": eval_images})
     return sorted(points, key=lambda p: p["flops"])
+
+
+def final_tag(run_dir: Path) -> Path:
+    """The run's last checkpoint (the highest stage and step)."""
+    from crate_clip.checkpoint_io.checkpoint_record import read_record
+
+    progress = {t: read_record(t).progress for t in (run_dir / "checkpoints").iterdir() if t.is_dir() and _complete(t)}
+    if not progress:
+        raise SystemExit(f"bench_inverse_scaling: {run_dir} holds no complete checkpoint; rerun to retrain it")
+    return max(progress, key=lambda t: (progress[t].stage_index, progress[t].step))
+
+
+def score_final(run_dir: Path, cfg: dict, images: int) -> dict:
+    """Zero-shot top-1 of the run's final checkpoint at its last stage's input on `images` test images, with each
+    image's 0/1 correctness (index order), for paired standard errors; kept beside the run (`<run>.final.json`)
+    and reused while the run is unchanged."""
+    import torch
+
+    from crate_clip.eval.model_loading import load_eval_model
+    from crate_clip.eval.registry import EvalContext, run_task
+
+    cache, done = run_dir.with_suffix(".final.json"), run_dir.with_suffix(".done")
+    if cache.is_file() and cache.stat().st_mtime >= done.stat().st_mtime:
+        kept = json.loads(cache.read_text())
+        if kept["eval_images"] == images:
+            return kept
+    torch.set_num_threads(os.cpu_count() or 1)
+    tag = final_tag(run_dir)
+    model, preprocess, tokenizer, _ = load_eval_model(str(tag), image_size=cfg["stages"][-1]["image_size"])
+    ctx = EvalContext(tokenizer=tokenizer, preprocess=preprocess, device="cpu", precision="fp32", cache_dir=None,
+                      progress=False, per_image=True)
+    spec = {**cfg["eval"]["evals"][0], "max_images": images, "batch_size": 500, "num_workers": 0}
+    metrics = run_task(model, spec, ctx)
+    result = {"checkpoint": tag.name, "eval_images": images, "top1": metrics["top1"],
+              "correct": [int(label == top1) for _, label, top1 in metrics["per_image"]]}
+    cache.write_text(json.dumps(result))
+    return result
+
+
+def paired(a: list[int], b: list[float]) -> tuple[float, float]:
+    """(mean of b_i - a_i, its standard error sqrt(var(d) / n)) over the same images."""
+    d = [y - x for x, y in zip(a, b, strict=True)]
+    n = len(d)
+    mean = sum(d) / n
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in d) / max(1, n - 1) / n)
+
+
+def pooled_paired(pairs: list[tuple[list[int], list[int]]]) -> tuple[float, float]:
+    """paired() of the per-image mean over seeds of (b_i - a_i): one difference, its SE holding the seeds' spread."""
+    per_image = [sum(b[i] - a[i] for a, b in pairs) / len(pairs) for i in range(len(pairs[0][0]))]
+    return paired([0] * len(per_image), per_image)
+
+
+def write_doc_section(path: Path, name: str, text: str) -> None:
+    """Replace `name`'s section of the page (between its BEGIN / END markers; appended when absent), so that the
+    study and bench/bench_inverse_scaling_law.py each rewrite only their own part of docs/inverse_scaling.md."""
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(DOC_HEAD)
+    write_section(name, text, path)
 
 
 def _complete(tag: Path) -> bool:
@@ -195,21 +278,48 @@ def _complete(tag: Path) -> bool:
     return read_record(tag) is not None   # its crate_clip.json present and well formed
 
 
+CHANCE = {"flops": 0.0, "top1": 0.1}   # an untrained 10-class model
+
+
+def _crossing(prev: dict, p: dict, target: float) -> float:
+    """The FLOPs between two points where the line through them reaches `target` (p at or above it)."""
+    if p["top1"] == prev["top1"]:
+        return p["flops"]
+    t = (target - prev["top1"]) / (p["top1"] - prev["top1"])
+    return prev["flops"] + max(0.0, min(1.0, t)) * (p["flops"] - prev["flops"])
+
+
 def flops_to_reach(points: list[dict], target: float) -> float | None:
     """The training FLOPs at which the curve first reaches `target` (linear between points), None if never."""
-    prev = {"flops": 0.0, "top1": 0.1}   # an untrained 10-class model: chance
+    prev = CHANCE
     for p in points:
         if p["top1"] >= target:
-            if p["top1"] == prev["top1"]:
-                return p["flops"]
-            t = (target - prev["top1"]) / (p["top1"] - prev["top1"])
-            return prev["flops"] + max(0.0, min(1.0, t)) * (p["flops"] - prev["flops"])
+            return _crossing(prev, p, target)
         prev = p
     return None
 
 
+def flops_to_stay(points: list[dict], target: float) -> float | None:
+    """The training FLOPs from which the curve stays at or above `target` to its end (the last upward crossing,
+    linear between points): what the arm's final model needed; None when the final model ends below it."""
+    if not points or points[-1]["top1"] < target:
+        return None
+    below = [i for i, p in enumerate(points) if p["top1"] < target]
+    if not below:
+        return _crossing(CHANCE, points[0], target)
+    return _crossing(points[below[-1]], points[below[-1] + 1], target)
+
+
+def _shares(need: list[float | None], mine: list[dict], per_seed_full: dict) -> dict:
+    """The FLOPs each seed needed as a share of its full arm's, over the seeds that reached it."""
+    reached = [n / per_seed_full[r["seed"]]["total_flops"] for n, r in zip(need, mine) if n is not None]
+    return {"reached": len(reached), "mean": float(np.mean(reached)) if reached else None,
+            "std": float(np.std(reached)) if reached else None}
+
+
 def summarize(runs: list[dict]) -> list[dict]:
-    """Per width and arm: final top-1 and FLOPs to the full arm's final top-1 (same width and seed), over seeds."""
+    """Per width and arm: final top-1, its paired difference from the full arm's final (same width and seed), and
+    the FLOPs to the full arm's final top-1 (the first crossing, and the final model's), over seeds."""
     rows = []
     for width in sorted({r["width"] for r in runs}):
         per_seed_full = {r["seed"]: r for r in runs if r["width"] == width and r["arm"] == "full"}
@@ -218,18 +328,66 @@ def summarize(runs: list[dict]) -> list[dict]:
             if not mine:
                 continue
             finals = [100 * r["points"][-1]["top1"] for r in mine]
-            need = [flops_to_reach(r["points"], per_seed_full[r["seed"]]["points"][-1]["top1"]) for r in mine]
-            reached = [n / per_seed_full[r["seed"]]["total_flops"] for n, r in zip(need, mine) if n is not None]
-            rows.append({"width": width, "model": WIDTHS[width], "arm": arm, "seeds": len(mine),
-                         "final_top1_mean": float(np.mean(finals)), "final_top1_std": float(np.std(finals, ddof=0)),
-                         "total_flops": float(np.mean([r["total_flops"] for r in mine])),
-                         "reached": len(reached),
-                         "flops_share_mean": float(np.mean(reached)) if reached else None,
-                         "flops_share_std": float(np.std(reached)) if reached else None,
-                         "samples": mine[0]["samples"],
-                         # the arm's recipe: the demo claims these figures only for a run of it (train/demo.py)
-                         "stages": mine[0].get("stages")})
+            targets = [per_seed_full[r["seed"]]["points"][-1]["top1"] for r in mine]
+            first = _shares([flops_to_reach(r["points"], t) for r, t in zip(mine, targets)], mine, per_seed_full)
+            final = _shares([flops_to_stay(r["points"], t) for r, t in zip(mine, targets)], mine, per_seed_full)
+            row = {"width": width, "model": WIDTHS[width], "arm": arm, "seeds": len(mine),
+                   "final_top1_mean": float(np.mean(finals)), "final_top1_std": float(np.std(finals, ddof=0)),
+                   "final_images": mine[0]["points"][-1].get("images"),
+                   "total_flops": float(np.mean([r["total_flops"] for r in mine])),
+                   # the first checkpoint crossing (a low-resolution model may cross before its fine-tune)
+                   "reached": first["reached"], "flops_share_mean": first["mean"], "flops_share_std": first["std"],
+                   # the arm's final model: from where its curve stays at or above the target to the end
+                   "final_reached": final["reached"], "final_share_mean": final["mean"],
+                   "final_share_std": final["std"],
+                   "samples": mine[0]["samples"],
+                   # the arm's recipe: the demo claims these figures only for a run of it (train/demo.py)
+                   "stages": mine[0].get("stages")}
+            if arm != "full" and all("correct" in r for r in mine):
+                diff, se = pooled_paired([(per_seed_full[r["seed"]]["correct"], r["correct"]) for r in mine])
+                row["vs_full_mean"], row["vs_full_se"] = 100 * diff, 100 * se
+            rows.append(row)
     return rows
+
+
+def _share_cell(mean: float | None, std: float | None, reached: int, seeds: int) -> str:
+    if mean is None:
+        return "not reached"
+    return (f"{100 * mean:.0f} ± {100 * std:.0f}%" + ("" if reached == seeds else f" ({reached}/{seeds} seeds)"))
+
+
+def markdown(args, meta: dict, rows: list[dict]) -> str:
+    lines = ["## Full resolution vs CLIPA at equal training FLOPs (`bench/bench_inverse_scaling.py`)", ""]
+    if args.label:
+        lines += [f"**{args.label}**", ""]
+    lines += [f"{meta['date']}, {meta['machine']}, `{meta['command']}`, {meta['wall_seconds'] / 60:.0f} min.", "",
+              f"Arms: **full** = 28 px / patch 7, 16 text tokens, {args.samples:,} samples; **clipa** = 21 px / "
+              f"patch 7 with 8 text tokens (random text mask), then a fine-tune at 28 px / 16 tokens on "
+              f"{FINETUNE_SHARE:.0%} of the full arm's samples at {FINETUNE_LR_RATIO:g}x the peak rate, its "
+              f"first stage sized to the same training FLOPs (step meter); the fine-tune at patch 7 (the paper's: "
+              f"the grid grows to 4x4); **clipa-p9** = the same with the fine-tune at 27 px / patch 9 (the 3x3 "
+              f"grid kept, the kernel PI-resized; the demo's shape; 27 px: the size 9 px patches tile). Zero-shot "
+              f"top-1 at the input of each arm's fine-tune (28 px; clipa-p9 27 px; low-res checkpoints reach it "
+              f"as the fine-tune does: clipa `--resize grid`, clipa-p9 `--resize patch`): the curve's checkpoints "
+              f"on {args.eval_images:,} test images, each final model on {args.final_images:,}. 'vs full' = the "
+              "final top-1 minus the full arm's (same seed) ± its paired standard error (per-image agreement, "
+              "seeds pooled). 'FLOPs to the full arm's final top-1', as a share of the full arm's FLOPs: "
+              "**first crossing** = the first checkpoint that reaches it (an arm may reach it before its end, "
+              "then lose it); **final model** = from where the curve stays at or above it to the end, so the "
+              "model the arm ends with has it ('not reached' when the final model ends below).", "",
+              "| width | arm | seeds | samples | final top-1 (%) | vs full (points) | FLOPs to full's final: "
+              "first crossing | FLOPs to full's final: final model |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        first = _share_cell(r["flops_share_mean"], r["flops_share_std"], r["reached"], r["seeds"])
+        final = _share_cell(r.get("final_share_mean"), r.get("final_share_std"), r.get("final_reached", 0),
+                            r["seeds"])
+        versus = f"{r['vs_full_mean']:+.2f} ± {r['vs_full_se']:.2f}" if "vs_full_mean" in r else "-"
+        samples = " + ".join(f"{s:,}" for s in r["samples"])
+        lines.append(f"| {r['model']} | {r['arm']} | {r['seeds']} | {samples} | "
+                     f"{r['final_top1_mean']:.2f} ± {r['final_top1_std']:.2f} | {versus} | {first} | {final} |")
+    lines += ["", "± after a top-1 or a share: the standard deviation over seeds. "
+                  "![top-1 vs FLOPs](inverse_scaling.png)"]
+    return "\n".join(lines)
 
 
 def write_docs(args, runs: list[dict], rows: list[dict], started: str, wall: float) -> None:
@@ -237,35 +395,13 @@ def write_docs(args, runs: list[dict], rows: list[dict], started: str, wall: flo
     load = os.getloadavg()[2] if hasattr(os, "getloadavg") else float("nan")   # how busy the machine was
     meta = {"date": started, "machine": f"{platform.machine()} {os.cpu_count()} CPU cores, load {load:.1f} "
                                         f"(15-min average when written)",
-            "command": shlex.join(["python", "bench/bench_inverse_scaling.py", *sys.argv[1:]]), "wall_seconds": wall,
+            "command": shlex.join(["python", "bench/bench_inverse_scaling.py", *args.argv]), "wall_seconds": wall,
             "label": args.label, "samples": args.samples, "eval_images": args.eval_images,
-            "finetune_share": FINETUNE_SHARE, "finetune_lr_ratio": FINETUNE_LR_RATIO}
-    (args.docs / "inverse_scaling.json").write_text(json.dumps({**meta, "rows": rows, "runs": runs}, indent=1))
-    lines = ["# Inverse scaling on Fashion-MNIST: full resolution vs CLIPA at equal training FLOPs", "",
-             "Written by `bench/bench_inverse_scaling.py` (do not edit by hand).", ""]
-    if args.label:
-        lines += [f"**{args.label}**", ""]
-    lines += [f"{meta['date']}, {meta['machine']}, `{meta['command']}`, {wall / 60:.0f} min.", "",
-              f"Arms: **full** = 28 px / patch 7, 16 text tokens, {args.samples:,} samples; **clipa** = 21 px / "
-              f"patch 7 with 8 text tokens (random text mask), then a fine-tune at 28 px / 16 tokens on "
-              f"{FINETUNE_SHARE:.0%} of the full arm's samples at {FINETUNE_LR_RATIO:g}x the peak rate, its "
-              f"first stage sized to the same training FLOPs (step meter); the fine-tune at patch 7 (the paper's: "
-              f"the grid grows to 4x4); **clipa-p9** = the same with the fine-tune at 27 px / patch 9 (the 3x3 "
-              f"grid kept, the kernel PI-resized; the demo's shape). Zero-shot top-1 on {args.eval_images:,} test "
-              f"images at the input of each arm's fine-tune (28 px; clipa-p9 27 px; low-res checkpoints reach it "
-              f"as the fine-tune does: clipa `--resize grid`, clipa-p9 `--resize patch`); "
-              "'FLOPs to ...' is the first checkpoint crossing, so an arm may reach it before its end.", "",
-              "| width | arm | seeds | samples | final top-1 (%) | FLOPs to the full arm's final top-1 |",
-              "|---|---|---|---|---|---|"]
-    for r in rows:
-        share = ("not reached" if r["flops_share_mean"] is None else
-                 f"{100 * r['flops_share_mean']:.0f} ± {100 * r['flops_share_std']:.0f}% of the full arm's"
-                 + ("" if r["reached"] == r["seeds"] else f" ({r['reached']}/{r['seeds']} seeds reached it)"))
-        samples = " + ".join(f"{s:,}" for s in r["samples"])
-        lines.append(f"| {r['model']} | {r['arm']} | {r['seeds']} | {samples} | "
-                     f"{r['final_top1_mean']:.2f} ± {r['final_top1_std']:.2f} | {share} |")
-    lines += ["", "± is the standard deviation over seeds. ![top-1 vs FLOPs](inverse_scaling.png)", ""]
-    (args.docs / "inverse_scaling.md").write_text("\n".join(lines))
+            "final_images": args.final_images, "finetune_share": FINETUNE_SHARE,
+            "finetune_lr_ratio": FINETUNE_LR_RATIO}
+    slim = [{k: v for k, v in r.items() if k != "correct"} for r in runs]   # per-image lists stay beside the runs
+    (args.docs / "inverse_scaling.json").write_text(json.dumps({**meta, "rows": rows, "runs": slim}, indent=1))
+    write_doc_section(args.docs / "inverse_scaling.md", SECTION, markdown(args, meta, rows))
     plot(runs, args.docs / "inverse_scaling.png")
 
 
@@ -312,6 +448,7 @@ def main(argv=None) -> int:
     from crate_clip.train.demo import run_recipe
 
     args = parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     base_cfg = yaml.safe_load(DEMO_CONFIG.read_text())
     data_dir = data_folder(args.data_dir)
     started, t0 = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), time.perf_counter()
@@ -329,14 +466,16 @@ def main(argv=None) -> int:
                 print(f"[inverse-scaling] {run_dir.name}: stages {[s['samples'] for s in stages]} samples, "
                       f"{sum(s['samples'] * f for s, f in zip(stages, flops)) / 1e12:.2f} TFLOP", flush=True)
                 wall = train(cfg, run_dir, args.nproc)
-                points = evaluate_checkpoints(run_dir, cfg, flops, args.eval_images)
+                final = score_final(run_dir, cfg, args.final_images)
+                points = evaluate_checkpoints(run_dir, cfg, flops, args.eval_images, final)
                 runs.append({"width": width, "arm": arm, "seed": seed, "wall_seconds": wall, "points": points,
                              "samples": [s["samples"] for s in stages], "stages": run_recipe(stages),
-                             "total_flops": sum(s["samples"] * f for s, f in zip(stages, flops))})
+                             "total_flops": sum(s["samples"] * f for s, f in zip(stages, flops)),
+                             "correct": final["correct"]})
                 print(f"[inverse-scaling] {run_dir.name}: final top-1 {100 * points[-1]['top1']:.2f}% "
                       f"({wall:.0f} s training)", flush=True)
                 write_docs(args, runs, summarize(runs), started, time.perf_counter() - t0)   # kept up to date
-    print((args.docs / "inverse_scaling.md").read_text())
+    print(markdown(args, json.loads((args.docs / "inverse_scaling.json").read_text()), summarize(runs)))
     return 0
 
 

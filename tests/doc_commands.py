@@ -279,6 +279,10 @@ COVERED_BY = {
     "crate-clip convert official crate_alpha_CLIPA_L14.pth --out exports/clipa-l14": CONVERT,
     "python bench/bench_inverse_scaling.py":
         "tests/test_bench_inverse_scaling.py::test_smoke_run_trains_both_arms_and_writes_the_table_and_plot",
+    "python bench/bench_inverse_scaling_law.py":   # its --quick form, in the same test as the study's --smoke
+        "tests/test_bench_inverse_scaling.py::test_smoke_run_trains_both_arms_and_writes_the_table_and_plot",
+    "python bench/bench_inverse_scaling_law.py --quick":
+        "tests/test_bench_inverse_scaling.py::test_smoke_run_trains_both_arms_and_writes_the_table_and_plot",
 }
 
 # Commands that need what this machine lacks (GPUs, a cluster, the network, an account), or benchmarks of many

@@ -51,24 +51,79 @@ def test_flops_to_reach_reads_the_first_crossing_linearly():
     assert bench.flops_to_reach(points, 0.3) == pytest.approx(10.0 * (0.3 - 0.1) / (0.5 - 0.1))
 
 
+def test_the_final_models_flops_count_from_where_the_curve_stays_above_the_target():
+    """Issue 39 item 3: an arm whose low-resolution checkpoint crosses the full arm's final top-1 and whose
+    fine-tune then loses it has reached it at its first crossing, but its final model has not."""
+    bench = _bench()
+    dips = [{"flops": 10.0, "top1": 0.5}, {"flops": 20.0, "top1": 0.7}, {"flops": 30.0, "top1": 0.55},
+            {"flops": 40.0, "top1": 0.65}]
+    assert bench.flops_to_reach(dips, 0.6) == pytest.approx(15.0)
+    assert bench.flops_to_stay(dips, 0.6) == pytest.approx(35.0)   # back above it between the last two points
+    assert bench.flops_to_stay(dips, 0.7) is None                  # the final model ends below it
+    assert bench.flops_to_stay(dips[:2], 0.6) == pytest.approx(15.0)
+    assert bench.flops_to_stay(dips[:1], 0.3) == pytest.approx(10.0 * (0.3 - 0.1) / (0.5 - 0.1))
+
+
+def test_each_arms_final_is_compared_with_the_full_arms_on_the_same_images():
+    bench = _bench()
+
+    def run(arm, seed, correct, curve):
+        return {"width": "w64", "arm": arm, "seed": seed, "total_flops": 100.0, "samples": [64], "stages": None,
+                "correct": correct, "points": [{"flops": f, "top1": t} for f, t in curve]}
+
+    full = [1, 1, 0, 0, 1, 0, 1, 0]
+    runs = [run("full", 0, full, [(50.0, 0.4), (100.0, 0.5)]),
+            run("clipa-p9", 0, [1, 1, 1, 0, 1, 0, 1, 1], [(40.0, 0.55), (80.0, 0.45), (100.0, 0.75)]),
+            run("clipa", 0, [1, 0, 0, 0, 1, 0, 1, 0], [(40.0, 0.6), (100.0, 0.375)])]
+    rows = {r["arm"]: r for r in bench.summarize(runs)}
+    # clipa-p9: d = [0,0,1,0,0,0,0,1]: +0.25, SE sqrt(3/14/8); it crosses 0.5 first at 40 * 0.4 / 0.45 and,
+    # after its dip, for good at 80 + 20 * 0.05 / 0.3
+    assert (rows["clipa-p9"]["vs_full_mean"], rows["clipa-p9"]["vs_full_se"]) == pytest.approx(
+        (25.0, 100 * (3 / 14 / 8) ** 0.5))
+    assert rows["clipa-p9"]["flops_share_mean"] == pytest.approx(40 * 0.4 / 0.45 / 100)
+    assert rows["clipa-p9"]["final_share_mean"] == pytest.approx((80 + 20 * 0.05 / 0.3) / 100)
+    # clipa: reached at its first checkpoint, lost after: its final model has not reached it
+    assert rows["clipa"]["reached"] == 1 and rows["clipa"]["final_reached"] == 0
+    assert rows["clipa"]["final_share_mean"] is None and rows["clipa"]["vs_full_mean"] == pytest.approx(-12.5)
+    assert "vs_full_mean" not in rows["full"]
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_smoke_run_trains_both_arms_and_writes_the_table_and_plot(tmp_path, tiny_fmnist, monkeypatch):
+    """The study's --smoke, then the inverse-scaling sweep's --quick in the same folders: its 16-token run is the
+    study's full arm, reused (one more trainer run, at 4 tokens), and each script writes its own section."""
     from train_fixtures import warm_subprocess
 
-    bench = _bench()
-    warm_subprocess(monkeypatch, bench)   # its two trainer processes forked warm: a fresh one spends ~10 s of CPU
-    # in imports and start-up
+    bench, law = _bench(), _law()
+    for module in (bench, law.study):   # their trainer processes forked warm: a fresh one spends ~10 s of CPU in
+        warm_subprocess(monkeypatch, module)   # imports and start-up
     # the session's small data set (1,200 training pairs, 50 test images), not the demo's 70,000 images
-    assert bench.main(["--smoke", "--out", str(tmp_path), "--nproc", "1", "--data-dir", str(tiny_fmnist)]) == 0
+    common = ["--out", str(tmp_path), "--nproc", "1", "--data-dir", str(tiny_fmnist)]
+    assert bench.main(["--smoke", *common]) == 0
     record = json.loads((tmp_path / "docs" / "inverse_scaling.json").read_text())
     assert [(r["arm"], r["seeds"]) for r in record["rows"]] == [("full", 1), ("clipa-p9", 1)]
     assert all(len(run["points"]) >= 2 and 0 <= run["points"][-1]["top1"] <= 1 for run in record["runs"])
+    assert record["runs"][-1]["points"][-1]["images"] == 100   # the final model: every test image (50 here)
     full, clipa = record["runs"]
     assert abs(full["total_flops"] - clipa["total_flops"]) < 0.15 * full["total_flops"]   # whole batches
+    assert -100 <= record["rows"][1]["vs_full_mean"] <= 100 and record["rows"][1]["vs_full_se"] >= 0
     table = (tmp_path / "docs" / "inverse_scaling.md").read_text()
     assert "smoke run: measures nothing" in table and "| CRATE-alpha-CLIPA-tiny-w64 | clipa-p9 | 1 |" in table
     assert (tmp_path / "docs" / "inverse_scaling.png").stat().st_size > 1000
+
+    full_run = (tmp_path / "w64_full_s0.done").read_text(), (tmp_path / "w64_full_s0.log").stat().st_mtime_ns
+    assert law.main(["--quick", *common]) == 0
+    assert ((tmp_path / "w64_full_s0.done").read_text(), (tmp_path / "w64_full_s0.log").stat().st_mtime_ns) == full_run
+    sweep = json.loads((tmp_path / "docs" / "inverse_scaling_law.json").read_text())
+    assert [(r["tokens"], r["image_size"]) for r in sweep["rows"]] == [(4, 14), (16, 28)]
+    assert sweep["rows"][1]["top1_mean"] == pytest.approx(100 * full["points"][-1]["top1"])   # the same model
+    short = sweep["rows"][0]
+    assert short["samples"] > 2 * 256 and -100 <= short["drop_mean"] <= 100 and short["drop_se"] >= 0
+    page = (tmp_path / "docs" / "inverse_scaling.md").read_text()
+    assert "quick run: measures nothing" in page and "| CRATE-alpha-CLIPA-tiny-w64 | 4 | 14 |" in page
+    assert "smoke run: measures nothing" in page   # the study's section kept
+    assert (tmp_path / "docs" / "inverse_scaling_law.png").stat().st_size > 1000
 
 
 def test_a_data_dir_without_the_demos_data_is_refused_in_one_line(tmp_path):
@@ -76,3 +131,59 @@ def test_a_data_dir_without_the_demos_data_is_refused_in_one_line(tmp_path):
         _bench().main(["--smoke", "--out", str(tmp_path), "--data-dir", str(tmp_path / "nothing")])
     assert "no train/ shards and test/classnames.txt there; fix:" in str(exc.value)
     assert not (tmp_path / "docs").exists()
+
+
+# bench/bench_inverse_scaling_law.py: image tokens x tower width at equal FLOPs (issue 39 item 5)
+
+def _law():
+    _bench()   # the study module it imports, by its file (bench/ is no package the suite imports)
+    spec = importlib.util.spec_from_file_location("bench_inverse_scaling_law",
+                                                  ROOT / "bench" / "bench_inverse_scaling_law.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_token_length_spends_its_widths_flops_on_a_grid_the_patches_tile():
+    law = _law()
+    base = yaml.safe_load(law.study.DEMO_CONFIG.read_text())
+    batch = base["stages"][0]["global_batch"]
+    for width in ("w64", "w256"):   # the narrowest and the widest tower (each FLOPs count builds a model on meta)
+        model = law.WIDTHS[width]
+        stages = law.token_stages(model, [4, 9, 16], 12800, base)
+        flops = law.study.flops_per_sample({**base, "model": {"name": model}, "stages": list(stages.values())})
+        spent = {t: s["samples"] * f for (t, s), f in zip(stages.items(), flops)}
+        for tokens, stg in stages.items():
+            assert abs(spent[tokens] - spent[16]) <= batch * flops[0] / 2, (width, tokens)   # whole batches
+            side = stg["image_size"] // stg["patch_size"]
+            assert stg["image_size"] % stg["patch_size"] == 0 and side * side == tokens
+            assert (stg["context_length"], stg["text_mask"], stg["lr"]) == (16, "truncate", base["stages"][0]["lr"])
+        assert stages[4]["samples"] > stages[9]["samples"] > stages[16]["samples"] == 12800
+        # the 16-token run is the study's full arm: one run serves both scripts
+        assert stages[16] == law.study.arm_stages("full", model, 12800, base)[0]
+
+
+def test_the_drop_and_the_width_contrast_are_paired_per_image():
+    law = _law()
+    ref = [1, 1, 1, 1, 0, 0, 1, 0]
+    runs = [{"width": "w64", "tokens": 16, "seed": 0, "correct": ref},
+            {"width": "w64", "tokens": 4, "seed": 0, "correct": [1, 0, 0, 1, 0, 0, 1, 0]},      # 2 lost
+            {"width": "w256", "tokens": 16, "seed": 0, "correct": ref},
+            {"width": "w256", "tokens": 4, "seed": 0, "correct": [1, 1, 0, 1, 1, 0, 1, 0]}]     # 1 lost, 1 won
+    for r in runs:
+        r.update(model=law.WIDTHS[r["width"]], samples=100, total_flops=1.0, top1=sum(r["correct"]) / 8)
+    summary = law.summarize(runs)
+    drops = {(r["width"], r["tokens"]): (r.get("drop_mean"), r.get("drop_se")) for r in summary["rows"]}
+    # w64: d = [0,-1,-1,0,0,0,0,0]: mean -0.25, sample variance 3/14 -> SE sqrt(3/14/8)
+    assert drops[("w64", 4)] == pytest.approx((-25.0, 100 * (3 / 14 / 8) ** 0.5))
+    assert drops[("w256", 4)][0] == pytest.approx(0.0) and drops[("w64", 16)] == (None, None)
+    (contrast,) = summary["contrasts"]
+    # per image: (w256 drop) - (w64 drop) = [0,+1,0,0,+1,0,0,0]: mean +0.25, SE sqrt(3/14/8)
+    assert (contrast["small"], contrast["large"], contrast["tokens"]) == ("w64", "w256", 4)
+    assert (contrast["difference"], contrast["se"]) == pytest.approx((25.0, 100 * (3 / 14 / 8) ** 0.5))
+
+
+def test_the_sweep_needs_the_16_token_run_it_compares_with(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _law().parse_args(["--tokens", "4", "9"])
+    assert exc.value.code == 2 and "--tokens must include 16" in capsys.readouterr().err
