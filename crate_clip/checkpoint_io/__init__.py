@@ -2,7 +2,7 @@
 none of them (tests/test_architecture_imports.py).
 
 run_layout.py             the run folder's layout: every folder and file a run writes, the lock
-checkpoint_record.py      crate_clip.json (CheckpointInfo, Progress, its schema and reading), complete checkpoints
+checkpoint_record.py      crate_clip.json (CheckpointInfo, Progress, its schema; read as CheckpointInfo), complete checkpoints
                           listed by step, and which checkpoint a user means (latest, a tag, a stage's final, a path)
 atomic_files.py           write-then-rename for files and folders, fsync of files and their folders
 deepspeed_checkpoints.py  a DeepSpeed checkpoint's files verified against its record, and

@@ -66,10 +66,12 @@ class CheckpointInfo:
     normalisation: dict            # the training stream's image mean / std (an export's preprocessing)
     tokenizer: dict
     progress: Progress
+    world_size: Optional[int] = None   # the processes that saved it: the save adds it to the file
 
     def as_dict(self) -> dict:
-        """The JSON form: the progress's fields at the top level, beside the others."""
-        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "progress"},
+        """The JSON form: the progress's fields at the top level, beside the others (world_size once saved)."""
+        skip = ("progress",) if self.world_size is not None else ("progress", "world_size")
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip},
                 **asdict(self.progress)}
 
     @classmethod
@@ -93,7 +95,8 @@ _EXPECTED = {int: "an integer", str: "a string", dict: "an object"}
 
 
 def _schema() -> dict[str, tuple]:
-    """crate_clip.json's fields and their JSON types: CheckpointInfo's, Progress's, and what the save adds."""
+    """crate_clip.json's fields and their JSON types: CheckpointInfo's and Progress's (world_size, which the save
+    adds, an integer in the file)."""
     out = {}
     for cls in (CheckpointInfo, Progress):
         hints = get_type_hints(cls)

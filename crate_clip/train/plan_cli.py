@@ -124,7 +124,7 @@ def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int
                 per_node: int = 8) -> tuple[dict, list]:
     """(how the run in progress would resume on `gpus` ranks, `per_node` a node, its remaining stages resolved for
     them)."""
-    from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE, read_info
+    from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE, read_record
     from crate_clip.checkpoint_io.run_layout import run_dir_of
     from crate_clip.train.checkpointing.config_changes import recorded_config
     from crate_clip.train.checkpointing.elastic_resume import checkpoint_of, resume_summary
@@ -135,7 +135,7 @@ def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int
     if config is not None:
         cfg = load_run_config(config, overrides, check_paths=False)
     else:   # the run's recorded config with the changes its resumes made, else the checkpoint's (found complete)
-        raw = recorded_config(run_dir_of(tag_dir)) or read_info(tag_dir)["run_config"]
+        raw = recorded_config(run_dir_of(tag_dir)) or read_record(tag_dir).run_config
         for assignment in overrides:
             apply_override(raw, assignment)
         cfg = config_from_dict(raw, check_paths=False, source_path=str(tag_dir / INFO_FILE))

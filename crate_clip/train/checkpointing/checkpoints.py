@@ -37,8 +37,8 @@ from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_wri
                                                    restore_replaced)
 from crate_clip.checkpoint_io.checkpoint_manifest import checksum_share, damage_in_share
 from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, CheckpointInfo, Progress,  # noqa: F401
-                                                        complete_tags_in, is_stage_end, latest_complete_tag,
-                                                        read_info, read_info_checked, resume_checkpoint)
+                                                        complete_tags_in, latest_complete_tag, read_info,
+                                                        read_info_checked, read_record, resume_checkpoint)
 from crate_clip.checkpoint_io.deepspeed_checkpoints import LATEST_FILE, consolidated_state_dict  # noqa: F401
 from crate_clip.checkpoint_io.run_layout import (DAMAGED_SUFFIX, REPLACED_SUFFIX, checkpoint_tag,  # noqa: F401
                                                  is_own_staging, linked_outside, staging_name, tag_position)
@@ -202,9 +202,9 @@ class CheckpointManager:
             if tag_position(old.name[1:-len(REPLACED_SUFFIX)]):
                 restore_replaced(self.root / old.name[1:-len(REPLACED_SUFFIX)])
         latest = self.latest_tag()
-        own = [(tag, info) for tag in self.complete_tags() if (info := own_checkpoint(self.root / tag))]
-        for tag, info in own[:-self.keep_last]:
-            if tag != latest and not is_stage_end(info):
+        own = [(tag, record) for tag in self.complete_tags() if (record := own_checkpoint(self.root / tag))]
+        for tag, record in own[:-self.keep_last]:
+            if tag != latest and not record.ends_stage:
                 shutil.rmtree(self.root / tag, ignore_errors=True)
         for path in sorted(self.root.iterdir()):
             if is_own_staging(path) or _swapped_out(path):
@@ -236,17 +236,17 @@ class CheckpointManager:
         if load_path is None:
             raise ResumeError(f"DeepSpeed could not load the checkpoint {tag_dir}")
 
-    def check_compatible(self, tag_dir: Path) -> dict:
-        """The checkpoint's info; raises ResumeError when it is incomplete, and UntrustedCheckpointError when one of
-        its files needs a class outside the allow-list (another world size or ZeRO stage: elastic_resume.py)."""
-        info = read_info(tag_dir)
-        if info is None:
+    def check_compatible(self, tag_dir: Path) -> CheckpointInfo:
+        """The checkpoint's record; raises ResumeError when it is incomplete, and UntrustedCheckpointError when one
+        of its files needs a class outside the allow-list (another world size or ZeRO stage: elastic_resume.py)."""
+        record = read_record(tag_dir)
+        if record is None:
             raise ResumeError(f"{tag_dir}: incomplete checkpoint (no {INFO_FILE})")
         try:
             check_checkpoint_folder(tag_dir)   # every file, on every rank: all ranks refuse alike
         except UntrustedCheckpointError as exc:
             raise _earlier_rank_state(exc) from None
-        return info
+        return record
 
     def load_rank_state(self, tag_dir: Path) -> dict:
         """This rank's data-stream position and RNG states."""
@@ -259,13 +259,13 @@ class CheckpointManager:
             raise _earlier_rank_state(exc) from None
 
 
-def own_checkpoint(tag_dir: Path) -> Optional[dict]:
+def own_checkpoint(tag_dir: Path) -> Optional[CheckpointInfo]:
     """The record of a complete checkpoint the trainer saved: a real folder (not a link) whose name is the tag its
     own record gives it (stage<i>-step<n>); None for anything else (a user's copy, a link, an incomplete folder)."""
-    info = None if Path(tag_dir).is_symlink() else read_info(tag_dir)
-    if info is None or tag_position(Path(tag_dir).name) != (info.get("stage_index"), info.get("step")):
+    record = None if Path(tag_dir).is_symlink() else read_record(tag_dir)
+    if record is None or tag_position(Path(tag_dir).name) != (record.progress.stage_index, record.progress.step):
         return None
-    return info
+    return record
 
 
 def _swapped_out(path: Path) -> bool:
@@ -307,8 +307,7 @@ def find_resume_point(cfg: RunConfig, ckpts: CheckpointManager, resume: Optional
     if not resume:
         return ResumePoint()
     tag_dir = ckpts.resolve(resume)
-    info = ckpts.check_compatible(tag_dir)
-    progress = Progress.from_info(info)
+    progress = ckpts.check_compatible(tag_dir).progress
     return ResumePoint(tag_dir, progress, progress.step >= cfg.stages[progress.stage_index].steps)
 
 
@@ -382,4 +381,5 @@ def intact_checkpoint(ckpts: CheckpointManager, tag_dir: Path, resume: str) -> P
 
 def _global_step(tag_dir: Path) -> int:
     """The global step a checkpoint was saved at (the order complete_tags sorts in)."""
-    return (read_info(tag_dir) or {}).get("global_step", 0)
+    record = read_record(tag_dir)
+    return record.progress.global_step if record is not None else 0

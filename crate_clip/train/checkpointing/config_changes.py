@@ -24,7 +24,7 @@ import torch.distributed as tdist
 import yaml
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
-from crate_clip.checkpoint_io.checkpoint_record import latest_complete_tag, read_info
+from crate_clip.checkpoint_io.checkpoint_record import latest_complete_tag, read_record
 from crate_clip.checkpoint_io.run_layout import CONFIG_CHANGES_FILE, RUN_CONFIG_FILE, checkpoints_in, read_jsonl
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.safe_yaml import load_yaml_file
@@ -201,13 +201,13 @@ def resumed_at(run_dir: Path, resume: Optional[str]) -> Optional[ResumedAt]:
     if resume in ("latest", "auto"):
         folder = checkpoints_in(Path(run_dir))
     else:
-        folder = Path(resume) if read_info(Path(resume)) is not None else checkpoints_in(Path(resume))
-    tag = None if read_info(folder) is not None else latest_complete_tag(folder)
-    info = read_info(folder / tag if tag else folder)
-    if info is None:
+        folder = Path(resume) if read_record(Path(resume)) is not None else checkpoints_in(Path(resume))
+    tag = None if read_record(folder) is not None else latest_complete_tag(folder)
+    record = read_record(folder / tag if tag else folder)
+    if record is None:
         return None
-    return ResumedAt(int(info.get("stage_index", 0)), int(info.get("step", 0)), int(info.get("global_step", 0)),
-                     (folder / tag if tag else folder).name)
+    progress = record.progress
+    return ResumedAt(progress.stage_index, progress.step, progress.global_step, (folder / tag if tag else folder).name)
 
 
 def config_changes(cfg: RunConfig, resume: Optional[str], allowed: Iterable[str] = ()) -> list[ConfigChange]:

@@ -55,7 +55,7 @@ from crate_clip.checkpoint_io.atomic_files import atomic_write_text, fsync_dir, 
 from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_small_json
 from crate_clip.checkpoint_io.file_checksums import (CHECKSUMS_KEY, ChecksumMismatchError, file_checksum,
                                                      verify_recorded_checksums)
-from crate_clip.checkpoint_io.checkpoint_record import latest_complete_tag, read_info
+from crate_clip.checkpoint_io.checkpoint_record import CheckpointInfo, latest_complete_tag, read_record
 from crate_clip.checkpoint_io.deepspeed_checkpoints import UNIVERSAL_DIR
 from crate_clip.checkpoint_io.run_layout import EXPORT_DIR, RESULTS_FILE, checkpoints_in
 from crate_clip.checkpoint_io.safe_unpickling import deepspeed_reads, load_torch_file
@@ -91,9 +91,22 @@ def resolve_auto(run_dir: Path, ckpts: CheckpointManager, resume: Optional[str])
 
 
 # ---------------------------------------------------------------- canonical streams
-def saved_canonical_streams(tag_dir: Path, info: dict) -> Optional[int]:
+def _saved_data(record: Optional[CheckpointInfo]) -> dict:
+    # the `data` section of the run config a checkpoint was written under ({} when it records none)
+    return (record.run_config.get("data") or {}) if record is not None else {}
+
+
+def _saved_shape(record: Optional[CheckpointInfo], world_size: int, zero_stage: int) -> tuple[int, int]:
+    # (world size, ZeRO stage) that wrote the checkpoint; this job's where an earlier version did not record them
+    if record is None:
+        return world_size, zero_stage
+    return (int(record.world_size if record.world_size is not None else world_size),
+            int(record.zero_stage if record.zero_stage is not None else zero_stage))
+
+
+def saved_canonical_streams(tag_dir: Path, record: Optional[CheckpointInfo]) -> Optional[int]:
     """The canonical stream count a checkpoint's run used (its run config, else its stream states)."""
-    recorded = ((info.get("run_config") or {}).get("data") or {}).get("canonical_streams")
+    recorded = _saved_data(record).get("canonical_streams")
     if recorded:
         return int(recorded)
     table = Path(tag_dir) / STREAM_TABLE
@@ -121,7 +134,7 @@ def settled_shuffle_buffer(cfg: RunConfig, streams: int, world_size: int, tag_di
     """data.shuffle_buffer for this launch: the config's, else the one the checkpoint's run recorded (the sample
     order depends on it), else the first launch's share of data.host_shuffle_buffer (LOCAL_WORLD_SIZE ranks a host)."""
     if cfg.data.shuffle_buffer is None and tag_dir is not None:
-        saved = (((read_info(tag_dir) or {}).get("run_config") or {}).get("data") or {}).get("shuffle_buffer")
+        saved = _saved_data(read_record(tag_dir)).get("shuffle_buffer")
         if saved is not None:
             return int(saved)
     return per_stream_buffer(cfg.data, streams, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
@@ -132,7 +145,7 @@ def settle_canonical_streams(cfg: RunConfig, world_size: int, tag_dir: Optional[
     """Set cfg.data.canonical_streams for this launch: the config's, else the checkpoint's (`tag_dir`), else the first
     launch's default; raises a one-line ResumeError / ConfigError when it does not fit this job's processes and
     workers in a stage from `first_stage` on."""
-    saved = saved_canonical_streams(tag_dir, read_info(tag_dir) or {}) if tag_dir is not None else None
+    saved = saved_canonical_streams(tag_dir, read_record(tag_dir)) if tag_dir is not None else None
     wanted = cfg.data.canonical_streams
     if saved and wanted and saved != wanted:
         raise ResumeError(f"{tag_dir}: written with {STREAMS_KEY}={saved} (the sample order is defined by it), the "
@@ -154,9 +167,9 @@ def settle_canonical_streams(cfg: RunConfig, world_size: int, tag_dir: Optional[
 def checkpoint_of(path: Path) -> Path:
     """The checkpoint a run folder, a checkpoints folder (its `latest`) or a tag folder names; ResumeError if none."""
     path = checkpoints_in(path)
-    tag = latest_complete_tag(path) if read_info(path) is None else None
+    tag = latest_complete_tag(path) if read_record(path) is None else None
     tag_dir = path / tag if tag else path
-    if read_info(tag_dir) is None:
+    if read_record(tag_dir) is None:
         raise ResumeError(f"{path}: no complete checkpoint (crate_clip.json) there; fix: pass a run folder, its "
                           "checkpoints folder or one checkpoint folder")
     return tag_dir
@@ -168,16 +181,16 @@ def resume_summary(tag_dir: Path, cfg: RunConfig, world_size: int) -> dict:
     # here: DeepSpeed's import, for `plan` only when resuming
     from crate_clip.train.stage_setup.stage_model import resolve_stage
 
-    info = read_info(tag_dir)
-    stage = int(info.get("stage_index", 0))
+    record = read_record(tag_dir)
+    stage = record.progress.stage_index
     streams = settle_canonical_streams(cfg, world_size, tag_dir, stage)
     zero_stage = resolve_stage(cfg, stage, world_size).zero_stage   # what the launch decides, as run_stage uses it
     universal = needs_universal(tag_dir, world_size, zero_stage)
     converted = (Path(tag_dir) / UNIVERSAL_DIR / CONVERTED_FILE).is_file()
-    return {"checkpoint": str(tag_dir), "stage_index": stage, "stage_name": info.get("stage_name"),
-            "step": info.get("step"), "stage_steps": cfg.stages[stage].steps,   # the config's (a resume may change it)
-            "global_step": info.get("global_step"),
-            "written_by": info.get("world_size"), "written_zero_stage": info.get("zero_stage"),
+    return {"checkpoint": str(tag_dir), "stage_index": stage, "stage_name": record.stage_name,
+            "step": record.progress.step, "stage_steps": cfg.stages[stage].steps,   # the config's (a resume may change it)
+            "global_step": record.progress.global_step,
+            "written_by": record.world_size, "written_zero_stage": record.zero_stage,
             "world_size": world_size, "zero_stage": zero_stage, "canonical_streams": streams,
             "universal": ("converted" if converted else "converted by rank 0 at the resume") if universal else "none"}
 
@@ -222,8 +235,7 @@ def resume_seed(seed: int, stage_index: int, global_step: int, rank: int) -> int
 def needs_universal(tag_dir: Path, world_size: int, zero_stage: int) -> bool:
     """Whether checkpoint `tag_dir` must be loaded through its universal form: written by another world size or
     ZeRO stage with partitioned optimizer states. ResumeError when no DeepSpeed path loads it into this job."""
-    info = read_info(tag_dir) or {}
-    saved_world, saved_stage = int(info.get("world_size", world_size)), int(info.get("zero_stage", zero_stage))
+    saved_world, saved_stage = _saved_shape(read_record(tag_dir), world_size, zero_stage)
     if (saved_world, saved_stage) == (world_size, zero_stage):
         return False
     partitioned = any(Path(tag_dir).glob("*optim_states.pt"))
@@ -242,13 +254,12 @@ def load_resume_state(ckpts: CheckpointManager, engine, tag_dir: Path, rank: int
     with load_universal); returns this rank's client state: `stream` position and `rng` states, None at another
     world size (the caller seeds with resume_seed). The checkpoint was checked (complete, allow-listed) by
     find_resume_point before anything was written."""
-    info = read_info(tag_dir) or {}
     if universal:
         universal_checkpoint(tag_dir, rank)
         load_universal(engine, tag_dir)
     else:   # the same world size, or ZeRO-0 (nothing partitioned): DeepSpeed's plain load fits
         ckpts.load_engine_states(engine, tag_dir)
-    saved_world = int(info.get("world_size", world_size))
+    saved_world = _saved_shape(read_record(tag_dir), world_size, 0)[0]
     if saved_world == world_size:   # the ranks' own states fit (at most the ZeRO stage changed)
         return ckpts.load_rank_state(tag_dir)
     return {"stream": stream_state_for(tag_dir, rank, world_size, saved_world), "rng": None}

@@ -22,7 +22,7 @@ import yaml
 from open_clip import ClipLoss
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
-from crate_clip.checkpoint_io.checkpoint_record import CheckpointInfo, Progress, read_info
+from crate_clip.checkpoint_io.checkpoint_record import CheckpointInfo, Progress, read_record
 from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
 from crate_clip.checkpoint_io.run_layout import RUN_CONFIG_FILE, checkpoint_tag, checkpoints_dir, export_dir
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_WARNING, checkpoints_trusted
@@ -310,15 +310,15 @@ def _evaluate_finished_stage(run: RunContext, i: int) -> list[dict]:
     if not agreed_missing_evals(cfg, i, dist):
         return []
     tag_dir = run.ckpts.root / checkpoint_tag(i, cfg.stages[i].steps)
-    info = read_info(tag_dir)
-    if info is None:
+    record = read_record(tag_dir)
+    if record is None:
         log.print(f"[warn] stage {i} ({cfg.stages[i].name}): evaluations missing from results.jsonl and its "
                   f"final checkpoint {tag_dir} is gone; they cannot be run")
         return []
     stage = resolve_stage(cfg, i, dist.world_size)   # for its evaluations: no device micro-batch fit
     with deepspeed_prints():
         weights = consolidated_state_dict(tag_dir)
-    return evaluate_after_stage(cfg, stage, weights, Progress.from_info(info), log, dist)
+    return evaluate_after_stage(cfg, stage, weights, record.progress, log, dist)
 
 
 def _seed_everything(seed: int) -> None:
