@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import warm_python
+from file_snapshots import snapshot
 from train_fixtures import REPO_ROOT, run_env, tiny_config, write_config
 
 pytestmark = [pytest.mark.slow]
@@ -46,14 +47,10 @@ def _ours(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("crate-clip")]
 
 
-def _snapshot(folder: Path) -> dict:
-    """Every file and link under `folder` (links not followed): where a link points, a small file's bytes, a large
-    one's size and modification time."""
-    def state(p: Path):
-        if p.is_symlink():
-            return str(p.readlink())
-        return p.read_bytes() if p.stat().st_size < 1 << 20 else (p.stat().st_size, p.stat().st_mtime_ns)
-    return {str(p.relative_to(folder)): state(p) for p in sorted(folder.rglob("*")) if p.is_symlink() or p.is_file()}
+def _users(ckpts: Path) -> dict:
+    """The user's files among the checkpoints: all but the run's own, which its saves rewrite (the tags, `latest`,
+    DeepSpeed's zero_to_fp32.py and zero_to_torch.py)."""
+    return {k: v for k, v in snapshot(ckpts).items() if not k.startswith(("stage", "latest", "zero_to_"))}
 
 
 def _real_dirs(folder: Path) -> list[str]:
@@ -173,7 +170,7 @@ def test_rotation_and_resume_remove_only_what_the_run_wrote(finished, tmp_path):
     (ckpts / ".keep.saving" / "a").write_text("a")
     (ckpts / "README.txt").write_text("checkpoints of the tiny run")
     (ckpts / "linked").symlink_to(other)   # a user's link to a checkpoint elsewhere: neither followed nor removed
-    user_files = {k: v for k, v in _snapshot(ckpts).items() if not k.startswith("stage")}
+    user_files = _users(ckpts)
     damaged_same_tag = ckpts / "stage1-step00000001"   # its tag is saved again: the swap must not delete it
     damaged_same_tag.mkdir()
     (damaged_same_tag / "crate_clip.json").write_text('{"stage_index": 1, "st')
@@ -193,7 +190,7 @@ def test_rotation_and_resume_remove_only_what_the_run_wrote(finished, tmp_path):
             f"{ckpts / 'stage1-step00000001.damaged'}, not deleted; remove it once you no longer need it") in out
     assert (f"[warn] checkpoint stage0-step00000002 is damaged (its crate_clip.json is missing): moved to "
             f"{ckpts / 'stage0-step00000002.damaged'}, not deleted; remove it once you no longer need it") in out
-    assert {k: v for k, v in _snapshot(ckpts).items() if not k.startswith("stage")} == user_files
+    assert _users(ckpts) == user_files
     assert (ckpts / "stage1-step00000001.damaged" / "mp_rank_00_model_states.pt").read_bytes() == b"weights"
     assert (ckpts / "stage0-step00000002.damaged" / "mp_rank_00_model_states.pt").read_bytes() == b"weights 2"
     assert _real_dirs(ckpts) == sorted([".keep.saving", ".notes", "my-backup", "stage0-step00000002.damaged",
@@ -208,7 +205,7 @@ def test_a_checkpoint_linked_to_another_runs_is_refused_by_resume_and_export(fin
     link = ckpts / "stage1-step00000009"
     link.symlink_to(target)
     (ckpts / "latest").write_text(link.name)
-    before = _snapshot(run)
+    before = snapshot(run)
 
     resumed = _cli("train", *args, "--resume", "latest")
     assert resumed.returncode == 4, _show(resumed)
@@ -224,4 +221,4 @@ def test_a_checkpoint_linked_to_another_runs_is_refused_by_resume_and_export(fin
             f"crate-clip export: {link}: a symbolic link to {target}, outside its run folder (another run's "
             f"checkpoint); fix: export {target} itself, or remove the link"), _show(exported)
         assert "Traceback" not in exported.stderr and not (tmp_path / "export").exists()
-    assert _snapshot(run) == before   # nothing written, nothing removed
+    assert snapshot(run) == before   # nothing written, nothing removed
