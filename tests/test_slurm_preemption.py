@@ -35,9 +35,8 @@ SHIM = """#!{python}
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 import warm_python
-warm_python._zygote["socket"] = os.environ["WARM_PYTHON_SOCKET"]
-proc = warm_python.WarmProcess([sys.executable, "-m", "crate_clip.cli", *sys.argv[1:]], dict(os.environ), os.getcwd(),
-                               None, None, None, False, False)
+warm_python.attach(os.environ["WARM_PYTHON_SOCKET"])
+proc = warm_python.Popen([sys.executable, "-m", "crate_clip.cli", *sys.argv[1:]])
 for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
     signal.signal(signum, lambda s, f: os.kill(proc.pid, s))
 code = proc.wait()
@@ -81,17 +80,17 @@ def job_env(tmp_path, cluster):
     env = run_env()
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}"
     warm_python.run([sys.executable, "-c", "pass"], env=env)   # the warm interpreter, in the jobs' environment
-    if "socket" in warm_python._zygote:
+    if warm_python.socket_path():
         shim = tmp_path / "bin" / "crate-clip"
         shim.parent.mkdir()
         shim.write_text(SHIM.format(python=sys.executable, tests=str(Path(__file__).parent)))
         shim.chmod(shim.stat().st_mode | stat.S_IXUSR)
-        env.update(PATH=f"{shim.parent}:{env['PATH']}", WARM_PYTHON_SOCKET=warm_python._zygote["socket"],
+        env.update(PATH=f"{shim.parent}:{env['PATH']}", WARM_PYTHON_SOCKET=warm_python.socket_path(),
                    WARM_CPU_FILE=str(tmp_path / "warm-cpu"))
     yield env
     cpu = tmp_path / "warm-cpu"
     if cpu.exists():   # the forked trainers' CPU, counted as this test's (cpu_cost.py)
-        warm_python._CHILD_CPU[0] += sum(float(x) for x in cpu.read_text().split())
+        warm_python.count_launched_cpu(sum(float(x) for x in cpu.read_text().split()))
 
 
 def _submit(cluster, env, tmp_path: Path, config: Path, *extra: str) -> str:

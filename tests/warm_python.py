@@ -6,16 +6,17 @@ launches a few hundred).
     proc = warm_python.Popen([sys.executable, "-m", "crate_clip.train.cli", ...], env=..., cwd=..., stdout=PIPE)
     done = warm_python.run(cmd, env=..., cwd=..., capture_output=True, text=True, timeout=600)
 
-They take subprocess's arguments and give its objects: `pid` is the command's own process (a test may stop, kill
+They take the subprocess arguments the suite uses (env, cwd, the three streams, text, start_new_session; run:
+capture_output, timeout) and give subprocess's objects: `pid` is the command's own process (a test may stop, kill
 or look it up by that PID), `returncode` is its exit code, or -N when signal N ended it; the output goes to the
 caller's pipes or files. The command runs as `python CMD` would (its arguments, environment and working folder,
 `__main__`, the exit at the end: threads joined, atexit functions run) and its CPU is added to the test's
 (cpu_cost.py). What a fresh interpreter decides at start-up is redone after the fork where the project reads it
-(core.errors.STARTED_BY_LAUNCHER, the temporary folder, faulthandler, unbuffered output).
+(core.errors.STARTED_BY_LAUNCHER, the temporary folder, faulthandler, SIGINT).
 
 A command runs in a fresh interpreter instead (subprocess itself) when the warm one could differ from it: interpreter
 options (`python -X ...`), a variable read when a library loads (OMP_*, MALLOC_*, LD_*, PYTHONPATH, ...) set
-differently from the zygote's, or Popen arguments beyond these (preexec_fn, pass_fds, ...). The zygote is started at
+differently from the zygote's, or other Popen arguments (preexec_fn, pass_fds, ...). The zygote is started at
 the first command and ends with the pytest process (the kernel ends it: PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib
-import io
 import json
 import os
 import runpy
@@ -51,8 +51,8 @@ PRELOAD = RANK_PRELOAD + ("crate_clip.train.cli", "crate_clip.cli", "crate_clip.
 # Variables a library reads as it loads (or the interpreter as it starts): a command that sets one differently from
 # the zygote runs in a fresh interpreter.
 LOAD_TIME_VARS = ("OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME",
-                  "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTORCH_", "TORCH_", "DS_", "HF_", "TRANSFORMERS_",
-                  "CUDA_", "NCCL_")
+                  "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PYTORCH_", "TORCH_", "DS_", "HF_",
+                  "TRANSFORMERS_", "CUDA_", "NCCL_")
 PR_SET_PDEATHSIG = 1
 _CHILD_CPU = [0.0]   # user + system s of the finished warm commands of this process (read by cpu_cost.py)
 _zygote: dict = {}
@@ -63,24 +63,36 @@ def launched_cpu_s() -> float:
     return _CHILD_CPU[0]
 
 
+def count_launched_cpu(seconds: float) -> None:
+    """Add the CPU of commands this process had started through another program (cpu_cost.py counts it)."""
+    _CHILD_CPU[0] += seconds
+
+
+def socket_path() -> str | None:
+    """Where this process's warm interpreter listens (None before its first command), for attach()."""
+    return _zygote.get("socket")
+
+
+def attach(path: str) -> None:
+    """Fork this process's commands from the warm interpreter listening at `path`, another process's: how a
+    program the suite launches, which starts commands in turn, reaches the pytest process's interpreter
+    (test_slurm_preemption.py's `crate-clip` stand-in, run by Slurm's job script)."""
+    _zygote["socket"] = path
+
+
 # ----------------------------------------------------------------------------------------------- the caller's side
-def run(cmd, *, input=None, capture_output=False, timeout=None, check=False, **kwargs) -> subprocess.CompletedProcess:
+def run(cmd, *, capture_output=False, timeout=None, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run for the suite's Python commands: warm when it can be (see the module docstring)."""
     if capture_output:
         kwargs.update(stdout=PIPE, stderr=PIPE)
-    if input is not None:
-        kwargs["stdin"] = PIPE
     with Popen(cmd, **kwargs) as proc:
         try:
-            out, err = proc.communicate(input, timeout=timeout)
+            out, err = proc.communicate(timeout=timeout)
         except TimeoutExpired:
             proc.kill()
             proc.wait()
             raise
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    if check:
-        done.check_returncode()
-    return done
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def Popen(cmd, *, env=None, cwd=None, stdin=None, stdout=None, stderr=None, text=False, start_new_session=False,
@@ -199,10 +211,8 @@ class WarmProcess:
         _CHILD_CPU[0] += reply.get("cpu_s", 0.0)
         self._conn.close()
 
-    def communicate(self, input=None, timeout=None):
+    def communicate(self, timeout=None):
         """Both outputs read to their end (by threads, as subprocess does on a timeout: a later call goes on)."""
-        if input is not None and self.stdin:
-            self.stdin.write(input)
         if self.stdin and not self.stdin.closed:
             self.stdin.close()
         if not self._readers:
@@ -393,11 +403,6 @@ def _as_at_start(sigint_ignored: bool) -> None:
         faulthandler.enable()
     elif faulthandler.is_enabled():
         faulthandler.disable()
-    if os.environ.get("PYTHONUNBUFFERED"):   # as `python -u`: no buffer below the text layer
-        for name in ("stdout", "stderr"):
-            old = getattr(sys, name)
-            setattr(sys, name, io.TextIOWrapper(io.FileIO(old.fileno(), "w", closefd=False), encoding=old.encoding,
-                                                errors=old.errors, write_through=True))
     # a fresh interpreter keeps an ignored SIGINT ignored (an xdist worker's children) and else installs its own
     signal.signal(signal.SIGINT, signal.SIG_IGN if sigint_ignored else signal.default_int_handler)
 
