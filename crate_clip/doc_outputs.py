@@ -99,7 +99,7 @@ def _shuffle_memory() -> str:
     line = next(line for line in plan_output(False).splitlines() if "shuffle buffers" in line)
     streams, samples, size = re.search(r"(\d+) stream\(s\) a node \(\d+ a rank\) x ([\d,]+) samples = ([\d.]+ \w+)",
                                        line).groups()
-    kb = re.search(r"\((\d+) KB per raw", line).group(1)
+    kb = re.search(r"\(([\d.]+) KB per raw", line).group(1)
     return f"{streams} x {samples} x {kb} KB = {size}"
 
 

@@ -82,6 +82,7 @@ class StreamSettings:
     workers: int          # DataLoader worker processes used per rank (at most its streams)
     shuffle_buffer: int   # raw samples held per canonical stream
     prefetch_factor: int  # rank batches each worker prepares ahead
+    shards_per_group: int = 2   # shards a stream interleaves: its buffer never holds more than their samples
 
     @property
     def per_rank(self) -> int:
@@ -117,7 +118,8 @@ def stream_settings(cfg, world_size: int, rank_batch: int, max_streams: Optional
     hosts = min(ranks_per_host or world_size, world_size)
     streams = stream_count(cfg, world_size, rank_batch, max_streams)
     return StreamSettings(streams, world_size, hosts, min(cfg.num_workers, max(1, streams // world_size)),
-                          per_stream_buffer(cfg, streams, world_size, hosts), cfg.prefetch_factor)
+                          per_stream_buffer(cfg, streams, world_size, hosts), cfg.prefetch_factor,
+                          cfg.shards_per_group)
 
 
 def resolve_layout(streams: int, global_batch: int, world_size: int, rank: int, num_workers: int,

@@ -65,10 +65,14 @@ def test_state_bytes_follow_the_zero_stage():
     from crate_clip.train.planning.planner import state_bytes_per_rank
 
     z1 = state_bytes_per_rank(100, 20, "bf16", 1, 4)
-    assert z1 == {"weights": 240, "grads": 200, "optimizer": 300}
+    # ZeRO-1/2: the gradients and DeepSpeed's reduce bucket (here the 100 trainable, the bucket being larger)
+    assert z1 == {"weights": 240, "grads": 200 + 200, "optimizer": 300}
+    assert state_bytes_per_rank(100, 20, "bf16", 2, 4)["grads"] == 50 + 200
     z3 = state_bytes_per_rank(100, 20, "bf16", 3, 4)
     assert z3 == {"weights": 60, "grads": 50, "optimizer": 300}
+    # DeepSpeed's ZeRO keeps an fp32 master partition of fp32 weights too; without ZeRO, AdamW's m and v alone
     assert state_bytes_per_rank(100, 0, "fp32", 0, 4) == {"weights": 400, "grads": 400, "optimizer": 800}
+    assert state_bytes_per_rank(100, 0, "fp32", 2, 4)["optimizer"] == 100 * 12 / 4
 
 
 def test_a_locked_text_tower_counts_as_frozen_and_is_held_whole_by_every_rank():

@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from crate_clip.train.plan_cli import main as plan_main
-from crate_clip.train.planning.planner import measure_stage, plan_stage
+from crate_clip.train.planning.planner import SAMPLE_OBJECT_BYTES, measure_stage, plan_stage
 from crate_clip.train.run.run_config import config_from_dict
 from crate_clip.train.stage_setup.stage_model import resolve_stage
 
@@ -71,4 +71,5 @@ def test_the_paper_l14_recipe_on_64_h100s_plans_at_most_540_gpu_hours(capsys):
     assert sum(p["gpu_hours"] for p in plans) == pytest.approx(507, abs=1) and sum(p["gpu_hours"] for p in plans) <= 540
     # one 250,000-sample buffer a host of 8 ranks: 64 streams of 3,906 raw samples, 8.4 GiB (at most 16 GiB)
     assert {(p["loader_streams"], p["shuffle_buffer"]) for p in plans} == {(8, 3_906)}
-    assert {p["host_bytes"]["shuffle buffers"] for p in plans} == {64 * 3_906 * 36_000} and 64 * 3_906 * 36_000 < 16 * 2 ** 30
+    buffers = 64 * 3_906 * (36_000 + SAMPLE_OBJECT_BYTES)   # a raw sample: its members and its Python objects
+    assert {p["host_bytes"]["shuffle buffers"] for p in plans} == {buffers} and buffers < 16 * 2 ** 30

@@ -11,11 +11,14 @@ import yaml
 from crate_clip.data.stream_layout import stream_settings
 from crate_clip.train.checkpointing.elastic_resume import settle_canonical_streams
 from crate_clip.train.plan_cli import main as plan_main
-from crate_clip.train.planning.planner import RAW_SAMPLE_BYTES, measure_stage, plan_stage
+from crate_clip.train.planning.planner import (CUDA_CONTEXT_BYTES, RAW_SAMPLE_BYTES, SAMPLE_OBJECT_BYTES,
+                                               measure_stage, plan_stage)
 from crate_clip.train.run.run_config import config_from_dict, load_run_config
 from crate_clip.train.stage_setup.stage_model import resolve_stage
 
 TINY = "CRATE-alpha-CLIPA-tiny"
+# a GPU whose 90% leaves 27 MiB for the step once the CUDA context is in (the process memory the planner fits)
+GPU_27_MIB_FREE = str(30 * 2 ** 20 + int(CUDA_CONTEXT_BYTES / 0.9) + 1)
 LOCKED = {"lock_text": True, "lock_logit_scale": True, "text_pretrained": "text.pt"}
 
 
@@ -47,14 +50,16 @@ def test_the_tune_recomputes_the_fewest_blocks_that_fit():
     none = plan_stage(stage, m, 2 ** 40, 989.0, 0.4, tune=True)
     assert (none.checkpoint_blocks, none.accumulation_steps, none.repeated_flops_per_sample) == (0, 1, 0)
     every = plan_stage(replace(stage, checkpoint_blocks=stage.image_depth), m, 2 ** 40, 989.0, 0.4)
-    memory = int((none.peak_bytes_per_rank + every.peak_bytes_per_rank) / 2 / 0.9)   # between the two
+    # between the two, with the CUDA context
+    memory = int(((none.peak_bytes_per_rank + every.peak_bytes_per_rank) / 2 + CUDA_CONTEXT_BYTES) / 0.9)
     tuned = plan_stage(stage, m, memory, 989.0, 0.4, tune=True)
     depth = stage.image_depth
     assert 0 < tuned.checkpoint_blocks < depth and tuned.accumulation_steps == 1
-    assert tuned.peak_bytes_per_rank <= memory * 0.9
+    assert tuned.peak_bytes_per_rank + CUDA_CONTEXT_BYTES <= memory * 0.9
     fewer = plan_stage(replace(stage, checkpoint_blocks=tuned.checkpoint_blocks - 1, micro_batch=16), m,
                        memory, 989.0, 0.4)
-    assert fewer.micro_batch != 16 or fewer.peak_bytes_per_rank > memory * 0.9   # one block fewer does not fit
+    # one block fewer does not fit
+    assert fewer.micro_batch != 16 or fewer.peak_bytes_per_rank + CUDA_CONTEXT_BYTES > memory * 0.9
     assert tuned.repeated_flops_per_sample == pytest.approx(m.grad_forward_flops_per_sample * tuned.checkpoint_blocks
                                                             / depth)
     assert tuned.gpu_hours < every.gpu_hours
@@ -66,12 +71,13 @@ def test_a_tuned_config_is_written_and_plans_the_same(tmp_path, capsys):
     (tmp_path / "zero.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     out = tmp_path / "tuned" / "run.yaml"
     out.parent.mkdir()
-    assert plan_main([str(config), "--gpus", "2", "--gpu-memory", "30MiB", "--tune", "--write-config", str(out)]) == 0
+    assert plan_main([str(config), "--gpus", "2", "--gpu-memory", GPU_27_MIB_FREE, "--tune", "--write-config",
+                      str(out)]) == 0
     printed = capsys.readouterr().out
     assert "tuned: ZeRO-" in printed and "saves" in printed and f"wrote {out}" in printed
     cfg = load_run_config(out, check_paths=False)
     assert not cfg.model.grad_checkpointing and cfg.stages[0].checkpoint_blocks is not None
-    assert plan_main([str(out), "--gpus", "2", "--gpu-memory", "30MiB", "--json"]) == 0
+    assert plan_main([str(out), "--gpus", "2", "--gpu-memory", GPU_27_MIB_FREE, "--json"]) == 0
     again = json.loads(capsys.readouterr().out)[0]
     assert (again["micro_batch"], again["checkpoint_blocks"], again["zero_stage"]) == \
         (cfg.stages[0].micro_batch, cfg.stages[0].checkpoint_blocks, cfg.deepspeed.zero_stage)
@@ -86,14 +92,15 @@ def _plan_error(tmp_path, capsys, raw, *args):
 
 
 def test_a_node_without_the_host_memory_is_one_line_with_the_buffer_that_fits(tmp_path, capsys):
-    code, err = _plan_error(tmp_path, capsys, _raw(host_shuffle_buffer=100_000), "--gpu-memory", "80GiB",
-                            "--no-memory", "--host-memory", "4GiB")
+    # groups of 10 shards (100,000 DataComp samples): the 100,000 samples a stream fill the buffers
+    code, err = _plan_error(tmp_path, capsys, _raw(host_shuffle_buffer=200_000, shards_per_group=10), "--gpu-memory",
+                            "80GiB", "--no-memory", "--host-memory", "4GiB")
     assert code == 2 and len(err.splitlines()) == 1
     assert "stage s: host memory" in err and "exceeds --host-memory 4.00 GiB by" in err
     fits = int(err.split("data.host_shuffle_buffer: ")[1].split()[0].replace(",", ""))
-    assert 0 < fits < 100_000
-    code, _ = _plan_error(tmp_path, capsys, _raw(host_shuffle_buffer=fits), "--gpu-memory", "80GiB", "--no-memory",
-                          "--host-memory", "4GiB")
+    assert 0 < fits < 200_000
+    code, _ = _plan_error(tmp_path, capsys, _raw(host_shuffle_buffer=fits, shards_per_group=10), "--gpu-memory",
+                          "80GiB", "--no-memory", "--host-memory", "4GiB")
     assert code == 0   # the setting the line names fits
 
 
@@ -135,4 +142,49 @@ def test_a_resume_on_another_process_count_keeps_the_recorded_buffer(tmp_path, m
     # the node now holds twice the host budget (32 streams of 4,000): the plan says so
     host = plan_stage(resolve_stage(resumed, 0, 2, ranks_per_host=2), measure_stage(
         resolve_stage(resumed, 0, 2), memory=False), 2 ** 40, None, 0.4).host_bytes
-    assert host["shuffle buffers"] == 32 * 4_000 * RAW_SAMPLE_BYTES == 2 * 64_000 * RAW_SAMPLE_BYTES
+    sample = RAW_SAMPLE_BYTES + SAMPLE_OBJECT_BYTES   # a raw sample's members and its Python objects
+    assert host["shuffle buffers"] == 32 * 4_000 * sample == 2 * 64_000 * sample
+
+
+def test_the_host_plan_counts_the_batches_the_dataloader_keeps_in_flight_and_a_group_caps_a_buffer(
+        tmp_path, fashion_mnist_dir):
+    """The planner's loader terms against the real stream: a rank's DataLoader keeps prefetch_factor x K rank batches
+    outstanding (K items a step; torch asks each worker for the loader's prefetch_factor, which the stream sets to
+    data.prefetch_factor x K), planned as the K items being built plus the batches in flight; a stream's buffer
+    holds at most its shard group's samples."""
+    from data_fixtures import write_numbered_shards
+
+    from crate_clip.data.train_stream import build_train_stream
+    from crate_clip.train.planning.planner import host_bytes_per_node, input_sample_bytes
+
+    write_numbered_shards(tmp_path, 48, 12, fashion_mnist_dir)
+    raw = _raw(num_workers=2, prefetch_factor=3, shuffle_buffer=1_000, shards_per_group=2)
+    raw["data"]["sources"] = [str(tmp_path)]
+    cfg = config_from_dict({**raw, "stages": [{**raw["stages"][0], "global_batch": 8}]}, check_paths=False)
+    stage = resolve_stage(cfg, 0, ranks_per_host=1)
+    host = host_bytes_per_node(stage, raw_sample_bytes=1.0, samples_per_shard=12)
+    assert host["shuffle buffers"] == 2 * 24 * (1.0 + SAMPLE_OBJECT_BYTES)   # 2 streams of 2 shards x 12, not 1,000
+    in_flight = host["batches in flight"] / (8 * input_sample_bytes(stage, 1.0))   # rank batches
+    stream = build_train_stream(cfg.data, image_size=32, context_length=16, text_mask="truncate", batch_size=8)
+    loader = iter(stream._loader())
+    item = next(loader)
+    # items asked for and not yet given to the stream (some may have arrived early and wait in the trainer); every
+    # item is one worker's half of a rank batch
+    outstanding_samples = (loader._send_idx - loader._rcvd_idx) * 8 // 2
+    del loader
+    assert item[0].shape[0] == 4 and outstanding_samples == 3 * 2 * 8 == (in_flight + 1) * 8
+
+
+def test_micro_batch_auto_is_the_largest_that_fits_a_gpu():
+    """resolve_stage on a GPU calls planner.fit_micro_batch for micro_batch: auto (it was once dropped while still
+    called): the whole rank batch where it fits, less where it does not, and one line where nothing does."""
+    from crate_clip.core.errors import ConfigError
+    from crate_clip.train.planning.planner import CUDA_CONTEXT_BYTES, fit_micro_batch
+
+    stage = resolve_stage(config_from_dict(_raw(), check_paths=False), 0)
+    assert fit_micro_batch(stage, 2 ** 40) == 16
+    one = plan_stage(stage, measure_stage(stage), 2 ** 40, None, 0.4)
+    tight = int((one.peak_bytes_per_rank - one.activation_bytes_per_sample * 8 + CUDA_CONTEXT_BYTES) / 0.9)
+    assert fit_micro_batch(stage, tight) < 16
+    with pytest.raises(ConfigError, match="micro_batch: auto"):
+        fit_micro_batch(stage, CUDA_CONTEXT_BYTES)

@@ -39,7 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from crate_clip.core.errors import ConfigError
 from crate_clip.train.planning.plan_inputs import DEFAULT_MFU, GPU_TABLE, parse_bytes  # noqa: F401 (planner's API)
 
-MEMORY_RESERVE = 0.10       # allocator fragmentation, CUDA context, NCCL buffers
+MEMORY_RESERVE = 0.10       # the caching allocator's fragmentation, NCCL's buffers (the CUDA context: below)
 ZERO_STAGES = (1, 2, 3)   # tried by the tune, lowest first: the least communication wins a tie
 # Training-stream images/s per loader core at the stage size, measured on DataComp-like JPEGs (max side 512):
 # decode: cpu = header + crop draw + PIL decode/resize + tokenize, BENCHMARKS.md `data` section
@@ -52,11 +52,41 @@ DEVICE_PATH_WORKER_RATE = {84: 1740.0, 224: 1160.0}
 # One raw DataComp-1B sample as a shuffle buffer holds it (JPEG at max side 512 + caption + json): ~50 TB of
 # shards over ~1.4B pairs (the img2dataset download, /work/shared/SPEC-clipa-training.md)
 RAW_SAMPLE_BYTES = 36_000
-# Host memory of one DataLoader worker process apart from its streams' shuffle buffers (the interpreter, torch,
-# PIL, the tokenizer; a forked worker shares the trainer's pages until it writes them): an assumption for a GPU
-# trainer's workers. bench/bench_plan_memory.py measured 27-42 MiB of a worker's own forked from a small CPU
-# trainer (BENCHMARKS.md, issue 40): on a GPU node it is still to be measured
-WORKER_PROCESS_BYTES = 512 * 2 ** 20
+# img2dataset's default shard size (number_sample_per_shard=10000), DataComp's download: a stream's buffer never
+# holds more than its group's samples (data.shards_per_group x this), since it is drained at every group's end
+SAMPLES_PER_SHARD = 10_000
+# Python objects one raw sample holds in a shuffle buffer besides its members' bytes (the dict, its keys, the
+# bytes headers): 510 bytes a sample by tracemalloc over the 1,000 samples of a shard (bench/bench_plan_memory.py)
+SAMPLE_OBJECT_BYTES = 510
+
+# What a process holds besides its step (process memory = this runtime + the step's peak):
+# - GPU: the CUDA context a process creates on its device before its first tensor: 781 MB in nvidia-smi after the
+#   first CUDA call (pytorch/pytorch#34323); NCCL's buffers and the allocator's fragmentation are MEMORY_RESERVE;
+# - CPU: the trainer's resident memory apart from its stage (interpreter, torch, DeepSpeed, open_clip, the run's
+#   modules, the process group, the tokenizer; the first step's lazily loaded kernels): measured on the demo config
+#   by bench/bench_plan_memory.py (its measured peak minus this planner's step peak) and checked there on two
+#   other configs with this same number (BENCHMARKS.md, "Issue 40: the plan against a measured CPU run").
+CUDA_CONTEXT_BYTES = 781 * 10 ** 6
+CPU_RUNTIME_BYTES = 910 * 2 ** 20
+# The DataLoader workers' memory apart from their streams' buffers and the items they build, measured on the real CPU
+# trainer by bench/bench_plan_memory.py (the pages the workers map and the trainer does not): each worker's own
+# pages (what it writes of the pages it inherited: reference counts; its decoder and tokenizer state; from its
+# private memory with 2 workers) and, once a rank, the trainer's pages of before the fork that the trainer has since
+# rewritten and only its workers still hold (shared by all of them; the demo's one worker, less its own pages)
+CPU_WORKER_BASE_BYTES = 30 * 2 ** 20
+CPU_FORK_RETAINED_BYTES = 37 * 2 ** 20
+# DeepSpeed's ZeRO-1/2 gradients pass through a reduce bucket of reduce_bucket_size elements in the weights' dtype
+# (stage_1_and_2.py setup_buckets, `ipg_buckets`): configs/deepspeed/zero1.json and zero2.json set 5e7
+REDUCE_BUCKET_ELEMENTS = 50_000_000
+# The definitions `crate-clip plan` and bench/bench_plan_memory.py print
+MEMORY_TERMS = {
+    "process memory (a rank)": "the most one training process holds while it trains a stage, on the device it "
+    "trains on: its runtime (GPU: the CUDA context; CPU: interpreter, libraries, the run's modules), weights, "
+    "gradients, optimizer state and DeepSpeed's buffers, the step's activations and logits, its input batch",
+    "host memory (a node's loaders)": "what the data loaders of a node's ranks hold besides the ranks' processes: "
+    "every DataLoader worker's private memory (a base, its streams' shuffle buffers, the item it builds) and the "
+    "batches in flight from the workers to the ranks (shared or pinned memory)",
+}
 
 
 def loader_rate(table: dict, image_size: int) -> float:
@@ -368,16 +398,21 @@ def state_bytes_per_rank(trainable: int, frozen: int, precision: str, zero_stage
                          locked: int = 0) -> dict:
     """Weights / gradients / optimizer bytes one rank holds (DeepSpeed mixed precision: bf16 working
     weights and gradients, fp32 master weights + AdamW m and v in the optimizer). `locked` weights are fp32
-    buffers, which ZeRO does not partition: every rank holds them whole."""
+    buffers, which ZeRO does not partition: every rank holds them whole.
+    ZeRO-1/2 as deepspeed/runtime/zero/stage_1_and_2.py holds them: the fp32 master partition is a clone even when the
+    weights are fp32, and the gradients also fill a reduce bucket (REDUCE_BUCKET_ELEMENTS in the weights' dtype; on
+    a CPU only its written pages count: at most the trainable parameters, which is what is counted here)."""
     half = precision in ("bf16", "fp16")
     w_b = 2 if half else 4
     weights = (trainable + frozen) * w_b
     grads = trainable * w_b
-    optim = trainable * ((4 if half else 0) + 8)
+    optim = trainable * ((4 if half or zero_stage >= 1 else 0) + 8)
     if zero_stage >= 1:
         optim /= world
     if zero_stage >= 2:
         grads /= world
+    if zero_stage in (1, 2):
+        grads += min(trainable, REDUCE_BUCKET_ELEMENTS) * w_b
     if zero_stage >= 3:
         weights /= world
     weights += 4 * locked
@@ -412,13 +447,14 @@ class StagePlan:
     repeated_flops_per_sample: float = 0.0   # forward run again: checkpoint recompute, the accumulation's grad pass
     loader_streams: int = 1                  # canonical streams one rank reads, each with its shuffle buffer
     shuffle_buffer: int = 0                  # raw samples per stream
-    shuffle_buffer_bytes: float = 0.0        # host memory per rank: streams x buffer x RAW_SAMPLE_BYTES
+    shuffle_buffer_bytes: float = 0.0        # host memory per rank: streams x buffered samples x bytes a raw sample
     checkpoint_blocks: Optional[int] = None  # image-tower blocks recomputed (None: all or none, grad_checkpointing)
     image_depth: int = 1
     zero_stage: int = 1
     ranks_per_host: int = 1
     host_bytes: dict = field(default_factory=dict)   # host memory a node: shuffle buffers, workers, batches
-    peak_at_one: float = math.nan            # peak per rank at micro-batch 1, every block recomputed
+    peak_at_one: float = math.nan            # process memory a rank (CUDA context included) at micro-batch 1, every
+                                             # block recomputed
     state_by_zero: dict = field(default_factory=dict)   # ZeRO stage -> weights + grads + optimizer bytes a rank
 
     @property
@@ -436,17 +472,50 @@ def logits_bytes(micro: int, global_batch: int) -> float:
     return 4 * 4.0 * micro * global_batch
 
 
-def host_bytes_per_node(stage) -> dict:
-    """Host memory one node's loaders hold for `stage`: the shuffle buffers of the canonical streams its ranks read,
-    the DataLoader worker processes, and the batches in flight (prefetch_factor rank batches a rank, the one the
-    trainer holds and its pinned copy)."""
+def input_sample_bytes(stage, raw_sample_bytes: float = RAW_SAMPLE_BYTES) -> float:
+    """Bytes of one sample of a batch as the stream yields it: a float32 image (decode: device: the JPEG) and int64
+    tokens."""
+    image = raw_sample_bytes if stage.decode == "device" else 4 * 3 * stage.image_size ** 2
+    return image + 8 * stage.context_length
+
+
+def buffered_samples(stage, samples_per_shard: int = SAMPLES_PER_SHARD) -> int:
+    """Raw samples one stream's shuffle buffer holds at most: its size, or the samples of one shard group (the buffer
+    is drained at the end of every group)."""
+    st = stage.stream
+    return min(st.shuffle_buffer, st.shards_per_group * samples_per_shard)
+
+
+def host_bytes_per_node(stage, raw_sample_bytes: float = RAW_SAMPLE_BYTES,
+                        samples_per_shard: int = SAMPLES_PER_SHARD) -> dict:
+    """Host memory one node's loaders hold for `stage` (MEMORY_TERMS): the DataLoader workers (each its own pages and
+    the item it builds: its share of a rank batch, decoded then collated; a rank's workers together, the trainer's
+    pages they keep), the shuffle buffers of the canonical streams the node's ranks read (a raw sample: its members'
+    bytes and SAMPLE_OBJECT_BYTES), and the batches in flight. A
+    rank asks its K workers for prefetch_factor x K items each (train_stream: the DataLoader's prefetch_factor is
+    data.prefetch_factor x K, and torch keeps prefetch_factor x workers items outstanding), one rank batch being K
+    items: prefetch_factor x K rank batches outstanding, one of them being built (counted with the workers). With
+    no workers the trainer reads its streams itself: the buffers only."""
     st = stage.stream
     if st is None:
         return {}
-    sample = (RAW_SAMPLE_BYTES if stage.decode == "device" else 4 * 3 * stage.image_size ** 2) + 8 * stage.context_length
-    return {"shuffle buffers": float(st.per_host * st.shuffle_buffer * RAW_SAMPLE_BYTES),
-            "decode workers": float(st.ranks_per_host * st.workers * WORKER_PROCESS_BYTES),
-            "batches": float(st.ranks_per_host * (st.prefetch_factor + 2) * stage.per_rank_batch * sample)}
+    sample = input_sample_bytes(stage, raw_sample_bytes)
+    buffers = st.per_host * buffered_samples(stage, samples_per_shard) * (raw_sample_bytes + SAMPLE_OBJECT_BYTES)
+    if not st.workers:
+        return {"decode workers": 0.0, "shuffle buffers": float(buffers), "batches in flight": 0.0}
+    decoded = 3 * stage.image_size ** 2 if stage.decode != "device" else 0   # uint8 pixels before the collate
+    building = stage.per_rank_batch / st.workers * (sample + decoded)
+    workers = CPU_FORK_RETAINED_BYTES + st.workers * (CPU_WORKER_BASE_BYTES + building)
+    return {"decode workers": float(st.ranks_per_host * workers),
+            "shuffle buffers": float(buffers),
+            "batches in flight": float(st.ranks_per_host * (st.prefetch_factor * st.workers - 1)
+                                       * stage.per_rank_batch * sample)}
+
+
+def process_bytes(plan: "StagePlan", device: str = "cuda") -> dict:
+    """Process memory of one rank (MEMORY_TERMS) on `device` ('cuda' or 'cpu'): its runtime and the step's peak."""
+    return {"runtime": float(CUDA_CONTEXT_BYTES if device.startswith("cuda") else CPU_RUNTIME_BYTES),
+            "step": float(plan.peak_bytes_per_rank)}
 
 
 @dataclass(frozen=True)
@@ -481,7 +550,8 @@ def plan_stage(stage, measure: StageMeasure, gpu_memory: int, peak_tflops: Optio
     state = state_bytes_per_rank(measure.trainable_params, measure.frozen_params, stage.precision, stage.zero_stage,
                                  gpus, measure.locked_params)
     fixed = sum(state.values()) + measure.activation_bytes_fixed * dtype_scale
-    budget = gpu_memory * (1 - MEMORY_RESERVE)
+    budget = gpu_memory * (1 - MEMORY_RESERVE) - CUDA_CONTEXT_BYTES
+    sample_in = input_sample_bytes(stage)
     depth = stage.image_blocks_recomputed[1]
     notes = []
 
@@ -491,7 +561,7 @@ def plan_stage(stage, measure: StageMeasure, gpu_memory: int, peak_tflops: Optio
     def peak(c: StepChoice) -> float:
         saved = measure.activation_bytes_per_sample - measure.activation_bytes_per_sample_ckpt
         per = measure.activation_bytes_per_sample - share(c) * saved
-        return fixed + per * dtype_scale * c.micro + logits_bytes(c.micro, stage.global_batch)
+        return fixed + (per * dtype_scale + sample_in) * c.micro + logits_bytes(c.micro, stage.global_batch)
 
     def extra(c: StepChoice) -> float:
         # k > 1: the grad pass repeats what the no-grad caching pass ran (a locked tower's features are reused);
@@ -531,10 +601,11 @@ def plan_stage(stage, measure: StageMeasure, gpu_memory: int, peak_tflops: Optio
                      stage.steps, total, wall, gpu_h, cores,
                      stage.decode, notes, repeated_flops_per_sample=repeated, loader_streams=stage.loader_streams,
                      shuffle_buffer=stage.shuffle_buffer,
-                     shuffle_buffer_bytes=float(stage.loader_streams * stage.shuffle_buffer * RAW_SAMPLE_BYTES),
+                     shuffle_buffer_bytes=float(stage.loader_streams * buffered_samples(stage)
+                                                * (RAW_SAMPLE_BYTES + SAMPLE_OBJECT_BYTES)) if stage.stream else 0.0,
                      checkpoint_blocks=choice.blocks if choice else None, image_depth=depth,
                      zero_stage=stage.zero_stage, ranks_per_host=stage.stream.ranks_per_host if stage.stream else 1,
-                     host_bytes=host_bytes_per_node(stage), peak_at_one=peak(StepChoice(1, True)),
+                     host_bytes=host_bytes_per_node(stage), peak_at_one=peak(StepChoice(1, True)) + CUDA_CONTEXT_BYTES,
                      state_by_zero={z: sum(state_bytes_per_rank(measure.trainable_params, measure.frozen_params,
                                                                 stage.precision, z, gpus,
                                                                 measure.locked_params).values()) for z in ZERO_STAGES})
@@ -546,6 +617,17 @@ def plan_run(stages: list, gpu_memory: int, gpu: Optional[str] = None, mfu: floa
     (`memory=False`: without the activation trace, at the configured micro-batch)."""
     return [plan_stage(s, measure_stage(s, memory=memory), gpu_memory, gpu_peak_tflops(gpu), mfu) for s in stages]
 
+
+
+def fit_micro_batch(stage, gpu_memory: int) -> int:
+    """micro_batch auto: the largest per-rank micro-batch whose step fits `gpu_memory` bytes (resolve_stage on a
+    GPU; dropped by mistake with the tune's commit, c804870, while stage_model.py still calls it)."""
+    plan = plan_stage(stage, measure_stage(stage), gpu_memory, None, DEFAULT_MFU)
+    if plan.micro_batch is None:
+        raise ConfigError(f"stages.{stage.index}.micro_batch: auto: even 1 sample per rank does not fit in "
+                          f"{gpu_memory / 2 ** 30:.0f} GiB; fix: raise deepspeed.zero_stage or enable "
+                          "model.grad_checkpointing")
+    return plan.micro_batch
 
 
 def tune_run(stages: list, gpu_memory: int, gpu: Optional[str] = None,
@@ -587,7 +669,8 @@ def unfit_line(plans: list[StagePlan], gpu_memory: int, host_memory: Optional[in
         if host_memory is not None and p.host_bytes_total > host_memory:
             short = p.host_bytes_total - host_memory
             room = p.host_bytes["shuffle buffers"] - short
-            fix = (f"data.host_shuffle_buffer: {int(room // RAW_SAMPLE_BYTES):,} (raw samples a node)" if room > 0 else
+            per_sample = RAW_SAMPLE_BYTES + SAMPLE_OBJECT_BYTES
+            fix = (f"data.host_shuffle_buffer: {int(room // per_sample):,} (raw samples a node)" if room > 0 else
                    "fewer data.num_workers or ranks a node (--gpus-per-node)")
             return (f"stage {p.name}: host memory {_fmt_bytes(p.host_bytes_total)} a node ("
                     + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in p.host_bytes.items())
@@ -675,10 +758,13 @@ def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optiona
              if p.cpu_cores_per_gpu else []) + [
             f"  shuffle buffers   {p.loader_streams * p.ranks_per_host} stream(s) a node ({p.loader_streams} a rank) x "
             f"{p.shuffle_buffer:,} samples = {_fmt_bytes(p.shuffle_buffer_bytes * p.ranks_per_host)} host memory a "
-            f"node ({RAW_SAMPLE_BYTES // 1000} KB per raw DataComp sample)",
-            f"  memory a node     GPU {_fmt_bytes(p.peak_bytes_per_rank)} x {p.ranks_per_host}; host "
+            f"node ({(RAW_SAMPLE_BYTES + SAMPLE_OBJECT_BYTES) / 1000:.1f} KB per raw DataComp sample, its Python "
+            f"objects included)",
+            f"  memory a node     process memory {_fmt_bytes(sum(process_bytes(p).values()))} a rank (CUDA context "
+            f"{_fmt_bytes(CUDA_CONTEXT_BYTES)} + step peak) x {p.ranks_per_host}; host memory "
             f"{_fmt_bytes(p.host_bytes_total)} (" + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in p.host_bytes.items())
             + ")"] + [f"  note: {n}" for n in p.notes]
+    lines += [f"{term}: {meaning}" for term, meaning in MEMORY_TERMS.items()]
     if plans and plans[0].gpu_hours is not None:
         total = sum(p.gpu_hours for p in plans)
         lines.append(f"all stages: {sum(p.wall_hours for p in plans):.1f} h wall, {total:,.0f} GPU-hours")
