@@ -47,6 +47,10 @@ PATCH = 7
 TOKENS = {4: 14, 9: 21, 16: 28}   # image tokens -> image size at 7 px patches (2x2, 3x3, 4x4 grids)
 REFERENCE = 16                    # the token length the others are compared with (the study's full arm)
 SECTION = "inverse-scaling-law"
+FULL_SIZE = ("The full size: `python bench/bench_inverse_scaling_law.py` (3 widths x 4 / 9 / 16 tokens x 2 seeds, "
+             "51,200 samples at 16 tokens: about 2 h on the idle 2-core machine by the step meter's FLOPs); `--seeds`, "
+             "`--widths`, `--tokens` and `--samples` size it down, and `python bench/bench_inverse_scaling_law.py "
+             "--quick` checks the script in seconds of training.")
 
 
 
@@ -171,7 +175,7 @@ def markdown(args, meta: dict, summary: dict) -> str:
             z = c["difference"] / c["se"] if c["se"] else float("nan")
             lines.append(f"- {c['tokens']} tokens: {WIDTHS[c['large']]} vs {WIDTHS[c['small']]}: "
                          f"{c['difference']:+.2f} ± {c['se']:.2f} points (z {z:+.1f}, {c['seeds']} seed(s))")
-    lines += ["", "![top-1 vs image tokens, one line per width](inverse_scaling_law.png)"]
+    lines += ["", FULL_SIZE, "", "![top-1 vs image tokens, one line per width](inverse_scaling_law.png)"]
     return "\n".join(lines)
 
 
