@@ -45,7 +45,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.report import write_section  # noqa: E402
+from bench.report import section_head, write_section  # noqa: E402
 
 DEMO_CONFIG = ROOT / "configs" / "demo" / "fashion_mnist.yaml"
 DOCS = ROOT / "docs"
@@ -357,11 +357,9 @@ def _share_cell(mean: float | None, std: float | None, reached: int, seeds: int)
 
 
 def markdown(args, meta: dict, rows: list[dict]) -> str:
-    lines = ["## Full resolution vs CLIPA at equal training FLOPs (`bench/bench_inverse_scaling.py`)", ""]
-    if args.label:
-        lines += [f"**{args.label}**", ""]
-    lines += [f"{meta['date']}, {meta['machine']}, `{meta['command']}`, {meta['wall_seconds'] / 60:.0f} min.", "",
-              f"Arms: **full** = 28 px / patch 7, 16 text tokens, {args.samples:,} samples; **clipa** = 21 px / "
+    lines = section_head("Full resolution vs CLIPA at equal training FLOPs (`bench/bench_inverse_scaling.py`)",
+                         args.label, meta)
+    lines += [f"Arms: **full** = 28 px / patch 7, 16 text tokens, {args.samples:,} samples; **clipa** = 21 px / "
               f"patch 7 with 8 text tokens (random text mask), then a fine-tune at 28 px / 16 tokens on "
               f"{FINETUNE_SHARE:.0%} of the full arm's samples at {FINETUNE_LR_RATIO:g}x the peak rate, its "
               f"first stage sized to the same training FLOPs (step meter); the fine-tune at patch 7 (the paper's: "

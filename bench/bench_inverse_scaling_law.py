@@ -40,6 +40,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import bench_inverse_scaling as study  # noqa: E402
+from bench.report import section_head  # noqa: E402
 
 WIDTHS = {"w64": "CRATE-alpha-CLIPA-tiny-w64", "w128": "CRATE-alpha-CLIPA-tiny",
           "w256": "CRATE-alpha-CLIPA-tiny-w256"}
@@ -150,12 +151,9 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def markdown(args, meta: dict, summary: dict) -> str:
-    lines = [f"## The inverse scaling law: image tokens x tower width at equal FLOPs (`bench/{Path(__file__).name}`)",
-             ""]
-    if args.label:
-        lines += [f"**{args.label}**", ""]
-    lines += [f"{meta['date']}, {meta['machine']}, `{meta['command']}`, {meta['wall_seconds'] / 60:.0f} min.", "",
-              f"Within a width every run spends the training FLOPs of {args.samples:,} samples at 16 image tokens "
+    lines = section_head("The inverse scaling law: image tokens x tower width at equal FLOPs "
+                         f"(`bench/{Path(__file__).name}`)", args.label, meta)
+    lines += [f"Within a width every run spends the training FLOPs of {args.samples:,} samples at 16 image tokens "
               f"(step meter); 4 / 9 / 16 tokens = 14 / 21 / 28 px at 7 px patches (2x2 / 3x3 / 4x4), 16 text "
               f"tokens, the demo's batch, rate and schedule; no fine-tune. Zero-shot top-1 of each final model at "
               f"its own input on {args.eval_images:,} test images. Drop = top-1 at the token length minus at 16 "

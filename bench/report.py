@@ -25,6 +25,15 @@ def write_section(name: str, markdown: str, path: Path = BENCHMARKS_MD) -> None:
     path.write_text(text)
 
 
+def section_head(title: str, label: str | None, meta: dict) -> list[str]:
+    """A study's section opening: its heading, the run's label in bold if given, and the line saying when, where,
+    with which command and for how long it ran (`meta`: date, machine, command, wall_seconds)."""
+    lines = [f"## {title}", ""]
+    if label:
+        lines += [f"**{label}**", ""]
+    return lines + [f"{meta['date']}, {meta['machine']}, `{meta['command']}`, {meta['wall_seconds'] / 60:.0f} min.", ""]
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     """A markdown table of already formatted cells."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
