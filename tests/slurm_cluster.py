@@ -13,6 +13,7 @@ client commands find the cluster through SLURM_CONF. About 1 s to come up.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import subprocess
@@ -96,8 +97,17 @@ class SlurmCluster:
                                      f"{sorted(states)}: {record}")
             time.sleep(0.1)
 
-    def start_now(self, job: str) -> None:
-        """A requeued job waits (BeginTime, about 2 minutes); let it start now."""
+    def start_now(self, job: str, timeout: float = 60.0) -> None:
+        """A requeued job waits (BeginTime, about 2 minutes); let it start now, but only once the node is idle again
+        and the clock has left the second it went idle in. At the kill, slurmd revokes the job's credential and
+        refuses every credential of that job issued up to the same whole second, so an attempt started sooner fails
+        at once ("Killing non-startable batch JobId=N: Job credential revoked", exit code 1:0, nothing in its
+        output): the race Slurm's own delay avoids, which a loaded machine hit here."""
+        deadline = time.time() + timeout
+        while not self._node_idle():
+            assert time.time() < deadline, f"the node not idle {timeout:.0f} s after job {job} was requeued"
+            time.sleep(0.05)
+        time.sleep(math.floor(time.time()) + 1.1 - time.time())
         self.command("scontrol", "update", f"JobId={job}", "StartTime=now")
 
     def _start(self) -> None:
