@@ -72,9 +72,11 @@ CPU_RUNTIME_BYTES = 910 * 2 ** 20
 # trainer by bench/bench_plan_memory.py (the pages the workers map and the trainer does not): each worker's own
 # pages (what it writes of the pages it inherited: reference counts; its decoder and tokenizer state; from its
 # private memory with 2 workers) and, once a rank, the trainer's pages of before the fork that the trainer has since
-# rewritten and only its workers still hold (shared by all of them; the demo's one worker, less its own pages)
-CPU_WORKER_BASE_BYTES = 30 * 2 ** 20
-CPU_FORK_RETAINED_BYTES = 37 * 2 ** 20
+# rewritten and only its workers still hold (shared by all of them). Fitted on two configs of the quiet pagemap run
+# (the demo's one worker: 85 MiB, the mid config's two: 110 MiB, each less its buffers and items) and checked on the
+# third (BENCHMARKS.md, "Issue 40: the plan against a measured CPU run")
+CPU_WORKER_BASE_BYTES = 25 * 2 ** 20
+CPU_FORK_RETAINED_BYTES = 60 * 2 ** 20
 # DeepSpeed's ZeRO-1/2 gradients pass through a reduce bucket of reduce_bucket_size elements in the weights' dtype
 # (stage_1_and_2.py setup_buckets, `ipg_buckets`): configs/deepspeed/zero1.json and zero2.json set 5e7
 REDUCE_BUCKET_ELEMENTS = 50_000_000
