@@ -30,13 +30,18 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from .image_decode import DEFAULT_MAX_IMAGE_BYTES, BadImage, decode_crop, open_image, random_resized_crop_box
+from .image_decode import (DEFAULT_MAX_IMAGE_BYTES, BadImage, decode_crop, decoded_bytes, open_image,
+                           random_resized_crop_box)
 
 Decode = Literal["cpu", "device"]
 FALLBACK = "decode_cpu_fallback"        # worker: decoded on the CPU path (not a device-decodable JPEG)
 DEVICE_FAILED = "decode_device_failed"  # main process: the device decoder failed, PIL decoded it
 SUBSTITUTED = "decode_substituted"      # main process: undecodable; another sample of the batch doubled
 DECODE_COUNTERS = (FALLBACK, DEVICE_FAILED, SUBSTITUTED)
+# The most decoded bytes one batched device decode holds at once (full-size images wait there for their crops): a
+# rank's batch of DataComp images (at most 512 px a side: 0.75 MiB each) is one call; a batch of large images is
+# split, so it never holds batch x max_image_bytes
+DEVICE_DECODE_BYTES = 4 * DEFAULT_MAX_IMAGE_BYTES
 
 
 @dataclass
@@ -45,6 +50,7 @@ class ShippedImage:
     box: tuple
     jpeg: Optional[bytes] = None
     pixels: Optional[np.ndarray] = None   # (S, S, 3) uint8
+    nbytes: int = 0                       # what the JPEG decodes to at full size (from its header)
 
 
 def device_decodable(img, data: bytes) -> bool:
@@ -58,8 +64,10 @@ def ship_sample(data: bytes, size: int, rng, scale, ratio, max_pixels: int, redu
     """Draw the crop box as decode_train does; ship the bytes, or decode here when the device cannot."""
     img = open_image(data, max_pixels)   # raises BadImage, counted by the caller as on the CPU path
     box = random_resized_crop_box(*img.size, rng, scale, ratio)
-    if device_decodable(img, data):
-        return ShippedImage(box, jpeg=data)
+    # the device decodes at full size: an image above max_bytes there is decoded here instead, where a large JPEG
+    # decodes at a reduced DCT scale, and is skipped as a decompression bomb only if it is still too large
+    if device_decodable(img, data) and decoded_bytes(img) <= max_bytes:
+        return ShippedImage(box, jpeg=data, nbytes=decoded_bytes(img))
     pixels = decode_crop(data, size, lambda w, h: box, max_pixels, reduced_decode, interpolation, max_bytes)
     counts[FALLBACK] += 1
     return ShippedImage(box, pixels=pixels)
@@ -78,6 +86,7 @@ class DeviceJpegBatch:
     boxes: list
     pixels: dict = field(default_factory=dict)  # sample index -> (S, S, 3) uint8
     interpolation: str = "bicubic"              # data.crop_interpolation
+    nbytes: list = field(default_factory=list)  # per sample: its JPEG's full-size decoded bytes (0: pixels)
 
     @classmethod
     def collate(cls, items: list, size: int, mean, std, reduced_decode: bool,
@@ -95,23 +104,24 @@ class DeviceJpegBatch:
         buffer = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if at else \
             torch.empty(0, dtype=torch.uint8)
         return cls(size, tuple(mean), tuple(std), reduced_decode, buffer, spans, [it.box for it in items], pixels,
-                   interpolation)
+                   interpolation, [it.nbytes for it in items])
 
     @classmethod
     def join(cls, parts: list["DeviceJpegBatch"]) -> "DeviceJpegBatch":
         """One batch of several workers' parts, in order (one device decode for all of them)."""
         if len(parts) == 1:
             return parts[0]
-        spans, boxes, pixels, at, base = [], [], {}, 0, 0
+        spans, boxes, nbytes, pixels, at, base = [], [], [], {}, 0, 0
         for part in parts:
             spans += [None if s is None else (s[0] + at, s[1] + at) for s in part.spans]
             boxes += part.boxes
+            nbytes += part.nbytes
             pixels.update({base + i: px for i, px in part.pixels.items()})
             at += part.buffer.numel()
             base += len(part)
         first = parts[0]
         return cls(first.size, first.mean, first.std, first.reduced_decode, torch.cat([p.buffer for p in parts]),
-                   spans, boxes, pixels, first.interpolation)
+                   spans, boxes, pixels, first.interpolation, nbytes)
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -121,15 +131,16 @@ class DeviceJpegBatch:
         dev = torch.device(device)
         out = torch.empty(len(self), 3, self.size, self.size, dtype=torch.float32, device=dev)
         jpeg_idx = [i for i, s in enumerate(self.spans) if s is not None]
-        decoded = _decode_jpegs([self.buffer[slice(*self.spans[i])] for i in jpeg_idx], dev)
         bad = []
-        for i, img in zip(jpeg_idx, decoded):
-            if img is None:
-                counts[DEVICE_FAILED] += 1
-                if not self._pil_fallback(i, out):
-                    bad.append(i)
-                continue
-            out[i] = crop_resize(img, self.boxes[i], self.size, self.interpolation)
+        for group in decode_groups(jpeg_idx, self.nbytes, DEVICE_DECODE_BYTES):
+            decoded = _decode_jpegs([self.buffer[slice(*self.spans[i])] for i in group], dev)
+            for i, img in zip(group, decoded):
+                if img is None:
+                    counts[DEVICE_FAILED] += 1
+                    if not self._pil_fallback(i, out):
+                        bad.append(i)
+                    continue
+                out[i] = crop_resize(img, self.boxes[i], self.size, self.interpolation)
         for i, px in self.pixels.items():
             out[i] = torch.from_numpy(np.ascontiguousarray(px)).to(dev).permute(2, 0, 1).float()
         if bad:
@@ -147,6 +158,19 @@ class DeviceJpegBatch:
             return False
         out[i] = torch.from_numpy(px).to(out.device).permute(2, 0, 1).float()
         return True
+
+
+def decode_groups(indices: list, nbytes: list, budget: int) -> list:
+    """`indices` in order, in runs whose decoded bytes add up to at most `budget` (an image above it alone)."""
+    groups, total = [], budget + 1
+    for i in indices:
+        size = nbytes[i] if i < len(nbytes) else 0
+        if total + size > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += size
+    return groups
 
 
 def _decode_jpegs(tensors: list, device: torch.device) -> list:

@@ -3,6 +3,7 @@
 Same seed -> the same crop boxes and token rows as the CPU path; pixels within the JPEG-decoder tolerance;
 images the device cannot decode (PNG, CMYK JPEG) decoded by the worker and counted; exact resume."""
 import io
+import random
 
 import numpy as np
 import pytest
@@ -174,3 +175,54 @@ def test_slices_of_several_streams_decode_as_one_batch(shards):
     for step, (images, tokens) in enumerate(joined):
         assert torch.equal(images, torch.cat([ranks[0][step][0], ranks[1][step][0]]))
         assert torch.equal(tokens, torch.cat([ranks[0][step][1], ranks[1][step][1]]))
+
+
+def test_an_image_too_large_for_the_device_is_decoded_by_the_worker_or_skipped():
+    """The device decodes at full size, so the worker holds a JPEG to data.max_image_bytes as the CPU path does:
+    above it, the worker decodes the crop (a large JPEG at a reduced DCT scale), counted as a fallback; too large
+    even so, the CPU path's decompression-bomb skip."""
+    from collections import Counter
+
+    from crate_clip.data.device_decode import ship_sample
+    from crate_clip.data.image_decode import BadImage
+
+    data = _encoded(Image.new("RGB", (800, 600), (10, 200, 30)), "JPEG", quality=90)
+    full, counts = 800 * 600 * 3, Counter()
+
+    def ship(max_bytes, reduced=True):
+        return ship_sample(data, 32, random.Random(0), (1.0, 1.0), (1.0, 1.0), 10 ** 8, reduced, counts,
+                           max_bytes=max_bytes)
+
+    at_cap = ship(full)
+    assert at_cap.jpeg == data and at_cap.nbytes == full and not counts
+    above = ship(full - 1)
+    assert above.jpeg is None and above.pixels.shape == (32, 32, 3) and counts == {FALLBACK: 1}
+    with pytest.raises(BadImage) as refused:
+        ship(full - 1, reduced=False)
+    assert refused.value.reason == "decompression_bomb"
+
+
+def test_a_batch_of_large_images_is_decoded_in_groups_within_the_byte_budget(monkeypatch):
+    """One batched device decode holds at most DEVICE_DECODE_BYTES of full-size images (one larger image alone);
+    decoded in groups, a batch has the pixels of one call."""
+    from collections import Counter
+
+    from crate_clip.data import device_decode
+    from crate_clip.data.device_decode import decode_groups, ship_sample
+
+    assert decode_groups([0, 1, 2, 3], [60, 60, 30, 10], 100) == [[0], [1, 2, 3]]
+    assert decode_groups([0, 2, 3], [250, 0, 40, 70], 100) == [[0], [2], [3]]
+    assert decode_groups([], [], 100) == []
+    rng = np.random.default_rng(1)
+    shipped = [ship_sample(_encoded(Image.fromarray(rng.integers(0, 255, (90 + 10 * i, 120, 3), np.uint8)), "JPEG"),
+                           16, random.Random(i), (0.3, 1.0), (0.75, 1.33), 10 ** 8, True, Counter())
+               for i in range(4)]
+    assert all(s.jpeg is not None for s in shipped)
+    tokens = torch.arange(8).view(4, 2)
+
+    def images():
+        return DeviceJpegBatch.collate(shipped, 16, MEAN, STD, reduced_decode=True).to_images("cpu", tokens, Counter())[0]
+
+    one_call = images()
+    monkeypatch.setattr(device_decode, "DEVICE_DECODE_BYTES", shipped[0].nbytes)   # one image a call
+    assert torch.equal(images(), one_call)
