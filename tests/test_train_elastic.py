@@ -33,6 +33,7 @@ import torch
 
 import warm_python
 from elastic_workers import global_batches, losses
+from processes import child_with_env
 from train_fixtures import REPO_ROOT, ranks_cmd, read_jsonl, run_env, run_job, tiny_config, torchrun_cmd, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -237,20 +238,6 @@ def test_plan_for_a_run_in_progress_at_another_gpu_count(references, capsys):
     assert "stages.0.global_batch: 16 is not divisible by the 3 processes" in capsys.readouterr().err
 
 
-def _worker_pid(agent: int, rank: int) -> int | None:
-    """The training process of `rank` that torchrun's agent `agent` started."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != agent:
-                continue
-            environ = (stat.parent / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if f"RANK={rank}".encode() in environ:
-            return int(stat.parent.name)
-    return None
-
-
 def test_torchrun_restarts_a_killed_rank_and_ends_with_the_uninterrupted_export(references, tmp_path):
     run_dir = tmp_path / "run"
     cmd = torchrun_cmd(2, "--config", str(references / "zero2.yaml"), "--set", f"run.output_dir={run_dir}",
@@ -263,7 +250,7 @@ def test_torchrun_restarts_a_killed_rank_and_ends_with_the_uninterrupted_export(
     while killed is None and time.time() < deadline and proc.poll() is None:
         steps = [r["step"] for r in read_jsonl(metrics)] if metrics.exists() else []
         if steps and max(steps) >= EVERY + 2:   # after the step-4 checkpoint, mid-stage
-            killed = _worker_pid(proc.pid, 1)
+            killed = child_with_env(proc.pid, "RANK=1")   # the rank torchrun's agent started
             os.kill(killed, signal.SIGKILL)
         time.sleep(0.02)
     out, err = proc.communicate(timeout=400)

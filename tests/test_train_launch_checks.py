@@ -24,6 +24,7 @@ import pytest
 import warm_python
 from crate_clip.train.stage_setup.engine import _free_port
 from file_snapshots import snapshot
+from processes import running
 from train_fixtures import REPO_ROOT, run_env, tiny_config, write_config
 
 STAGE = {"name": "s", "image_size": 16, "context_length": 16, "samples": 64, "global_batch": 8, "lr": 1e-3}
@@ -73,17 +74,6 @@ def _problem_lines(stderr: str) -> list[str]:
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert lines[0].startswith("crate-clip train: invalid run config"), stderr
     return lines
-
-
-def _running(cmdline: str) -> bool:
-    """Whether a process whose command line (NUL-separated, as /proc shows it) contains `cmdline` is running."""
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if cmdline.encode() in (proc / "cmdline").read_bytes():
-                return True
-        except OSError:
-            continue
-    return False
 
 
 @pytest.fixture
@@ -157,7 +147,7 @@ def test_every_problem_before_launch_is_said_at_once(tmp_path, http_server, sile
         assert len(lines) == 1 + len(says), proc.stderr   # nothing else: data.sources.0 is fine
         assert ran.exists() == ("--validate" not in args), "--validate ran a pipe: command"
     assert "valid (" not in proc.stdout and not (tmp_path / "run").exists()
-    assert not _running("sleep\x0030.25"), "the probed command was left running"
+    assert not running("sleep\x0030.25"), "the probed command was left running"
     assert {k: v for k, v in _snapshot(tmp_path).items() if k != "ran"} == before
 
 

@@ -11,18 +11,13 @@ import time
 import pytest
 
 import warm_python
+from processes import children
 from train_fixtures import REPO_ROOT, ranks_cmd, read_jsonl, run_env, run_job, tiny_config, torchrun_cmd, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 STAGE = {"name": "low", "image_size": 16, "context_length": 16, "samples": 160, "global_batch": 16, "lr": 2e-3,
          "warmup_steps": 1}   # 10 steps, a checkpoint every 2
-
-
-def _children(pid: int) -> list[int]:
-    from crate_clip.train.run.process_info import parent_pid
-
-    return [int(p.name) for p in os.scandir("/proc") if p.name.isdigit() and parent_pid(int(p.name)) == pid]
 
 
 def test_sigkill_of_the_launcher_stops_its_workers_and_the_run_resumes(tiny_fmnist, tmp_path):
@@ -45,7 +40,7 @@ def test_sigkill_of_the_launcher_stops_its_workers_and_the_run_resumes(tiny_fmni
                 if rows and rows[-1]["step"] >= 3:
                     break
                 time.sleep(0.05)
-            workers = _children(launcher.pid)
+            workers = children(launcher.pid)
             assert launcher.poll() is None and len(workers) == 2, (tmp_path / "killed.log").read_text()[-4000:]
             os.kill(launcher.pid, signal.SIGKILL)   # the launcher only: its workers are left to notice
             launcher.wait()

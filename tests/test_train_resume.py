@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import warm_python
+from processes import descendants
 from train_fixtures import (REPO_ROOT, TINY_EVAL_IMAGES, default_stages, ranks_cmd, read_jsonl, run_env, run_job,
                             tiny_config, write_config)
 
@@ -28,27 +29,10 @@ def _train_cmd(config: Path, *extra: str) -> list[str]:
     return ranks_cmd(2, "--config", str(config), *extra, module="crate_clip.train.cli")
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torchrun starts its workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _sigkill_job(proc: subprocess.Popen) -> list[int]:
     """SIGKILL the launcher and both training processes at once: no clean-up code runs anywhere. Returns the
     processes signalled."""
-    pids = [proc.pid, *_descendants(proc.pid)]
+    pids = [proc.pid, *descendants(proc.pid)]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,50 @@
+"""Tests only: the machine's processes as /proc lists them (crate_clip.train.run.process_info reads one process), for
+the tests that find a launcher's ranks, a process's children, or a command left running."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from crate_clip.train.run.process_info import parent_pid
+
+
+def pids() -> list[int]:
+    """Every process now listed in /proc."""
+    return [int(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit()]
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    return [p for p in pids() if parent_pid(p) == pid]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, parents before their children (torchrun starts its workers in sessions of their
+    own, so a process group would miss them)."""
+    below: dict[Optional[int], list[int]] = {}
+    for p in pids():
+        below.setdefault(parent_pid(p), []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        for child in below.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _read(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:   # gone meanwhile, or not ours to read
+        return b""
+
+
+def child_with_env(parent: int, entry: str) -> Optional[int]:
+    """The child of `parent` whose environment holds `entry` (e.g. "RANK=1": a launcher's rank), or None."""
+    return next((p for p in children(parent) if entry.encode() in _read(p, "environ").split(b"\0")), None)
+
+
+def running(cmdline: str) -> bool:
+    """Whether a process whose command line (NUL-separated, as /proc shows it) contains `cmdline` is running."""
+    return any(cmdline.encode() in _read(p, "cmdline") for p in pids())
