@@ -19,12 +19,21 @@ DEB_TOOLS := slurm-wlm
 
 install: $(VENV)/.installed
 
+# The pin is decided by what the new venv sees: a venv made from another venv's python is a venv of its base
+# interpreter, which does not see that venv's torch (without the pin, an unpinned torch pulls GBs of CUDA wheels).
 $(VENV)/.installed: setup.cfg pyproject.toml
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
-	    echo "using the torch already installed in $(PYTHON)"; \
-	    $(PYTHON) -m venv --system-site-packages $(VENV); pin=""; \
+	    $(PYTHON) -m venv --system-site-packages $(VENV); \
 	else \
-	    $(PYTHON) -m venv $(VENV); pin="$(TORCH_PIN)"; \
+	    $(PYTHON) -m venv $(VENV); \
+	fi; \
+	if $(PY) -c "import torch" 2>/dev/null; then \
+	    echo "using the torch already installed in $(PYTHON)"; pin=""; \
+	else \
+	    pin="$(TORCH_PIN)"; \
+	    if $(PYTHON) -c "import torch" 2>/dev/null; then \
+	        echo "the torch of $(PYTHON) (a virtual environment) is not visible from $(VENV): installing $(TORCH_PIN)"; \
+	    fi; \
 	fi; \
 	uv=""; if [ "$(INSTALLER)" = uv ]; then \
 	    uv=$$(command -v uv || { $(PY) -m pip install -q uv >/dev/null 2>&1 && echo $(VENV)/bin/uv; }); \
