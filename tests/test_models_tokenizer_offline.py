@@ -41,7 +41,8 @@ def test_unreachable_hub_fails_at_once_with_the_fix(offline, tmp_path):
     assert out.startswith("TokenizerUnavailableError") and "bert-base-uncased" in out and "--bert-vocab" in out, out
     if not offline and "not reachable" not in out:
         pytest.skip(f"the hub answered here, so it is not an offline check: {out}")
-    assert seconds < 5, f"{seconds:.1f} s before the error"   # transformers' own retries: 30-50 s
+    # no retry loop: transformers' own retries wait 30-50 s; the bound leaves room for its import on a loaded machine
+    assert seconds < 20, f"{seconds:.1f} s before the error"
 
 
 @pytest.mark.skipif(not SHARED_VOCAB.is_file(), reason="../shared/bert_base_uncased/vocab.txt is not here")
