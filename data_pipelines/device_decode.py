@@ -34,7 +34,7 @@ from .image_decode import (DEFAULT_MAX_IMAGE_BYTES, BadImage, decode_crop, decod
                            random_resized_crop_box)
 
 Decode = Literal["cpu", "device"]
-FALLBACK = "decode_cpu_fallback"        # worker: decoded on the CPU path (not a device-decodable JPEG)
+FALLBACK = "decode_cpu_fallback"        # worker: decoded on the CPU path (not device-decodable, or too large there)
 DEVICE_FAILED = "decode_device_failed"  # main process: the device decoder failed, PIL decoded it
 SUBSTITUTED = "decode_substituted"      # main process: undecodable; another sample of the batch doubled
 DECODE_COUNTERS = (FALLBACK, DEVICE_FAILED, SUBSTITUTED)
@@ -141,6 +141,7 @@ class DeviceJpegBatch:
                         bad.append(i)
                     continue
                 out[i] = crop_resize(img, self.boxes[i], self.size, self.interpolation)
+            del decoded, img   # freed before the next group is decoded, not after
         for i, px in self.pixels.items():
             out[i] = torch.from_numpy(np.ascontiguousarray(px)).to(dev).permute(2, 0, 1).float()
         if bad:
