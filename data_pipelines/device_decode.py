@@ -66,8 +66,9 @@ def ship_sample(data: bytes, size: int, rng, scale, ratio, max_pixels: int, redu
     box = random_resized_crop_box(*img.size, rng, scale, ratio)
     # the device decodes at full size: an image above max_bytes there is decoded here instead, where a large JPEG
     # decodes at a reduced DCT scale, and is skipped as a decompression bomb only if it is still too large
-    if device_decodable(img, data) and decoded_bytes(img) <= max_bytes:
-        return ShippedImage(box, jpeg=data, nbytes=decoded_bytes(img))
+    nbytes = decoded_bytes(img)
+    if device_decodable(img, data) and nbytes <= max_bytes:
+        return ShippedImage(box, jpeg=data, nbytes=nbytes)
     pixels = decode_crop(data, size, lambda w, h: box, max_pixels, reduced_decode, interpolation, max_bytes)
     counts[FALLBACK] += 1
     return ShippedImage(box, pixels=pixels)
