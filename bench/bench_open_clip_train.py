@@ -1,6 +1,6 @@
 """crate-clip beside open_clip_train (issue 40): the same model, shards, global batch, precision, steps, lr schedule
 and loader workers, trained by `python -m open_clip_train.main` (the open_clip_torch wheel's trainer; torchrun,
-DDP) and by `crate-clip train --nproc 2` (its own launcher; DeepSpeed ZeRO-2, the demo's setting), two CPU processes
+DDP) and by `crate-clip train --nproc 2` (its own launcher; DeepSpeed at the demo's ZeRO stage), two CPU processes
 each. Writes the `open-clip-train` section of BENCHMARKS.md.
 
     .venv/bin/python bench/bench_open_clip_train.py      # ~4-5 min on 2 cores (shards and baseline venv: once)
@@ -40,10 +40,12 @@ import time
 from pathlib import Path
 
 import psutil
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out" / "open_clip_train"
 SHARDS = ROOT / "bench" / "out" / "fashion_mnist_shards"
+DEMO_CONFIG = ROOT / "configs" / "demo" / "fashion_mnist.yaml"
 SHARD_PATTERN = str(SHARDS / "{00000000..00000009}.tar")
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -79,8 +81,17 @@ def open_clip_command(py: Path, steps: int) -> list[str]:
             "--dist-backend", "gloo", "--device", "cpu", "--name", "run"]
 
 
+def demo_deepspeed() -> dict:
+    """The demo config's deepspeed section, its file path (if any) made absolute."""
+    section = dict(yaml.safe_load(DEMO_CONFIG.read_text())["deepspeed"])
+    if section.get("config"):
+        section["config"] = str((DEMO_CONFIG.parent / section["config"]).resolve())
+    return section
+
+
 def crate_clip_config(run_dir: Path, steps: int) -> dict:
-    """The same run as a crate-clip config: one stage, the demo's ZeRO-2, no evaluation, no diagnostics."""
+    """The same run as a crate-clip config: one stage, the demo's DeepSpeed settings, no evaluation, no
+    diagnostics."""
     return {
         "run": {"name": "bench-open-clip-train", "output_dir": str(run_dir), "seed": 0},
         "model": {"name": MODEL},
@@ -89,7 +100,7 @@ def crate_clip_config(run_dir: Path, steps: int) -> dict:
                     "samples": steps * GLOBAL_BATCH, "lr": LR, "warmup_steps": WARMUP, "weight_decay": WD}],
         "optimizer": {"betas": [0.9, 0.95], "eps": 1e-6, "grad_clip": 1.0},
         "precision": "fp32",
-        "deepspeed": {"zero_stage": 2, "config": str(ROOT / "configs" / "deepspeed" / "zero2.json")},
+        "deepspeed": demo_deepspeed(),
         "eval": {"evals": []},
         "logging": {"every_steps": LOG_EVERY, "diagnostics_every": 0},
     }
@@ -247,7 +258,7 @@ context {CONTEXT}, fp32, global batch {GLOBAL_BATCH} ({NPROC} processes x {GLOBA
 AdamW (lr {LR:g}, {WARMUP} warm-up steps, cosine, wd {WD}, betas 0.9/0.95, clip 1.0), {WORKERS} loader worker a
 rank, resampled reading of the same 10 Fashion-MNIST DataComp-layout shards, no crop. open_clip_train: torchrun +
 DDP (gloo) in a venv with webdataset 0.2.86 (its data code fails with >= 1.0); crate-clip: `crate-clip train
---nproc 2`, DeepSpeed ZeRO-2 (the demo's setting), TensorBoard and metrics.jsonl on, evaluations and white-box
+--nproc 2`, DeepSpeed ZeRO-{demo_deepspeed()["zero_stage"]} (the demo's setting), TensorBoard and metrics.jsonl on, evaluations and white-box
 diagnostics off. Samples/s and step time: wall clock from step {WARM_STEPS} to step {steps} on each trainer's own
 log points; CPU a step: the whole job's CPU time (ranks and loader workers) over the same window, which the load
 of the rest of the machine barely moves; CPU and wall: launch to exit (crate-clip's include its final checkpoint,

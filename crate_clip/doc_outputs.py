@@ -160,23 +160,24 @@ def doc_files() -> list[Path]:
     return [REPO / "README.md", REPO / "BENCHMARKS.md"] + sorted((REPO / "docs").rglob("*.md"))
 
 
-def render(text: str, slow: bool = False) -> str:
-    """`text` with every block regenerated (slow blocks kept as they are unless `slow`); an unknown block name
-    is a ValueError naming it."""
+def render(text: str, slow: bool = False, fast: bool = True) -> str:
+    """`text` with every block regenerated (slow blocks kept as they are unless `slow`, the others unless `fast`);
+    an unknown block name is a ValueError naming it."""
     def fill(match: re.Match) -> str:
         name = match["name"].strip()
         if name not in GENERATORS:
             raise ValueError(f"unknown generated block {name!r}; known: {', '.join(GENERATORS)}")
         gen = GENERATORS[name]
-        body = gen.make() if slow or not gen.slow else match["body"]
+        body = gen.make() if (slow if gen.slow else fast) else match["body"]
         return f"<!-- generated: {name} -->{body}<!-- /generated -->"
 
     return BLOCK.sub(fill, text)
 
 
-def stale_blocks(text: str, slow: bool = False) -> list[str]:
-    """Names of the blocks of `text` whose content is not what the code gives now."""
-    fresh = {m["name"].strip(): m["body"] for m in BLOCK.finditer(render(text, slow))}
+def stale_blocks(text: str, slow: bool = False, fast: bool = True) -> list[str]:
+    """Names of the blocks of `text` whose content is not what the code gives now (the slow ones with `slow`, the
+    others with `fast`)."""
+    fresh = {m["name"].strip(): m["body"] for m in BLOCK.finditer(render(text, slow, fast))}
     return [m["name"].strip() for m in BLOCK.finditer(text) if fresh[m["name"].strip()] != m["body"]]
 
 
