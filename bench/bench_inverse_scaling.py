@@ -1,7 +1,8 @@
 """CLIPA's inverse-scaling claim on the demo data, at equal training FLOPs as the step meter counts them.
 
-Two arms per model width and seed, both trained by the real trainer (torchrun, DeepSpeed ZeRO-2, webdataset
-shards of Fashion-MNIST) from the demo config (configs/demo/fashion_mnist.yaml: data, optimizer, batch):
+Two arms per model width and seed, both trained by the real trainer (torchrun, DeepSpeed at the demo config's ZeRO
+stage: 2 with torch's default AdamW when docs/inverse_scaling.md's results were measured, 0 with fused AdamW since;
+webdataset shards of Fashion-MNIST) from the demo config (configs/demo/fashion_mnist.yaml: data, optimizer, batch):
   full   28 px / patch 7 (16 image tokens), 16 text tokens, the demo's peak rate, for `--samples` samples;
   clipa  21 px / patch 7 (9 tokens, image resize) with 8 text tokens (the 'random' text mask) for most samples,
          then a short full-length fine-tune (28 px, 16 text tokens) at a lower peak rate; its sample counts are
@@ -141,7 +142,8 @@ def run_config(model: str, seed: int, stages: list[dict], run_dir: Path, base_cf
     cfg["model"]["name"] = model
     cfg["stages"] = stages
     cfg["data"]["sources"] = [str(data_dir / "train")]
-    cfg["deepspeed"]["config"] = str((DEMO_CONFIG.parent / cfg["deepspeed"]["config"]).resolve())
+    if cfg["deepspeed"].get("config"):   # a DeepSpeed file named relative to the demo config
+        cfg["deepspeed"]["config"] = str((DEMO_CONFIG.parent / cfg["deepspeed"]["config"]).resolve())
     cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "every_steps": every, "keep_last": 10_000}
     cfg["eval"]["after_each_stage"] = False
     cfg["eval"].pop("full_image_size", None)   # the demo's 27 px is not every arm's last stage

@@ -6,7 +6,7 @@ train three times, at 4, 9 and 16 image tokens: 14, 21 and 28 px at 7 px patches
 multiple of the patch, issue 39; the images resized, CLIPA's cheapest token reduction), 16 text tokens throughout.
 Within a width every run spends the same training FLOPs as the step meter counts them (ResolvedStage.counts): the
 16-token run trains on `--samples` samples, a shorter one on proportionally more (whole batches). Everything else is
-the demo config's (batch 64, peak rate 2e-3, 40 warm-up steps, weight decay 0.1, fp32, ZeRO-2). The 16-token run is
+the demo config's (batch 64, peak rate 2e-3, 40 warm-up steps, weight decay 0.1, fp32, its ZeRO stage). The 16-token run is
 bench/bench_inverse_scaling.py's `full` arm (same config, same run folder): a study run of the same --samples, --evals
 and --out is reused, and the reverse.
 

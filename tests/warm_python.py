@@ -9,7 +9,8 @@ launches a few hundred).
 They take the subprocess arguments the suite uses (env, cwd, the three streams, text, start_new_session; run:
 capture_output, timeout) and give subprocess's objects: `pid` is the command's own process (a test may stop, kill
 or look it up by that PID), `returncode` is its exit code, or -N when signal N ended it; the output goes to the
-caller's pipes or files. The command runs as `python CMD` would (its arguments, environment and working folder,
+caller's pipes or files; `max_rss_kb` (run's result, a WarmProcess once ended) is its peak RSS, which counts the
+zygote's pages it shares (None for a command run in a fresh interpreter). The command runs as `python CMD` would (its arguments, environment and working folder,
 `__main__`, the exit at the end: threads joined, atexit functions run) and its CPU is added to the test's
 (cpu_cost.py). What a fresh interpreter decides at start-up is redone after the fork where the project reads it
 (core.errors.STARTED_BY_LAUNCHER, the temporary folder, faulthandler, SIGINT).
@@ -92,7 +93,9 @@ def run(cmd, *, capture_output=False, timeout=None, **kwargs) -> subprocess.Comp
             proc.kill()
             proc.wait()
             raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    done.max_rss_kb = getattr(proc, "max_rss_kb", None)   # None: it ran in a fresh interpreter
+    return done
 
 
 def Popen(cmd, *, env=None, cwd=None, stdin=None, stdout=None, stderr=None, text=False, start_new_session=False,
@@ -149,6 +152,7 @@ class WarmProcess:
 
     def __init__(self, args, env, cwd, stdin, stdout, stderr, text, start_new_session):
         self.args, self.returncode, self._text = args, None, text
+        self.max_rss_kb = None   # the command's peak RSS once it ended (its pages shared with the zygote included)
         self.stdin = self.stdout = self.stderr = None
         self._read: dict = {}
         self._readers: list[threading.Thread] = []
@@ -208,6 +212,7 @@ class WarmProcess:
         if reply.get("code") is None:
             raise RuntimeError(f"the warm Python ended while running {self.args}")
         self.returncode = reply["code"]
+        self.max_rss_kb = reply.get("max_rss_kb")
         _CHILD_CPU[0] += reply.get("cpu_s", 0.0)
         self._conn.close()
 
@@ -297,7 +302,8 @@ def serve(path: str) -> None:
                 _, status, usage = os.wait4(pid, 0)
                 try:
                     conn.send(json.dumps({"code": os.waitstatus_to_exitcode(status),
-                                          "cpu_s": usage.ru_utime + usage.ru_stime}).encode())
+                                          "cpu_s": usage.ru_utime + usage.ru_stime,
+                                          "max_rss_kb": usage.ru_maxrss}).encode())
                 except OSError:
                     pass   # the caller is gone
                 conn.close()
