@@ -258,8 +258,8 @@ context {CONTEXT}, fp32, global batch {GLOBAL_BATCH} ({NPROC} processes x {GLOBA
 AdamW (lr {LR:g}, {WARMUP} warm-up steps, cosine, wd {WD}, betas 0.9/0.95, clip 1.0), {WORKERS} loader worker a
 rank, resampled reading of the same 10 Fashion-MNIST DataComp-layout shards, no crop. open_clip_train: torchrun +
 DDP (gloo) in a venv with webdataset 0.2.86 (its data code fails with >= 1.0); crate-clip: `crate-clip train
---nproc 2`, DeepSpeed ZeRO-{demo_deepspeed()["zero_stage"]} (the demo's setting), TensorBoard and metrics.jsonl on, evaluations and white-box
-diagnostics off. Samples/s and step time: wall clock from step {WARM_STEPS} to step {steps} on each trainer's own
+--nproc 2`, DeepSpeed ZeRO-{demo_deepspeed()["zero_stage"]} with fused AdamW (the demo's settings), TensorBoard and
+metrics.jsonl on, evaluations and white-box diagnostics off. Samples/s and step time: wall clock from step {WARM_STEPS} to step {steps} on each trainer's own
 log points; CPU a step: the whole job's CPU time (ranks and loader workers) over the same window, which the load
 of the rest of the machine barely moves; CPU and wall: launch to exit (crate-clip's include its final checkpoint,
 export and plot).

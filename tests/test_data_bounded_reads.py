@@ -100,7 +100,7 @@ def test_bad_members_are_counted_skips_and_the_rest_is_read(shard_sets):
 
 
 # Peak memory with the bad shards against without them, each command forked from the same warm interpreter (the
-# zygote: torch, DeepSpeed and open_clip imported, ~1.3 GB of RSS shared with it), so both start from the same pages
+# zygote: torch, DeepSpeed and open_clip imported, ~0.7 GB of RSS shared with it), so both start from the same pages
 # and the difference is what the bad shards cost. 64 MiB: below the smallest bad member decoded (the 7000 x 7000
 # 16-bit PNG, 98 MB), far above two runs' noise (a few MiB).
 EXTRA_PEAK_KB = 64 << 10
