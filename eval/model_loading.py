@@ -175,10 +175,9 @@ def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
     checkpoint = model if is_deepspeed_checkpoint(model) else pretrained
     _check_normalisation(checkpoint)
     try:
-        state, info = consolidate_deepspeed_checkpoint(checkpoint)
+        state, record = consolidate_deepspeed_checkpoint(checkpoint)   # all None for one from elsewhere
     except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile) as exn:   # truncated / corrupt
         raise CorruptWeightsError(corrupt_file_message(checkpoint, exn)) from exn
-    record = CheckpointInfo.from_dict(info)   # all None for a DeepSpeed checkpoint from elsewhere
     model_name = record.model_name if checkpoint == model else model
     if not model_name:
         raise ValueError(f"{checkpoint}: no {INFO_FILE} naming the model; pass --model NAME --pretrained {checkpoint}")

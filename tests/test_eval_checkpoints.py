@@ -68,7 +68,7 @@ def test_zero_stages_consolidate_to_the_same_weights(distributed_run):
     workdir, _ = distributed_run
     states = {s: consolidate_deepspeed_checkpoint(workdir / f"ckpt{s}" / "stage0_step1")[0] for s in DS_STAGES}
     infos = {s: consolidate_deepspeed_checkpoint(workdir / f"ckpt{s}")[1] for s in DS_STAGES}
-    assert [infos[s]["zero_stage"] for s in DS_STAGES] == list(DS_STAGES)
+    assert [infos[s].zero_stage for s in DS_STAGES] == list(DS_STAGES)
     assert set(states[0]) == set(states[2]) == set(states[3])
     # Same initial weights and one identical AdamW step (lr 1e-3): the stages differ only by reduction order,
     # which can flip the sign of a near-zero update, i.e. by at most about 2 x lr.

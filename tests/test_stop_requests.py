@@ -66,6 +66,6 @@ def test_a_signal_to_one_rank_during_a_save_lets_it_finish_and_stops_both_after_
     ckpts = tmp_path / "run" / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "stage0-step00000003"   # the save finished, and was not redone
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("stage")) == ["stage0-step00000003"]
-    assert verify_checkpoint(ckpts / "stage0-step00000003")["step"] == 3   # whole: every file's size and sha256
+    assert verify_checkpoint(ckpts / "stage0-step00000003").progress.step == 3   # whole: every file's size and sha256
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
     assert not (tmp_path / "run.lock").exists() and not (tmp_path / "run" / "export").exists()

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from crate_clip.checkpoint_io.bounded_reads import read_small_json
 # the record and the finding of checkpoints are checkpoint_record.py's; named here too for this layer's callers
-from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, INFO_MISSING, complete_tags_in,  # noqa: F401
-                                                        is_deepspeed_checkpoint, is_stage_end, latest_complete_tag,
-                                                        newest_complete_tag, read_info, read_info_checked,
-                                                        resolve_checkpoint_tag)
+from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, INFO_MISSING, CheckpointInfo,  # noqa: F401
+                                                        complete_tags_in, is_deepspeed_checkpoint, is_stage_end,
+                                                        latest_complete_tag, newest_complete_tag, read_info,
+                                                        read_info_checked, read_record, resolve_checkpoint_tag)
 from crate_clip.checkpoint_io.file_checksums import (CHECKSUMS_KEY, ChecksumMismatchError, checksum_problem,
                                                      verify_recorded_checksums)
 from crate_clip.checkpoint_io.run_layout import LATEST_FILE  # noqa: F401
@@ -36,15 +36,15 @@ class DamagedCheckpointError(ChecksumMismatchError):
     """A checkpoint whose crate_clip.json is malformed or whose files differ from its record (exit code 2)."""
 
 
-def verify_checkpoint(tag_dir: Path) -> dict:
-    """The checkpoint's crate_clip.json ({} when it has none: a DeepSpeed checkpoint from elsewhere) once every
-    file it records has the recorded size and sha256; DamagedCheckpointError naming each difference or a malformed
-    record. Checkpoints of an earlier version, without the record, are not verified."""
+def verify_checkpoint(tag_dir: Path) -> CheckpointInfo | None:
+    """The checkpoint's record (None when it has none: a DeepSpeed checkpoint from elsewhere) once every file it
+    records has the recorded size and sha256; DamagedCheckpointError naming each difference or a malformed record.
+    Checkpoints of an earlier version, without the record, are not verified."""
     tag_dir = Path(tag_dir)
     info, why = read_info_checked(tag_dir)
     if info is None:
         if why == INFO_MISSING:
-            return {}
+            return None
         raise DamagedCheckpointError(f"{tag_dir}: damaged checkpoint: its {INFO_FILE} {why}; fix: use another "
                                      "checkpoint of the run (--resume latest takes the newest intact one)")
     problems = [f"{name}: {problem}" for name, record in (info.get(CHECKSUMS_KEY) or {}).items()
@@ -52,7 +52,7 @@ def verify_checkpoint(tag_dir: Path) -> dict:
     if problems:
         raise DamagedCheckpointError(f"{tag_dir}: damaged checkpoint: {'; '.join(problems)}; it was changed after "
                                      "it was written: use an earlier checkpoint or a copy")
-    return info
+    return CheckpointInfo.from_dict(info)
 
 
 EXPORT_CONFIG_FILE = "open_clip_config.json"   # an export's config, which records its files' checksums too
@@ -74,26 +74,22 @@ def verify_recorded_file(path: str | Path) -> None:
 
 
 def consolidate_deepspeed_checkpoint(path: str | Path, tag: str | None = None,
-                                     verify: bool = True) -> tuple[dict, dict]:
-    """fp32 state dict of a DeepSpeed checkpoint of any ZeRO stage, and the run info from crate_clip.json; the
-    files are verified against its checksums first (`verify=False`: the caller just did, or just wrote them),
-    DamagedCheckpointError when they differ. A file needing a class outside the allow-list raises
-    UntrustedCheckpointError (unless inside trusted_checkpoints())."""
+                                     verify: bool = True) -> tuple[dict, CheckpointInfo]:
+    """fp32 state dict of a DeepSpeed checkpoint of any ZeRO stage, and its record (crate_clip.json; every field
+    None for a checkpoint from elsewhere, which has none); the files are verified against its checksums first
+    (`verify=False`: the caller just did, or just wrote them), DamagedCheckpointError when they differ. A file
+    needing a class outside the allow-list raises UntrustedCheckpointError (unless inside trusted_checkpoints())."""
     tag_dir = resolve_checkpoint_tag(path, tag)
-    info = verify_checkpoint(tag_dir) if verify else read_info(tag_dir) or {}
+    record = (verify_checkpoint(tag_dir) if verify else read_record(tag_dir)) or CheckpointInfo.from_dict({})
     if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         with deepspeed_reads(tag_dir):   # zero_to_fp32 unpickles with weights_only=False otherwise
             state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-        info.setdefault("zero_stage", "1-3")
     else:
         # ZeRO stage 0 (zero_to_fp32 refuses it): the whole module is in the model-states file.
         states = load_torch_file(tag_dir / STAGE0_MODEL_FILE)
         state = states["module"]
-        info.setdefault("zero_stage", 0)
-    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-    info["checkpoint"] = str(tag_dir)
-    return state, info
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, record
 
 
 def consolidated_state_dict(tag_dir: Path, verify: bool = True) -> dict:
