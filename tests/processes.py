@@ -1,5 +1,6 @@
 """Tests only: the machine's processes as /proc lists them (crate_clip.train.run.process_info reads one process), for
-the tests that find a launcher's ranks, a process's children, or a command left running."""
+the tests that find a launcher's ranks, a process's children, a command left running, or a process's state and
+pending signals."""
 from __future__ import annotations
 
 import os
@@ -48,3 +49,9 @@ def child_with_env(parent: int, entry: str) -> Optional[int]:
 def running(cmdline: str) -> bool:
     """Whether a process whose command line (NUL-separated, as /proc shows it) contains `cmdline` is running."""
     return any(cmdline.encode() in _read(p, "cmdline") for p in pids())
+
+
+def status(pid: int) -> dict[str, str]:
+    """/proc/PID/status as {field: value} (State, SigPnd, ShdPnd, ...); {} once the process is gone."""
+    text = _read(pid, "status").decode(errors="replace")
+    return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)

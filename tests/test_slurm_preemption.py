@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 import warm_python
 from crate_clip.checkpoint_io.run_layout import lock_path
+from processes import status
 from slurm_cluster import slurm_cluster
 from train_fixtures import REPO_ROOT, read_jsonl, run_env, run_job, tiny_config, write_config
 
@@ -125,7 +126,7 @@ def _pause(run_dir: Path, step: int, cluster, job: str) -> tuple[int, int]:
     _wait_step(run_dir, step, cluster, job)
     pid = json.loads(lock_path(run_dir).read_text())["pid"]
     os.kill(pid, signal.SIGSTOP)
-    _wait_for(lambda: _proc_status(pid)["State"].startswith("T"), f"trainer {pid} stopped")
+    _wait_for(lambda: status(pid).get("State", "").startswith("T"), f"trainer {pid} stopped")
     return pid, _steps(run_dir)[-1]
 
 
@@ -133,14 +134,9 @@ def _go_on_once_received(pid: int, signum: int) -> None:
     """Let the stopped trainer go on once the signal Slurm sent has reached it (pending in /proc: the whole way,
     slurmctld, slurmd, srun, the task, is done)."""
     bit = 1 << (signum - 1)
-    _wait_for(lambda: any(int(_proc_status(pid)[k], 16) & bit for k in ("SigPnd", "ShdPnd")),
+    _wait_for(lambda: any(int(status(pid).get(k, "0"), 16) & bit for k in ("SigPnd", "ShdPnd")),
               f"signal {signum} pending in trainer {pid}")
     os.kill(pid, signal.SIGCONT)
-
-
-def _proc_status(pid: int) -> dict:
-    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
 
 
 def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
