@@ -46,9 +46,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.demo_runs import DEMO_CONFIG, absolute_deepspeed  # noqa: E402
 from bench.report import section_head, write_section  # noqa: E402
 
-DEMO_CONFIG = ROOT / "configs" / "demo" / "fashion_mnist.yaml"
 DOCS = ROOT / "docs"
 WIDTHS = {"w128": "CRATE-alpha-CLIPA-tiny", "w64": "CRATE-alpha-CLIPA-tiny-w64"}
 FULL, LOW = dict(image_size=28, context_length=16, text_mask="truncate"), \
@@ -142,8 +142,7 @@ def run_config(model: str, seed: int, stages: list[dict], run_dir: Path, base_cf
     cfg["model"]["name"] = model
     cfg["stages"] = stages
     cfg["data"]["sources"] = [str(data_dir / "train")]
-    if cfg["deepspeed"].get("config"):   # a DeepSpeed file named relative to the demo config
-        cfg["deepspeed"]["config"] = str((DEMO_CONFIG.parent / cfg["deepspeed"]["config"]).resolve())
+    cfg["deepspeed"] = absolute_deepspeed(cfg["deepspeed"])
     cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "every_steps": every, "keep_last": 10_000}
     cfg["eval"]["after_each_stage"] = False
     cfg["eval"].pop("full_image_size", None)   # the demo's 27 px is not every arm's last stage

@@ -40,14 +40,13 @@ import time
 from pathlib import Path
 
 import psutil
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out" / "open_clip_train"
 SHARDS = ROOT / "bench" / "out" / "fashion_mnist_shards"
-DEMO_CONFIG = ROOT / "configs" / "demo" / "fashion_mnist.yaml"
 SHARD_PATTERN = str(SHARDS / "{00000000..00000009}.tar")
 sys.path.insert(0, str(ROOT / "bench"))
+from demo_runs import demo_deepspeed  # noqa: E402
 
 MODEL = "CRATE-alpha-CLIPA-tiny"
 IMAGE_SIZE, CONTEXT = 28, 16
@@ -79,14 +78,6 @@ def open_clip_command(py: Path, steps: int) -> list[str]:
             "--force-context-length", str(CONTEXT), "--aug-cfg", "scale=(1.0,1.0)", "--save-frequency", "0",
             "--zeroshot-frequency", "0", "--log-every-n-steps", str(LOG_EVERY), "--seed", "0",
             "--dist-backend", "gloo", "--device", "cpu", "--name", "run"]
-
-
-def demo_deepspeed() -> dict:
-    """The demo config's deepspeed section, its file path (if any) made absolute."""
-    section = dict(yaml.safe_load(DEMO_CONFIG.read_text())["deepspeed"])
-    if section.get("config"):
-        section["config"] = str((DEMO_CONFIG.parent / section["config"]).resolve())
-    return section
 
 
 def crate_clip_config(run_dir: Path, steps: int) -> dict:
@@ -259,10 +250,10 @@ AdamW (lr {LR:g}, {WARMUP} warm-up steps, cosine, wd {WD}, betas 0.9/0.95, clip 
 rank, resampled reading of the same 10 Fashion-MNIST DataComp-layout shards, no crop. open_clip_train: torchrun +
 DDP (gloo) in a venv with webdataset 0.2.86 (its data code fails with >= 1.0); crate-clip: `crate-clip train
 --nproc 2`, DeepSpeed ZeRO-{demo_deepspeed()["zero_stage"]} with fused AdamW (the demo's settings), TensorBoard and
-metrics.jsonl on, evaluations and white-box diagnostics off. Samples/s and step time: wall clock from step {WARM_STEPS} to step {steps} on each trainer's own
-log points; CPU a step: the whole job's CPU time (ranks and loader workers) over the same window, which the load
-of the rest of the machine barely moves; CPU and wall: launch to exit (crate-clip's include its final checkpoint,
-export and plot).
+metrics.jsonl on, evaluations and white-box diagnostics off. Samples/s and step time: wall clock from step
+{WARM_STEPS} to step {steps} on each trainer's own log points; CPU a step: the whole job's CPU time (ranks and
+loader workers) over the same window, which the load of the rest of the machine barely moves; CPU and wall: launch
+to exit (crate-clip's include its final checkpoint, export and plot).
 
 {per_run}
 

@@ -20,6 +20,20 @@ def demo_stages(config: Path = DEMO_CONFIG) -> list[dict]:
     return yaml.safe_load(Path(config).read_text())["stages"]
 
 
+def absolute_deepspeed(section: dict) -> dict:
+    """A deepspeed section read from the demo config, with the DeepSpeed file it names (if any) made absolute, so
+    that a run config written elsewhere still finds it."""
+    section = dict(section)
+    if section.get("config"):
+        section["config"] = str((DEMO_CONFIG.parent / section["config"]).resolve())
+    return section
+
+
+def demo_deepspeed() -> dict:
+    """The demo config's deepspeed section, its file path made absolute."""
+    return absolute_deepspeed(yaml.safe_load(DEMO_CONFIG.read_text())["deepspeed"])
+
+
 def run_demo(run_dir: Path, overrides: list[str], *, config: Path = DEMO_CONFIG, data_dir: Path | None = None,
              probe_train_images: int | None = None, nproc: int = 2, reuse: bool = False) -> float:
     """One demo run into `run_dir` (an earlier one there is moved aside by the trainer); returns its wall seconds

@@ -12,8 +12,8 @@ or look it up by that PID), `returncode` is its exit code, or -N when signal N e
 caller's pipes or files; `max_rss_kb` (run's result, a WarmProcess once ended) is its peak RSS, which counts the
 zygote's pages it shares (None for a command run in a fresh interpreter). The command runs as `python CMD` would
 (its arguments, environment and working folder, `__main__`, the exit at the end: threads joined, atexit functions
-run) and its CPU is added to the test's (cpu_cost.py). What a fresh interpreter decides at start-up is redone after the fork where the project reads it
-(core.errors.STARTED_BY_LAUNCHER, the temporary folder, faulthandler, SIGINT).
+run) and its CPU is added to the test's (cpu_cost.py). What a fresh interpreter decides at start-up is redone after
+the fork where the project reads it (core.errors.STARTED_BY_LAUNCHER, the temporary folder, faulthandler, SIGINT).
 
 A command runs in a fresh interpreter instead (subprocess itself) when the warm one could differ from it: interpreter
 options (`python -X ...`), a variable read when a library loads (OMP_*, MALLOC_*, LD_*, PYTHONPATH, ...) set
