@@ -135,7 +135,7 @@ class StageConfig(Section):
         "fresh", description="the AdamW state the stage starts from: fresh (zero moments, step 0) or carry (the "
                              "previous stage's moments and step count; a parameter whose shape changes at the "
                              "boundary, such as a resized patch kernel or a grown position embedding, starts from "
-                             "zero moments; ZeRO stage 1 or 2)")
+                             "zero moments; ZeRO stage 1 or 2, or 0 in fp32)")
     decode: Decode = Field("cpu", description="where JPEGs are decoded: cpu (loader workers) or device (workers draw "
                                               "the crops and ship the bytes; batched decode + crop/resize/normalise "
                                               "on the training device; same crops and seeds)")
