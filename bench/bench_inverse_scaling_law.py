@@ -215,7 +215,8 @@ def plot(rows: list[dict], path: Path) -> None:
     for a in (ax, bx):
         a.set_xticks(sorted(TOKENS))
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:   # the drops' panel is empty until a short run has its 16-token pair
+            a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -240,6 +240,10 @@ def markdown(runs: list[dict], command: str, steps: int) -> str:
         ["pair", "samples/s", "step time", "CPU a step", "CPU (whole run)", "ranks' peak RSS", "job peak RSS", "wall"],
         ratios)
     speed, cpu, mem = ([float(r[i]) for r in ratios] for i in (1, 3, 5))
+    busiest = max(r["others_cores"] for r in runs)
+    load = ("The rest of the machine was idle in every run (at most "
+            f"{busiest:.2f} cores busy), so the wall-clock ratios are the trainers' own." if busiest < 0.25 else
+            "On a machine this busy the wall-clock ratios move with the other jobs' load; CPU a step does not.")
     return f"""## Issue 40: crate-clip beside open_clip_train (`bench/bench_open_clip_train.py`)
 
 `{command}`; {machine_line()}, {os.cpu_count()} cores shared with other jobs (last column); each rank and
@@ -263,7 +267,7 @@ is crate-clip smaller or shorter):
 {ratio_table}
 
 Throughput ratio {_span(speed)} (goal >= 1.0), CPU a step {_span(cpu)}, at a ranks' peak RSS ratio of
-{_span(mem)}. On a machine this busy the wall-clock ratios move with the other jobs' load; CPU a step does not."""
+{_span(mem)}. {load}"""
 
 
 def _span(values: list[float]) -> str:
