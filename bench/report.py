@@ -1,6 +1,7 @@
 """Writes one benchmark's table into its own marked section of BENCHMARKS.md."""
 import platform
 import re
+import shlex
 import time
 from pathlib import Path
 
@@ -31,7 +32,30 @@ def section_head(title: str, label: str | None, meta: dict) -> list[str]:
     lines = [f"## {title}", ""]
     if label:
         lines += [f"**{label}**", ""]
-    return lines + [f"{meta['date']}, {meta['machine']}, `{meta['command']}`, {meta['wall_seconds'] / 60:.0f} min.", ""]
+    return lines + [f"{meta['date']}, {meta['machine']}, {shown_command(meta['command'])}, "
+                    f"{meta['wall_seconds'] / 60:.0f} min.", ""]
+
+
+FOLDER_OPTIONS = {"--data-dir": "data", "--out": "runs", "--docs": "docs"}
+
+
+def shown_command(command: str) -> str:
+    """A study's command as a page shows it: without the folders it read and wrote (paths of one machine, kept in
+    the study's JSON), which a note names, so that the command a reader copies is one that runs anywhere."""
+    words, kept, folders = shlex.split(command), [], []
+    while words:
+        word = words.pop(0)
+        name, has_value, _ = word.partition("=")
+        if name in FOLDER_OPTIONS:
+            folders.append(FOLDER_OPTIONS[name])
+            if not has_value and words:
+                words.pop(0)
+        else:
+            kept.append(word)
+    if not folders:
+        return f"`{shlex.join(kept)}`"
+    named = ", ".join(folders[:-1]) + " and " + folders[-1] if len(folders) > 1 else folders[0]
+    return f"`{shlex.join(kept)}` (its {named} folder{'s' if len(folders) > 1 else ''} passed as options)"
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
