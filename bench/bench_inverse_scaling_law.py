@@ -16,7 +16,7 @@ Each run's final checkpoint is scored zero-shot at its own input (the resolution
 SE = sqrt(var(d) / n)), and so does the question itself: the drop at the widest tower minus the drop at the
 narrowest, per image, with its own paired SE. Seeds add the training noise the paired SE does not hold.
 
-    python bench/bench_inverse_scaling_law.py                       # the sweep: 2 seeds, ~2 h on the idle 2-core CPU
+    python bench/bench_inverse_scaling_law.py                       # the sweep: 3 seeds, ~80 min on the idle 2-core CPU
     python bench/bench_inverse_scaling_law.py --samples 12800 --seeds 1 --label "reduced: 25% of the samples"
     python bench/bench_inverse_scaling_law.py --quick               # seconds of training: the script works
 
@@ -48,8 +48,8 @@ PATCH = 7
 TOKENS = {4: 14, 9: 21, 16: 28}   # image tokens -> image size at 7 px patches (2x2, 3x3, 4x4 grids)
 REFERENCE = 16                    # the token length the others are compared with (the study's full arm)
 SECTION = "inverse-scaling-law"
-FULL_SIZE = ("The full size: `python bench/bench_inverse_scaling_law.py` (3 widths x 4 / 9 / 16 tokens x 2 seeds, "
-             "51,200 samples at 16 tokens: about 2 h on the idle 2-core machine by the step meter's FLOPs); `--seeds`, "
+FULL_SIZE = ("The full size: `python bench/bench_inverse_scaling_law.py` (3 widths x 4 / 9 / 16 tokens x 3 seeds, "
+             "51,200 samples at 16 tokens: about 80 min on the idle 2-core machine, 27 min a seed); `--seeds`, "
              "`--widths`, `--tokens` and `--samples` size it down, and `python bench/bench_inverse_scaling_law.py "
              "--quick` checks the script in seconds of training.")
 
@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=51200, help="the 16-token run's training samples (default 51200, "
                                                               "the study's full arm)")
-    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--widths", nargs="+", default=list(WIDTHS), choices=list(WIDTHS))
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), choices=list(TOKENS))
     p.add_argument("--evals", type=int, default=8, help="checkpoints written per run (as the study's, so that its "
