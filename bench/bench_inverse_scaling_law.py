@@ -6,15 +6,16 @@ train three times, at 4, 9 and 16 image tokens: 14, 21 and 28 px at 7 px patches
 multiple of the patch, issue 39; the images resized, CLIPA's cheapest token reduction), 16 text tokens throughout.
 Within a width every run spends the same training FLOPs as the step meter counts them (ResolvedStage.counts): the
 16-token run trains on `--samples` samples, a shorter one on proportionally more (whole batches). Everything else is
-the demo config's (batch 64, peak rate 2e-3, 40 warm-up steps, weight decay 0.1, fp32, its ZeRO stage). The 16-token run is
-bench/bench_inverse_scaling.py's `full` arm (same config, same run folder): a study run of the same --samples, --evals
-and --out is reused, and the reverse.
+the demo config's (batch 64, peak rate 2e-3, 40 warm-up steps, weight decay 0.1, fp32, its ZeRO stage). The
+16-token run is bench/bench_inverse_scaling.py's `full` arm (same config, same run folder): a study run of the same
+--samples, --evals and --out is reused, and the reverse.
 
 Each run's final checkpoint is scored zero-shot at its own input (the resolution it trained at) on every one of the
-10,000 Fashion-MNIST test images, with each image's top-1 kept, so that the drop of a short run from its width's
-16-token run has a paired standard error (per-image agreement: d_i = correct_short_i - correct_16_i,
-SE = sqrt(var(d) / n)), and so does the question itself: the drop at the widest tower minus the drop at the
-narrowest, per image, with its own paired SE. Seeds add the training noise the paired SE does not hold.
+10,000 Fashion-MNIST test images, with each image's top-1 kept, so that the change of a short run from its width's
+16-token run (negative: accuracy lost to the shorter tokens) has a paired standard error (per-image agreement:
+d_i = correct_short_i - correct_16_i, SE = sqrt(var(d) / n)), and so does the question itself: the change at the
+widest tower minus the change at the narrowest, per image, with its own paired SE. Seeds add the training noise
+the paired SE does not hold.
 
     python bench/bench_inverse_scaling_law.py                       # the sweep: 3 seeds, ~80 min on the idle 2-core CPU
     python bench/bench_inverse_scaling_law.py --samples 12800 --seeds 1 --label "reduced: 25% of the samples"
@@ -117,8 +118,8 @@ def _pairs(runs: list[dict], width: str, tokens: int, seed_list: list[int]) -> l
 
 
 def summarize(runs: list[dict]) -> dict:
-    """Per width and token length: top-1 over seeds and its drop from 16 tokens (paired SE, seeds pooled); per
-    short token length: the drop at the widest width minus at the narrowest (per image, paired SE)."""
+    """Per width and token length: top-1 over seeds and its change from 16 tokens (paired SE, seeds pooled); per
+    short token length: the change at the widest width minus at the narrowest (per image, paired SE)."""
     widths = [w for w in WIDTHS if any(r["width"] == w for r in runs)]
     tokens = sorted({r["tokens"] for r in runs})
     seeds = sorted({r["seed"] for r in runs})
@@ -134,15 +135,15 @@ def summarize(runs: list[dict]) -> dict:
                    "top1_mean": float(top1.mean()), "top1_std": float(top1.std(ddof=1)) if len(mine) > 1 else 0.0}
             pairs = _pairs(runs, w, t, seeds)
             if t != REFERENCE and pairs:
-                row["drop_mean"], row["drop_se"] = (100 * v for v in study.pooled_paired(pairs))
+                row["change_mean"], row["change_se"] = (100 * v for v in study.pooled_paired(pairs))
             rows.append(row)
     contrasts = []
     small, large = widths[0], widths[-1]
     for t in (t for t in tokens if t != REFERENCE and small != large):
-        # per seed, per image: the narrow tower's drop, then the wide one's (both against their own 16-token run)
-        drops = {w: {s: [b - a for a, b in zip(*pair[0])] for s in seeds if (pair := _pairs(runs, w, t, [s]))}
+        # per seed, per image: the narrow tower's change, then the wide one's (both against their own 16-token run)
+        changes = {w: {s: [b - a for a, b in zip(*pair[0])] for s in seeds if (pair := _pairs(runs, w, t, [s]))}
                  for w in (small, large)}
-        both = [(drops[small][s], drops[large][s]) for s in seeds if s in drops[small] and s in drops[large]]
+        both = [(changes[small][s], changes[large][s]) for s in seeds if s in changes[small] and s in changes[large]]
         if both:
             mean, se = (100 * v for v in study.pooled_paired(both))
             contrasts.append({"tokens": t, "small": small, "large": large, "seeds": len(both), "difference": mean,
@@ -156,19 +157,21 @@ def markdown(args, meta: dict, summary: dict) -> str:
     lines += [f"Within a width every run spends the training FLOPs of {args.samples:,} samples at 16 image tokens "
               f"(step meter); 4 / 9 / 16 tokens = 14 / 21 / 28 px at 7 px patches (2x2 / 3x3 / 4x4), 16 text "
               f"tokens, the demo's batch, rate and schedule; no fine-tune. Zero-shot top-1 of each final model at "
-              f"its own input on {args.eval_images:,} test images. Drop = top-1 at the token length minus at 16 "
-              f"tokens, same width and seed, ± its paired standard error (per-image agreement, seeds pooled).", "",
+              f"its own input on {args.eval_images:,} test images. Change = top-1 at the token length minus at 16 "
+              f"tokens, same width and seed (negative: accuracy lost to the shorter tokens), ± its paired standard "
+              f"error (per-image agreement, seeds pooled).", "",
               "| width | image tokens | image px | samples | training TFLOP | seeds | zero-shot top-1 (%) "
-              "| drop from 16 tokens (points) |", "|---|---|---|---|---|---|---|---|"]
+              "| change from 16 tokens (points) |", "|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         spread = f" ± {r['top1_std']:.2f}" if r["seeds"] > 1 else ""
-        drop = f"{r['drop_mean']:+.2f} ± {r['drop_se']:.2f}" if "drop_mean" in r else "-"
+        change = f"{r['change_mean']:+.2f} ± {r['change_se']:.2f}" if "change_mean" in r else "-"
         lines.append(f"| {r['model']} | {r['tokens']} | {r['image_size']} | {r['samples']:,} | "
-                     f"{r['total_flops'] / 1e12:.2f} | {r['seeds']} | {r['top1_mean']:.2f}{spread} | {drop} |")
+                     f"{r['total_flops'] / 1e12:.2f} | {r['seeds']} | {r['top1_mean']:.2f}{spread} | {change} |")
     lines += ["", "± after a top-1: the standard deviation over seeds."]
     if summary["contrasts"]:
-        lines += ["", "Does the drop shrink as the tower grows? The drop at the widest tower minus the drop at the "
-                      "narrowest, per image (positive: the wider tower loses less), ± its paired standard error:", ""]
+        lines += ["", "Does the loss to shorter tokens shrink as the tower grows? The change at the widest tower minus "
+                      "the change at the narrowest, per image (positive: the wider tower loses less or gains more), ± "
+                      "its paired standard error:", ""]
         for c in summary["contrasts"]:
             z = c["difference"] / c["se"] if c["se"] else float("nan")
             lines.append(f"- {c['tokens']} tokens: {WIDTHS[c['large']]} vs {WIDTHS[c['small']]}: "
@@ -203,10 +206,10 @@ def plot(rows: list[dict], path: Path) -> None:
             continue
         ax.errorbar([r["tokens"] for r in mine], [r["top1_mean"] for r in mine],
                     yerr=[r["top1_std"] for r in mine], marker="o", capsize=3, label=WIDTHS[w])
-        short = [r for r in mine if "drop_mean" in r]
+        short = [r for r in mine if "change_mean" in r]
         if short:
-            bx.errorbar([r["tokens"] for r in short], [r["drop_mean"] for r in short],
-                        yerr=[r["drop_se"] for r in short], marker="o", capsize=3, label=WIDTHS[w])
+            bx.errorbar([r["tokens"] for r in short], [r["change_mean"] for r in short],
+                        yerr=[r["change_se"] for r in short], marker="o", capsize=3, label=WIDTHS[w])
     ax.set_xlabel("image tokens (equal training FLOPs within a width)")
     ax.set_ylabel("zero-shot top-1 (%)")
     bx.set_xlabel("image tokens")
@@ -215,7 +218,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for a in (ax, bx):
         a.set_xticks(sorted(TOKENS))
         a.grid(alpha=0.3)
-        if a.get_legend_handles_labels()[0]:   # the drops' panel is empty until a short run has its 16-token pair
+        if a.get_legend_handles_labels()[0]:   # the changes' panel is empty until a short run has its 16-token pair
             a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -119,7 +119,7 @@ def test_smoke_run_trains_both_arms_and_writes_the_table_and_plot(tmp_path, tiny
     assert [(r["tokens"], r["image_size"]) for r in sweep["rows"]] == [(4, 14), (16, 28)]
     assert sweep["rows"][1]["top1_mean"] == pytest.approx(100 * full["points"][-1]["top1"])   # the same model
     short = sweep["rows"][0]
-    assert short["samples"] > 2 * 256 and -100 <= short["drop_mean"] <= 100 and short["drop_se"] >= 0
+    assert short["samples"] > 2 * 256 and -100 <= short["change_mean"] <= 100 and short["change_se"] >= 0
     page = (tmp_path / "docs" / "inverse_scaling.md").read_text()
     assert "quick run: measures nothing" in page and "| CRATE-alpha-CLIPA-tiny-w64 | 4 | 14 |" in page
     assert "smoke run: measures nothing" in page   # the study's section kept
@@ -163,7 +163,7 @@ def test_each_token_length_spends_its_widths_flops_on_a_grid_the_patches_tile():
         assert stages[16] == law.study.arm_stages("full", model, 12800, base)[0]
 
 
-def test_the_drop_and_the_width_contrast_are_paired_per_image():
+def test_the_change_and_the_width_contrast_are_paired_per_image():
     law = _law()
     ref = [1, 1, 1, 1, 0, 0, 1, 0]
     runs = [{"width": "w64", "tokens": 16, "seed": 0, "correct": ref},
@@ -173,12 +173,12 @@ def test_the_drop_and_the_width_contrast_are_paired_per_image():
     for r in runs:
         r.update(model=law.WIDTHS[r["width"]], samples=100, total_flops=1.0, top1=sum(r["correct"]) / 8)
     summary = law.summarize(runs)
-    drops = {(r["width"], r["tokens"]): (r.get("drop_mean"), r.get("drop_se")) for r in summary["rows"]}
+    changes = {(r["width"], r["tokens"]): (r.get("change_mean"), r.get("change_se")) for r in summary["rows"]}
     # w64: d = [0,-1,-1,0,0,0,0,0]: mean -0.25, sample variance 3/14 -> SE sqrt(3/14/8)
-    assert drops[("w64", 4)] == pytest.approx((-25.0, 100 * (3 / 14 / 8) ** 0.5))
-    assert drops[("w256", 4)][0] == pytest.approx(0.0) and drops[("w64", 16)] == (None, None)
+    assert changes[("w64", 4)] == pytest.approx((-25.0, 100 * (3 / 14 / 8) ** 0.5))
+    assert changes[("w256", 4)][0] == pytest.approx(0.0) and changes[("w64", 16)] == (None, None)
     (contrast,) = summary["contrasts"]
-    # per image: (w256 drop) - (w64 drop) = [0,+1,0,0,+1,0,0,0]: mean +0.25, SE sqrt(3/14/8)
+    # per image: (w256 change) - (w64 change) = [0,+1,0,0,+1,0,0,0]: mean +0.25, SE sqrt(3/14/8)
     assert (contrast["small"], contrast["large"], contrast["tokens"]) == ("w64", "w256", 4)
     assert (contrast["difference"], contrast["se"]) == pytest.approx((25.0, 100 * (3 / 14 / 8) ** 0.5))
 
