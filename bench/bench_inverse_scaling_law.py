@@ -146,8 +146,10 @@ def summarize(runs: list[dict]) -> dict:
         both = [(changes[small][s], changes[large][s]) for s in seeds if s in changes[small] and s in changes[large]]
         if both:
             mean, se = (100 * v for v in study.pooled_paired(both))
+            # each seed's own contrast: the paired SE holds the test images' noise, these the training runs'
+            per_seed = [100 * (sum(wide) - sum(narrow)) / len(wide) for narrow, wide in both]
             contrasts.append({"tokens": t, "small": small, "large": large, "seeds": len(both), "difference": mean,
-                              "se": se})
+                              "se": se, "per_seed": per_seed})
     return {"rows": rows, "contrasts": contrasts}
 
 
@@ -171,11 +173,14 @@ def markdown(args, meta: dict, summary: dict) -> str:
     if summary["contrasts"]:
         lines += ["", "Does the loss to shorter tokens shrink as the tower grows? The change at the widest tower minus "
                       "the change at the narrowest, per image (positive: the wider tower loses less or gains more), ± "
-                      "its paired standard error:", ""]
+                      "its paired standard error over the test images, and each seed's own contrast (their spread is "
+                      "the training runs' noise, which the paired standard error does not hold):", ""]
         for c in summary["contrasts"]:
             z = c["difference"] / c["se"] if c["se"] else float("nan")
+            seeds = ", ".join(f"{v:+.2f}" for v in c["per_seed"])
             lines.append(f"- {c['tokens']} tokens: {WIDTHS[c['large']]} vs {WIDTHS[c['small']]}: "
-                         f"{c['difference']:+.2f} ± {c['se']:.2f} points (z {z:+.1f}, {c['seeds']} seed(s))")
+                         f"{c['difference']:+.2f} ± {c['se']:.2f} points (z {z:+.1f}, {c['seeds']} seed(s); per seed "
+                         f"{seeds})")
     lines += ["", FULL_SIZE, "", "![top-1 vs image tokens, one line per width](inverse_scaling_law.png)"]
     return "\n".join(lines)
 

@@ -181,6 +181,7 @@ def test_the_change_and_the_width_contrast_are_paired_per_image():
     # per image: (w256 change) - (w64 change) = [0,+1,0,0,+1,0,0,0]: mean +0.25, SE sqrt(3/14/8)
     assert (contrast["small"], contrast["large"], contrast["tokens"]) == ("w64", "w256", 4)
     assert (contrast["difference"], contrast["se"]) == pytest.approx((25.0, 100 * (3 / 14 / 8) ** 0.5))
+    assert contrast["per_seed"] == pytest.approx([25.0])
 
 
 def test_the_sweep_needs_the_16_token_run_it_compares_with(capsys):
