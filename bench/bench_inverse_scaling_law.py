@@ -17,7 +17,7 @@ d_i = correct_short_i - correct_16_i, SE = sqrt(var(d) / n)), and so does the qu
 widest tower minus the change at the narrowest, per image, with its own paired SE. Seeds add the training noise
 the paired SE does not hold.
 
-    python bench/bench_inverse_scaling_law.py                       # the sweep: 3 seeds, ~80 min on the idle 2-core CPU
+    python bench/bench_inverse_scaling_law.py                       # the sweep: 3 seeds, ~75 min on the idle 2-core CPU
     python bench/bench_inverse_scaling_law.py --samples 12800 --seeds 1 --label "reduced: 25% of the samples"
     python bench/bench_inverse_scaling_law.py --quick               # seconds of training: the script works
 
@@ -50,7 +50,7 @@ TOKENS = {4: 14, 9: 21, 16: 28}   # image tokens -> image size at 7 px patches (
 REFERENCE = 16                    # the token length the others are compared with (the study's full arm)
 SECTION = "inverse-scaling-law"
 FULL_SIZE = ("The full size: `python bench/bench_inverse_scaling_law.py` (3 widths x 4 / 9 / 16 tokens x 3 seeds, "
-             "51,200 samples at 16 tokens: about 80 min on the idle 2-core machine, 27 min a seed); `--seeds`, "
+             "51,200 samples at 16 tokens: about 75 min on the idle 2-core machine, 24-27 min a seed); `--seeds`, "
              "`--widths`, `--tokens` and `--samples` size it down, and `python bench/bench_inverse_scaling_law.py "
              "--quick` checks the script in seconds of training.")
 

@@ -316,12 +316,6 @@ NOT_HERE = {
     "python bench/bench_patch_size.py": "a benchmark: three demo runs, ~15 min (BENCHMARKS.md)",
     "python bench/bench_text_tower.py --demo --data-dir /tmp/fmnist": "a benchmark: a full demo run per text tower",
     "python bench/bench_segmentation.py --train --write --figures": "a benchmark: trains two towers on the demo data",
-    # docs/inverse_scaling.md's reduced inverse-scaling sweep, as it was run
-    "python bench/bench_inverse_scaling_law.py --samples 3200 --seeds 1 --widths w64 w128 --tokens 9 16 "
-    "--eval-images 2000 --out /tmp/s2_runs --docs /tmp/s2_docs --data-dir /work/main/data/fashion_mnist "
-    "--label 'reduced: 6.25% of the default samples (3,200 at 16 tokens), 2 of 3 widths, 9 and 16 tokens, 1 seed, "
-    "2,000 test images'":
-        "a benchmark: four training runs, about an hour on the shared machine",
 }
 
 # Inline names of an entry point (`crate-clip train` is `python -m crate_clip.train.cli`): not run; the module must
