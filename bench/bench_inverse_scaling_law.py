@@ -142,7 +142,7 @@ def summarize(runs: list[dict]) -> dict:
     for t in (t for t in tokens if t != REFERENCE and small != large):
         # per seed, per image: the narrow tower's change, then the wide one's (both against their own 16-token run)
         changes = {w: {s: [b - a for a, b in zip(*pair[0])] for s in seeds if (pair := _pairs(runs, w, t, [s]))}
-                 for w in (small, large)}
+                   for w in (small, large)}
         both = [(changes[small][s], changes[large][s]) for s in seeds if s in changes[small] and s in changes[large]]
         if both:
             mean, se = (100 * v for v in study.pooled_paired(both))

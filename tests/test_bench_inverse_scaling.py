@@ -188,3 +188,13 @@ def test_the_sweep_needs_the_16_token_run_it_compares_with(capsys):
     with pytest.raises(SystemExit) as exc:
         _law().parse_args(["--tokens", "4", "9"])
     assert exc.value.code == 2 and "--tokens must include 16" in capsys.readouterr().err
+
+
+def test_a_study_page_shows_its_command_without_one_machines_folders():
+    _law()   # puts the checkout on sys.path, as the bench scripts run
+    from bench.report import shown_command
+
+    shown = shown_command("python bench/x.py --seeds 3 --data-dir /d --out=/o --docs /p --label 'a b'")
+    assert shown == "`python bench/x.py --seeds 3 --label 'a b'` (its data, runs and docs folders passed as options)"
+    assert shown_command("python bench/x.py --out /o") == "`python bench/x.py` (its runs folder passed as options)"
+    assert shown_command("python bench/x.py --quick") == "`python bench/x.py --quick`"
