@@ -30,6 +30,7 @@ import torch
 
 from crate_clip.checkpoint_io.deepspeed_objects import REFUSED_OBJECT, standins
 from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING  # noqa: F401 (the CLIs')
+from crate_clip.checkpoint_io.weights_headers import stored_values
 
 # dotted name -> what DeepSpeed stores it for
 DEEPSPEED_CLASSES = {
@@ -112,7 +113,9 @@ def _crafted_object(exn: Exception) -> str | None:
 def load_torch_file(path: str | Path, *, allow: Iterable[str] = DEEPSPEED_CLASSES, map_location="cpu",
                     mmap: bool = False):
     """The object in a torch file, read with weights_only=True and the classes `allow` names; a file needing
-    another class raises UntrustedCheckpointError. Corrupt files raise torch's own errors."""
+    another class raises UntrustedCheckpointError, one whose zip records claim more than the file holds
+    WeightsHeaderError (weights_headers.py, before torch allocates them). Corrupt files raise torch's own errors."""
+    stored_values(path)
     if checkpoints_trusted():
         return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     allow = list(allow)
@@ -150,10 +153,12 @@ def _is_intact_zip(path: str | Path) -> bool:
 def check_checkpoint_folder(folder: str | Path, patterns: Iterable[str] = ("**/*.pt",),
                             allow: Iterable[str] = DEEPSPEED_CLASSES) -> None:
     """Raise UntrustedCheckpointError for the first torch file under `folder` matching `patterns` that needs a
-    class outside `allow` (nothing is unpickled; every rank scans every file, so all ranks refuse alike)."""
-    if checkpoints_trusted():
-        return
+    class outside `allow`, WeightsHeaderError for one whose zip records claim more than the file holds (nothing is
+    unpickled; every rank scans every file, so all ranks refuse alike)."""
     for path in sorted({p for pattern in patterns for p in Path(folder).glob(pattern)}):
+        stored_values(path)   # trusted or not: a header's claims are about memory, not code
+        if checkpoints_trusted():
+            continue
         classes = unsafe_classes(path, allow)
         if classes:
             raise UntrustedCheckpointError(path, classes)
@@ -177,10 +182,10 @@ def deepspeed_reads(folder: str | Path) -> Iterator[None]:
     """DeepSpeed's own readers of checkpoint folder `folder` (engine.load_checkpoint, zero_to_fp32) held to
     the allow-list: the folder is scanned, then torch.load is forced to weights_only=True (TORCH_FORCE_
     WEIGHTS_ONLY_LOAD) with the allow-listed classes until the block ends, and both are restored after."""
+    check_checkpoint_folder(folder, DEEPSPEED_FILES)   # the headers always, the classes unless trusted
     if checkpoints_trusted():
         yield
         return
-    check_checkpoint_folder(folder, DEEPSPEED_FILES)
     saved = {name: os.environ.pop(name, None) for name in (_FORCE, _FORCE_NOT)}
     os.environ[_FORCE] = "1"
     try:

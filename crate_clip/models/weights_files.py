@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 from crate_clip.checkpoint_io.safe_unpickling import UntrustedCheckpointError, load_torch_file
+from crate_clip.checkpoint_io.weights_headers import WeightsHeaderError, stored_values
 from crate_clip.core.errors import UserError
 from crate_clip.core.file_kinds import special_file
 
@@ -37,15 +38,17 @@ def refuse_special_file(path: str | Path) -> None:
 
 def read_weights_file(path: str | Path):
     """The object stored in a .safetensors / torch file; a corrupt or truncated file raises CorruptWeightsError,
-    one that pickles a class outside the allow-list UntrustedCheckpointError (crate_clip.checkpoint_io)."""
+    one that pickles a class outside the allow-list UntrustedCheckpointError, one whose header claims more than the
+    file holds WeightsHeaderError (crate_clip.checkpoint_io)."""
     path = Path(path)
     refuse_special_file(path)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
+            stored_values(path)   # its header held to the file's size before any tensor exists
             return load_file(str(path), device="cpu")
         return load_torch_file(path)   # weights_only=True, DeepSpeed's classes allowed (its model-states files)
-    except (FileNotFoundError, IsADirectoryError, PermissionError, UntrustedCheckpointError):
+    except (FileNotFoundError, IsADirectoryError, PermissionError, UntrustedCheckpointError, WeightsHeaderError):
         raise
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, LookupError, TypeError,
             AttributeError, OverflowError, MemoryError, zipfile.BadZipFile, struct.error) as exn:
