@@ -46,3 +46,26 @@ def read_small_json(path: str | Path, limit: int = MAX_RECORD_BYTES):
         return json.loads(read_small_bytes(path, limit).decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise UnreadableRecordError(f"{path}: not valid JSON ({type(exc).__name__})") from None
+
+
+def read_small_jsonl(path: str | Path, limit: int = MAX_RECORD_BYTES) -> list[tuple[int, object]]:
+    """(line number, JSON value) of every line of the JSONL file `path` (a regular file of at most `limit` bytes);
+    [] when it does not exist. A last line without its newline that is not JSON (a kill tore it) is left out; any
+    other line that is not JSON is an UnreadableRecordError naming the file and the line."""
+    try:
+        text = read_small_bytes(path, limit).decode("utf-8", "replace")
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((number, json.loads(line)))
+        except (json.JSONDecodeError, RecursionError):
+            if number == len(lines):   # the last line, not ended: torn by a kill
+                continue
+            raise UnreadableRecordError(f"{path}:{number}: not a JSON line ({line[:60]!r}); fix: remove the "
+                                        "line") from None
+    return rows

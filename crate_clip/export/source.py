@@ -9,11 +9,14 @@ the same wherever and whenever it is made.
 """
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_small_jsonl
 from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE, CheckpointInfo, read_record, user_checkpoint
-from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, linked_outside, read_jsonl, run_dir_of
+from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, linked_outside, run_dir_of
 from crate_clip.core.errors import UserError
 from crate_clip.models import preprocess_cfg_for
 from crate_clip.models.clip_tokenizers import tokenizer_record
@@ -119,11 +122,41 @@ def _vocab(checkpoint: CheckpointInfo, bert_vocab: str | None, tag_dir: Path) ->
 
 
 def _results(tag_dir: Path, record: CheckpointInfo) -> list[dict]:
-    """results.jsonl rows of the stages whose weights end in this checkpoint (the last row per evaluation)."""
+    """results.jsonl rows of the stages whose weights end in this checkpoint (the last row per evaluation); the file
+    read within MAX_RECORD_BYTES, each row checked (_row_problem) before it is used."""
     run_dir = run_dir_of(tag_dir)
     stage, finished = record.progress.stage_index, record.ends_stage
+    path = run_dir / RESULTS_FILE
     rows = {}
-    for row in read_jsonl(run_dir / RESULTS_FILE):
+    try:
+        lines = read_small_jsonl(path)
+    except UnreadableRecordError as exc:   # too large, not a regular file, a line that is not JSON
+        raise ExportSourceError(f"{exc}; the model card lists the run's results from it") from None
+    for number, row in lines:
+        problem = _row_problem(row)
+        if problem:
+            raise ExportSourceError(f"{path}:{number}: {problem}, not a result row the trainer writes; fix: remove "
+                                    "the line (or move the file away: the card then lists no results)")
         if row.get("stage_index", -1) < stage or (finished and row.get("stage_index") == stage):
             rows[(row.get("stage_index"), row.get("eval"), row.get("image_size"), row.get("resize", "grid"))] = row
     return [rows[k] for k in sorted(rows, key=lambda k: (k[0] or 0, str(k[1]), k[2] or 0, k[3]))]
+
+
+# the keys of a result row the export reads, and what each must be when present
+_ROW_KEYS = {"stage_index": (int,), "image_size": (int,), "eval": (str,), "resize": (str,), "stage_name": (str,),
+             "top1": (int, float), "top5": (int, float)}
+
+
+def _row_problem(row) -> str | None:
+    """Why a results.jsonl value is not a row the export can use (not an object, a key of another type, a metric
+    that is not a finite number), or None."""
+    if not isinstance(row, dict):
+        return f"a {type(row).__name__} ({json.dumps(row)[:40]})"
+    for key, types in _ROW_KEYS.items():
+        value = row.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, types) or (isinstance(value, float)
+                                                                        and not math.isfinite(value)):
+            return f"its {key} is {json.dumps(value)[:40]}"
+    return None

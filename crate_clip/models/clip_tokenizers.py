@@ -17,10 +17,12 @@ from typing import Dict, Optional, Union
 
 import open_clip
 
+from crate_clip.checkpoint_io.bounded_reads import read_small_bytes, read_small_json
 from crate_clip.core.errors import UserError
 from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR
 
 HUB_PROBE_TIMEOUT_S = 5   # one request to the hub before transformers' own retries
+MAX_VOCAB_BYTES = 16 << 20   # bert-base-uncased's vocab.txt: 232 KB; a 250,000-token vocabulary: ~5 MB
 BERT_TOKENIZER_CONFIG = {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 512}
 
 
@@ -41,10 +43,16 @@ def _vocab_file(vocab: Union[str, Path]) -> Path:
     return path
 
 
+def _vocab_bytes(vocab: Union[str, Path]) -> bytes:
+    """The vocabulary file's bytes, read only as a regular file of at most MAX_VOCAB_BYTES (a run folder or a
+    checkpoint from elsewhere names it; a link to a sparse file of gigabytes is refused from its size)."""
+    return read_small_bytes(_vocab_file(vocab), MAX_VOCAB_BYTES)
+
+
 def bert_tokenizer_dir(vocab: Union[str, Path], cache_dir: Union[str, Path, None] = None) -> Path:
     """A folder transformers loads offline: a copy of `vocab` (folder or vocab.txt) and a BertTokenizer
     config, in `cache_dir`/bert_vocab/<hash of the vocabulary>."""
-    data = _vocab_file(vocab).read_bytes()
+    data = _vocab_bytes(vocab)
     folder = Path(cache_dir or default_cache_dir()) / "bert_vocab" / hashlib.sha1(data).hexdigest()[:16]
     if not (folder / "tokenizer_config.json").is_file():
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +69,7 @@ def bert_tokenizer_dir(vocab: Union[str, Path], cache_dir: Union[str, Path, None
 def bert_text_cfg(vocab: Union[str, Path], cache_dir: Union[str, Path, None] = None) -> Dict:
     """text_cfg overrides for a BERT WordPiece vocabulary (CLIPA's text setup): the vocabulary's size, no
     causal mask, pooling at the last position, the [SEP] stripped."""
-    vocab_size = sum(1 for line in _vocab_file(vocab).read_text(encoding="utf-8").splitlines() if line)
+    vocab_size = sum(1 for line in _vocab_bytes(vocab).decode("utf-8").splitlines() if line)
     return {"hf_tokenizer_name": str(bert_tokenizer_dir(vocab, cache_dir)), "vocab_size": vocab_size,
             "tokenizer_kwargs": {"strip_sep_token": True}, "no_causal_mask": True, "pool_type": "last"}
 
@@ -75,7 +83,7 @@ def bert_tokenizer(vocab: Union[str, Path], context_length: int = 32, cache_dir:
 def _text_cfg(model_name: str) -> Dict:
     if model_name.startswith(LOCAL_DIR):
         path = Path(model_name[len(LOCAL_DIR):]) / CONFIG_FILE
-        return json.loads(path.read_text())["model_cfg"].get("text_cfg", {}) if path.is_file() else {}
+        return read_small_json(path)["model_cfg"].get("text_cfg", {}) if path.is_file() else {}
     return (open_clip.get_model_config(model_name) or {}).get("text_cfg", {})
 
 
@@ -134,5 +142,5 @@ def tokenizer_record(model_name: str, bert_vocab: Union[str, Path, None] = None)
               "kwargs": text_cfg.get("tokenizer_kwargs") or {}, "bert_vocab": None, "vocab_sha1": None}
     if bert_vocab is not None:
         path = _vocab_file(bert_vocab)
-        record.update(bert_vocab=str(path.parent.resolve()), vocab_sha1=hashlib.sha1(path.read_bytes()).hexdigest())
+        record.update(bert_vocab=str(path.parent.resolve()), vocab_sha1=hashlib.sha1(_vocab_bytes(path)).hexdigest())
     return record
