@@ -8,11 +8,11 @@ import sys
 from crate_clip.core.cli_conventions import CommandParser, accept_old_name
 from crate_clip.core.cli_numbers import NON_NEGATIVE_INT, POSITIVE_INT
 from crate_clip.core.errors import report_error
+from crate_clip.core.read_bounds import MAX_CAPTION_BYTES as DEFAULT_MAX_CAPTION_BYTES
+from crate_clip.core.read_bounds import MAX_IMAGE_BYTES as DEFAULT_MAX_IMAGE_BYTES
+from crate_clip.core.read_bounds import MAX_MEMBER_BYTES as DEFAULT_MAX_MEMBER_BYTES
+from crate_clip.core.read_bounds import MAX_SAMPLE_BYTES as DEFAULT_MAX_SAMPLE_BYTES
 from crate_clip.core.writable_folders import UnwritableFolderError, check_writable
-
-from .read_bounds import MAX_CAPTION_BYTES as DEFAULT_MAX_CAPTION_BYTES
-from .read_bounds import MAX_IMAGE_BYTES as DEFAULT_MAX_IMAGE_BYTES
-from .read_bounds import MAX_MEMBER_BYTES as DEFAULT_MAX_MEMBER_BYTES
 
 
 def _add_writer_args(p: argparse.ArgumentParser, default_max_side: int | None = 512) -> None:
@@ -118,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"skip samples with a tar member above this size, unread (default: {DEFAULT_MAX_MEMBER_BYTES})")
     p.add_argument("--max-caption-bytes", type=POSITIVE_INT, default=DEFAULT_MAX_CAPTION_BYTES,
                    help=f"skip samples whose caption is above this size, unread (default: {DEFAULT_MAX_CAPTION_BYTES})")
+    p.add_argument("--max-sample-bytes", type=POSITIVE_INT, default=DEFAULT_MAX_SAMPLE_BYTES,
+                   help="skip samples whose members together (each with its 512-byte header) are above this size, "
+                        f"the rest of them unread (default: {DEFAULT_MAX_SAMPLE_BYTES})")
     p.add_argument("--max-image-bytes", type=POSITIVE_INT, default=DEFAULT_MAX_IMAGE_BYTES,
                    help="skip images that would decode to more bytes than this (width x height x channels x bytes "
                         f"per channel, from the header; default: {DEFAULT_MAX_IMAGE_BYTES})")
@@ -142,7 +145,7 @@ def _inspect(args) -> dict:
     cfg = StreamConfig(sources=args.sources, mode=args.mode, num_workers=args.num_workers,
                        num_samples=args.num_samples, drop_last=False,   # count every sample read
                        max_member_bytes=args.max_member_bytes, max_caption_bytes=args.max_caption_bytes,
-                       max_image_bytes=args.max_image_bytes)
+                       max_sample_bytes=args.max_sample_bytes, max_image_bytes=args.max_image_bytes)
     stream = build_train_stream(cfg, image_size=args.image_size, context_length=args.context_length,
                                 text_mask=args.text_mask, batch_size=args.batch_size)
     tok = load_tokenizer()

@@ -15,8 +15,8 @@ from typing import Literal
 import numpy as np
 from PIL import Image, ImageMode
 
-from .read_bounds import MAX_IMAGE_BYTES as DEFAULT_MAX_IMAGE_BYTES
-from .read_bounds import MAX_IMAGE_PIXELS as DEFAULT_MAX_IMAGE_PIXELS
+from crate_clip.core.read_bounds import MAX_IMAGE_BYTES as DEFAULT_MAX_IMAGE_BYTES
+from crate_clip.core.read_bounds import MAX_IMAGE_PIXELS as DEFAULT_MAX_IMAGE_PIXELS
 
 RATIO = (3 / 4, 4 / 3)
 

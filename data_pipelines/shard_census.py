@@ -23,10 +23,10 @@ from pathlib import Path
 from webdataset.tariterators import base_plus_ext
 
 from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_small_bytes
+from crate_clip.core.tar_members import BLOCK, TruncatedTarError, compression_of, iter_members
 
 from .remote_retry import RetryPolicy, open_remote_shard
 from .shard_reader import IMAGE_EXTS, STATS_PROBES, is_remote, stats_url
-from .tar_members import BLOCK, TruncatedTarError, compression_of, iter_members
 
 COUNT_KEYS = ("count", "successes", "failed_to_download", "failed_to_resize")   # img2dataset's _stats.json
 MAX_COUNT = 10 ** 9            # samples in one shard (DataComp: 10,000)

@@ -1,33 +1,30 @@
 """Shard lists and tar reading: expand sources, iterate raw samples, count bad data.
 
 Sources are parsed by crate_clip.core.shard_sources (brace pattern, folder, glob, tar, URL, `pipe:` command).
-Remote shards are opened by remote_retry.py (outages ridden out); members are read within bounds by tar_members.py
-(uncompressed tars only, members above their cap passed over unread); grouping members into samples is done
-here so that truncated tars, unreadable shards, oversized members and duplicate keys become counted skips
-instead of exceptions. Data set sizes: shard_census.py.
+Remote shards are opened by remote_retry.py (outages ridden out); members are read and grouped into samples within
+bounds by crate_clip.core.tar_samples (uncompressed tars only, members above their cap and samples above their
+budget passed over unread), the reader the evaluation sets use too; here truncated tars, unreadable shards,
+oversized members and duplicate keys become counted skips instead of exceptions. Data set sizes: shard_census.py.
 """
 from __future__ import annotations
 
 import tarfile
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
-
-from webdataset.tariterators import base_plus_ext
 
 from crate_clip.core.file_kinds import special_file
 from crate_clip.core.shard_sources import (PIPE, REMOTE_PREFIXES, STATS_PROBES, ShardListError,  # noqa: F401
                                      expand_source, is_remote, stats_url)
+from crate_clip.core.tar_members import CompressedTarError, TruncatedTarError
+from crate_clip.core.tar_samples import SampleCaps, TarSamples
 
 from .remote_retry import RetryPolicy, ShardSourceUnavailable, open_remote_shard
-from .read_bounds import MAX_CAPTION_BYTES as DEFAULT_MAX_CAPTION_BYTES
-from .read_bounds import MAX_MEMBER_BYTES as DEFAULT_MAX_MEMBER_BYTES
-from .tar_members import CompressedTarError, TruncatedTarError, iter_members
 
 SKIP_REASONS = ("truncated_tar", "unreadable_shard", "undecodable_image", "zero_size_image",
                 "decompression_bomb", "missing_image", "missing_caption", "empty_caption",
-                "non_utf8_caption", "duplicate_key", "compressed_shard", "oversized_member", "oversized_caption")
+                "non_utf8_caption", "duplicate_key", "compressed_shard", "oversized_member", "oversized_caption",
+                "oversized_sample")
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 SPECIAL_CHECKED = 16   # per source, spread over its list: shards stat-ed at the start for being special files
 
@@ -58,20 +55,7 @@ def _open_shard(url: str, retry: RetryPolicy | None = None):
     return open(url, "rb", buffering=1 << 20)
 
 
-@dataclass(frozen=True)
-class MemberCaps:
-    """Sizes above which a tar member is passed over unread and its sample skipped (data.max_member_bytes,
-    data.max_caption_bytes)."""
-
-    member_bytes: int = DEFAULT_MAX_MEMBER_BYTES
-    caption_bytes: int = DEFAULT_MAX_CAPTION_BYTES
-
-    def __call__(self, name: str) -> int:
-        """The cap of the member called `name`."""
-        return self.caption_bytes if name.lower().endswith(".txt") else self.member_bytes
-
-
-def iter_shard_samples(url: str, skips: Counter, caps: MemberCaps = MemberCaps(),
+def iter_shard_samples(url: str, skips: Counter, caps: SampleCaps = SampleCaps(),
                        retry: RetryPolicy | None = None) -> Iterator[dict]:
     """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard; bad data counted in `skips`, members above
     `caps` never read; a remote shard's transient failures retried by `retry` (ShardSourceUnavailable when it
@@ -86,25 +70,9 @@ def iter_shard_samples(url: str, skips: Counter, caps: MemberCaps = MemberCaps()
     except Exception:
         skips["unreadable_shard"] += 1
         return
-    seen: set[str] = set()
-    current: dict | None = None
+    samples = TarSamples(stream, caps, url)
     try:
-        for member in iter_members(stream, caps):
-            key, ext = base_plus_ext(member.name)
-            if key is None:
-                continue
-            ext = ext.lower()
-            if current is not None and key == current["__key__"]:
-                if ext in current:
-                    current["__duplicate__"] = True
-                _put(current, ext, member.data)
-                continue
-            if current is not None:
-                yield from _finish(current, seen, skips)
-            current = _put({"__key__": key, "__url__": url}, ext, member.data)
-        if current is not None:
-            yield from _finish(current, seen, skips)
-        current = None
+        yield from _counted(samples, skips)
     except ShardSourceUnavailable:
         raise
     except CompressedTarError:
@@ -113,7 +81,7 @@ def iter_shard_samples(url: str, skips: Counter, caps: MemberCaps = MemberCaps()
         skips["truncated_tar"] += 1
     except (tarfile.ReadError, EOFError, OSError):
         # A stream that never produced a member was not a tar at all; otherwise it broke off mid-way.
-        skips["truncated_tar" if current is not None else "unreadable_shard"] += 1
+        skips["truncated_tar" if samples.started else "unreadable_shard"] += 1
     except Exception:
         skips["unreadable_shard"] += 1
     finally:
@@ -122,33 +90,19 @@ def iter_shard_samples(url: str, skips: Counter, caps: MemberCaps = MemberCaps()
         except Exception:
             pass  # a pipe whose command failed reports it on close: already counted or harmless
     # The sample being assembled when the tar broke off is kept if its image and caption were complete.
-    if current is not None and sample_image_bytes(current) is not None and "txt" in current:
-        yield from _finish(current, seen, skips)
+    pending = samples.pending
+    if pending is not None and sample_image_bytes(pending) is not None and "txt" in pending:
+        yield from _counted([samples.finish_pending()], skips)
 
 
-def _put(sample: dict, ext: str, data: bytes | None) -> dict:
-    """Add a member to a sample being assembled; a member passed over for its size marks the sample oversized."""
-    if data is None:
-        sample["__oversized__"] = "oversized_caption" if ext == "txt" else "oversized_member"
-    else:
-        sample[ext] = data
-    return sample
-
-
-def _finish(sample: dict, seen: set, skips: Counter) -> Iterator[dict]:
-    """Yield a completed sample unless its key repeats within the shard (counted as duplicate_key) or one of its
-    members was above its cap (oversized_caption / oversized_member)."""
-    key = sample["__key__"]
-    if sample.pop("__duplicate__", False) or key in seen:
-        skips["duplicate_key"] += 1
-        seen.add(key)
-        return
-    seen.add(key)
-    oversized = sample.pop("__oversized__", None)
-    if oversized:
-        skips[oversized] += 1
-        return
-    yield sample
+def _counted(samples, skips: Counter) -> Iterator[dict]:
+    """The samples that are not skipped; each skipped one counted under its reason."""
+    for sample in samples:
+        reason = sample.get("__skip__")
+        if reason:
+            skips[reason] += 1
+        else:
+            yield sample
 
 
 def sample_image_bytes(sample: dict) -> bytes | None:

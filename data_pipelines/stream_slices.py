@@ -1,7 +1,8 @@
 """Worker side of the training stream: the samples of canonical streams, decoded and cut into slices.
 
 A canonical stream reads its shard groups (shard_plan.ShardPlan) one after the other: the shards of a
-group are interleaved at random, passed through a shuffle buffer drained at the end of the group, and
+group are interleaved at random, passed through a shuffle buffer drained at the end of the group (bounded in samples
+and in bytes: `bounded_shuffle`), and
 every random choice for a sample (crop, text mask) is seeded by (seed, stream, epoch, group, index in
 group), so a stream's position is (group, offset) and nothing about it depends on which process reads
 it. A resume fast-forwards within one group: the skipped samples are read, not decoded.
@@ -15,14 +16,16 @@ from typing import Iterator, Optional
 
 import numpy as np
 import torch
-import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
+
+from crate_clip.core.read_bounds import MAX_SHUFFLE_BUFFER_BYTES
+from crate_clip.core.tar_samples import SampleCaps, held_bytes
 
 from .device_decode import DeviceJpegBatch, ship_sample
 from .image_decode import DEFAULT_MAX_IMAGE_BYTES, BadImage, decode_train, normalize_batch
 from .remote_retry import RetryPolicy
 from .shard_plan import ShardPlan, interleave
-from .shard_reader import MemberCaps, iter_shard_samples, sample_caption, sample_image_bytes
+from .shard_reader import iter_shard_samples, sample_caption, sample_image_bytes
 from .stream_layout import StreamLayout
 from .text_reduction import TextReducer
 
@@ -47,8 +50,9 @@ class SliceSpec:
     decode: str = "cpu"    # "device": ship JPEG bytes + crop boxes, decoded on the trainer's device
     crop_interpolation: str = "bicubic"   # the crop's resampling filter (image_decode.CROP_FILTERS)
     retry: RetryPolicy = RetryPolicy()    # how remote shards ride out outages (data.remote_* keys)
-    caps: MemberCaps = MemberCaps()       # tar members above these are skipped unread (data.max_*_bytes)
+    caps: SampleCaps = SampleCaps()       # members / samples above these are skipped unread (data.max_*_bytes)
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES   # decoded size above which an image is not decoded
+    shuffle_buffer_bytes: int = MAX_SHUFFLE_BUFFER_BYTES   # member bytes a shuffle buffer holds at most
 
 
 def fresh_position(skips: Optional[dict] = None) -> dict:
@@ -61,10 +65,44 @@ def _group_raw(plan: ShardPlan, spec: SliceSpec, stream: int, group: int, shards
     """Raw samples of one group: its shards interleaved at random, then shuffled; bad data counted."""
     tag = f"{plan.rng_seed}-{stream}-{plan.epoch}-{group}"
     iters = [iter_shard_samples(url, skips, spec.caps, retry=spec.retry) for url in shards]
-    # webdataset's buffer shuffle (starts yielding at 100 samples) with a generator seeded by the position:
-    # a resume replays the same order from the raw samples alone
-    shuffle = wds.shuffle(spec.shuffle_buffer, initial=100, rng=random.Random(f"shuffle-{tag}"))
-    yield from shuffle(interleave(iters, random.Random(f"mix-{tag}")))
+    # seeded by the position: a resume replays the same order from the raw samples alone
+    yield from bounded_shuffle(interleave(iters, random.Random(f"mix-{tag}")), spec.shuffle_buffer,
+                               spec.shuffle_buffer_bytes, random.Random(f"shuffle-{tag}"))
+
+
+def bounded_shuffle(samples: Iterator[dict], size: int, max_bytes: int, rng: random.Random,
+                    initial: int = 100) -> Iterator[dict]:
+    """webdataset's buffer shuffle (`wds.shuffle`: the same draws, so the same order while under the byte bound),
+    holding at most `size` samples and `max_bytes` of their members (tar_samples.held_bytes) besides the one being
+    added: at the byte bound it yields before it reads on. The bound is on bytes held, so a buffer of
+    shuffle_buffer samples near data.max_sample_bytes each is max_bytes, not their product."""
+    buf: list[dict] = []
+    held = 0
+
+    def pick() -> dict:   # webdataset's pick: a random item out, the last one in its place
+        nonlocal held
+        k = rng.randint(0, len(buf) - 1)
+        sample = buf[k]
+        buf[k] = buf[-1]
+        buf.pop()
+        held -= held_bytes(sample)
+        return sample
+
+    initial = min(initial, size)
+    for sample in samples:
+        buf.append(sample)
+        held += held_bytes(sample)
+        if len(buf) < size and held <= max_bytes:
+            extra = next(samples, None)
+            if extra is not None:
+                buf.append(extra)
+                held += held_bytes(extra)
+        if len(buf) >= initial:
+            yield pick()
+        while buf and held > max_bytes:
+            yield pick()
+    while buf:
+        yield pick()
 
 
 class _GatedCounter:

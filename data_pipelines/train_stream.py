@@ -58,6 +58,9 @@ from torch.utils.data import DataLoader
 
 from crate_clip.core.config_schema import Bool, Float, Int, Section
 from crate_clip.core.image_normalization import OPENAI_MEAN, OPENAI_STD
+from crate_clip.core.read_bounds import (MAX_CAPTION_BYTES, MAX_MEMBER_BYTES, MAX_SAMPLE_BYTES,
+                                         MAX_SHUFFLE_BUFFER_BYTES)
+from crate_clip.core.tar_samples import SampleCaps
 
 from .device_decode import DECODE_COUNTERS, Decode, DeviceJpegBatch
 from .epoch_sizes import adopt_real_sizes
@@ -66,8 +69,7 @@ from .pos_tagging import PosSource
 from .remote_retry import RetryPolicy
 from .shard_census import ShardCensus, resolve_sizes
 from .shard_plan import ShardPlan
-from .shard_reader import (DEFAULT_MAX_CAPTION_BYTES, DEFAULT_MAX_MEMBER_BYTES, SKIP_REASONS, MemberCaps,
-                           ShardListError, check_some_shard_exists, expand_source)
+from .shard_reader import SKIP_REASONS, ShardListError, check_some_shard_exists, expand_source
 from .stream_layout import KEY, STATE_VERSION, StreamLayout, resolve_layout, stream_settings, takes_rank_counters
 from .stream_slices import SliceSpec, StreamsDataset, fresh_position
 from .text_reduction import TEXT_MASKS, TextReducer, load_tokenizer
@@ -109,10 +111,16 @@ class StreamConfig(Section):
     max_image_bytes: Int = Field(DEFAULT_MAX_IMAGE_BYTES, ge=1, description="larger decoded images (width x height "
                                  "x channels x bytes per channel, from the header, after the JPEG reduced-size "
                                  "decode) are counted as decompression bombs and skipped, never decoded")
-    max_member_bytes: Int = Field(DEFAULT_MAX_MEMBER_BYTES, ge=1, description="a sample with a tar member larger "
+    max_member_bytes: Int = Field(MAX_MEMBER_BYTES, ge=1, description="a sample with a tar member larger "
                                   "than this is skipped (counted oversized_member); the member is never read")
-    max_caption_bytes: Int = Field(DEFAULT_MAX_CAPTION_BYTES, ge=1, description="a sample whose caption is larger "
+    max_caption_bytes: Int = Field(MAX_CAPTION_BYTES, ge=1, description="a sample whose caption is larger "
                                    "than this is skipped (counted oversized_caption); the caption is never read")
+    max_sample_bytes: Int = Field(MAX_SAMPLE_BYTES, ge=1, description="a sample whose members together (each with "
+                                  "its 512-byte header) are larger than this is skipped (counted oversized_sample); "
+                                  "the member that would pass it and the rest of the sample are never read")
+    max_shuffle_buffer_bytes: Int = Field(MAX_SHUFFLE_BUFFER_BYTES, ge=1, description="member bytes one canonical "
+                                          "stream's shuffle buffer holds at most (besides the sample being added); "
+                                          "at the bound it yields before it reads on, whatever shuffle_buffer says")
     crop_scale: tuple[Float, Float] = Field((0.4, 1.0), description="random-resized-crop area range [min, max]")
     mean: tuple[Float, Float, Float] = Field(OPENAI_MEAN, description="per-channel image mean (R, G, B); a run "
                                                                       "uses the model config's unless this is set")
@@ -478,7 +486,8 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
     spec = SliceSpec(image_size, tuple(cfg.crop_scale), tuple(cfg.crop_ratio), tuple(cfg.mean),
                      tuple(cfg.std), cfg.max_image_pixels, cfg.reduced_decode, settings.shuffle_buffer, cfg.drop_last,
                      decode, cfg.crop_interpolation, retry=cfg.retry_policy(),
-                     caps=MemberCaps(cfg.max_member_bytes, cfg.max_caption_bytes), max_image_bytes=cfg.max_image_bytes)
+                     caps=SampleCaps(cfg.max_member_bytes, cfg.max_caption_bytes, cfg.max_sample_bytes),
+                     max_image_bytes=cfg.max_image_bytes, shuffle_buffer_bytes=cfg.max_shuffle_buffer_bytes)
     stream = TrainStream(cfg, plan, spec, layout, reducer, num_samples, context_length, text_mask, device)
     stream.census = census
     return stream

@@ -6,19 +6,23 @@ reported rather than fatal. `make_loader` splits the samples across ranks and wo
 """
 import csv
 import io
+import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
-import webdataset as wds
 from PIL import Image
 from timm.data import ImageNetInfo
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
-from crate_clip.core.shard_sources import ShardListError, expand_source
+from crate_clip.checkpoint_io.bounded_reads import read_small_bytes
+from crate_clip.core.file_kinds import special_file
+from crate_clip.core.shard_sources import ShardListError, check_shard_count, expand_source
+from crate_clip.core.tar_members import TruncatedTarError
+from crate_clip.core.tar_samples import SampleCaps, TarSamples
 from crate_clip.eval.class_folders import map_class_folders
 from crate_clip.eval.distributed_batches import rank_slice
 
@@ -169,10 +173,20 @@ def wds_split_pattern(data: str | Path) -> str | None:
             raise ValueError(f"{path}: a wds/ data set with the splits {[p.name for p in splits]}; pass one of "
                              f"their folders as the data")
         path = path / "test" if len(splits) > 1 else splits[0]
-    text = (path / NSHARDS_FILE).read_text().strip()
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{path / NSHARDS_FILE}: {text!r} is not a number of shards")
-    return str(path / f"{{0..{int(text) - 1}}}.tar")
+    count = _shard_count(path / NSHARDS_FILE)
+    return str(path / f"{{0..{count - 1}}}.tar")
+
+
+NSHARDS_BYTES = 64   # nshards.txt holds one number (a 20-digit count is already past any bound)
+
+
+def _shard_count(nshards: Path) -> int:
+    """The number in nshards.txt, read as a bounded regular file (a FIFO, a sparse file of gigabytes, a link to
+    /dev/zero are one line) and held to MAX_SOURCE_SHARDS before any shard name is made from it."""
+    text = read_small_bytes(nshards, NSHARDS_BYTES).decode("ascii", "replace").strip()
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise ValueError(f"{nshards}: {text[:40]!r} is not a number of shards")
+    return check_shard_count(int(text), str(nshards))
 
 
 def shard_urls(data: str | Path) -> list[str]:
@@ -199,33 +213,41 @@ def is_shard_source(data: str | Path) -> bool:
 SHARD_INDEX_BITS = 32   # sample index = shard number << 32 | position in the shard (whole-shard reading)
 
 
-def tar_samples(url: str):
-    """Samples of one tar; a corrupt or truncated tar ends with one {'__unreadable_tar__': reason} entry."""
-    errors = []
+def tar_samples(url: str, caps: SampleCaps = SampleCaps()):
+    """Samples of one tar, read by the training stream's bounded reader (crate_clip.core.tar_samples: members and
+    samples above their caps passed over unread, a compressed tar refused before anything is decompressed); a
+    skipped sample is one {'__unreadable_tar__': reason} entry with its key, a corrupt, truncated or compressed tar
+    ends with one naming why."""
+    kind = special_file(url, name_link=False)
+    if kind:   # a FIFO would block the open for ever, a device read without end
+        yield {"__url__": url, "__unreadable_tar__": f"unreadable tar ({kind}, not a regular file)"}
+        return
+    try:
+        stream = open(url, "rb", buffering=1 << 20)
+    except OSError as exn:
+        yield {"__url__": url, "__unreadable_tar__": f"unreadable tar ({type(exn).__name__}: {exn.strerror})"}
+        return
+    with stream:
+        samples = TarSamples(stream, caps, url)
+        try:
+            yield from map(_named_skip, samples)
+        except TruncatedTarError:
+            pending = samples.pending   # the sample the tar broke off in, kept when its image and target are whole
+            if pending and any(k in pending for k in SHARD_IMAGE_KEYS) and ("cls" in pending or "txt" in pending):
+                yield _named_skip(samples.finish_pending())
+            yield {"__url__": url, "__unreadable_tar__": "truncated tar: it ends without the end-of-archive marker "
+                                                         "(samples after the cut are lost)"}
+        except (tarfile.ReadError, OSError) as exn:   # CompressedTarError is a ReadError
+            yield {"__url__": url, "__unreadable_tar__": f"unreadable tar ({type(exn).__name__}: {exn})"}
 
-    def record(exn):
-        errors.append(f"unreadable tar ({type(exn).__name__}: {str(exn.args[0]) if exn.args else exn})")
-        return False   # stop reading this tar
 
-    yield from wds.DataPipeline(wds.SimpleShardList([url]), wds.tarfile_to_samples(handler=record))
-    if not errors and not _ends_like_a_tar(url):
-        errors.append("truncated tar: it ends without the end-of-archive marker (samples after the cut are lost)")
-    if errors:
-        yield {"__url__": url, "__unreadable_tar__": errors[0]}
-
-
-def _ends_like_a_tar(url: str) -> bool:
-    """A local tar cut at a member boundary reads as a shorter, valid-looking stream (tarfile sees no error):
-    a complete one is a whole number of 512-byte blocks ending in two zero blocks. Remote URLs: not checked."""
-    path = Path(url)
-    if not path.is_file():
-        return True
-    size = path.stat().st_size
-    if size < 1024 or size % 512:
-        return False
-    with path.open("rb") as f:
-        f.seek(size - 1024)
-        return not any(f.read(1024))
+def _named_skip(sample: dict) -> dict:
+    """A sample the reader skipped as an unreadable entry naming why (its members above the bounds, or its key
+    repeated); any other as it is."""
+    if "__skip__" in sample:
+        sample["__unreadable_tar__"] = (f"sample skipped ({sample.pop('__skip__')}: above the reader's bounds or a "
+                                        "repeated key, docs/safety.md)")
+    return sample
 
 
 @dataclass
@@ -262,7 +284,8 @@ class ShardSamples(IterableDataset):
 
     def _decode(self, index: int, sample: dict):
         if "__unreadable_tar__" in sample:   # counted and named like an unreadable image
-            return None, None, index, f"{sample['__url__']}: {sample['__unreadable_tar__']}"
+            where = f"{sample['__url__']}:{sample['__key__']}" if "__key__" in sample else sample["__url__"]
+            return None, None, index, f"{where}: {sample['__unreadable_tar__']}"
         name = f"{sample.get('__url__', '?')}:{sample['__key__']}"
         if self.target not in sample:
             raise ValueError(f"shard sample {name} has no .{self.target} member")

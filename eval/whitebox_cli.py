@@ -6,7 +6,6 @@ import argparse
 import io
 import json
 import sys
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -190,33 +189,35 @@ def _depth(clip) -> int:
 # ---------------------------------------------------------------- segment
 def scene_shards(data: str, limit: int | None = None, grid: tuple[int, int] = (1, 1), skipped: list | None = None):
     """(key, PIL image, ground truth {height, width, objects}) from composite-scene shards (`crate-clip shards
-    scenes`); scenes whose image is unusable (see `open_image`) are appended to `skipped` as 'key (why)'."""
-    from crate_clip.eval.eval_datasets import shard_urls
+    scenes`), read by the bounded reader of every shard (eval_datasets.tar_samples); scenes whose image is unusable
+    (see `open_image`), or which that reader skips, are appended to `skipped` as 'key (why)'."""
+    from crate_clip.eval.eval_datasets import shard_urls, tar_samples
 
     skipped = [] if skipped is None else skipped
     count = 0
     for url in shard_urls(data):
-        with tarfile.open(url) as tar:
-            members = {}
-            for m in tar.getmembers():
-                key, _, ext = m.name.partition(".")
-                members.setdefault(key, {})[ext] = tar.extractfile(m).read()
-            for key in sorted(members):
-                parts = members[key]
-                if "jpg" not in parts or "json" not in parts:
-                    continue
-                meta = json.loads(parts["json"])
-                if "objects" not in meta:
-                    raise ValueError(f"{url}: sample {key} has no 'objects' (not a segmentation set from "
-                                     f"`crate-clip shards scenes`)")
-                image, why = open_image(parts["jpg"], grid)
-                if image is None:
-                    skipped.append(f"{url}:{key} ({why})")
-                    continue
-                yield key, image, {"height": image.height, "width": image.width, "objects": meta["objects"]}
-                count += 1
-                if limit is not None and count >= limit:
-                    return
+        members = {}
+        for sample in tar_samples(url):
+            if "__unreadable_tar__" in sample:
+                skipped.append(f"{url}:{sample.get('__key__', '')} ({sample['__unreadable_tar__']})")
+            else:
+                members[sample["__key__"]] = sample
+        for key in sorted(members):
+            parts = members[key]
+            if "jpg" not in parts or "json" not in parts:
+                continue
+            meta = json.loads(parts["json"])
+            if "objects" not in meta:
+                raise ValueError(f"{url}: sample {key} has no 'objects' (not a segmentation set from "
+                                 f"`crate-clip shards scenes`)")
+            image, why = open_image(parts["jpg"], grid)
+            if image is None:
+                skipped.append(f"{url}:{key} ({why})")
+                continue
+            yield key, image, {"height": image.height, "width": image.width, "objects": meta["objects"]}
+            count += 1
+            if limit is not None and count >= limit:
+                return
 
 
 def segment_main(argv) -> int:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 from pydantic import Field, PrivateAttr, ValidationError
 
+from crate_clip.checkpoint_io.weights_headers import WeightsHeaderError, stored_values
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.config_schema import Bool, Float, Int, Section, error_lines
 from crate_clip.core.file_kinds import special_file
@@ -23,10 +24,10 @@ from crate_clip.models.pos_embed import POS_EMBED_RESIZE_MODES
 from crate_clip.models.text_sources import check_text_source
 from crate_clip.models.token_masks import TokenMask
 from crate_clip.data.device_decode import Decode
-from crate_clip.core.shard_sources import refused_source
+from crate_clip.core.shard_sources import TooManyShardsError, check_shard_count, pattern_count, refused_source
 from crate_clip.data.shard_census import tar_ending
 from crate_clip.data.shard_reader import ShardListError, expand_source, is_remote
-from crate_clip.data.tar_members import COMPRESSED_MAGIC
+from crate_clip.core.tar_members import COMPRESSED_MAGIC
 from crate_clip.data.text_reduction import TextMask
 from crate_clip.data.train_stream import StreamConfig, crop_scale_problems
 from crate_clip.eval.registry import EvalSpec, data_problems
@@ -408,7 +409,8 @@ def apply_override(raw: dict, assignment: str) -> None:
 # ---------------------------------------------------------------- paths
 def _check_paths(cfg: RunConfig, base_dir: Path) -> list[str]:
     """Local files the run reads must exist (checked before any process group starts)."""
-    errors = [line for i, src in enumerate(cfg.data.sources) for line in _source_problems(f"data.sources.{i}", src)]
+    errors = _source_count_problems(cfg.data.sources)
+    errors += [line for i, src in enumerate(cfg.data.sources) for line in _source_problems(f"data.sources.{i}", src)]
     if cfg.model.bert_vocab and not (resolve_path(cfg.model.bert_vocab, base_dir) / "vocab.txt").is_file():
         errors.append(f"model.bert_vocab: {cfg.model.bert_vocab!r} holds no vocab.txt; fix: the folder of a "
                       "BERT vocabulary (one token a line), or remove the key to use the HuggingFace hub")
@@ -418,6 +420,7 @@ def _check_paths(cfg: RunConfig, base_dir: Path) -> list[str]:
             errors.append(f"{key}: {path!r} is {kind}, not a regular file; fix: point it to the file itself")
     if cfg.model.pretrained and not resolve_path(cfg.model.pretrained, base_dir).exists():
         errors.append(f"model.pretrained: file {cfg.model.pretrained!r} does not exist")
+    errors += _weights_header_problems(cfg, base_dir)
     if cfg.deepspeed.config and not resolve_path(cfg.deepspeed.config, base_dir).exists():
         errors.append(f"deepspeed.config: file {cfg.deepspeed.config!r} does not exist; fix: use one of "
                       "configs/deepspeed/zero{1,2,3}.json")
@@ -428,6 +431,21 @@ def _check_paths(cfg: RunConfig, base_dir: Path) -> list[str]:
         else:
             errors += [f"eval.evals.{i}.{key}: {problem}" for key, problem in data_problems(e)]
     return errors
+
+
+def _weights_header_problems(cfg: RunConfig, base_dir: Path) -> list[str]:
+    """A weights file the run starts from holds what its header claims (checked against its size before any tower
+    is built: crate_clip.checkpoint_io.weights_headers)."""
+    problems = []
+    model = cfg.model
+    for key, value in (("model.pretrained", model.pretrained), ("model.text_pretrained", model.text_pretrained)):
+        path = resolve_path(value, base_dir) if value else None
+        if path is not None and path.is_file():   # a tag, a folder or a missing file: said elsewhere
+            try:
+                stored_values(path)
+            except WeightsHeaderError as exc:
+                problems.append(f"{key}: {exc}")
+    return problems
 
 
 COMPRESSIONS = set(COMPRESSED_MAGIC.values())
@@ -444,11 +462,30 @@ def _output_dir_problems(cfg: RunConfig) -> list[str]:
 SHARDS_CHECKED = 16   # per source, spread over its list: a header read each, not a scan of every shard
 
 
+def _source_count_problems(sources: list[str]) -> list[str]:
+    """The brace patterns of data.sources together name at most MAX_SOURCE_SHARDS shards (each is counted, none
+    expanded; one above the bound alone is its own line, from _source_problems)."""
+    try:
+        total = sum(pattern_count(source) or 0 for source in sources)
+    except (TooManyShardsError, ShardListError):
+        return []   # the source's own line says it
+    try:
+        check_shard_count(total, f"data.sources ({len(sources):,} sources together)")
+    except TooManyShardsError as exc:
+        return [str(exc)]
+    return []
+
+
 def _source_problems(key: str, source: str) -> list[str]:
-    """A local source must name shards that exist and are tar files (a sample of them is opened)."""
+    """A local source must name shards that exist and are tar files (a sample of them is opened); a brace pattern
+    is counted before it is expanded."""
     refusal = refused_source(source)
     if refusal:
         return [f"{key}: {refusal}"]
+    try:
+        pattern_count(source)
+    except (TooManyShardsError, ShardListError) as exc:   # above the bound, or unbalanced braces
+        return [f"{key}: {exc}"]
     if is_remote(source):
         return []
     fix = "fix: write the shards first (crate-clip shards ...) or correct the path"

@@ -5,7 +5,9 @@ a 2 MB gzip shard holding one 2 GiB member took 5 GB to inspect. Here a shard is
 (webdataset's and img2dataset's .tar): a compressed one is recognised from its first bytes and refused before
 anything is decompressed; a member above its cap is passed over unread (seeked past, or read through in 1 MiB
 pieces from a pipe); pax and GNU long-name records, which only carry a path or a size, are bounded too.
-The same walk, reading no data at all, counts the complete samples of a local tar (shard_census.py).
+A size field no file can hold (the base-256 encoding allows 2^95; a pax size of any length) is a malformed header,
+refused before any seek. The same walk, reading no data at all, counts the complete samples of a local tar
+(crate_clip.data's shard_census.py); tar_samples.py groups the members into samples, for training and evaluation.
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ BLOCK = tarfile.BLOCKSIZE
 # First bytes of the compressed streams tarfile would open transparently ("r:*"), and zstd's.
 COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
 MAX_RECORD_BYTES = 1 << 20     # a pax or GNU long-name record holds a path and a few numbers
+# A member size above this is no member of a real file (8 EiB: the largest offset a seek takes); 2^80 from a
+# base-256 size field made the seek raise "cannot fit 'int' into an offset-sized integer", naming no shard.
+MAX_SIZE_FIELD = (1 << 63) - 1
 SKIP_CHUNK = 1 << 20           # passing over a member of a pipe: read and dropped in pieces of this size
 _META = re.compile(r"__[^/]*__($|/)")   # webdataset's skip_meta: __key__-style names are not members of a sample
 
@@ -119,9 +124,14 @@ def _header(reader: _Reader, started: bool) -> tarfile.TarInfo | None:
         info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
     except tarfile.HeaderError as exn:
         raise tarfile.ReadError(f"invalid tar header at byte {reader.offset - BLOCK}: {exn}") from None
-    if info.size < 0:
-        raise tarfile.ReadError(f"negative member size at byte {reader.offset - BLOCK}")
+    _check_size(info.size, reader.offset - BLOCK)
     return info
+
+
+def _check_size(size: int, at: int) -> None:
+    """tarfile.ReadError for a member size no file holds (negative, or beyond any offset)."""
+    if not 0 <= size <= MAX_SIZE_FIELD:
+        raise tarfile.ReadError(f"invalid tar header at byte {at}: a member size of {size:.3g} bytes")
 
 
 def iter_members(stream: BinaryIO, cap: Callable[[str], int]) -> Iterator[Member]:
@@ -142,7 +152,7 @@ def iter_members(stream: BinaryIO, cap: Callable[[str], int]) -> Iterator[Member
             else:
                 fields = _pax_fields(record)
                 name = fields.get("path", name)
-                size = int(fields["size"]) if fields.get("size", "").isdigit() else size
+                size = _pax_size(fields.get("size"), reader.offset) if "size" in fields else size
             continue
         member_name = name if name is not None else info.name
         name = size = None
@@ -158,6 +168,15 @@ def iter_members(stream: BinaryIO, cap: Callable[[str], int]) -> Iterator[Member
                 raise TruncatedTarError("unexpected end of data")
             yield Member(member_name, member_size, reader.offset, data)
         reader.skip(_padded(member_size) - member_size)
+
+
+def _pax_size(value: str, at: int) -> int:
+    """The size a pax record gives (decimal digits), bounded before it is converted."""
+    if not (value.isascii() and value.isdigit()) or len(value) > len(str(MAX_SIZE_FIELD)):
+        raise tarfile.ReadError(f"invalid pax size {value[:24]!r} before byte {at}")
+    size = int(value)
+    _check_size(size, at)
+    return size
 
 
 def _padded(size: int) -> int:
