@@ -18,8 +18,9 @@ def _record(stage: int, step: int, global_step: int, stage_steps: int = 4) -> Ch
 
 
 def _info(stage: int, step: int, global_step: int, stage_steps: int = 4) -> dict:
-    """crate_clip.json as a save writes it: the trainer's record and the world size the save adds."""
-    return {**_record(stage, step, global_step, stage_steps).as_dict(), "world_size": 1}
+    """crate_clip.json as a save writes it: the trainer's record, the world size and the lineage the save adds."""
+    return {**_record(stage, step, global_step, stage_steps).as_dict(), "world_size": 1, "save_number": global_step,
+            "lineage": []}
 
 
 def _checkpoint(root: Path, name: str, info: dict) -> Path:
@@ -33,6 +34,11 @@ def test_the_written_record_is_the_checked_record():
     assert set(info) == set(INFO_FIELDS) and info_problem(info) is None
     assert "global_step is a string" in info_problem({**info, "global_step": "4"})
     assert info_problem({**info, "step": -1}) == "step is negative (-1)"
+    assert info_problem({**info, "save_number": -2}) == "save_number is negative (-2)"
+    assert info_problem({**info, "lineage": [{"tag": "stage0-step00000001", "save_number": None}]}) is None
+    for entry in ({"tag": "../other-run/stage0-step00000001", "save_number": 1}, {"tag": "stage0-step00000001"},
+                  "stage0-step00000001", {"tag": "stage0-step00000001", "save_number": "1"}):
+        assert info_problem({**info, "lineage": [entry]}).startswith("lineage[0] is "), entry
 
 
 def test_the_record_read_back_is_the_dataclass_written(tmp_path):
@@ -41,8 +47,8 @@ def test_the_record_read_back_is_the_dataclass_written(tmp_path):
     it."""
     written = _checkpoint(tmp_path, "stage0-step00000004", _info(0, 4, 4))
     record = read_record(written)
-    assert record.as_dict() == _info(0, 4, 4) and record.world_size == 1
-    assert "world_size" not in _record(0, 4, 4).as_dict()   # the trainer's record: the save adds it
+    assert record.as_dict() == _info(0, 4, 4) and record.world_size == 1 and record.lineage == []
+    assert not {"world_size", "save_number", "lineage"} & set(_record(0, 4, 4).as_dict())   # the save adds them
     assert record.ends_stage and not CheckpointInfo.from_dict(_info(0, 3, 3)).ends_stage
     old = CheckpointInfo.from_dict({"model_name": "RN50", "image_size": 224, "step": 7})
     assert (old.model_name, old.image_size, old.patch_size, old.stage_steps) == ("RN50", 224, None, None)

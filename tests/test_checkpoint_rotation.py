@@ -1,8 +1,10 @@
 """A run deletes only what it wrote and keeps what `crate-clip export --stage N` needs: with keep_last=1 every
 finished stage keeps its last checkpoint, and the export commands of docs/export.md run as written on the run;
 rotation and the clean-up of interrupted saves leave a user's files in checkpoints/ where they were, a damaged
-checkpoint is moved aside in one line (never deleted), and a checkpoint folder that is a link to another run's
-checkpoint is refused by `--resume` and `export` in one line.
+checkpoint is moved aside in one line (never deleted), and a checkpoint folder, or a whole checkpoints/ folder,
+that is a link to another run's is refused by `--resume` and `export` in one line. A resume from an earlier
+checkpoint starts another line of the run: rotation, `latest`, `export --stage N` and `--resume latest` / `auto`
+(also without `latest`) follow that line, not the higher steps of the one it left.
 
 One process, the tiny model, 3 + 2 steps of batch 16, ZeRO-2 (as the demo), a checkpoint every step and
 keep_last=1 (the strictest rotation); every command is the real one, forked warm (tests/warm_python.py).
@@ -198,6 +200,67 @@ def test_rotation_and_resume_remove_only_what_the_run_wrote(finished, tmp_path):
     assert (ckpts / "latest").read_text() == STAGE1_END and (other / "crate_clip.json").is_file()
 
 
+def test_a_resume_from_an_earlier_checkpoint_starts_a_line_that_rotation_latest_export_and_resume_follow(
+        tmp_path, tiny_fmnist):
+    """Line A: 3 + 3 steps at 16 px, a checkpoint every step, all kept. Line B resumes from A's step 1 with both
+    stages made 2 steps long (allowed changes) and keep_last=2: A's stage0-step3 (the end of its longer stage 0) and
+    stage1-step3 keep higher global steps than anything of B. Judged by the step, rotation would delete B's
+    stage1-step1 (keeping A's two), and export --stage 0 and --resume latest without `latest` would take A's."""
+    # in this process, the functions train calls (none imports DeepSpeed, whose import would change the environment
+    # the warm commands share, tests/warm_python.py)
+    from crate_clip.checkpoint_io.checkpoint_record import resume_checkpoint
+    from crate_clip.train.checkpointing.checkpoints import CheckpointManager, intact_checkpoint
+    from crate_clip.train.checkpointing.elastic_resume import resolve_auto
+
+    stages = [dict(STAGES[0]), dict(STAGES[0], name="more", samples=48)]   # 3 + 3 steps, all at 16 px (cheap)
+    cfg = tiny_config(tmp_path / "run", tiny_fmnist, zero_stage=2, precision="fp32", stages=stages, every_steps=1,
+                      evals=False, logging={"tensorboard": False, "plot": False})
+    cfg["checkpoint"]["keep_last"] = 10
+    cfg["data"]["num_workers"] = 0
+    config, run, ckpts = write_config(cfg, tmp_path / "run.yaml"), tmp_path / "run", tmp_path / "run" / "checkpoints"
+    line_a = _cli("train", "--config", str(config))
+    assert line_a.returncode == 0, _show(line_a)
+    tags = [f"stage{i}-step{s:08d}" for i in (0, 1) for s in (1, 2, 3)]
+    assert _real_dirs(ckpts) == tags
+    a_records = {tag: json.loads((ckpts / tag / "crate_clip.json").read_text()) for tag in tags}
+    assert [a_records[t]["save_number"] for t in tags] == [1, 2, 3, 4, 5, 6]
+    assert a_records[tags[-1]]["lineage"] == [{"tag": t, "save_number": n} for n, t in enumerate(tags[:-1], 1)]
+
+    shorter = ["--set", "stages.0.samples=32", "--set", "stages.1.samples=32", "--set", "checkpoint.keep_last=2"]
+    line_b = _cli("train", "--config", str(config), *shorter, "--resume", str(ckpts / tags[0]),
+                  "--allow-change", "stages.0.samples", "--allow-change", "stages.1.samples")
+    assert line_b.returncode == 0, _show(line_b)
+    assert (f"[note] resuming from {tags[0]}, an earlier checkpoint than {', '.join(tags[1:])} (saved after it on "
+            "another line of the run)") in line_b.stdout, _show(line_b)
+    # B's line: stage0-step2 (the end of its 2-step stage 0), stage1-step1, stage1-step2 (its newest 2 and the stage
+    # ends); step 1 rotated out; A's stage0-step3 and stage1-step3 stay, neither counted nor removed
+    assert _real_dirs(ckpts) == ["stage0-step00000002", "stage0-step00000003", "stage1-step00000001",
+                                 "stage1-step00000002", "stage1-step00000003"]
+    assert json.loads((ckpts / "stage0-step00000003" / "crate_clip.json").read_text()) == a_records[tags[2]]
+    assert json.loads((ckpts / "stage1-step00000003" / "crate_clip.json").read_text()) == a_records[tags[5]]
+    b_head = json.loads((ckpts / "stage1-step00000002" / "crate_clip.json").read_text())
+    assert (b_head["global_step"], b_head["save_number"]) == (4, 9)
+    assert [e["tag"] for e in b_head["lineage"]] == ["stage0-step00000002", "stage1-step00000001"]
+    assert (ckpts / "latest").read_text() == "stage1-step00000002"
+    exported = _cli("export", str(run), "--stage", "0", "--out", str(tmp_path / "s0"), "--no-verify", "--json")
+    assert exported.returncode == 0, _show(exported)
+    assert json.loads(exported.stdout)["checkpoint"] == str(ckpts / "stage0-step00000002")
+
+    (ckpts / "latest").unlink()   # lost: the line is found from the records, not from the steps
+    manager = CheckpointManager(ckpts, keep_last=2, rank=0, world_size=1)
+    assert resolve_auto(run, manager, "auto") == "latest"
+    assert resume_checkpoint(ckpts, "latest", ValueError) == ckpts / "stage1-step00000002"
+    with open(ckpts / "stage1-step00000002" / "mp_rank_00_model_states.pt", "ab") as f:
+        f.write(b"x")   # damaged: --resume latest goes back along its line, to stage1-step1, not to A's
+    assert intact_checkpoint(manager, ckpts / "stage1-step00000002", "latest") == ckpts / "stage1-step00000001"
+    resumed = _cli("train", "--config", str(config), *shorter, "--resume", "auto")
+    assert resumed.returncode == 0, _show(resumed)
+    assert f"resuming from {ckpts / 'stage1-step00000001'} (stage 1, step 1" in resumed.stdout, _show(resumed)
+    assert (ckpts / "latest").read_text() == "stage1-step00000002"   # saved again, whole
+    assert _real_dirs(ckpts) == ["stage0-step00000002", "stage0-step00000003", "stage1-step00000001",
+                                 "stage1-step00000002", "stage1-step00000003"]
+
+
 def test_a_checkpoint_linked_to_another_runs_is_refused_by_resume_and_export(finished, tmp_path):
     run, args = _copy(finished, tmp_path)
     ckpts = run / "checkpoints"
@@ -222,3 +285,25 @@ def test_a_checkpoint_linked_to_another_runs_is_refused_by_resume_and_export(fin
             f"checkpoint); fix: export {target} itself, or remove the link"), _show(exported)
         assert "Traceback" not in exported.stderr and not (tmp_path / "export").exists()
     assert snapshot(run) == before   # nothing written, nothing removed
+
+    # a whole checkpoints/ folder linked to another run's: refused in one line before anything is read or removed,
+    # by the trainer (--resume latest) and by the launching process (--validate, as --nproc), and by export
+    linking, theirs = tmp_path / "linking", finished[0] / "checkpoints"
+    linking.mkdir()
+    shutil.copy(finished[0] / "run_config.yaml", linking)
+    (linking / "checkpoints").symlink_to(theirs)
+    other, mine = snapshot(finished[0]), snapshot(linking)
+    for extra in (["--resume", "latest"], ["--validate", "--resume", "auto"]):
+        proc = _cli("train", "--config", str(finished[1]), "--set", f"run.output_dir={linking}", *extra)
+        assert proc.returncode == 4, _show(proc)
+        assert _ours(proc.stderr) == [
+            f"crate-clip train: run.output_dir {linking}: checkpoints is a symbolic link to {theirs.resolve()}, outside "
+            "the run folder (a run reads, rewrites and removes its own files there); fix: replace the link by a folder "
+            "or file of this run's own (to keep a run on another disk, set run.output_dir there: the run folder itself "
+            "may be a link)"], _show(proc)
+    exported = _cli("export", str(linking), "--out", str(tmp_path / "export"))
+    assert exported.returncode == 2 and _ours(exported.stderr)[0] == (
+        f"crate-clip export: {linking / 'checkpoints'}: a symbolic link to {theirs.resolve()}, outside its run folder "
+        f"(another run's checkpoints); fix: export {theirs.resolve()} itself, or replace the link by the run's own "
+        "folder"), _show(exported)
+    assert snapshot(finished[0]) == other and snapshot(linking) == mine and not (tmp_path / "export").exists()

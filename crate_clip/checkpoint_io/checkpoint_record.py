@@ -1,16 +1,27 @@
 """The one owner of a checkpoint's record, crate_clip.json, and of finding checkpoints: train, export, eval and
 inspect read, list and resolve checkpoints only through here.
 
-The record: CheckpointInfo (the model and stage that wrote it) with its Progress; a save adds `world_size` and the
-files' checksums (checkpoint_manifest.py). Its schema (INFO_FIELDS) is derived from those two dataclasses, so the
+The record: CheckpointInfo (the model and stage that wrote it) with its Progress; a save adds `world_size`, the
+files' checksums (checkpoint_manifest.py) and the checkpoint's place in the run's history (`save_number`,
+`lineage`: below). Its schema (INFO_FIELDS) is derived from those two dataclasses, so the
 written shape and the checked shape cannot drift apart; a record that parses as JSON but does not match it counts
 as damaged. Fields are checked where present (a checkpoint of an earlier version may lack some); unknown fields
 are kept. Readers take the record as that dataclass (read_record, CheckpointInfo.from_dict), not as the raw dict.
 
-Listing: complete checkpoints (crate_clip.json present and well formed) are ordered by global step, everywhere.
+Listing: complete checkpoints (crate_clip.json present and well formed) are listed by global step, everywhere.
+
+Lineage: a resume from an earlier checkpoint starts another line of the run; the checkpoints saved after that one on
+the line it left keep their higher steps. So "newest" is never judged by the step: every save records its
+`save_number` (one more than any in the folder: the last save has the highest, whatever its step) and its
+`lineage` (the checkpoints it descends from that were on disk when it was saved: the one the run resumed from or
+saved before it, and that one's lineage). The run's line (line_of) is what rotation keeps and counts, what `latest`
+and `export --stage N` follow. A checkpoint written before these fields existed has neither: it counts as saved
+before every checkpoint that has them, and descends from every such earlier-version checkpoint of a lower global
+step (the one line an earlier version assumed).
+
 Resolving which checkpoint is meant:
-    latest_complete_tag     the tag `latest` names when complete, else the newest complete one
-    stage_final_tag         a stage's last checkpoint (export --stage N)
+    latest_complete_tag     the tag `latest` names when complete, else the one saved last
+    stage_final_tag         a stage's last checkpoint on the line of the latest one (export --stage N)
     resolve_checkpoint_tag  a checkpoints folder (its `latest`), a tag in it, or a tag folder (eval, consolidation)
     user_checkpoint         a run folder, its checkpoints folder, a tag folder, or a stage (export)
     resume_checkpoint       `latest` of the run's own folder, a checkpoints folder or a tag folder (train --resume)
@@ -25,7 +36,8 @@ from typing import Optional, get_type_hints
 
 from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_small_bytes, read_small_json
 from crate_clip.checkpoint_io.manifest_schema import checksum_records_problem, has_json_type, json_type_name
-from crate_clip.checkpoint_io.run_layout import LATEST_FILE, checkpoints_in, linked_outside
+from crate_clip.checkpoint_io.run_layout import (CHECKPOINTS_DIR, LATEST_FILE, checkpoints_in, linked_outside,
+                                                 tag_position)
 from crate_clip.core.file_kinds import special_file
 
 INFO_FILE = "crate_clip.json"
@@ -67,11 +79,15 @@ class CheckpointInfo:
     tokenizer: dict
     progress: Progress
     world_size: Optional[int] = None   # the processes that saved it: the save adds it to the file
+    save_number: Optional[int] = None  # its place among the run's saves (the save adds it; lineage above)
+    lineage: Optional[list] = None     # [{"tag", "save_number"}] it descends from, oldest first (the save adds it)
 
     def as_dict(self) -> dict:
-        """The JSON form: the progress's fields at the top level, beside the others (world_size once saved)."""
-        skip = ("progress",) if self.world_size is not None else ("progress", "world_size")
-        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip},
+        """The JSON form: the progress's fields at the top level, beside the others (what the save adds once
+        saved)."""
+        added = ("world_size", "save_number", "lineage")
+        return {**{f.name: getattr(self, f.name) for f in fields(self)
+                   if f.name != "progress" and not (f.name in added and getattr(self, f.name) is None)},
                 **asdict(self.progress)}
 
     @classmethod
@@ -90,8 +106,9 @@ class CheckpointInfo:
         return self.stage_steps is not None and self.progress.step >= self.stage_steps
 
 
-_JSON_TYPES = {int: (int,), str: (str,), dict: (dict,), Optional[int]: (int, type(None))}
-_EXPECTED = {int: "an integer", str: "a string", dict: "an object"}
+_JSON_TYPES = {int: (int,), str: (str,), dict: (dict,), Optional[int]: (int, type(None)),
+               Optional[list]: (list, type(None))}
+_EXPECTED = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
 
 
 def _schema() -> dict[str, tuple]:
@@ -117,12 +134,31 @@ def info_problem(info) -> str | None:
     for key, types in INFO_FIELDS.items():
         if key in info and not has_json_type(info[key], types):
             return f"{key} is {json_type_name(info[key])} ({str(info[key])[:40]!r}), not {_EXPECTED[types[0]]}"
-    for key in _NON_NEGATIVE:
-        if key in info and info[key] < 0:
+    for key in (*_NON_NEGATIVE, "save_number"):
+        if isinstance(info.get(key), int) and info[key] < 0:
             return f"{key} is negative ({info[key]})"
+    if info.get("lineage") is not None:
+        problem = _lineage_problem(info["lineage"])
+        if problem:
+            return problem
     if "file_checksums" in info:
         return checksum_records_problem(info["file_checksums"])
     return None
+
+
+def _lineage_problem(lineage: list) -> str | None:
+    """Why a parsed `lineage` is malformed: each entry names a folder beside the checkpoint (a name, never a path)
+    and its save number (null: a checkpoint of an earlier version)."""
+    for i, entry in enumerate(lineage):
+        if not (isinstance(entry, dict) and set(entry) == {"tag", "save_number"} and _is_folder_name(entry["tag"])
+                and (entry["save_number"] is None or (has_json_type(entry["save_number"], (int,))
+                                                      and entry["save_number"] >= 0))):
+            return f"lineage[{i}] is {str(entry)[:60]!r}, not {{'tag': FOLDER NAME, 'save_number': N}}"
+    return None
+
+
+def _is_folder_name(name) -> bool:
+    return isinstance(name, str) and bool(name) and not name.startswith(".") and "/" not in name and "\0" not in name
 
 
 def read_info_checked(tag_dir: Path) -> tuple[Optional[dict], Optional[str]]:
@@ -184,24 +220,38 @@ def read_latest_tag(checkpoints: Path) -> str | None:
     return tag if tag and "/" not in tag and tag not in (".", "..") else None
 
 
+def complete_records(checkpoints: Path) -> dict[str, CheckpointInfo]:
+    """Tag -> record of the complete checkpoints (crate_clip.json present and well formed) in `checkpoints`."""
+    if not Path(checkpoints).is_dir():
+        return {}
+    return {p.name: CheckpointInfo.from_dict(info) for p in Path(checkpoints).iterdir()
+            if p.is_dir() and not p.name.startswith(".") and (info := read_info(p)) is not None}
+
+
 def complete_tags_in(checkpoints: Path) -> list[str]:
     """The complete checkpoints (crate_clip.json present) in `checkpoints`, oldest first (by global step, then
     name): the one order every listing uses."""
-    if not Path(checkpoints).is_dir():
-        return []
-    found = [(info.get("global_step", 0), p.name) for p in Path(checkpoints).iterdir()
-             if p.is_dir() and not p.name.startswith(".") and (info := read_info(p)) is not None]
-    return [name for _, name in sorted(found)]
+    records = complete_records(checkpoints)
+    return sorted(records, key=lambda tag: (records[tag].progress.global_step, tag))
 
 
 def newest_complete_tag(checkpoints: Path) -> str | None:
-    """The complete checkpoint with the highest global step in `checkpoints`."""
-    complete = complete_tags_in(checkpoints)
-    return complete[-1] if complete else None
+    """The complete checkpoint saved last in `checkpoints` (by save number; among checkpoints of an earlier
+    version, which record none, the highest global step); a link to another run's checkpoint is not this run's."""
+    records = complete_records(checkpoints)
+    return max((tag for tag in records if linked_outside(Path(checkpoints) / tag) is None),
+               key=lambda tag: save_order(tag, records[tag]), default=None)
+
+
+def save_order(tag: str, record: CheckpointInfo) -> tuple:
+    """The order of saving: the save number (an earlier version's checkpoint: 0), then the global step; of two
+    equal records (a user's copy of a checkpoint) the one under the trainer's own name."""
+    own = tag_position(tag) == (record.progress.stage_index, record.progress.step)
+    return record.save_number or 0, record.progress.global_step, own, tag
 
 
 def latest_complete_tag(checkpoints: Path) -> str | None:
-    """The tag `latest` names, if that checkpoint is complete; else the newest complete one (a garbled `latest`
+    """The tag `latest` names, if that checkpoint is complete; else the one saved last (a garbled `latest`
     counts as missing)."""
     tag = read_latest_tag(checkpoints)
     if tag is not None and read_info(Path(checkpoints) / tag) is not None:
@@ -210,11 +260,40 @@ def latest_complete_tag(checkpoints: Path) -> str | None:
 
 
 def stage_final_tag(checkpoints: Path, stage: int) -> str | None:
-    """The last checkpoint of stage `stage` (the one its after-stage evaluations measured) among the complete ones
-    in `checkpoints`, by global step; None when the stage has none."""
-    ends = [tag for tag in complete_tags_in(checkpoints)
-            if (info := read_info(Path(checkpoints) / tag)).get("stage_index") == stage and is_stage_end(info)]
+    """The last checkpoint of stage `stage` (the one its after-stage evaluations measured) on the line of the
+    latest checkpoint (latest_complete_tag); None when that line has none."""
+    records = complete_records(checkpoints)
+    head = latest_complete_tag(checkpoints)
+    ends = [tag for tag in line_of(records, head)
+            if records[tag].progress.stage_index == stage and records[tag].ends_stage] if head else []
     return ends[-1] if ends else None
+
+
+# ------------------------------------------------------------------------------------------------ lineage
+def line_of(records: dict[str, CheckpointInfo], tag: Optional[str]) -> list[str]:
+    """`tag` and the checkpoints among `records` (complete_records) it descends from, oldest first: those its
+    lineage names that are still there under the same save number; for a checkpoint of an earlier version (no
+    lineage), every such checkpoint of a lower global step. [] when `tag` is not among them."""
+    record = records.get(tag)
+    if record is None:
+        return []
+    if record.lineage is None:
+        position = (record.progress.global_step, tag)
+        older = sorted((r.progress.global_step, t) for t, r in records.items()
+                       if r.lineage is None and (r.progress.global_step, t) < position)
+        return [t for _, t in older] + [tag]
+    return [entry["tag"] for entry in record.lineage if entry["tag"] != tag and entry["tag"] in records
+            and records[entry["tag"]].save_number == entry["save_number"]] + [tag]
+
+
+def lineage_fields(checkpoints: Path, parent: Optional[str]) -> dict:
+    """What a save adds to its record (rank 0, before the commit): its save number, one more than any in the
+    folder, and its lineage: `parent` (the checkpoint the run resumed from or saved before; None for its first)
+    and the checkpoints on `parent`'s line."""
+    records = complete_records(checkpoints)
+    number = max((r.save_number or 0 for r in records.values()), default=0) + 1
+    lineage = [{"tag": t, "save_number": records[t].save_number} for t in line_of(records, parent)]
+    return {"save_number": number, "lineage": lineage}
 
 
 # ------------------------------------------------------------------------------------------------ resolving
@@ -262,11 +341,14 @@ def user_checkpoint(path: Path, stage: int | None, error: type[Exception]) -> Pa
         raise error(f"{path}: {what} (a run folder, its checkpoints/ folder, or one checkpoint folder is exported)")
     is_tag = read_info(path) is not None
     root = path.parent if is_tag else checkpoints_in(path)
+    if not is_tag:
+        _checkpoints_not_linked_outside(root, error)
     if stage is not None:
         tag = stage_final_tag(root, stage)
         if tag is None:
-            raise error(f"{root}: no complete final checkpoint of stage {stage} (the run has not finished it, or it "
-                        f"was pruned); complete checkpoints: {complete_tags_in(root) or 'none'}")
+            raise error(f"{root}: no complete final checkpoint of stage {stage} on the line of its latest checkpoint "
+                        f"({latest_complete_tag(root) or 'none'}: the run has not finished the stage since it "
+                        f"resumed, or it was pruned); complete checkpoints: {complete_tags_in(root) or 'none'}")
         return root / tag
     if is_tag:
         return path
@@ -304,6 +386,15 @@ def resume_checkpoint(root: Path, resume: str, error: type[Exception]) -> Path:
         raise error(f"--resume {resume}: not a complete checkpoint ({what}); fix: pass a checkpoint folder or "
                     "'latest'")
     return _not_linked_outside(path, resume, error)
+
+
+def _checkpoints_not_linked_outside(root: Path, error: type[Exception]) -> None:
+    """`error` when the checkpoints folder `root` is a symbolic link leaving its run folder (another run's
+    checkpoints): exporting through it would file that run's weights under this one."""
+    target = linked_outside(root) if root.name == CHECKPOINTS_DIR else None
+    if target is not None:
+        raise error(f"{root}: a symbolic link to {target}, outside its run folder (another run's checkpoints); fix: "
+                    f"export {target} itself, or replace the link by the run's own folder")
 
 
 def _latest_dir(root: Path, resume: str, error: type[Exception]) -> Path:

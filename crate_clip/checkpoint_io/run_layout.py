@@ -5,6 +5,7 @@ touches this module only. The trainer writes it, the export, the demo and `--res
                                `.<tag>.saving/` a save in progress, `<tag>.damaged/` a damaged one moved aside
     <run>/metrics.jsonl        one record per logged step;   <run>/results.jsonl   one row per evaluation
     <run>/run_config.yaml      the resolved run config of the first start (never rewritten)
+    <run>/run_reads.json       what its path keys name as the run reads them (variables expanded, absolute)
     <run>/config_changes.jsonl the config changes resumes made since (step, key, old, new)
     <run>/tensorboard/         TensorBoard events;   <run>/metrics.csv, results.csv   the csv tracker's tables
     <run>/wandb/, wandb_run_id.txt   Weights & Biases' offline files and the run id a resume continues
@@ -18,6 +19,7 @@ touches this module only. The trainer writes it, the export, the demo and `--res
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Optional
@@ -30,6 +32,10 @@ PLOT_FILE = "training_curve.png"
 RUN_CONFIG_FILE = "run_config.yaml"
 # what resumes changed of run_config.yaml (train/checkpointing/config_changes.py)
 CONFIG_CHANGES_FILE = "config_changes.jsonl"
+# the rows of a config_changes.jsonl whose run_config.yaml was lost, set aside when a resume records a new one
+ORPHANED_CHANGES_FILE = "config_changes.orphaned.jsonl"
+# the path keys' values as the run reads them (config_changes.py): environment variables expanded, absolute
+RUN_READS_FILE = "run_reads.json"
 TENSORBOARD_DIR = "tensorboard"
 METRICS_CSV = "metrics.csv"         # the csv tracker (train/reporting/trackers.py)
 RESULTS_CSV = "results.csv"
@@ -44,6 +50,11 @@ LOCK_SUFFIX = ".lock"
 # what a run writes into its folder; any of them means the folder already holds a run
 RUN_FILES = (CHECKPOINTS_DIR, METRICS_FILE, RESULTS_FILE, RUN_CONFIG_FILE, CONFIG_CHANGES_FILE, EXPORT_DIR,
              TENSORBOARD_DIR)
+# everything in its folder a run reads, rewrites or removes (a resume's set-aside rows and torn lines included)
+RUN_PARTS = (*RUN_FILES, RUN_READS_FILE, ORPHANED_CHANGES_FILE, METRICS_CSV, RESULTS_CSV, WANDB_DIR, WANDB_ID_FILE,
+             LOG_DIR, EVAL_CACHE_DIR, DEMO_PROBE_FILE, PLOT_FILE, EXPORTS_DIR,
+             *(f"{stem}.{kind}" for stem in ("metrics", "results")
+               for kind in ("superseded.jsonl", "superseded.csv", "torn.txt")))
 
 
 # What the trainer names its own checkpoints and the staging folders of its saves: rotation and the clean-up of
@@ -87,6 +98,27 @@ def linked_outside(tag_dir: Path) -> Optional[Path]:
     target, parent = tag_dir.resolve(), tag_dir.parent
     holders = (parent.resolve(), parent.parent.resolve()) if parent.name == CHECKPOINTS_DIR else (parent.resolve(),)
     return None if any(target.is_relative_to(h) and target != h for h in holders) else target
+
+
+def linked_run_parts(run_dir: Path) -> list[tuple[str, Path]]:
+    """(name, target) of each part of `run_dir` a run reads, rewrites or removes (RUN_PARTS) that is a symbolic link
+    leading outside the run folder: through it a resume would read, and rotation delete, another run's files. A
+    link within the folder, and the run folder itself being a link, are the user's layout and fine."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    root, found = run_dir.resolve(), []
+    for name in RUN_PARTS:
+        part = run_dir / name
+        if not part.is_symlink():
+            continue
+        try:
+            target = part.resolve()
+        except (OSError, RuntimeError):   # a loop of links
+            target = Path(os.readlink(part))
+        if target == root or not target.is_relative_to(root):
+            found.append((name, target))
+    return found
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

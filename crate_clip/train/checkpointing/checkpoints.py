@@ -37,8 +37,10 @@ from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_wri
                                                    restore_replaced)
 from crate_clip.checkpoint_io.checkpoint_manifest import checksum_share, damage_in_share
 from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, CheckpointInfo, Progress,  # noqa: F401
-                                                        complete_tags_in, latest_complete_tag, read_info,
-                                                        read_info_checked, read_record, resume_checkpoint)
+                                                        complete_records, complete_tags_in, latest_complete_tag,
+                                                        line_of, lineage_fields, read_info,
+                                                        read_info_checked, read_latest_tag, read_record,
+                                                        resume_checkpoint, save_order)
 from crate_clip.checkpoint_io.deepspeed_checkpoints import LATEST_FILE, consolidated_state_dict  # noqa: F401
 from crate_clip.checkpoint_io.run_layout import (DAMAGED_SUFFIX, REPLACED_SUFFIX, checkpoint_tag,  # noqa: F401
                                                  is_own_staging, linked_outside, staging_name, tag_position)
@@ -109,6 +111,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
+        self.parent: Optional[str] = None   # the checkpoint the next save descends from (lineage, checkpoint_record)
 
     # ------------------------------------------------------------ save
     def save(self, engine, tag: str, info: dict, rank_state: dict, shared_files: Optional[dict] = None) -> Path:
@@ -132,6 +135,7 @@ class CheckpointManager:
                 raise no_space_in_save(self.root, tag, last, checkpoint_bytes(self.root / last if last else None)) \
                     from exc
             raise
+        self.parent = tag
         return self.root / tag
 
     def _write_and_commit(self, engine, staging: Path, tag: str, info: dict, rank_state: dict,
@@ -183,8 +187,9 @@ class CheckpointManager:
         return dict(sorted(item for share in shares for item in share.items()))
 
     def commit(self, staging: Path, tag: str, info: dict) -> None:
-        """Rank 0, once every rank's files in `staging` are durable: mark it complete, swap it in as `tag`,
-        then move `latest` to it and prune."""
+        """Rank 0, once every rank's files in `staging` are durable: mark it complete (its record with its place in
+        the run's lineage), swap it in as `tag`, then move `latest` to it and prune."""
+        info = {**info, **lineage_fields(self.root, self.parent)}
         atomic_write_text(staging / INFO_FILE, json.dumps(info, indent=1))
         if (self.root / tag).is_dir() and not (self.root / tag).is_symlink():
             _move_aside_if_damaged(self.root / tag)   # the swap deletes the folder it replaces: only a complete one
@@ -193,18 +198,23 @@ class CheckpointManager:
         self.prune()
 
     def prune(self) -> None:
-        """Rotation, after each commit: of the checkpoints this run saved (own_checkpoint), keep the newest
-        `keep_last` and every finished stage's last one (export --stage N and a resume's missing evaluations read it),
-        and remove the others. Put back a checkpoint whose re-save was cut short between the two renames of its swap,
-        remove the run's own interrupted saves and move a damaged checkpoint aside, said in one line. Nothing else
-        in the folder is touched."""
+        """Rotation, after each commit: of the checkpoints this run saved (own_checkpoint) on the line of the last
+        save (the one it descends from: checkpoint_record's lineage), keep the newest `keep_last` and every finished
+        stage's last one (export --stage N and a resume's missing evaluations read it), and remove the others; the
+        checkpoints of a line the run left by resuming from an earlier one are neither counted nor removed. Put back
+        a checkpoint whose re-save was cut short between the two renames of its swap, remove the run's own
+        interrupted saves and move a damaged checkpoint aside, said in one line. Nothing else in the folder is
+        touched."""
         for old in self.root.glob(f".*{REPLACED_SUFFIX}"):
             if tag_position(old.name[1:-len(REPLACED_SUFFIX)]):
                 restore_replaced(self.root / old.name[1:-len(REPLACED_SUFFIX)])
         latest = self.latest_tag()
-        own = [(tag, record) for tag in self.complete_tags() if (record := own_checkpoint(self.root / tag))]
-        for tag, record in own[:-self.keep_last]:
-            if tag != latest and not record.ends_stage:
+        records = complete_records(self.root)
+        own = {tag: record for tag in records if (record := own_checkpoint(self.root / tag))}
+        head = max(own, key=lambda tag: save_order(tag, own[tag]), default=None)   # the last save
+        line = [tag for tag in line_of(records, head) if tag in own]
+        for tag in line[:-self.keep_last]:
+            if tag != latest and not own[tag].ends_stage:
                 shutil.rmtree(self.root / tag, ignore_errors=True)
         for path in sorted(self.root.iterdir()):
             if is_own_staging(path) or _swapped_out(path):
@@ -220,6 +230,25 @@ class CheckpointManager:
     def latest_tag(self) -> str | None:
         """The tag `latest` names, if that checkpoint is complete; else the newest complete one."""
         return latest_complete_tag(self.root)
+
+    def continue_from(self, tag_dir: Path) -> None:
+        """Rank 0, resuming from `tag_dir` once the resume is checked: `latest` names it (a resume from an earlier
+        checkpoint starts another line; killed before its first save, the run goes on from here, not from the line
+        it left), and the checkpoints saved after it on another line are named in one line: they stay, rotation
+        neither counts nor removes them."""
+        if Path(tag_dir).parent.resolve() != self.root.resolve():
+            return   # another run's checkpoint: this folder's record starts with the first save
+        if read_latest_tag(self.root) != tag_dir.name:
+            atomic_write_text(self.root / LATEST_FILE, tag_dir.name)
+        records = complete_records(self.root)
+        line = set(line_of(records, tag_dir.name))
+        left = [tag for tag in complete_tags_in(self.root) if tag not in line and own_checkpoint(self.root / tag)
+                and _saved_after(records, tag, tag_dir.name)]
+        if left:
+            print(f"[note] resuming from {tag_dir.name}, an earlier checkpoint than {', '.join(left)} (saved after it "
+                  f"on another line of the run): the run goes on from {tag_dir.name} (`latest` names it; rotation and "
+                  "export --stage N follow its line); those checkpoints stay, not counted by rotation: remove them "
+                  "once you no longer need them", flush=True)
 
     def resolve(self, resume: str) -> Path:
         """`latest` -> newest complete checkpoint of this run; else a tag folder or a checkpoints folder; a link to
@@ -257,6 +286,11 @@ class CheckpointManager:
             return load_torch_file(path, allow=())
         except UntrustedCheckpointError as exc:
             raise _earlier_rank_state(exc) from None
+
+
+def _saved_after(records: dict, tag: str, other: str) -> bool:
+    """Whether checkpoint `tag` was saved after `other` (both in `records`, complete_records)."""
+    return save_order(tag, records[tag]) > save_order(other, records[other])
 
 
 def own_checkpoint(tag_dir: Path) -> Optional[CheckpointInfo]:
@@ -308,6 +342,8 @@ def find_resume_point(cfg: RunConfig, ckpts: CheckpointManager, resume: Optional
         return ResumePoint()
     tag_dir = ckpts.resolve(resume)
     progress = ckpts.check_compatible(tag_dir).progress
+    if tag_dir.parent.resolve() == ckpts.root.resolve():   # the run's next save descends from it (lineage)
+        ckpts.parent = tag_dir.name
     return ResumePoint(tag_dir, progress, progress.step >= cfg.stages[progress.stage_index].steps)
 
 
@@ -353,15 +389,14 @@ def _damaged_infos_after(root: Path, tag_dir: Path) -> list[str]:
 
 def intact_checkpoint(ckpts: CheckpointManager, tag_dir: Path, resume: str) -> Path:
     """The checkpoint to resume from: `tag_dir` when intact; for --resume latest (or a checkpoints folder) the
-    newest intact one at or before it, said in one line on rank 0; raises ResumeError for a damaged explicit tag
-    folder or when no checkpoint is intact."""
+    newest intact one on its line (the checkpoints it descends from: checkpoint_record's lineage), said in one line
+    on rank 0; raises ResumeError for a damaged explicit tag folder or when no checkpoint is intact."""
     explicit = resume != "latest" and Path(resume).resolve() == tag_dir.resolve()
     root = tag_dir.parent
     damaged = _damaged_infos_after(root, tag_dir)
     manager = ckpts if root == ckpts.root else CheckpointManager(root, ckpts.keep_last, ckpts.rank, ckpts.world_size)
-    step = _global_step(tag_dir)
-    earlier = [root / t for t in reversed(manager.complete_tags())
-               if _global_step(root / t) < step and linked_outside(root / t) is None]
+    earlier = [root / t for t in reversed(line_of(complete_records(root), tag_dir.name)[:-1])
+               if linked_outside(root / t) is None]
     candidates = [tag_dir] + [c for c in earlier if c != tag_dir]
     for candidate in candidates:
         problems = checkpoint_damage(manager, candidate)
@@ -377,9 +412,3 @@ def intact_checkpoint(ckpts: CheckpointManager, tag_dir: Path, resume: str) -> P
         damaged.append(f"{candidate.name} is damaged ({'; '.join(problems)})")
     raise ResumeError(f"--resume {resume}: no intact checkpoint in {root}: {'; '.join(damaged)}; fix: start over "
                       "with --overwrite (the run is moved aside) or restore the checkpoints from a copy")
-
-
-def _global_step(tag_dir: Path) -> int:
-    """The global step a checkpoint was saved at (the order complete_tags sorts in)."""
-    record = read_record(tag_dir)
-    return record.progress.global_step if record is not None else 0

@@ -114,6 +114,8 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
     if dist.is_main:
         _prepare_run_dir(cfg, start, moved_aside=earlier_run and overwrite,
                          restarted=bool(earlier_run) and not overwrite and start.tag_dir is None)
+        if start.tag_dir is not None:   # `latest` names it: a resume from an earlier checkpoint starts another line
+            ckpts.continue_from(start.tag_dir)
     tdist.barrier()   # the run folder is in place (an earlier one moved aside) before any rank writes its log
     log_to(deepspeed_log_path(cfg.run_dir, dist.rank))
     if not dist.is_main:   # only rank 0 prints

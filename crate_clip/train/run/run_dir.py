@@ -9,12 +9,39 @@ from pathlib import Path
 from typing import Optional
 
 from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE
-from crate_clip.checkpoint_io.run_layout import RUN_CONFIG_FILE, RUN_FILES, checkpoints_dir, tag_position
-from crate_clip.core.errors import UserError
+from crate_clip.checkpoint_io.run_layout import (RUN_CONFIG_FILE, RUN_FILES, checkpoints_dir, linked_run_parts,
+                                                 tag_position)
+from crate_clip.core.errors import EXIT_CONFIG, EXIT_RESUME, ConfigError, UserError
 
 
 class ExistingRunError(UserError, RuntimeError):
     """run.output_dir already holds a run, and the command neither resumes it nor moves it aside."""
+
+
+class LinkedRunPartError(ConfigError):
+    """A part of the run folder that the run reads, rewrites or removes is a link leading outside it; exit code 4
+    for a resume (its checkpoints would be another run's), 2 for a start."""
+    once_per_job = True   # every rank finds it: rank 0 says it
+
+    def __init__(self, message: str, resume: bool = False):
+        super().__init__(message)
+        self.exit_code = EXIT_RESUME if resume else EXIT_CONFIG
+
+    def __reduce__(self):   # pickled (sent to the other ranks) with its exit code
+        return type(self), (str(self), self.exit_code == EXIT_RESUME)
+
+
+def check_run_links(run_dir: Path, resume: Optional[str]) -> None:
+    """Refuse, before anything of the run folder is read or removed, a part of it the run reads, rewrites or
+    removes (checkpoints/, logs/, export/, metrics.jsonl, run_config.yaml, ...) that is a symbolic link leading
+    outside it: a resume would continue from, and rotation delete, another run's checkpoints."""
+    linked = linked_run_parts(run_dir)
+    if linked:
+        parts = ", ".join(f"{name} is a symbolic link to {target}" for name, target in linked)
+        raise LinkedRunPartError(
+            f"run.output_dir {run_dir}: {parts}, outside the run folder (a run reads, rewrites and removes its "
+            "own files there); fix: replace the link by a folder or file of this run's own (to keep a run on "
+            "another disk, set run.output_dir there: the run folder itself may be a link)", bool(resume))
 
 
 def run_files(run_dir: Path) -> list[str]:
@@ -41,6 +68,8 @@ def check_run_dir(run_dir: Path, resume: Optional[str], overwrite: bool) -> list
         problem = overwrite_problem(run_dir)
         if problem:
             raise ExistingRunError(problem)
+    else:   # --overwrite moves the folder aside whole, its links as links: nothing is followed
+        check_run_links(run_dir, resume)
     found = run_files(run_dir)
     if found and not resume and not overwrite:
         raise ExistingRunError(
