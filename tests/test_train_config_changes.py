@@ -132,6 +132,106 @@ def test_an_allowed_change_that_would_break_the_runs_accounting_is_refused(tmp_p
     assert _breaks_accounting(ConfigChange("optimizer.eps", 1e-6, 1e-8), cfg, where) is None
 
 
+def test_the_guard_compares_what_the_run_reads_not_the_strings_written(tmp_path, monkeypatch):
+    """A source behind an environment variable pointed at other data, and a relative source resumed from another
+    working folder, are changes of data.sources: the first start records them as the run read them (run_reads.json,
+    what stage_loop's _prepare_run_dir writes with record_run) and a resume compares with that."""
+    from crate_clip.core.errors import EXIT_CONFIG
+    from crate_clip.train.checkpointing.config_changes import (ConfigChangeError, config_changes, record_changes,
+                                                               record_run)
+
+    for folder in ("a/train", "b/train", "a/data/train", "b/data/train"):
+        (tmp_path / folder).mkdir(parents=True)
+    monkeypatch.setenv("HDATA", str(tmp_path / "a"))
+    cfg = _cfg(tmp_path, "data.sources=[$HDATA/train]")
+    cfg.run_dir.mkdir()
+    record_run(cfg)
+    assert yaml.safe_load((cfg.run_dir / "run_config.yaml").read_text())["data"]["sources"] == ["$HDATA/train"]
+    assert json.loads((cfg.run_dir / "run_reads.json").read_text())["data.sources"] == [str(tmp_path / "a/train")]
+    assert config_changes(cfg, "latest") == []
+    monkeypatch.setenv("HDATA", str(tmp_path / "b"))
+    with pytest.raises(ConfigChangeError) as refused:
+        config_changes(cfg, "latest")
+    assert refused.value.exit_code == EXIT_CONFIG
+    assert f'  data.sources: ["{tmp_path}/a/train"] -> ["{tmp_path}/b/train"]' in str(refused.value).splitlines()
+    # allowed: recorded as read; from then on the new data is the run's
+    record_changes(cfg.run_dir, config_changes(cfg, "latest", ["data.sources"]), None)
+    assert json.loads((cfg.run_dir / "run_reads.json").read_text())["data.sources"] == [str(tmp_path / "b/train")]
+    assert config_changes(cfg, "latest") == []
+
+    monkeypatch.chdir(tmp_path / "a")   # a relative source: what it names depends on the working folder
+    relative = _cfg(tmp_path, "data.sources=[data/train]", f"run.output_dir={tmp_path / 'relative'}")
+    relative.run_dir.mkdir()
+    record_run(relative)
+    assert config_changes(relative, "latest") == []
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.raises(ConfigChangeError) as refused:
+        config_changes(relative, "latest")
+    assert (f'  data.sources: ["{tmp_path}/a/data/train"] -> ["{tmp_path}/b/data/train"]'
+            in str(refused.value).splitlines())
+    # a run started before run_reads.json existed: compared as written, then recorded as this resume reads it
+    (relative.run_dir / "run_reads.json").unlink()
+    assert config_changes(relative, "latest") == []
+    record_run(relative)
+    assert json.loads((relative.run_dir / "run_reads.json").read_text())["data.sources"] == [
+        str(tmp_path / "b/data/train")]
+
+
+def test_a_resume_whose_run_config_yaml_is_lost_is_refused_unless_star_takes_this_config(tmp_path):
+    from crate_clip.train.checkpointing.config_changes import ConfigChangeError, config_changes, record_run
+
+    cfg = _cfg(tmp_path)
+    tag = cfg.run_dir / "checkpoints" / "stage0-step00000002"   # a run's checkpoint: the folder holds a run
+    tag.mkdir(parents=True)
+    (tag / "crate_clip.json").write_text(json.dumps({"stage_index": 0, "step": 2, "global_step": 2}))
+    rows = '{"global_step": 2, "key": "stages.0.lr", "old": 0.002, "new": 0.01}\n'
+    (cfg.run_dir / "config_changes.jsonl").write_text(rows)
+    with pytest.raises(ConfigChangeError) as refused:
+        config_changes(cfg, "latest", ["stages.0.lr"])
+    assert str(refused.value) == (
+        f"--resume: {cfg.run_dir / 'run_config.yaml'} is missing, so what this run config changes of what the run "
+        "trained cannot be checked; fix: restore the file (each checkpoint's crate_clip.json holds the run config it "
+        "was saved with, under run_config), or resume with --allow-change '*' to take this run config as the run's "
+        "record from now on") and refused.value.exit_code == 2
+    assert config_changes(cfg, "latest", ["*"]) == []
+    record_run(cfg)   # the resume's record: this config, the lost one's rows set aside
+    assert yaml.safe_load((cfg.run_dir / "run_config.yaml").read_text()) == cfg.to_dict()
+    assert (cfg.run_dir / "config_changes.orphaned.jsonl").read_text() == rows
+    assert not (cfg.run_dir / "config_changes.jsonl").exists() and config_changes(cfg, "latest") == []
+    assert config_changes(_cfg(tmp_path, f"run.output_dir={tmp_path / 'new'}"), "latest") == []   # no run there
+
+
+DAMAGED_ROWS = [   # a line of config_changes.jsonl -> what the one-line refusal says of it
+    ("stages.0.lr = 0.01", "not valid JSON ('stages.0.lr = 0.01')"),
+    ('{"key": "stages.0.lr", "new": 0.01', "not valid JSON"),   # cut short: the file is rewritten whole, never torn
+    ("5", "5 is not an object"),
+    ('["stages.0.lr", 0.01]', "[\"stages.0.lr\", 0.01] is not an object"),
+    ('{"old": 0.002, "new": 0.01}', 'its "key" is missing, not a dotted key of the run config'),
+    ('{"key": 7, "new": 0.01}', 'its "key" is 7, not a dotted key of the run config'),
+    ('{"key": "stages.0.lr", "new": 0.01, "global_step": "6"}', "its 'global_step' is \"6\", not a count"),
+    ('{"key": "stages.9.lr", "new": 0.01}', "stages.9: '9' is not an index of a list of 2 (applied to "),
+    ('{"key": "run.seed.x", "new": 1}', "run.seed.x: run.seed is a value (3), not a section (applied to "),
+]
+
+
+def test_a_damaged_config_changes_jsonl_is_one_line_naming_the_line(tmp_path):
+    """recorded_config is what train --resume (and --validate, the demo) and plan --resume read the record with; the
+    end-to-end test below runs both commands on one such line."""
+    from crate_clip.core.errors import ConfigError
+    from crate_clip.train.checkpointing.config_changes import recorded_config, record_run
+
+    cfg = _cfg(tmp_path)
+    cfg.run_dir.mkdir()
+    record_run(cfg)
+    path = cfg.run_dir / "config_changes.jsonl"
+    for line, said in DAMAGED_ROWS:
+        path.write_text('{"global_step": 2, "key": "stages.0.lr", "old": 0.002, "new": 0.01}\n' + line + "\n")
+        with pytest.raises(ConfigError) as refused:
+            recorded_config(cfg.run_dir)
+        assert str(refused.value).startswith(f"{path}, line 2: {said}") and "\n" not in str(refused.value), line
+        assert "fix: correct or remove that line" in str(refused.value)
+
+
 def test_docs_table_lists_the_free_keys_of_the_code():
     from crate_clip.train.checkpointing.config_changes import FREE_TO_CHANGE
 
@@ -225,3 +325,24 @@ def test_a_changed_resume_is_refused_unless_named_then_recorded_and_scheduled_as
     assert back.returncode == EXIT_CONFIG and "  stages.0.lr: 0.01 -> 0.002" in back.stderr.splitlines()
     assert len(read_jsonl(run_dir / "config_changes.jsonl")) == 3
     assert yaml.safe_load(recorded)["stages"][0]["lr"] == 0.002
+    assert json.loads((run_dir / "run_reads.json").read_text())["data.sources"] == [str(tiny_fmnist / "train")]
+
+    # a damaged config_changes.jsonl: one line naming the file and the line, from train and plan, nothing written
+    path, rows = run_dir / "config_changes.jsonl", (run_dir / "config_changes.jsonl").read_text()
+    path.write_text(rows + '{"key": "stages.0.lr", "new": 0.5, "global_step": -1}\n')
+    before = _snapshot(run_dir)
+    said = f"{path}, line 4: its 'global_step' is -1, not a count; fix: correct or remove that line"
+    damaged = _train(config, "--resume", "latest", *changed)
+    assert damaged.returncode == EXIT_CONFIG and damaged.stderr.startswith(f"crate-clip train: {said}"), \
+        damaged.stderr[-3000:]
+    assert len([line for line in damaged.stderr.splitlines() if line.strip()]) == 1
+    capsys.readouterr()
+    assert main(["plan", "--resume", str(run_dir), "--gpus", "1", "--gpu-memory", "1GiB", "--no-memory"]) == 2
+    assert capsys.readouterr().err.startswith(f"crate-clip plan: {said}") and _snapshot(run_dir) == before
+    # run_config.yaml lost: a resume with another lr is refused (it would go through and write a new record)
+    path.write_text(rows)
+    (run_dir / "run_config.yaml").unlink()
+    before = _snapshot(run_dir)
+    lost = _train(config, "--resume", "latest", "--set", "stages.0.lr=0.05")
+    assert lost.returncode == EXIT_CONFIG and "run_config.yaml is missing" in lost.stderr, lost.stderr[-3000:]
+    assert "Traceback" not in lost.stderr and _snapshot(run_dir) == before

@@ -11,10 +11,21 @@ of a run") shows the same table, checked against this one by tests/test_train_co
 An allowed change must keep the run's accounting whole: the stages before the checkpoint's are finished (their
 settings are history), the checkpoint's stage cannot end before the step it reached, and its global batch cannot
 change once it took a step (its steps would count two batch sizes).
+
+What is compared is what the run reads: the keys that name files and data (READ_KEYS) are compared as the run reads
+them (read_form: environment variables expanded, `~` and relative paths made absolute), so `$DATA` pointed at other
+shards, or a relative source resumed from another working folder, is a change of data.sources. The first start
+records these forms in run_reads.json beside run_config.yaml; each change that goes through updates them. A run
+started before that record existed has none: its first resume compares the keys as written (both sides read as of
+this resume) and records them so. A resume of a run folder whose run_config.yaml is missing is refused (the record
+to compare with is gone) unless `--allow-change '*'` takes this config as the run's record; a config_changes.jsonl
+that is not what record_changes writes is refused in one line naming the file and line, never skipped.
 """
 from __future__ import annotations
 
+import copy
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +35,16 @@ import torch.distributed as tdist
 import yaml
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
+from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_small_bytes, read_small_json
 from crate_clip.checkpoint_io.checkpoint_record import latest_complete_tag, read_record
-from crate_clip.checkpoint_io.run_layout import CONFIG_CHANGES_FILE, RUN_CONFIG_FILE, checkpoints_in, read_jsonl
+from crate_clip.checkpoint_io.run_layout import (CONFIG_CHANGES_FILE, ORPHANED_CHANGES_FILE, RUN_CONFIG_FILE,
+                                                 RUN_READS_FILE, checkpoints_in)
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.safe_yaml import load_yaml_file
+from crate_clip.core.shard_sources import is_remote
 from crate_clip.train.stage_setup.engine import DistInfo
 from crate_clip.train.run.run_config import RunConfig, config_from_dict
+from crate_clip.train.run.run_dir import LinkedRunPartError, check_run_links, is_run_folder
 
 # key pattern (dotted; `*` is any one part; a section names all its keys) -> why changing it trains the same thing
 FREE_TO_CHANGE: dict[str, str] = {
@@ -55,6 +70,10 @@ FREE_TO_CHANGE: dict[str, str] = {
 # means "the recorded value" (elastic_resume.settle_canonical_streams reads it back from the checkpoint)
 SETTLED_AT_FIRST_LAUNCH = ("data.canonical_streams", "data.shuffle_buffer")
 
+# keys whose values name what the run reads: compared as the run reads them (read_form), recorded in run_reads.json
+READ_KEYS = ("data.sources", "model.pretrained", "model.text_pretrained", "model.bert_vocab", "deepspeed.config")
+ALL_KEYS = "*"   # --allow-change '*': every key; the one way past a lost run_config.yaml
+MAX_CHANGES_BYTES = 64 << 20   # config_changes.jsonl: a row per change a resume made (a few hundred bytes each)
 
 class _Absent:
     """The value of a key one side does not have: a stage added or removed, a DeepSpeed override."""
@@ -140,39 +159,117 @@ def _diff(old: Any, new: Any, key: str, changes: list, removed: list) -> None:
 
 
 def apply_changes(raw: dict, records: Iterable[dict]) -> dict:
-    """`raw` with each recorded change (config_changes.jsonl rows) set in order; returns it."""
+    """`raw` with each recorded change (config_changes.jsonl rows) set in order; returns it. ValueError naming the
+    key when a row does not fit the config it is applied to (a list index out of range, a value where a section
+    belongs)."""
     for record in records:
-        *path, last = record["key"].split(".")
-        node = raw
-        for part in path:
-            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
-        if isinstance(node, list):
-            if "new" not in record:
-                del node[int(last)]
-            elif int(last) == len(node):
-                node.append(record["new"])
-            else:
-                node[int(last)] = record["new"]
-        elif "new" not in record:
-            node.pop(last, None)
-        else:
-            node[last] = record["new"]
+        _apply_one(raw, record["key"], record)
     return raw
 
 
 # ---------------------------------------------------------------- the run folder's record
+def _apply_one(raw: dict, key: str, record: dict) -> None:
+    *path, last = key.split(".")
+    node: Any = raw
+    for depth, part in enumerate(path):
+        node = _child(node, part, ".".join(path[:depth + 1]))
+    if isinstance(node, list):
+        index = _index(node, last, key, extra=1 if "new" in record else 0)
+        if "new" not in record:
+            del node[index]
+        elif index == len(node):
+            node.append(record["new"])
+        else:
+            node[index] = record["new"]
+    elif not isinstance(node, dict):
+        raise ValueError(f"{key}: {'.'.join(path)} is a value ({_shown(node)[:40]}), not a section")
+    elif "new" not in record:
+        node.pop(last, None)
+    else:
+        node[last] = record["new"]
+
+
+def _child(node: Any, part: str, where: str) -> Any:
+    """The item `part` of a section or list on a row's path (a section missing on the way is created)."""
+    if isinstance(node, list):
+        return node[_index(node, part, where)]
+    if isinstance(node, dict):
+        return node.setdefault(part, {})
+    raise ValueError(f"{where}: {where.rsplit('.', 1)[0]} is a value ({_shown(node)[:40]}), not a section")
+
+
+def _index(node: list, part: str, where: str, extra: int = 0) -> int:
+    """`part` as an index of `node` (`extra` 1: one past the end appends)."""
+    if not part.isdigit() or int(part) >= len(node) + extra:
+        raise ValueError(f"{where}: {part!r} is not an index of a list of {len(node)}")
+    return int(part)
+
+
+def read_change_rows(run_dir: Path) -> list[tuple[int, dict]]:
+    """(line number, row) of each row of the run's config_changes.jsonl ([] without it); ConfigError in one line
+    naming the file and the line when a line is not a row record_changes writes (not JSON, not an object, no
+    dotted `key`, a step that is not a count). record_changes rewrites the file whole and atomically: a line cut
+    short is damage too, never skipped."""
+    path = Path(run_dir) / CONFIG_CHANGES_FILE
+    fix = (f"fix: correct or remove that line (each line is one change a resume made: {{\"key\": ..., \"old\": ..., "
+           f"\"new\": ...}}), or restore the file from a copy")
+    try:
+        text = read_small_bytes(path, MAX_CHANGES_BYTES).decode("utf-8")
+    except FileNotFoundError:
+        return []
+    except (UnreadableRecordError, OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: {' '.join(str(exc).split())}; {fix}") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            raise ConfigError(f"{path}, line {number}: not valid JSON ({line[:60]!r}); {fix}") from None
+        problem = _row_problem(row)
+        if problem:
+            raise ConfigError(f"{path}, line {number}: {problem}; {fix}")
+        rows.append((number, row))
+    return rows
+
+
+def _row_problem(row: Any) -> Optional[str]:
+    """Why a parsed line of config_changes.jsonl is not a change row, or None."""
+    if not isinstance(row, dict):
+        return f"{_shown(row)[:40]} is not an object"
+    key = row.get("key")
+    if not isinstance(key, str) or not key or any(not part for part in key.split(".")):
+        return f"its \"key\" is {_shown(key)[:40] if 'key' in row else 'missing'}, not a dotted key of the run config"
+    for name in ("global_step", "stage_index", "step"):
+        value = row.get(name, 0)
+        if type(value) is not int or value < 0:
+            return f"its {name!r} is {_shown(value)[:40]}, not a count"
+    return None
+
+
 def recorded_config(run_dir: Path) -> Optional[dict]:
     """The config the run in `run_dir` trains with: its run_config.yaml (the first start's) with the changes of
-    config_changes.jsonl applied, every key filled in as this version reads it; None without run_config.yaml."""
+    config_changes.jsonl applied, every key filled in as this version reads it; None without run_config.yaml.
+    ConfigError (one line naming the file, and the line) for a record that cannot be read."""
     path = Path(run_dir) / RUN_CONFIG_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
     try:   # bounded like a run config: a run folder from elsewhere is data too
         raw = load_yaml_file(path, "the run's record") or {}
     except ConfigError as exc:
         raise ConfigError(f"{exc}; it records what the run trained: restore it, or start over with "
                           "--overwrite") from None
-    raw = apply_changes(raw, read_jsonl(Path(run_dir) / CONFIG_CHANGES_FILE))
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: holds {type(raw).__name__}, not a run config; it records what the run trained: "
+                          "restore it, or start over with --overwrite")
+    changes = Path(run_dir) / CONFIG_CHANGES_FILE
+    for number, row in read_change_rows(run_dir):
+        try:
+            _apply_one(raw, row["key"], row)
+        except ValueError as exc:
+            raise ConfigError(f"{changes}, line {number}: {exc} (applied to {path} and the lines before it); fix: "
+                              "correct or remove that line, or restore the file from a copy") from None
     try:   # keys added to the schema since the run started read as their defaults (which keep the old behaviour)
         return _as_recorded(config_from_dict(raw, check_paths=False).to_dict())
     except ConfigError:   # a key this version no longer knows: compared as written
@@ -185,6 +282,89 @@ def _as_recorded(raw: dict) -> dict:
 
 
 @dataclass(frozen=True)
+# ---------------------------------------------------------------- what the run reads
+def read_form(key: str, value: Any) -> Any:
+    """A READ_KEYS value as the run reads it in this process: a data source with `~` and environment variables
+    expanded (shard_sources reads it so), local paths absolute (against the working folder); a URL, a `pipe:`
+    command and a hub name (model.text_pretrained) are not paths."""
+    if key == "data.sources":
+        return [read_form("data.source", source) for source in value] if isinstance(value, list) else value
+    if not isinstance(value, str):
+        return value
+    if key == "data.source":
+        expanded = os.path.expandvars(os.path.expanduser(value))
+        return expanded if is_remote(expanded) or "://" in expanded else os.path.abspath(expanded)
+    if key == "model.text_pretrained":
+        if value.startswith("local-dir:"):
+            return "local-dir:" + os.path.abspath(os.path.expanduser(value[len("local-dir:"):]))
+        return os.path.abspath(os.path.expanduser(value)) if os.path.exists(os.path.expanduser(value)) else value
+    return os.path.abspath(os.path.expanduser(value))
+
+
+def read_forms(config: dict) -> dict[str, Any]:
+    """READ_KEYS -> their values in `config` as the run reads them now (read_form)."""
+    values = flat(config)
+    return {key: read_form(key, values.get(key)) for key in READ_KEYS}
+
+
+def recorded_reads(run_dir: Path, recorded: dict) -> dict[str, Any]:
+    """READ_KEYS -> what the run read: run_reads.json's (recorded at the first start, updated by each change that
+    went through); a key it lacks (a run started before the record existed) as the recorded config reads now."""
+    path = Path(run_dir) / RUN_READS_FILE
+    try:
+        saved = read_small_json(path)
+    except FileNotFoundError:
+        saved = {}
+    except (UnreadableRecordError, OSError) as exc:
+        raise ConfigError(f"{' '.join(str(exc).split())}; it records the data and files the run read: restore it, "
+                          f"or remove it to compare {', '.join(READ_KEYS)} as run_config.yaml writes them") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{path}: holds {type(saved).__name__}, not an object of key -> value; restore it, or "
+                          f"remove it to compare {', '.join(READ_KEYS)} as run_config.yaml writes them")
+    now = read_forms(recorded)
+    return {key: saved[key] if key in saved else now[key] for key in READ_KEYS}
+
+
+def _with_values(config: dict, values: dict[str, Any]) -> dict:
+    """A copy of `config` with each dotted key of `values` set to its value."""
+    config = copy.deepcopy(config)
+    for key, value in values.items():
+        *path, last = key.split(".")
+        node = config
+        for part in path:
+            node = node.setdefault(part, {})
+        if value is not None or last in node:
+            node[last] = value
+    return config
+
+
+def record_run(cfg: RunConfig) -> None:
+    """Rank 0, once a start or resume is checked: the run's record of what it trains, at the first start
+    (run_config.yaml, never rewritten: config_changes.jsonl records what resumes change; and run_reads.json), and
+    run_reads.json for a run started before it existed. A run_config.yaml lost and taken again from this config
+    (--allow-change '*'): the rows of config_changes.jsonl, which changed the lost one, are set aside first."""
+    run_dir = cfg.run_dir
+    recorded = recorded_config(run_dir)
+    if recorded is None:
+        changes = run_dir / CONFIG_CHANGES_FILE
+        if changes.exists():
+            orphaned = run_dir / ORPHANED_CHANGES_FILE
+            earlier = orphaned.read_text() if orphaned.is_file() else ""
+            atomic_write_text(orphaned, earlier + changes.read_text())
+            changes.unlink()
+            print(f"[note] {run_dir / RUN_CONFIG_FILE} was missing: this run config is the run's record from now on "
+                  f"(--allow-change '*'); the changes recorded against the lost one are kept in {orphaned}",
+                  flush=True)
+        atomic_write_text(run_dir / RUN_CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        _write_reads(run_dir, read_forms(_as_recorded(cfg.to_dict())))
+    elif not (run_dir / RUN_READS_FILE).exists():
+        _write_reads(run_dir, read_forms(recorded))
+
+
+def _write_reads(run_dir: Path, reads: dict[str, Any]) -> None:
+    atomic_write_text(Path(run_dir) / RUN_READS_FILE, json.dumps(reads, indent=1))
+
+
 class ResumedAt:
     """Where a resume continues (what a checkpoint's crate_clip.json records of it)."""
     stage_index: int
@@ -215,15 +395,26 @@ def config_changes(cfg: RunConfig, resume: Optional[str], allowed: Iterable[str]
     run_config.yaml. Raises ConfigError, one line per key with its old and new value, when a change to what is
     trained is not named in `allowed` (--allow-change), an allowed one would break the run's accounting, or an
     `allowed` key names no key of the config."""
-    recorded = recorded_config(cfg.run_dir) if resume else None
+    if not resume:
+        return []
+    check_run_links(cfg.run_dir, resume)   # before the run folder is read
+    allowed = list(allowed)
+    recorded = recorded_config(cfg.run_dir)
     if recorded is None:
         return []
+        if is_run_folder(cfg.run_dir) and ALL_KEYS not in allowed:   # its checkpoints, without their record
+            raise ConfigChangeError(
+                f"--resume: {cfg.run_dir / RUN_CONFIG_FILE} is missing, so what this run config changes of what "
+                f"the run trained cannot be checked; fix: restore the file (each checkpoint's crate_clip.json holds "
+                f"the run config it was saved with, under run_config), or resume with --allow-change '*' to take "
+                f"this run config as the run's record from now on")
     resumed = _as_recorded(cfg.to_dict())
+    recorded = _with_values(recorded, recorded_reads(cfg.run_dir, recorded))
     for key in SETTLED_AT_FIRST_LAUNCH:   # unset on the resume: the recorded value
+    resumed = _with_values(resumed, read_forms(resumed))
         section, name = key.split(".")
         if resumed.get(section, {}).get(name) is None and name in recorded.get(section, {}):
             resumed[section][name] = recorded[section][name]
-    allowed = list(allowed)
     _check_allowed_keys(allowed, recorded, resumed)
     changes = compare(recorded, resumed)
     where = resumed_at(cfg.run_dir, resume)
@@ -242,13 +433,13 @@ def agreed_config_changes(cfg: RunConfig, resume: Optional[str], allowed: Iterab
     if dist.is_main:
         try:
             outcome = config_changes(cfg, resume, allowed)
-        except ConfigError as exc:
-            outcome = ConfigChangeError(str(exc))
+        except ConfigError as exc:   # a link out of the run folder keeps its own exit code (4 for a resume)
+            outcome = exc if isinstance(exc, (ConfigChangeError, LinkedRunPartError)) else ConfigChangeError(str(exc))
     if dist.world_size > 1 and tdist.is_initialized():
         box = [outcome]
         tdist.broadcast_object_list(box, src=0)
         outcome = box[0]
-    if isinstance(outcome, ConfigChangeError):
+    if isinstance(outcome, ConfigError):
         raise outcome
     return outcome
 
@@ -316,6 +507,10 @@ def record_changes(run_dir: Path, changes: list[ConfigChange], where: Optional[R
     earlier += "\n" if earlier and not earlier.endswith("\n") else ""
     atomic_write_text(path, earlier + "".join(json.dumps(row) + "\n" for row in rows))
 
+    read = {c.key: (None if c.new is ABSENT else c.new) for c in changes if c.key in READ_KEYS}
+    if read:   # what the run reads from now on (the compared values are the read forms)
+        recorded = recorded_config(run_dir) or {}
+        _write_reads(run_dir, {**recorded_reads(run_dir, recorded), **read})
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else str(name)

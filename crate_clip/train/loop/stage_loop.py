@@ -18,13 +18,11 @@ from typing import Callable, NoReturn, Optional
 import numpy as np
 import torch
 import torch.distributed as tdist
-import yaml
 from open_clip import ClipLoss
 
-from crate_clip.checkpoint_io.atomic_files import atomic_write_text
 from crate_clip.checkpoint_io.checkpoint_record import CheckpointInfo, Progress, read_record
 from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
-from crate_clip.checkpoint_io.run_layout import RUN_CONFIG_FILE, checkpoint_tag, checkpoints_dir, export_dir
+from crate_clip.checkpoint_io.run_layout import checkpoint_tag, checkpoints_dir, export_dir
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_WARNING, checkpoints_trusted
 from crate_clip.core.errors import EXIT_NONFINITE, UserError
 from crate_clip.models import tokenizer_record
@@ -34,7 +32,7 @@ from crate_clip.train.checkpointing.checkpoints import (CheckpointManager, Resum
                                                         find_resume_point, intact_checkpoint, rng_state,
                                                         set_rng_state)
 from crate_clip.train.checkpointing.config_changes import (ConfigChange, ResumedAt, agreed_config_changes,
-                                                           record_changes)
+                                                           record_changes, record_run)
 from crate_clip.train.checkpointing.elastic_resume import (STREAM_TABLE, gather_stream_table, load_resume_state,
                                                            needs_universal, resolve_auto, resume_seed,
                                                            settle_canonical_streams)
@@ -339,8 +337,7 @@ def _prepare_run_dir(cfg: RunConfig, start: ResumePoint, moved_aside: bool, rest
     if start.tag_dir is not None or restarted:
         set_aside_rows_after(cfg.run_dir, start.progress.global_step)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    if not (cfg.run_dir / RUN_CONFIG_FILE).is_file():
-        atomic_write_text(cfg.run_dir / RUN_CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    record_run(cfg)   # run_config.yaml at the first start, and what its path keys read (config_changes.py)
 
 
 def _export(run: RunContext, tag_dir: Path, weights: dict) -> Optional[Path]:
