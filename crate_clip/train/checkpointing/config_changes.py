@@ -69,11 +69,11 @@ FREE_TO_CHANGE: dict[str, str] = {
 # keys a first launch settles when the config leaves them unset, recorded in run_config.yaml: unset on a resume
 # means "the recorded value" (elastic_resume.settle_canonical_streams reads it back from the checkpoint)
 SETTLED_AT_FIRST_LAUNCH = ("data.canonical_streams", "data.shuffle_buffer")
-
 # keys whose values name what the run reads: compared as the run reads them (read_form), recorded in run_reads.json
 READ_KEYS = ("data.sources", "model.pretrained", "model.text_pretrained", "model.bert_vocab", "deepspeed.config")
 ALL_KEYS = "*"   # --allow-change '*': every key; the one way past a lost run_config.yaml
 MAX_CHANGES_BYTES = 64 << 20   # config_changes.jsonl: a row per change a resume made (a few hundred bytes each)
+
 
 class _Absent:
     """The value of a key one side does not have: a stage added or removed, a DeepSpeed override."""
@@ -167,7 +167,6 @@ def apply_changes(raw: dict, records: Iterable[dict]) -> dict:
     return raw
 
 
-# ---------------------------------------------------------------- the run folder's record
 def _apply_one(raw: dict, key: str, record: dict) -> None:
     *path, last = key.split(".")
     node: Any = raw
@@ -248,6 +247,7 @@ def _row_problem(row: Any) -> Optional[str]:
     return None
 
 
+# ---------------------------------------------------------------- the run folder's record
 def recorded_config(run_dir: Path) -> Optional[dict]:
     """The config the run in `run_dir` trains with: its run_config.yaml (the first start's) with the changes of
     config_changes.jsonl applied, every key filled in as this version reads it; None without run_config.yaml.
@@ -281,7 +281,6 @@ def _as_recorded(raw: dict) -> dict:
     return yaml.safe_load(yaml.safe_dump(raw, sort_keys=False))
 
 
-@dataclass(frozen=True)
 # ---------------------------------------------------------------- what the run reads
 def read_form(key: str, value: Any) -> Any:
     """A READ_KEYS value as the run reads it in this process: a data source with `~` and environment variables
@@ -365,6 +364,7 @@ def _write_reads(run_dir: Path, reads: dict[str, Any]) -> None:
     atomic_write_text(Path(run_dir) / RUN_READS_FILE, json.dumps(reads, indent=1))
 
 
+@dataclass(frozen=True)
 class ResumedAt:
     """Where a resume continues (what a checkpoint's crate_clip.json records of it)."""
     stage_index: int
@@ -401,17 +401,17 @@ def config_changes(cfg: RunConfig, resume: Optional[str], allowed: Iterable[str]
     allowed = list(allowed)
     recorded = recorded_config(cfg.run_dir)
     if recorded is None:
-        return []
         if is_run_folder(cfg.run_dir) and ALL_KEYS not in allowed:   # its checkpoints, without their record
             raise ConfigChangeError(
                 f"--resume: {cfg.run_dir / RUN_CONFIG_FILE} is missing, so what this run config changes of what "
                 f"the run trained cannot be checked; fix: restore the file (each checkpoint's crate_clip.json holds "
                 f"the run config it was saved with, under run_config), or resume with --allow-change '*' to take "
                 f"this run config as the run's record from now on")
-    resumed = _as_recorded(cfg.to_dict())
+        return []
     recorded = _with_values(recorded, recorded_reads(cfg.run_dir, recorded))
-    for key in SETTLED_AT_FIRST_LAUNCH:   # unset on the resume: the recorded value
+    resumed = _as_recorded(cfg.to_dict())
     resumed = _with_values(resumed, read_forms(resumed))
+    for key in SETTLED_AT_FIRST_LAUNCH:   # unset on the resume: the recorded value
         section, name = key.split(".")
         if resumed.get(section, {}).get(name) is None and name in recorded.get(section, {}):
             resumed[section][name] = recorded[section][name]
@@ -506,11 +506,11 @@ def record_changes(run_dir: Path, changes: list[ConfigChange], where: Optional[R
     earlier = path.read_text() if path.is_file() else ""   # small: rewritten whole, atomically, not appended to
     earlier += "\n" if earlier and not earlier.endswith("\n") else ""
     atomic_write_text(path, earlier + "".join(json.dumps(row) + "\n" for row in rows))
-
     read = {c.key: (None if c.new is ABSENT else c.new) for c in changes if c.key in READ_KEYS}
     if read:   # what the run reads from now on (the compared values are the read forms)
         recorded = recorded_config(run_dir) or {}
         _write_reads(run_dir, {**recorded_reads(run_dir, recorded), **read})
+
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else str(name)
