@@ -7,8 +7,12 @@ samples of an undisturbed one. A re-opened transfer starts at the first byte not
 request where the server honours it, else (`python -m http.server`, `pipe:` commands) by reading and dropping
 the bytes already delivered.
 
+A transfer slower than a floor (data.remote_min_bytes_per_s over data.remote_stall_timeout_s of reading) is a
+stall too: a server that drips a byte a second would otherwise hold the run for ever without one failure.
+
 Permanent failures (HTTP 404 / 403, a missing object) are PermanentSourceError, an OSError: the shard reader
 counts them as unreadable or truncated shards, as before. How each kind of source is read: remote_transport.py.
+A preemption signal breaks off a read or a wait at once (read_stops.py): ReadStopped, exit code 8 once saved.
 """
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ import random
 import time
 from dataclasses import dataclass
 
-from crate_clip.core.errors import EXIT_SOURCE_UNAVAILABLE, UserError
+from crate_clip.core.errors import EXIT_PREEMPTED, EXIT_SOURCE_UNAVAILABLE, UserError
 
+from .read_stops import ReadInterrupted, interruptible, signal_name
 from .remote_transport import PermanentSourceError, TransientSourceError, open_transport, shown_source
 
 log = logging.getLogger(__name__)
@@ -45,6 +50,20 @@ class ShardSourceUnavailable(UserError, RuntimeError):
         return self.line   # a reader may append to args (webdataset adds " @ <file>"): the line stays ours
 
 
+class ReadStopped(ShardSourceUnavailable):
+    """A preemption signal broke off a remote read (a transfer, a retry or the wait before one): the trainer saves the
+    last completed step and exits with code 8, as for a signal between steps."""
+
+    exit_code = EXIT_PREEMPTED
+
+
+def stopped_message(url: str, signum: int, retrying: str | None) -> str:
+    """The line of a read broken off by a stop signal (`retrying`: the outage's last error, if one was retried)."""
+    during = f"while {shown_source(url)} was retried (last error: {retrying})" if retrying else \
+        f"while {shown_source(url)} was read"
+    return f"stopped by {signal_name(signum)} {during}; continue with --resume latest"
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How long and how often a transient failure of a remote shard is retried (the data.remote_* keys)."""
@@ -53,6 +72,7 @@ class RetryPolicy:
     stall_s: float = 60.0        # a transfer silent this long is broken off and retried
     backoff_base_s: float = 1.0  # first wait; doubles after each failed attempt
     backoff_max_s: float = 60.0  # longest wait
+    min_bytes_per_s: float = 1024.0   # slower over stall_s of reading: a stall (0: no floor)
 
 
 class _Outage:
@@ -78,6 +98,33 @@ def give_up_message(url: str, error: str, policy: RetryPolicy) -> str:
             f"(data.remote_retry_total_s; last error: {error}); once it is back, continue with --resume latest")
 
 
+class _Throughput:
+    """The bytes one transfer delivered and the seconds spent waiting for them; slower than the policy's floor over
+    stall_s of waiting: a stall (TransientSourceError). Time the reader spends elsewhere (decoding) is not counted.
+    `proven`: the transfer delivered a window's worth at the floor, so the source is back (a drip never is)."""
+
+    def __init__(self, policy: RetryPolicy):
+        self.policy, self.bytes, self.seconds, self.total = policy, 0, 0.0, 0
+
+    def read(self, body, buffer) -> int:
+        started = time.monotonic()
+        n = body.readinto(buffer)
+        self.seconds += time.monotonic() - started
+        self.bytes += n
+        self.total += n
+        floor, window = self.policy.min_bytes_per_s, self.policy.stall_s
+        if floor and n and self.seconds >= window:
+            if self.bytes < floor * self.seconds:
+                raise TransientSourceError(f"{self.bytes / self.seconds:.0f} B/s over {self.seconds:.0f} s, below "
+                                           f"{floor:g} B/s (data.remote_min_bytes_per_s)")
+            self.bytes, self.seconds = 0, 0.0   # the next window
+        return n
+
+    @property
+    def proven(self) -> bool:
+        return self.total >= max(1.0, self.policy.min_bytes_per_s * self.policy.stall_s)
+
+
 class RetryingShardStream(io.RawIOBase):
     """The bytes of one remote shard, read through transient failures (wrap in io.BufferedReader)."""
 
@@ -86,23 +133,39 @@ class RetryingShardStream(io.RawIOBase):
         self.url, self.policy = url, policy
         self._delivered = 0      # bytes handed to the reader: a re-opened transfer skips them
         self._outage: _Outage | None = None
-        self._body = self._reopen()
+        self._last_error: str | None = None   # the outage's last failure, for the line of a stop during it
+        self._body = None
+        self._body = self._interruptible(self._reopen)
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
+        return self._interruptible(self._readinto, buffer)
+
+    def _interruptible(self, read, *args):
+        """`read(*args)` broken off by a stop signal: ReadStopped naming the shard (and the outage, if one)."""
+        try:
+            with interruptible():
+                return read(*args)
+        except ReadInterrupted as stop:
+            if self._body is not None:
+                self._body.close()
+            raise ReadStopped(stopped_message(self.url, stop.signum, self._last_error if self._outage else None)) \
+                from None
+
+    def _readinto(self, buffer) -> int:
         while True:
             try:
-                n = self._body.readinto(buffer)
+                n = self._rate.read(self._body, buffer)
             except TransientSourceError as exn:
                 self._body.close()
                 self._wait(str(exn))
                 self._body = self._reopen()
                 continue
-            if n:
-                self._delivered += n
-                self._outage = None   # new bytes: the source is back, a later failure is a new outage
+            self._delivered += n
+            if self._rate.proven:   # the source is back: a later failure is a new outage, with a budget of its own
+                self._outage = None
             return n
 
     def _reopen(self):
@@ -111,6 +174,7 @@ class RetryingShardStream(io.RawIOBase):
             body = None
             try:
                 body = open_transport(self.url, self.policy.stall_s, self._delivered)
+                self._rate = _Throughput(self.policy)
                 if body.position > self._delivered:
                     raise PermanentSourceError(f"{shown_source(self.url)}: asked for byte {self._delivered:,}, "
                                                f"the server sent from byte {body.position:,}")
@@ -129,7 +193,7 @@ class RetryingShardStream(io.RawIOBase):
         """Read and drop the first `count` bytes of a fresh transfer."""
         chunk = bytearray(min(_SKIP_CHUNK, max(count, 1)))
         while count > 0:
-            n = body.readinto(memoryview(chunk)[:min(count, len(chunk))])
+            n = self._rate.read(body, memoryview(chunk)[:min(count, len(chunk))])
             if n == 0:
                 raise PermanentSourceError(f"{shown_source(self.url)} is shorter than when it was first read")
             count -= n
@@ -137,13 +201,14 @@ class RetryingShardStream(io.RawIOBase):
     def _wait(self, error: str) -> None:
         """Log and sleep before the next attempt; ShardSourceUnavailable once the outage's budget is spent."""
         self._outage = self._outage or _Outage(self.policy)
+        self._last_error = error
         wait = self._outage.next_wait()
         if wait is None:
             raise ShardSourceUnavailable(give_up_message(self.url, error, self.policy))
         log.warning("data source %s: %s; next attempt in %.1f s (attempt %d, retrying up to %g s: "
                     "data.remote_retry_total_s)", shown_source(self.url), error, wait, self._outage.attempts + 1,
                     self.policy.total_s)
-        time.sleep(wait)
+        time.sleep(wait)   # inside interruptible(): a stop signal ends it at once
 
     def close(self) -> None:
         if not self.closed and getattr(self, "_body", None) is not None:

@@ -119,10 +119,14 @@ class HttpBody:
         return f"no byte for {self.stall_s:g} s" if text == "timed out" else text
 
     def readinto(self, buffer) -> int:
+        # read1: what one receive brings (readinto would wait until the buffer is full, so that a server dripping
+        # bytes would hold it for hours and the throughput floor of remote_retry.py could never look)
         try:
-            n = self._response.readinto(buffer)
+            data = self._response.read1(len(buffer))
         except (OSError, http.client.HTTPException) as exn:  # IncompleteRead (chunked), reset, socket timeout
             raise TransientSourceError(self._failure(exn)) from None
+        n = len(data)
+        buffer[:n] = data
         left = self._response.length
         if n == 0 and len(buffer) and left:   # http.client ends a short body quietly: the connection broke
             raise TransientSourceError(f"connection closed with {left:,} bytes of the body unsent")

@@ -66,6 +66,7 @@ from .device_decode import DECODE_COUNTERS, Decode, DeviceJpegBatch
 from .epoch_sizes import adopt_real_sizes
 from .image_decode import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, CropInterpolation
 from .pos_tagging import PosSource
+from .read_stops import LoaderStop, workers_starting
 from .remote_retry import RetryPolicy
 from .shard_census import ShardCensus, resolve_sizes
 from .shard_plan import ShardPlan
@@ -150,6 +151,10 @@ class StreamConfig(Section):
     remote_backoff_base_s: Float = Field(1.0, gt=0, description="first wait between retries of a remote shard; "
                                          "doubled after each failed attempt (with jitter), up to remote_backoff_max_s")
     remote_backoff_max_s: Float = Field(60.0, gt=0, description="longest wait between retries of a remote shard")
+    remote_min_bytes_per_s: Float = Field(
+        1024.0, ge=0, description="a remote transfer slower than this (bytes/s, over remote_stall_timeout_s of "
+        "waiting for data) counts as stalled and is retried, as one that sends nothing: a server dripping bytes "
+        "would hold the run for ever. 0: no floor")
 
     @field_validator("sources", mode="before")
     @classmethod
@@ -179,7 +184,7 @@ class StreamConfig(Section):
     def retry_policy(self) -> RetryPolicy:
         """How the remote shards' transient failures are retried (the remote_* keys)."""
         return RetryPolicy(self.remote_retry_total_s, self.remote_stall_timeout_s, self.remote_backoff_base_s,
-                           self.remote_backoff_max_s)
+                           self.remote_backoff_max_s, self.remote_min_bytes_per_s)
 
 
 def crop_scale_problems(key: str, scale) -> list[tuple[str, str]]:
@@ -254,8 +259,9 @@ class TrainStream:
             return None
         return self.plan.steps_per_epoch(self.layout.slice_size, self.spec.drop_last)
 
-    def _loader(self) -> DataLoader:
-        """A DataLoader over this rank's canonical streams, each starting at its recorded position."""
+    def _loader(self, stop: Optional[LoaderStop] = None) -> DataLoader:
+        """A DataLoader over this rank's canonical streams, each starting at its recorded position; with `stop`, its
+        workers handle the trainer's save signals (read_stops.py)."""
         end_step = self.batches_per_epoch if self.plan.mode == "epoch" and self.spec.drop_last else None
         positions = {c: dict(p) for c, p in self._positions.items()}
         dataset = StreamsDataset(self.plan, self.spec, self.reducer, self.layout, positions, self._batches, end_step)
@@ -269,14 +275,21 @@ class TrainStream:
         generator = torch.Generator().manual_seed(self.cfg.seed)
         # pinned host memory: the copies to the GPU overlap with compute
         return DataLoader(dataset, batch_size=None, num_workers=self.layout.workers, generator=generator,
-                          pin_memory=torch.cuda.is_available(), **kwargs)
+                          pin_memory=torch.cuda.is_available(), worker_init_fn=stop and stop.worker_init, **kwargs)
 
     def __iter__(self):
         """Endless batches in resampled mode; the rest of the current epoch in epoch mode."""
         epoch_mode = self.plan.mode == "epoch"
         if epoch_mode and self.spec.drop_last and self._batches >= self.batches_per_epoch:
             self._next_epoch()  # the state was saved after the epoch's last batch
-        yield from self._assembled(self._loader())
+        stop, items = LoaderStop(self.layout.workers), None
+        try:
+            with workers_starting():   # no save signal reaches a worker before its handler is in place
+                items = iter(self._loader(stop))
+            yield from self._assembled(items)
+        finally:
+            stop.close()   # before the workers are shut down: torch's SIGTERM then ends them, as without handlers
+            del items
         if epoch_mode:
             self._next_epoch()
 

@@ -73,14 +73,18 @@ def main(argv=None) -> int:
     if args.nproc and os.environ.get("RANK") is not None:
         parser.error("--nproc starts the training processes itself; under torchrun, deepspeed or accelerate launch "
                      "leave it out (the launcher's process count is used)")
-    from crate_clip.train.loop import stop_requests   # torch's import, as below
+    from crate_clip.train.run.save_signals import hold_until_handled, parse_signals
 
     try:
-        stop_signals = stop_requests.parse_signals(args.save_on_signal)
+        stop_signals = parse_signals(args.save_on_signal)
     except ValueError as exc:
         parser.error(str(exc))
+    if not args.validate:   # a training process or a launcher: a save signal from now on is a stop, never an end
+        hold_until_handled(stop_signals)
     # the run's modules (torch, DeepSpeed, open_clip: seconds of CPU) after parsing, so that --help is instant
     import torch.distributed as tdist
+
+    from crate_clip.train.loop import stop_requests
 
     from crate_clip.checkpoint_io.safe_unpickling import UntrustedCheckpointError, trusted_checkpoints
     from crate_clip.checkpoint_io.write_failures import is_no_space
@@ -129,7 +133,9 @@ def main(argv=None) -> int:
 
         return run_workers(torchrun_args(args.nproc, _without_nproc(argv)))
     try:
-        with trusted_checkpoints(args.trust_checkpoint), stop_requests.stop_signals_handled(stop_signals), \
+        # after a stop the save signals are ignored: a second one cannot cut the requeue or the exit short
+        with trusted_checkpoints(args.trust_checkpoint), \
+                stop_requests.stop_signals_handled(stop_signals, ignore_after_stop=True), \
                 chatter_to_stderr(args.json):   # --json: stdout keeps the summary alone
             summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite,
                                    take_over_lock=args.take_over_lock, allow_changes=tuple(args.allow_changes))

@@ -8,12 +8,16 @@ block after the worker's own one line. Used by `crate-clip train --nproc N` and 
 The trainer's save signals (`--save-on-signal`, USR1 and TERM by default) are passed on to the workers, which
 finish their step, save and exit 8; the launcher then exits with that 8. torchrun itself would turn a SIGTERM into
 SIGTERM for the workers and its own 143, and die of a SIGUSR1 it does not handle, so those signals are taken out of
-the set it handles (`--signals-to-handle`) and forwarded here instead.
+the set it handles (`--signals-to-handle`) and forwarded here instead: blocked in this process (and so in the
+workers it starts, until their handlers are in place: train/run/save_signals.py), and taken by a thread that passes
+each on to the workers, also to the ones that start after it came. A signal at any moment of the launch, twice
+included, is a stop with a save.
 """
 from __future__ import annotations
 
 import signal
 import sys
+import threading
 
 TRAIN_MODULE = "crate_clip.train.cli"
 TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")   # what torchrun handles by default
@@ -28,12 +32,11 @@ def worker_exit_code(exitcode: int) -> int:
 def run_workers(torchrun_args: list[str]) -> int:
     """Run torchrun's launch (its own arguments, then the module or script and its arguments) in this process;
     returns the first failed worker's exit code, 0 when every worker succeeded."""
+    forwarder = _Forwarder(save_signals(torchrun_args))   # first: a signal during the imports below is kept too
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    forwarded = save_signals(torchrun_args)
-    previous = {signum: signal.signal(signum, _forward_to_workers) for signum in forwarded}
     try:
         run(parse_args(torchrun_args))
     except ChildFailedError as exc:   # the root cause is the earliest failure; the others were stopped after it
@@ -42,14 +45,13 @@ def run_workers(torchrun_args: list[str]) -> int:
     except SignalException as exc:   # the launcher itself was signalled (it stopped the workers first)
         return 128 + int(exc.sigval)
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        forwarder.close()
     return 0
 
 
 def save_signals(args: list[str]) -> tuple[int, ...]:
     """The signals the trainer saves on, read from its `--save-on-signal` among `args` (the default otherwise)."""
-    from crate_clip.train.loop.stop_requests import parse_signals
+    from crate_clip.train.run.save_signals import parse_signals
 
     text = DEFAULT_SAVE_SIGNALS
     for i, arg in enumerate(args):
@@ -63,15 +65,45 @@ def save_signals(args: list[str]) -> tuple[int, ...]:
         return ()
 
 
-def _forward_to_workers(signum, frame) -> None:
-    """A save signal for the workers (this process's children): they save and exit 8, which run_workers returns."""
-    import psutil
+class _Forwarder:
+    """The save signals, blocked in the launcher and taken by a thread that passes each one on to the workers (this
+    process's children): to those running when it comes and to those that start later."""
 
-    for child in psutil.Process().children():
-        try:
-            child.send_signal(signum)
-        except psutil.NoSuchProcess:   # a worker that has just ended
-            pass
+    def __init__(self, signums: tuple[int, ...]):
+        self.signums, self.received = signums, []
+        self._sent: set[tuple[int, int]] = set()   # (worker PID, signal) passed on
+        self._done = threading.Event()
+        self._thread = None
+        if signums:
+            # blocked before any thread or worker starts: they inherit it (the workers until their handlers exist)
+            signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+            self._thread = threading.Thread(target=self._run, name="save-signal-forwarder", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            signum = signal.sigtimedwait(self.signums, 0.2)
+            if signum is not None and signum.si_signo not in self.received:
+                self.received.append(signum.si_signo)
+            if self.received:
+                self._pass_on()
+
+    def _pass_on(self) -> None:
+        import psutil
+
+        for child in psutil.Process().children():
+            for signum in self.received:
+                if (child.pid, signum) not in self._sent:
+                    self._sent.add((child.pid, signum))
+                    try:
+                        child.send_signal(signum)
+                    except psutil.NoSuchProcess:   # a worker that has just ended
+                        pass
+
+    def close(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def torchrun_args(nproc: int, train_args: list[str]) -> list[str]:

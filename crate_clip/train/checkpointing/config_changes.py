@@ -58,6 +58,7 @@ FREE_TO_CHANGE: dict[str, str] = {
     "data.remote_stall_timeout_s": "when a stalled remote transfer is retried",
     "data.remote_backoff_base_s": "the first wait between retries of a remote shard",
     "data.remote_backoff_max_s": "the longest wait between retries of a remote shard",
+    "data.remote_min_bytes_per_s": "the throughput below which a remote transfer counts as stalled",
     "stages.*.checkpoint_blocks": "recomputes the same activations in the backward (memory, not values)",
     "stages.*.micro_batch": "how a rank's batch is split into accumulation steps (exact contrastive gradients), "
                             "like the process count",

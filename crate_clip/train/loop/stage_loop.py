@@ -39,7 +39,8 @@ from crate_clip.train.checkpointing.elastic_resume import (STREAM_TABLE, gather_
 from crate_clip.train.loop.batch_agreement import agreed_batches
 from crate_clip.train.loop.stage_evals import (EvalBudget, agreed, agreed_missing_evals, evaluate_after_stage,
                                                evaluate_mid_stage, mid_stage_due)
-from crate_clip.train.loop.stop_requests import StopRequested, agreed_stop, request_stop, stops_with_checkpoint
+from crate_clip.train.loop.stop_requests import (StopRequested, agreed_stop, request_stop, share_between_ranks,
+                                                  stops_with_checkpoint)
 from crate_clip.train.loop.train_step import train_step
 from crate_clip.train.reporting.deepspeed_output import (close_log, deepspeed_log_path, deepspeed_prints,
                                                          divert_deepspeed_logs, log_to, warnings_to_log)
@@ -109,6 +110,7 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
         _remove_leftovers(ckpts.root, dist)
         check_space_for_next_save(ckpts.root, start.tag_dir)
     tdist.barrier()  # every rank has read the folder before rank 0 changes it
+    share_between_ranks(dist)   # from here a stop reaches every rank at once, not only at a step boundary
     if dist.is_main:
         _prepare_run_dir(cfg, start, moved_aside=earlier_run and overwrite,
                          restarted=bool(earlier_run) and not overwrite and start.tag_dir is None)

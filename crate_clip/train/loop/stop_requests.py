@@ -10,6 +10,13 @@ SIGKILL. `crate-clip train --save-on-signal USR1,TERM` (the default) turns both 
 finishes its step (a save in progress is finished, not cut short), saves a checkpoint, rank 0 releases the run
 folder's lock, and the process exits with EXIT_PREEMPTED (8; docs/exit_codes.md). With `--requeue` rank 0 then
 requeues its Slurm job (`scontrol requeue $SLURM_JOB_ID`), which resumes with `--resume auto`.
+
+Every process of a job may be signalled, or only one: Slurm signals every process of a job step (the DataLoader
+workers too), a launcher its workers, a user one PID. A DataLoader worker turns the signal into a stop request of its
+trainer, a remote read in progress is broken off at once (data_pipelines/read_stops.py), and a thread of each rank
+passes the request on to the other ranks and to its workers (stop_sharing.py), so that a rank held in a retried or
+dripping read stops too. After the stop, the save signals are ignored until the process exits: a second signal
+cannot cut the requeue or the exit short.
 """
 from __future__ import annotations
 
@@ -25,10 +32,13 @@ import torch
 import torch.distributed as tdist
 
 from crate_clip.core.errors import EXIT_PREEMPTED, UserError
+from crate_clip.train.loop.stop_sharing import StopSharing, new_token
 from crate_clip.train.run.launcher_watch import launcher_gone, stop_orphan
+from crate_clip.train.run.save_signals import DEFAULT_SIGNALS, parse_signals  # noqa: F401 (the names tests use)
+from crate_clip.data import read_stops
 
-DEFAULT_SIGNALS = "USR1,TERM"
 _request: list = []        # [(reason, exit_code)] once a stop is requested; the first request wins
+_sharing: list[StopSharing] = []   # the watching thread of the run in progress (stop_sharing.py)
 
 
 class StopRequested(UserError, RuntimeError):
@@ -40,46 +50,55 @@ class StopRequested(UserError, RuntimeError):
         self.exit_code = exit_code
 
 
-def parse_signals(text: str) -> tuple[int, ...]:
-    """`USR1,TERM` (names with or without SIG, or numbers; `none` for none) -> signal numbers; ValueError names a bad
-    one."""
-    if text.strip().lower() in ("", "none"):
-        return ()
-    out = []
-    for part in (p.strip().upper() for p in text.split(",") if p.strip()):
-        name = part if part.startswith("SIG") or part.isdigit() else f"SIG{part}"
-        try:
-            signum = signal.Signals(int(name)) if name.isdigit() else signal.Signals[name]
-        except (KeyError, ValueError):
-            raise ValueError(f"--save-on-signal {text!r}: {part!r} is no signal (e.g. USR1,TERM, or none)") from None
-        if signum in (signal.SIGKILL, signal.SIGSTOP):
-            raise ValueError(f"--save-on-signal {text!r}: {signum.name} cannot be caught; use USR1 or TERM")
-        out.append(int(signum))
-    return tuple(out)
-
-
 @contextlib.contextmanager
-def stop_signals_handled(signums: tuple[int, ...]) -> Iterator[None]:
-    """For the body (the training run): each signal in `signums` is a stop request (exit code 8); afterwards the
-    previous handlers are back and no request is left (a later run in the same process starts clean)."""
+def stop_signals_handled(signums: tuple[int, ...], ignore_after_stop: bool = False) -> Iterator[None]:
+    """For the body (the training run): each signal in `signums` is a stop request (exit code 8), in this process and
+    in its DataLoader workers; afterwards the previous handlers are back and no request is left (a later run in the
+    same process starts clean). `ignore_after_stop` (the CLI): after a stop the signals are ignored instead, so a
+    second one cannot end the process before it has exited with its code."""
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for signum in signums:
             previous[signum] = signal.signal(signum, _on_signal)
+        if signums:
+            _sharing.append(StopSharing(signums))
+            # a launcher blocks them while it starts its workers (worker_launch.py): pending ones are delivered now
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
+    read_stops.set_stop_signals(tuple(previous))
     try:
         yield
     finally:
+        stopped = bool(_request)
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_IGN if stopped and ignore_after_stop else handler)
+        while _sharing:
+            _sharing.pop().close()
+        read_stops.set_stop_signals(())
+        read_stops.clear()
         _request.clear()
 
 
+def share_between_ranks(dist) -> None:
+    """Every rank, once the run's process group is up: stops pass between the ranks through the job's store at once,
+    not only at the next step boundary (stop_sharing.py). A collective: every rank calls it at the same point."""
+    if dist.world_size == 1 or not tdist.is_initialized():
+        return
+    token = [new_token() if dist.is_main else None]
+    tdist.broadcast_object_list(token, src=0)
+    for sharing in _sharing:
+        sharing.between_ranks(dist.rank, token[0])
+
+
 def _on_signal(signum, frame) -> None:
-    """A stop request; the run releases its folder's lock on its way out (run_lock leaves this handler in place)."""
+    """A stop request; the run releases its folder's lock on its way out (run_lock leaves this handler in place). A
+    remote read in progress is broken off (read_stops.note_stop raises inside it)."""
     if launcher_gone():   # the kernel's parent-death SIGTERM: the other ranks are stopping too, no save can be agreed
         stop_orphan()
     name = signal.Signals(signum).name
-    request_stop(f"stopped by {name} (a preemption, requeue or time-limit notice)", EXIT_PREEMPTED)
+    origin = next((s.origin for s in _sharing if s.origin), None)
+    received = f", received by {origin}" if origin else ""
+    request_stop(f"stopped by {name} (a preemption, requeue or time-limit notice{received})", EXIT_PREEMPTED)
+    read_stops.note_stop(signum)
 
 
 def request_stop(reason: str, exit_code: int) -> None:
@@ -92,7 +111,11 @@ _on_signal.releases_lock_itself = True   # read by run_lock: it leaves this sign
 
 
 def pending() -> Optional[tuple[str, int]]:
-    """This process's stop request, if any."""
+    """This process's stop request (or one of its DataLoader workers'), if any."""
+    if not _request and read_stops.worker_stop():   # the watching thread has it on its way; say it now
+        name = read_stops.signal_name(read_stops.worker_stop())
+        request_stop(f"stopped by {name} (a preemption, requeue or time-limit notice, received by a DataLoader "
+                     "worker)", EXIT_PREEMPTED)
     return _request[0] if _request else None
 
 
