@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 
 
+DRIP_S = 0.5   # a dripping transfer's pace: a byte every DRIP_S seconds
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now."""
     with socket.socket() as s:
@@ -68,13 +71,15 @@ class HttpServerProcess:
 
 class FaultyHandler(http.server.SimpleHTTPRequestHandler):
     """Serves the server's folder; `server.faults[path]` lists what the next requests of that path get instead:
-    an HTTP status code, or "cut" (the headers promise the whole body, half of it comes, the connection closes).
+    an HTTP status code, "cut" (the headers promise the whole body, half of it comes, the connection closes) or
+    "drip" (the headers and half the body at once, then a byte every DRIP_S seconds until the client goes away; a
+    Range request drips from its first byte; with `server.drip_all` set, every request drips).
     A `Range: bytes=N-` request gets the rest of the file (206), except for the paths in `server.no_range`
     (answered 200 with the whole file, as `python -m http.server` does); `server.ranges` records (path, N)."""
 
     def do_GET(self):
         faults = self.server.faults.get(self.path)
-        fault = faults.pop(0) if faults else None
+        fault = faults.pop(0) if faults else ("drip" if self.server.drip_all else None)
         body = None
         if not isinstance(fault, int) and (Path(self.directory) / self.path.lstrip("/")).is_file():
             body = (Path(self.directory) / self.path.lstrip("/")).read_bytes()
@@ -92,8 +97,27 @@ class FaultyHandler(http.server.SimpleHTTPRequestHandler):
             self.send_response(200)
         self.send_header("Content-Length", str(len(part)))
         self.end_headers()
+        if fault == "drip":
+            self._drip(part, burst=not start)
+            return
         self.wfile.write(part[: len(part) // 2] if fault == "cut" else part)
         self.close_connection = fault == "cut"
+
+    def _drip(self, part: bytes, burst: bool) -> None:
+        """Half of `part` at once (`burst`), then byte by byte; a Range request (a retry) drips from its start."""
+        self.server.drips += 1
+        self.close_connection = True
+        head = len(part) // 2 if burst else 0
+        self.wfile.write(part[:head])
+        for byte in part[head:]:
+            time.sleep(DRIP_S)
+            if self.server.closing:
+                return
+            try:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+            except OSError:   # the client broke the transfer off (its stall watchdog, a stop)
+                return
 
     def log_message(self, *args) -> None:
         pass
@@ -106,10 +130,13 @@ class FaultyHttpServer:
         handler = lambda *a, **kw: FaultyHandler(*a, directory=str(folder), **kw)  # noqa: E731
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.server.faults, self.server.no_range, self.server.ranges = faults, set(no_range), []
+        self.server.drip_all, self.server.drips, self.server.closing = False, 0, False
+        self.server.block_on_close = False   # a dripping transfer would hold close() for hours
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
     def close(self) -> None:
+        self.server.closing = True
         self.server.shutdown()
         self.server.server_close()
 

@@ -3,9 +3,12 @@ mid-read and restarted, an http.server that answers 503 / 429 and cuts a body mi
 then sends nothing, `pipe:` commands, and S3 through moto's own server read with `pipe:aws s3 cp`."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -20,8 +23,11 @@ from crate_clip.core.shard_sources import ShardListError, expand_source
 from crate_clip.data.remote_retry import RetryPolicy, ShardSourceUnavailable
 from crate_clip.data.shard_reader import iter_shard_samples
 
+import warm_python
 from data_fixtures import write_numbered_shards
+from processes import children
 from remote_servers import FaultyHttpServer, HttpServerProcess, MotoS3, SilentServer
+from train_fixtures import REPO_ROOT, read_jsonl
 
 FAST = RetryPolicy(total_s=30, stall_s=5, backoff_base_s=0.2, backoff_max_s=1.0)
 
@@ -142,6 +148,26 @@ def test_a_server_that_never_answers_ends_in_one_line_and_exit_code_7(capsys):
     assert capsys.readouterr().err == f"crate-clip train: {line}\n"
 
 
+def test_a_transfer_below_the_throughput_floor_is_a_stall_and_the_outage_budget_runs_out(shards, caplog):
+    """A server that sends half a shard, then a byte every 0.5 s (never silent for a whole stall timeout): below
+    data.remote_min_bytes_per_s over remote_stall_timeout_s it is broken off and retried, and since no attempt brings
+    the source back, the outage's budget runs out (exit code 7) instead of the read taking hours."""
+    server = FaultyHttpServer(shards[0].parent, {})
+    server.server.drip_all = True
+    policy = RetryPolicy(total_s=2.0, stall_s=1.0, backoff_base_s=0.1, backoff_max_s=0.2, min_bytes_per_s=1024)
+    start = time.monotonic()
+    try:
+        with pytest.raises(ShardSourceUnavailable, match=r"still unreachable after 2 s .* below 1024 B/s") as err:
+            read_keys([f"{server.url}/{shards[0].name}"], policy)
+    finally:
+        server.close()
+    assert time.monotonic() - start < 30 and server.server.drips >= 2   # retried, then given up: no hang
+    lines = backoff_lines(caplog)   # a retry drips from its first byte: on a loaded machine, silent for a second
+    assert "below 1024 B/s (data.remote_min_bytes_per_s)" in lines[0]
+    assert all("below 1024 B/s" in ln or "no byte for 1 s" in ln for ln in lines), lines
+    assert err.value.exit_code == EXIT_SOURCE_UNAVAILABLE
+
+
 def test_a_size_probe_of_a_silent_server_is_unknown_not_a_hang(shards):
     from crate_clip.data.shard_census import remote_shard_size
 
@@ -234,14 +260,30 @@ class TinyRuns:
         write_numbered_shards(root / "shards", 96, 8, fashion_mnist_dir)
         self.server = HttpServerProcess(root / "shards").start()
 
-    def train(self, name: str, outage_s: float | None = None, *extra: str, **data):
+    def command(self, name: str, *extra: str, url: str | None = None, **data) -> list[str]:
+        """The command of run `name` (1 rank, 1 loader worker) reading the shards from `url` (default: the server)."""
+        from train_fixtures import ranks_cmd, tiny_config, write_config
+
+        cfg = tiny_config(self.root / name, self.root, precision="fp32", stages=[self.STAGE], evals=False,
+                          logging={"every_steps": 1, "progress": False, "tensorboard": False, "plot": False})
+        cfg["data"] = {"sources": [f"{url or self.server.url}/{{00000000..00000011}}.tar"], "num_workers": 1,
+                       "shuffle_buffer": 16, "remote_backoff_base_s": 0.5, "remote_backoff_max_s": 2, **data}
+        return ranks_cmd(1, "--config", str(write_config(cfg, self.root / f"{name}.yaml")), *extra,
+                         module="crate_clip.train.cli")
+
+    def start(self, name: str, *extra: str, url: str | None = None, **data) -> subprocess.Popen:
+        """Run `name` in the background, its stderr in <root>/<name>.err."""
+        from train_fixtures import run_env
+
+        with open(self.root / f"{name}.err", "w") as err:
+            return warm_python.Popen(self.command(name, *extra, url=url, **data), env=run_env(), cwd=REPO_ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=err, text=True)
+
+    def train(self, name: str, outage_s: float | None = None, *extra: str, url: str | None = None, **data):
         """Run `name` to its end; with `outage_s`, the server stops once the run has opened its first two shards and
         comes back after outage_s seconds (never, for inf)."""
-        from train_fixtures import ranks_cmd, run_job, tiny_config, write_config
+        from train_fixtures import run_job
 
-        cfg = tiny_config(self.root / name, self.root, precision="fp32", stages=[self.STAGE], evals=False)
-        cfg["data"] = {"sources": [f"{self.server.url}/{{00000000..00000011}}.tar"], "num_workers": 1,
-                       "shuffle_buffer": 16, "remote_backoff_base_s": 0.5, "remote_backoff_max_s": 2, **data}
         gets, state = self.server.gets, {"done": False, "back": None}
 
         def stop_after_first_group():
@@ -252,9 +294,7 @@ class TinyRuns:
 
         if outage_s is not None:
             threading.Thread(target=stop_after_first_group, daemon=True).start()
-        cmd = ranks_cmd(1, "--config", str(write_config(cfg, self.root / f"{name}.yaml")), *extra,
-                        module="crate_clip.train.cli")
-        proc = run_job(cmd, timeout=300)
+        proc = run_job(self.command(name, *extra, url=url, **data), timeout=300)
         state["done"] = True
         if state["back"] is not None:
             state["back"].join()
@@ -303,3 +343,75 @@ def test_a_source_that_stays_away_saves_exits_7_and_resume_latest_ends_with_the_
     resumed = tiny_runs.train("gave_up", None, "--resume", "latest", remote_retry_total_s=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _losses(run_dir) == tiny_runs.reference
+
+
+def _wait_for(condition, what: str, proc: subprocess.Popen, err: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None and time.monotonic() < deadline, f"{what}: {err.read_text()[-3000:]}"
+        time.sleep(0.05)
+
+
+def _ended_within(proc: subprocess.Popen, err: Path, seconds: float) -> str:
+    """The run's stderr once it has ended, at most `seconds` after the stop signal (a bound, not a speed check: a
+    retried outage or a drip would hold it for the 20 minutes of data.remote_retry_total_s)."""
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"not ended {seconds:g} s after the stop signal: {err.read_text()[-3000:]}") from None
+    return err.read_text()
+
+
+def _stopped_and_saved(run_dir: Path, proc: subprocess.Popen, out: str) -> int:
+    """Exit 8 with rank 0's one line, a checkpoint of the last step logged, the lock released: the last step."""
+    lines = [ln for ln in out.splitlines() if ln.startswith("crate-clip train:")]
+    assert proc.returncode == 8, out[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("crate-clip train: stopped by SIGTERM"), out[-3000:]
+    assert "--resume latest" in lines[0] and "Traceback" not in out and "killed by signal" not in out, out[-3000:]
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"stage0-step{steps[-1]:08d}", out[-3000:]
+    assert not run_dir.with_suffix(".lock").exists()
+    return steps[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_stop_signal_during_a_retried_outage_or_a_drip_saves_and_exits_8_within_seconds(tiny_runs):
+    """The default retry budget (20 minutes) and a loader worker, as users run: a SIGTERM to the loader worker alone
+    while the server is gone, and to the rank alone and then to every process (twice) while the server drips a byte
+    every 0.5 s, each end the run with the last step saved and exit 8 within seconds; resumed with the source back,
+    the run ends with the undisturbed run's losses (docs/data.md#remote-shards-outages)."""
+    root = tiny_runs.root
+    # 1. the server gone for good while the run reads: the loader worker retries it; SIGTERM to that worker alone
+    proc = tiny_runs.start("gone")
+    _wait_for(lambda: (root / "gone" / "metrics.jsonl").is_file(), "the first step", proc, root / "gone.err")
+    tiny_runs.server.stop()
+    _wait_for(lambda: "next attempt in" in (root / "gone.err").read_text(), "a retry", proc, root / "gone.err")
+    rank = children(proc.pid)[0]
+    os.kill(children(rank)[0], signal.SIGTERM)
+    _stopped_and_saved(root / "gone", proc, _ended_within(proc, root / "gone.err", 30))
+    tiny_runs.server.start()
+
+    # 2. a server that drips: SIGTERM to the rank alone, then to the rank and its loader worker
+    dripping = FaultyHttpServer(root / "shards", {})
+    try:
+        proc = tiny_runs.start("drip", url=dripping.url)
+        _wait_for(lambda: (root / "drip" / "metrics.jsonl").is_file(), "the first step", proc, root / "drip.err")
+        dripping.server.drip_all = True
+        _wait_for(lambda: dripping.server.drips > 0, "a dripping transfer", proc, root / "drip.err")
+        time.sleep(1.0)
+        rank = children(proc.pid)[0]
+        processes = [rank, *children(rank)]
+        os.kill(rank, signal.SIGTERM)
+        time.sleep(0.3)
+        for pid in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        _stopped_and_saved(root / "drip", proc, _ended_within(proc, root / "drip.err", 30))
+        dripping.server.drip_all = False
+        resumed = tiny_runs.train("drip", None, "--resume", "latest", url=dripping.url)
+    finally:
+        dripping.close()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _losses(root / "drip") == tiny_runs.reference

@@ -1,7 +1,8 @@
 """The stop machinery outside Slurm (stop_requests.py; under a real Slurm: test_slurm_preemption.py): which signals
 --save-on-signal takes; a data source given up on by one rank of two (an error with `checkpoint_before_exit`) makes
 both ranks save the last completed step at the same data position and exit with that error's code and line; a
-signal to one rank of two during a save lets the save finish and stops both after that step, exit 8."""
+signal to one rank of two during a save lets the save finish and stops both after that step, exit 8; a signal to one
+rank while the other is held in a retried remote read reaches that one within seconds (stop_sharing.py)."""
 import json
 import signal
 
@@ -32,7 +33,7 @@ def _two_ranks(tmp_path, data, mode: str, rank: int, at_batch: int, every_steps:
     cfg["data"]["num_workers"] = 0
     config = write_config(cfg, tmp_path / "run.yaml")
     done = run_job(ranks_cmd(2, str(config), mode, str(rank), str(at_batch),
-                             script=REPO_ROOT / "tests" / "stop_workers.py"))
+                             script=REPO_ROOT / "tests" / "stop_workers.py"), timeout=180)
     lines = [line for line in done.stderr.splitlines() if line.startswith("crate-clip train:")]
     return done, lines, (done.stdout + done.stderr)[-4000:]
 
@@ -69,3 +70,17 @@ def test_a_signal_to_one_rank_during_a_save_lets_it_finish_and_stops_both_after_
     assert verify_checkpoint(ckpts / "stage0-step00000003").progress.step == 3   # whole: every file's size and sha256
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
     assert not (tmp_path / "run.lock").exists() and not (tmp_path / "run" / "export").exists()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_the_other_held_in_a_retried_read_within_seconds(tiny_fmnist, tmp_path):
+    """Rank 1 retries a refused remote shard (a 10-minute budget) at its 3rd batch; rank 0, waiting for it in the
+    step's collective, gets SIGTERM: the stop reaches rank 1 through the job's store, breaks its retry off, and both
+    save the 2 completed steps and exit 8 (run_job's timeout is the bound: a missed stop would take 10 minutes)."""
+    done, lines, out = _two_ranks(tmp_path, tiny_fmnist, "stuck", 1, 3)
+    assert done.returncode == 8, out
+    assert len(lines) == 1 and lines[0].startswith("crate-clip train: stopped by SIGTERM"), out
+    assert "step 2," in lines[0] and "stage0-step00000002" in lines[0] and "Traceback" not in out, out
+    table = json.loads((tmp_path / "run" / "checkpoints" / "stage0-step00000002" / "stream_table.json").read_text())
+    assert table["batches"] == 2 and not (tmp_path / "run.lock").exists()

@@ -257,11 +257,15 @@ def test_the_demo_checks_before_writing_data_or_starting_processes(tmp_path):
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_a_save_signal_to_the_launcher_reaches_its_worker_which_saves_and_the_launcher_exits_8(tmp_path, tiny_fmnist):
-    """SIGUSR1 to `crate-clip train --nproc 1` (not to the worker): torchrun would die of it and leave the worker
-    to its launcher watch, unsaved; worker_launch passes it on, the worker saves its step and both exit 8."""
+def test_save_signals_to_the_launcher_as_it_starts_reach_its_worker_which_saves_and_the_launcher_exits_8(
+        tmp_path, tiny_fmnist):
+    """SIGUSR1, then SIGTERM, to `crate-clip train --nproc 1` (not to the worker) as soon as it has read its command
+    line, before its worker exists: torchrun would die of USR1 (exit 138) and a worker still importing torch would die
+    of either; the launcher holds them and passes them on once the worker has started, which handles them as soon as
+    its handlers are in place: it trains its first step, saves it and both exit 8 (worker_launch.py)."""
     import signal
 
+    from processes import status
     from train_fixtures import read_jsonl
 
     stage = dict(STAGE, samples=8 * 200, warmup_steps=1)
@@ -269,19 +273,21 @@ def test_a_save_signal_to_the_launcher_reaches_its_worker_which_saves_and_the_la
                       logging={"every_steps": 1, "progress": False, "tensorboard": False, "plot": False})
     config = write_config(cfg, tmp_path / "config.yaml")
     metrics = tmp_path / "run" / "metrics.jsonl"
+    blocked = (1 << (signal.SIGUSR1 - 1)) | (1 << (signal.SIGTERM - 1))
     with warm_python.Popen([sys.executable, "-m", "crate_clip.cli", "train", str(config), "--nproc", "1"],
                            env=run_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True) as proc:
-        deadline = time.monotonic() + 180
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it took 2 steps"
-            time.sleep(0.05)
+        deadline = time.monotonic() + 60
+        while int(status(proc.pid).get("SigBlk", "0"), 16) & blocked != blocked:   # its command line is read
+            assert proc.poll() is None and time.monotonic() < deadline, "the launcher never held its save signals"
+            time.sleep(0.005)
         proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=180)
     assert proc.returncode == 8, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("crate-clip train:")]
     assert len(lines) == 1 and lines[0].startswith("crate-clip train: stopped by SIGUSR1"), err[-3000:]
     steps = [r["step"] for r in read_jsonl(metrics)]
     latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
-    assert latest == f"stage0-step{steps[-1]:08d}" and steps[-1] < 200, (latest, steps[-3:])
+    assert steps == [1] and latest == "stage0-step00000001", (latest, steps)
     assert not (tmp_path / "run.lock").exists()
