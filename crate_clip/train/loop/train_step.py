@@ -14,13 +14,22 @@ feature-cache scheme (GradCache):
 The surrogate's gradient is the exact gradient of the full-batch loss, so DeepSpeed must not divide it by
 k again: backward runs with scale_wrt_gas=False. Ranks average as in k = 1 (DeepSpeed divides by world).
 
-Host syncs: one per step (the .tolist() of [loss, non-finite flag, logit scale, grad norm]). Non-finite
-losses and finite losses with non-finite gradients both reach DeepSpeed's overflow check (the norm is
-all-reduced, so every rank skips together); the step is reported as skipped and the schedule moves on.
+Host syncs: one per step (the .tolist() of [loss, non-finite flag, logit scale, grad norm]). The gradient norm
+is the global L2 norm of the rank-averaged gradients before clipping, under every ZeRO stage:
+- ZeRO 1-3, and ZeRO 0 in bf16/fp16: DeepSpeed's optimizer wrapper measures it, all-reduced, and its overflow
+  check skips the step on every rank when it is NaN / infinite (norm reported as inf, as DeepSpeed does).
+- ZeRO 0 in fp32 (the demo's): DeepSpeed steps the torch AdamW as it is, which measures no norm and applies a
+  NaN gradient. There the engine is built without DeepSpeed's clipping (stage_setup/engine.py:
+  clips_in_train_step) and step_measured measures the norm itself (one fused norm; the gradients are already
+  all-reduced after the last backward, so every rank gets the same number with no collective), clips by it,
+  and drops the gradients of a non-finite step so that the optimizer finds none. Its one sync comes before
+  the optimizer step (whether to step depends on it), as DeepSpeed's own overflow checks' do.
+Either way a skipped step is reported as skipped and the schedule moves on.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -165,6 +174,8 @@ def train_step(engine, loss_fn, images, tokens, dist, dtype, attention: str = "a
     tdist.all_reduce(stats)  # queued on the device; read below together with the norm
     if before_step is not None:
         before_step(engine)
+    if getattr(engine, "grad_clip_in_step", None) is not None:
+        return step_measured(engine, stats, dist, engine.grad_clip_in_step)
     engine.step()
     applied = engine.was_step_applied() if hasattr(engine, "was_step_applied") else True
     norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
@@ -181,4 +192,25 @@ def train_step(engine, loss_fn, images, tokens, dist, dtype, attention: str = "a
         if applied:  # a non-finite loss whose gradients were finite: cannot happen through softmax, but say so
             raise RuntimeError("a non-finite loss produced an applied optimizer step; the weights are suspect")
         return StepResult(None, scale_value, grad_norm, reason)
+    return StepResult(loss_sum / dist.world_size, scale_value, grad_norm, None)
+
+
+def step_measured(engine, stats: torch.Tensor, dist, grad_clip: float) -> StepResult:
+    """The optimizer step of an engine whose optimizer measures no gradient norm (ZeRO 0 in fp32, built without
+    DeepSpeed's clipping): the norm of the all-reduced gradients, read with the step's stats in its one sync;
+    clipped by it as DeepSpeed would (max_norm / (norm + 1e-6), at most 1); a non-finite step's gradients dropped,
+    so that DeepSpeed's step moves its counters and the schedule while the optimizer, finding no gradient, moves
+    nothing (no weight, no moment, no step count)."""
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])   # every rank holds the same (averaged) grads
+    loss_sum, bad_losses, scale_sum, grad_norm = torch.cat([stats, norm.float().reshape(1).to(stats.device)]).tolist()
+    scale_value = scale_sum / dist.world_size
+    if bad_losses > 0 or not math.isfinite(grad_norm):
+        for p in params:
+            p.grad = None
+        engine.step()
+        return StepResult(None, scale_value, float("inf"), "nonfinite_loss" if bad_losses > 0 else "nonfinite_grad")
+    if grad_clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
+    engine.step()
     return StepResult(loss_sum / dist.world_size, scale_value, grad_norm, None)

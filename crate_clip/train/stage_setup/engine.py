@@ -117,6 +117,13 @@ def zero_stage_of(cfg: RunConfig) -> int:
     return int(load_zero_file(cfg.deepspeed.config).get("zero_optimization", {}).get("stage", 1))
 
 
+def clips_in_train_step(cfg: RunConfig, stage) -> bool:
+    """ZeRO 0 in fp32: DeepSpeed steps the torch AdamW as it is, which keeps no gradient norm and applies a NaN
+    gradient (its own clipping measures the norm and drops it). There DeepSpeed does not clip: train_step measures
+    the norm, clips by it and skips a non-finite step itself (train_step.step_measured)."""
+    return stage.zero_stage == 0 and cfg.precision == "fp32"
+
+
 def deepspeed_config(cfg: RunConfig, stage, load_universal: bool = False) -> dict:
     """The DeepSpeed JSON for one stage (a ResolvedStage), derived from the run config (`load_universal`: the
     engine will load a universal checkpoint, elastic_resume.py)."""
@@ -163,8 +170,11 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, stage, dist: DistInfo, 
                                 betas=cfg.optimizer.betas, eps=cfg.optimizer.eps)
     schedule = build_schedule(optimizer, total_steps=stage.steps, warmup_steps=schedule_keys.warmup_steps,
                               lr=schedule_keys.lr, min_lr=schedule_keys.min_lr)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                           config=deepspeed_config(cfg, stage, load_universal))
+    ds, own_clip = deepspeed_config(cfg, stage, load_universal), None
+    if clips_in_train_step(cfg, stage):
+        own_clip, ds["gradient_clipping"] = ds["gradient_clipping"], 0.0   # DeepSpeed's default clips at 1.0
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=ds)
+    engine.grad_clip_in_step = own_clip   # what train_step clips to itself; None: DeepSpeed measures and clips
     return engine
 
 
