@@ -1,5 +1,5 @@
 """Exact contrastive gradient accumulation (feature cache) on 2 ranks under ZeRO 1/2/3 (also with a CRATE-alpha text
-tower), and the skip of a step whose loss is finite but whose gradient is not."""
+tower). The skip of a step whose loss is finite but whose gradient is not: test_train_nonfinite.py."""
 import json
 import math
 
@@ -22,11 +22,6 @@ def accum(tmp_path_factory):
     return _probe(tmp_path_factory, "accum")
 
 
-@pytest.fixture(scope="module")
-def gradpoison(tmp_path_factory):
-    return _probe(tmp_path_factory, "gradpoison")
-
-
 def test_k4_equals_k1_gradients_and_weights(accum):
     assert len(accum) == 10  # 5 cases x 2 ranks
     assert {r["model"] for r in accum} == {"CRATE-alpha-CLIPA-tiny", "CRATE-alpha-CLIPA-tiny-crate-text"}
@@ -47,16 +42,3 @@ def test_frozen_text_tower_trains_only_the_rest(accum):
     full = [r for r in accum if not r["frozen_text"] and r["zero_stage"] == 2]
     assert frozen and full
     assert frozen[0]["n_grads"][0] < full[0]["n_grads"][0]
-
-
-def test_finite_loss_with_nonfinite_gradient_is_skipped_on_every_rank(gradpoison):
-    assert len(gradpoison) == 6  # 3 cases x 2 ranks
-    for row in gradpoison:
-        case = f"ZeRO-{row['zero_stage']} {row['precision']} rank {row['rank']}"
-        first, poisoned, last = row["steps"]
-        assert first["skipped"] is None and first["weights_moved"] > 0, case
-        assert poisoned["skipped"] == "nonfinite_grad", case
-        assert poisoned["loss"] is None, case
-        assert poisoned["weights_moved"] == 0.0, case
-        assert poisoned["lr"] != first["lr"], case  # the schedule moved on
-        assert last["skipped"] is None and math.isfinite(last["loss"]) and last["weights_moved"] > 0, case

@@ -3,7 +3,7 @@
     train_workers.py zero OUT.json          ZeRO 1/2/3 engines: per-rank footprint + losses of 3 steps
     train_workers.py nonfinite CONFIG.yaml  a run whose stream yields NaN/inf images on rank 1 at set steps
     train_workers.py accum OUT.json         gradients / updated weights with k = 4 micro-batches vs k = 1
-    train_workers.py gradpoison OUT.json    a finite loss with an infinite gradient on rank 1 at step 1
+    train_workers.py gradpoison OUT_DIR     a finite loss with a NaN gradient on rank 1 at step 1, ZeRO 0-3
     train_workers.py lock OUT_DIR           ZeRO 2/3 engines with a locked pretrained text tower vs trainable
     train_workers.py evaluate WORKDIR       eval_fixtures.distributed_worker: distributed zero-shot, ZeRO 0/2/3
 """
@@ -268,34 +268,54 @@ def _full_weights_of_fresh(zs: int, dist, model: str) -> dict:
     return {n: p.detach().clone() for n, p in resolve_stage(cfg, 0, dist.world_size).build_model().named_parameters()}
 
 
-def gradpoison_probe(out: Path) -> None:
-    """Three steps per case; at step 1 rank 1's gradient of one weight is made infinite (the loss stays
-    finite): the step must be skipped on every rank, counted, the weights kept, the schedule moved."""
+# (ZeRO stage, precision, micro-batch): every stage; ZeRO 1 with k = 2 micro-batches; the demo's ZeRO 0 fp32
+GRADPOISON_CASES = [(0, "fp32", None), (1, "fp32", 2), (2, "bf16", None), (3, "fp32", None)]
+
+
+def _norm_of(grads: dict) -> float:
+    """The global L2 norm of the full (rank-averaged) gradients, in float64."""
+    return sum(float(g.double().pow(2).sum()) for g in grads.values() if g is not None) ** 0.5
+
+
+def gradpoison_probe(out_dir: Path) -> None:
+    """Three steps per ZeRO stage; at step 1 rank 1's gradient of one weight is made NaN (the loss stays finite):
+    the step must be skipped on every rank, counted, the weights kept, the schedule moved. Each step's reported
+    norm beside the global L2 norm of the full gradients before clipping (read in before_step), and the ZeRO 0
+    case's final weights beside the ZeRO 3 case's (the same fp32 math, clipped by train_step and by DeepSpeed).
+    Then the real loop once per OUT_DIR/run_z*.yaml, its stream NaN on rank 1 at batch 2 (metrics.jsonl)."""
     dist = init_distributed()
     loss_fn = _make_loss(dist)
-    results = []
-    for zs, precision, micro in [(2, "bf16", None), (3, "fp32", None), (1, "fp32", 2)]:
+    results, final = [], {}
+    for zs, precision, micro in GRADPOISON_CASES:
         cfg = _one_stage_cfg(zs, precision, micro, global_batch=8)
         stage = resolve_stage(cfg, 0, dist.world_size)
         engine = build_engine(stage.build_model(), cfg, stage, dist)
         param = dict(engine.module.named_parameters())["visual.head.proj.weight"]
         poison = {"on": False}
-        param.register_hook(lambda g: g * float("inf") if poison["on"] and dist.rank == 1 else g)
+        param.register_hook(lambda g: g * float("nan") if poison["on"] and dist.rank == 1 else g)
         steps = []
         for step in range(3):
             poison["on"] = step == 1
-            before = _full_weights(engine)
+            before, grads = _full_weights(engine), {}
             images, tokens = _batch(dist.rank, step)
-            res = train_step(engine, loss_fn, images, tokens, dist, model_dtype(precision))
+            res = train_step(engine, loss_fn, images, tokens, dist, model_dtype(precision),
+                             before_step=lambda e: grads.update(_full_grads(e)))
             moved, _ = _max_diff(before, _full_weights(engine))
             steps.append({"loss": res.loss, "skipped": res.skipped, "grad_norm": res.grad_norm,
-                          "weights_moved": moved, "lr": engine.get_lr()[0]})
+                          "true_norm": _norm_of(grads), "weights_moved": moved, "lr": engine.get_lr()[0]})
+        final[zs] = _full_weights(engine)
         results.append({"rank": dist.rank, "zero_stage": zs, "precision": precision, "steps": steps})
         engine.destroy()
+    results[0]["weights_vs_zero3"] = _max_diff(final[0], final[3])[0]
     gathered = [None] * dist.world_size
     torch.distributed.all_gather_object(gathered, results)
     if dist.rank == 0:
-        out.write_text(json.dumps([r for rank_results in gathered for r in rank_results], indent=1))
+        (out_dir / "gradpoison.json").write_text(json.dumps([r for rank in gathered for r in rank], indent=1))
+    for config in sorted(out_dir.glob("run_z*.yaml")):
+        def factory(cfg, stage, dist):
+            return PoisonedStream(default_stream_factory(cfg, stage, dist), dist.rank, {2: float("nan")})
+
+        run_training(load_run_config(config), stream_factory=factory, dist=dist)
 
 
 if __name__ == "__main__":
