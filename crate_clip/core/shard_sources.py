@@ -47,9 +47,8 @@ def brace_count(pattern: str) -> int:
 def check_shard_count(count: int, what: str) -> int:
     """`count` when at most MAX_SOURCE_SHARDS, else TooManyShardsError naming `what` (the pattern or file)."""
     if count > MAX_SOURCE_SHARDS:
-        raise TooManyShardsError(f"{what} names {count:,} shards, more than the {MAX_SOURCE_SHARDS:,} one data set "
-                                 "may name (crate_clip.core.read_bounds.MAX_SOURCE_SHARDS; DataComp's largest pool "
-                                 "has 1.28M); fix: correct the range")
+        raise TooManyShardsError(f"{what} names {count:,} shards, more than the {MAX_SOURCE_SHARDS:,} a data set may "
+                                 "name (DataComp's largest pool: 1.28M); fix: correct the pattern or count")
     return count
 
 

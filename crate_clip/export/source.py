@@ -135,7 +135,7 @@ def _results(tag_dir: Path, record: CheckpointInfo) -> list[dict]:
     for number, row in lines:
         problem = _row_problem(row)
         if problem:
-            raise ExportSourceError(f"{path}:{number}: {problem}, not a result row the trainer writes; fix: remove "
+            raise ExportSourceError(f"{path}:{number}: {problem}: not a result row the trainer writes; fix: remove "
                                     "the line (or move the file away: the card then lists no results)")
         if row.get("stage_index", -1) < stage or (finished and row.get("stage_index") == stage):
             rows[(row.get("stage_index"), row.get("eval"), row.get("image_size"), row.get("resize", "grid"))] = row
@@ -151,7 +151,7 @@ def _row_problem(row) -> str | None:
     """Why a results.jsonl value is not a row the export can use (not an object, a key of another type, a metric
     that is not a finite number), or None."""
     if not isinstance(row, dict):
-        return f"a {type(row).__name__} ({json.dumps(row)[:40]})"
+        return f"{json.dumps(row)[:40]} is not a JSON object"
     for key, types in _ROW_KEYS.items():
         value = row.get(key)
         if value is None:

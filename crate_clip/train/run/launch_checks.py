@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from crate_clip.core.errors import ConfigError
-from crate_clip.core.shard_sources import PIPE, ShardListError, expand_source, is_remote
+from crate_clip.core.shard_sources import PIPE, ShardListError, TooManyShardsError, expand_source, is_remote
 from crate_clip.data.remote_transport import (COMMAND_SCHEMES, PermanentSourceError, TransientSourceError,
                                               open_transport, shown_source)
 from crate_clip.train.run.run_config import (RunConfig, apply_override, batch_problem, load_run_config,
@@ -85,7 +85,7 @@ def remote_source_problems(sources: list[str], timeout: float = PROBE_TIMEOUT_S,
             continue
         try:
             shard = expand_source(source)[0]
-        except (ShardListError, IndexError):
+        except (ShardListError, TooManyShardsError, IndexError):
             continue   # the config check names it
         error = probe_shard(shard, timeout)
         if error:
