@@ -22,7 +22,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from crate_clip.core.errors import EXIT_PREEMPTED, EXIT_SOURCE_UNAVAILABLE, UserError
+from crate_clip.core.errors import EXIT_PREEMPTED, EXIT_SOURCE_UNAVAILABLE, OneLineDataError
 
 from .read_stops import ReadInterrupted, interruptible, signal_name
 from .remote_transport import PermanentSourceError, TransientSourceError, open_transport, shown_source
@@ -32,22 +32,11 @@ _JITTER = random.SystemRandom()   # timing only: never touches the seeded genera
 _SKIP_CHUNK = 1 << 20
 
 
-class ShardSourceUnavailable(UserError, RuntimeError):
+class ShardSourceUnavailable(OneLineDataError):
     """A remote data source stayed unreachable past the retry budget: the trainer saves a checkpoint of the last
     completed step and exits with code 7; `--resume latest` continues once the source is back."""
 
-    checkpoint_before_exit = True   # read by the training loop (crate_clip/train): stop at the step boundary
     exit_code = EXIT_SOURCE_UNAVAILABLE
-
-    def __init__(self, message: str):
-        # PyTorch's DataLoader re-raises a worker's exception as exc_type("Caught ... Original Traceback ...
-        # ShardSourceUnavailable: <line>"): keep only our own final line
-        marker = f"{type(self).__name__}: "
-        self.line = message.rsplit(marker, 1)[-1].strip().splitlines()[0] if marker in message else message
-        super().__init__(self.line)
-
-    def __str__(self) -> str:
-        return self.line   # a reader may append to args (webdataset adds " @ <file>"): the line stays ours
 
 
 class ReadStopped(ShardSourceUnavailable):
@@ -57,11 +46,14 @@ class ReadStopped(ShardSourceUnavailable):
     exit_code = EXIT_PREEMPTED
 
 
+RESUME_LATEST = "continue with --resume latest"   # the advice of the lines below (the trainer adapts it)
+
+
 def stopped_message(url: str, signum: int, retrying: str | None) -> str:
     """The line of a read broken off by a stop signal (`retrying`: the outage's last error, if one was retried)."""
     during = f"while {shown_source(url)} was retried (last error: {retrying})" if retrying else \
         f"while {shown_source(url)} was read"
-    return f"stopped by {signal_name(signum)} {during}; continue with --resume latest"
+    return f"stopped by {signal_name(signum)} {during}; {RESUME_LATEST}"
 
 
 @dataclass(frozen=True)
@@ -95,7 +87,7 @@ class _Outage:
 def give_up_message(url: str, error: str, policy: RetryPolicy) -> str:
     """The one line a run ends with when a source does not come back."""
     return (f"data source {shown_source(url)} still unreachable after {policy.total_s:g} s of retries "
-            f"(data.remote_retry_total_s; last error: {error}); once it is back, continue with --resume latest")
+            f"(data.remote_retry_total_s; last error: {error}); once it is back, {RESUME_LATEST}")
 
 
 class _Throughput:
@@ -134,6 +126,7 @@ class RetryingShardStream(io.RawIOBase):
         self._delivered = 0      # bytes handed to the reader: a re-opened transfer skips them
         self._outage: _Outage | None = None
         self._last_error: str | None = None   # the outage's last failure, for the line of a stop during it
+        self._size: int | None = None          # the shard's size, as its first answer gave it
         self._body = None
         self._body = self._interruptible(self._reopen)
 
@@ -175,19 +168,37 @@ class RetryingShardStream(io.RawIOBase):
             try:
                 body = open_transport(self.url, self.policy.stall_s, self._delivered)
                 self._rate = _Throughput(self.policy)
-                if body.position > self._delivered:
-                    raise PermanentSourceError(f"{shown_source(self.url)}: asked for byte {self._delivered:,}, "
-                                               f"the server sent from byte {body.position:,}")
+                self._check_same_file(body)
                 self._discard(body, self._delivered - body.position)
                 return body
             except TransientSourceError as exn:
                 if body is not None:
                     body.close()
                 self._wait(str(exn))
+            except PermanentSourceError as exn:
+                if body is not None:
+                    body.close()
+                if self._delivered:   # mid-way: the rest of the shard is lost; say so (the reader counts it)
+                    log.warning("data source %s: %s; the rest of the shard is skipped (counted as truncated_tar)",
+                                shown_source(self.url), exn)
+                raise
             except BaseException:
                 if body is not None:
                     body.close()
                 raise
+
+    def _check_same_file(self, body) -> None:
+        """A re-opened transfer must be the rest of the same file: not from a later byte than asked for, and of the
+        size the first answer gave (a proxy's error page answered 200 would otherwise be read on as the shard)."""
+        if body.position > self._delivered:
+            raise PermanentSourceError(f"asked for byte {self._delivered:,}, the server sent from byte "
+                                       f"{body.position:,}")
+        if self._size is None:
+            self._size = body.total
+        elif body.total is not None and body.total != self._size:
+            kind = f" ({body.content_type})" if body.content_type else ""
+            raise PermanentSourceError(f"the retry was answered with {body.total:,} bytes{kind}, the shard has "
+                                       f"{self._size:,}: not the same file")
 
     def _discard(self, body, count: int) -> None:
         """Read and drop the first `count` bytes of a fresh transfer."""
@@ -195,7 +206,7 @@ class RetryingShardStream(io.RawIOBase):
         while count > 0:
             n = self._rate.read(body, memoryview(chunk)[:min(count, len(chunk))])
             if n == 0:
-                raise PermanentSourceError(f"{shown_source(self.url)} is shorter than when it was first read")
+                raise PermanentSourceError("the shard is shorter than when it was first read")
             count -= n
 
     def _wait(self, error: str) -> None:

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import tempfile
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from crate_clip.core.shard_sources import PIPE
@@ -31,6 +32,8 @@ TRANSIENT_STATUS = frozenset({408, 425, 429}) | frozenset(range(500, 600))
 # retry would get the same answer, so the shard is a counted skip. Any other non-zero exit is retried.
 PERMANENT_MARKERS = re.compile(r"\b40[34]\b|NoSuchKey|NoSuchBucket|AccessDenied|Forbidden|not found|"
                                r"does not exist|no such file|No URLs matched|matched no objects", re.IGNORECASE)
+# What a redirect to another host does not take along (_SameHostCredentials).
+CREDENTIAL_HEADERS = ("Authorization", "Cookie")
 # Schemes webdataset reads through a command, and that command (the URL appended, shell-quoted).
 COMMAND_SCHEMES = {"gs://": "gsutil cat {}", "ais://": "ais get {} -", "sftp://": "curl -fsS -L {}"}
 _EXIT_WAIT_S = 5.0   # after a command's standard output ends, how long its exit status is waited for
@@ -96,23 +99,58 @@ def _network_error(exn: BaseException) -> str:
     return f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
 
 
+class _SameHostCredentials(urllib.request.HTTPRedirectHandler):
+    """Redirects followed as urllib does, but a credential (Authorization, Cookie) goes on only to the host it was
+    given for: the hub redirects a file to a CDN, which must not see the user's token (requests does the same)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(newurl) != _origin(req.full_url):
+            for name in CREDENTIAL_HEADERS:
+                new.remove_header(name)
+        return new
+
+
+def _origin(url: str) -> tuple:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port
+
+
+_OPENER = urllib.request.build_opener(_SameHostCredentials)
+
+
 class HttpBody:
-    """The body of one HTTP GET from byte `start`; every socket operation waits at most `stall_s` seconds."""
+    """The body of one HTTP GET from byte `start`; every socket operation waits at most `stall_s` seconds.
+    `position`: the byte of the file it starts at; `total`: the file's size, where the answer says it."""
 
     def __init__(self, url: str, stall_s: float, headers: dict | None = None, start: int = 0):
-        self.stall_s, self.position = stall_s, 0
+        self.stall_s, self.position, self.total = stall_s, 0, None
         headers = dict(headers or {}, **({"Range": f"bytes={start}-"} if start else {}))
         try:
-            self._response = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=stall_s)
+            self._response = _OPENER.open(urllib.request.Request(url, headers=headers), timeout=stall_s)
         except urllib.error.HTTPError as exn:
             exn.close()
             kind = TransientSourceError if exn.code in TRANSIENT_STATUS else PermanentSourceError
             raise kind(f"HTTP {exn.code} {exn.reason}") from None
         except (OSError, http.client.HTTPException) as exn:   # URLError is an OSError
             raise TransientSourceError(self._failure(exn)) from None
-        ranged = re.match(r"bytes (\d+)-", self._response.headers.get("Content-Range", ""))
-        if self._response.status == 206 and ranged:
-            self.position = int(ranged.group(1))   # a server that ignores Range answers 200 with the whole body
+        self._place(start)
+
+    def _place(self, start: int) -> None:
+        """Where the body's bytes lie in the file (a server that ignores Range answers 200 with the whole body)."""
+        answer = self._response
+        self.content_type = answer.headers.get("Content-Type", "")
+        if answer.status != 206:
+            self.total = answer.length
+            return
+        ranged = re.match(r"bytes (\d+)-\d+/(\d+|\*)", answer.headers.get("Content-Range", "").strip())
+        if not ranged:   # its bytes start somewhere in the file; reading them as the rest would lose samples
+            self.close()
+            raise PermanentSourceError(f"a Range request from byte {start:,} was answered 206 Partial Content with "
+                                       f"no valid Content-Range ({answer.headers.get('Content-Range')!r}): where "
+                                       "its bytes lie in the shard is unknown")
+        self.position = int(ranged.group(1))
+        self.total = None if ranged.group(2) == "*" else int(ranged.group(2))
 
     def _failure(self, exn: BaseException) -> str:
         text = _network_error(exn)
@@ -141,7 +179,7 @@ class CommandOutput:
     every process it started); its standard error is kept for the failure's message."""
 
     def __init__(self, command: str, stall_s: float):
-        self.stall_s, self.position = stall_s, 0
+        self.stall_s, self.position, self.total, self.content_type = stall_s, 0, None, ""
         self._stderr = tempfile.TemporaryFile()
         # no pipe for stderr: a chatty command could fill it and block while we wait for its stdout
         self._proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=self._stderr,

@@ -18,12 +18,14 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from crate_clip.core.errors import OneLineDataError
+
 from crate_clip.core.read_bounds import MAX_SHUFFLE_BUFFER_BYTES
 from crate_clip.core.tar_samples import SampleCaps, held_bytes
 
 from .device_decode import DeviceJpegBatch, ship_sample
 from .image_decode import DEFAULT_MAX_IMAGE_BYTES, BadImage, decode_train, normalize_batch
-from .remote_retry import RetryPolicy
+from .remote_retry import RESUME_LATEST, RetryPolicy
 from .shard_plan import ShardPlan, interleave
 from .shard_reader import iter_shard_samples, sample_caption, sample_image_bytes
 from .stream_layout import StreamLayout
@@ -32,6 +34,11 @@ from .text_reduction import TextReducer
 # A stream that reads this many groups in a row without one usable sample stops with an error
 # (every shard unreadable) instead of spinning forever.
 MAX_EMPTY_GROUPS = 50
+
+
+class NoUsableSamples(OneLineDataError):
+    """A stream found no usable sample in MAX_EMPTY_GROUPS shard groups in a row (every shard unreadable, empty or
+    bad): exit code 2 after the trainer saved the last completed step."""
 
 
 @dataclass
@@ -210,8 +217,10 @@ def stream_slices(plan: ShardPlan, spec: SliceSpec, reducer: TextReducer, stream
             usable = Counter()
         empty_groups = 0 if produced else empty_groups + 1
         if empty_groups >= MAX_EMPTY_GROUPS:
-            raise RuntimeError(f"canonical stream {stream} read {MAX_EMPTY_GROUPS} shard groups in a row without one "
-                               f"usable sample (last shards: {shards}); skipped so far: {dict(skips)}")
+            raise NoUsableSamples(f"data.sources: canonical stream {stream} read {MAX_EMPTY_GROUPS} shard groups in a "
+                                  f"row without one usable sample (last shards: {', '.join(shards)}; skipped so far: "
+                                  f"{dict(skips)}); fix: check the sources with `crate-clip shards inspect`, then "
+                                  f"{RESUME_LATEST}")
         group, offset = group + 1, 0
     if images and not spec.drop_last:
         yield images, tokens, meta(keys=keys)

@@ -73,7 +73,9 @@ class FaultyHandler(http.server.SimpleHTTPRequestHandler):
     """Serves the server's folder; `server.faults[path]` lists what the next requests of that path get instead:
     an HTTP status code, "cut" (the headers promise the whole body, half of it comes, the connection closes) or
     "drip" (the headers and half the body at once, then a byte every DRIP_S seconds until the client goes away; a
-    Range request drips from its first byte; with `server.drip_all` set, every request drips).
+    Range request drips from its first byte; with `server.drip_all` set, every request drips), "html" (200 with an
+    HTML error page), "206 without Content-Range" (the rest of a Range request, not saying where it starts) or
+    "redirect" (302 to `server.redirect_to` + the path). `server.seen` lists (path, headers) of every request.
     A `Range: bytes=N-` request gets the rest of the file (206), except for the paths in `server.no_range`
     (answered 200 with the whole file, as `python -m http.server` does); `server.ranges` records (path, N)."""
 
@@ -84,8 +86,12 @@ class FaultyHandler(http.server.SimpleHTTPRequestHandler):
         if not isinstance(fault, int) and (Path(self.directory) / self.path.lstrip("/")).is_file():
             body = (Path(self.directory) / self.path.lstrip("/")).read_bytes()
         start = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", ""))
+        self.server.seen.append((self.path, dict(self.headers)))
         if isinstance(fault, int) or body is None:
             self.send_error(fault or 404)
+            return
+        if fault in ("html", "206 without Content-Range", "redirect"):
+            self._misanswer(fault, body, start)
             return
         if start and self.path not in self.server.no_range:
             self.server.ranges.append((self.path, int(start.group(1))))
@@ -102,6 +108,23 @@ class FaultyHandler(http.server.SimpleHTTPRequestHandler):
             return
         self.wfile.write(part[: len(part) // 2] if fault == "cut" else part)
         self.close_connection = fault == "cut"
+
+    def _misanswer(self, fault: str, body: bytes, start) -> None:
+        """A proxy's error page answered 200; the rest of a Range request answered 206 without saying where it starts;
+        or a redirect to `server.redirect_to` + the path."""
+        if fault == "redirect":
+            self.send_response(302)
+            self.send_header("Location", self.server.redirect_to + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        page = b"<html><body>upstream unavailable, try again later</body></html>"
+        part = page if fault == "html" else body[int(start.group(1)) if start else 0:]
+        self.send_response(200 if fault == "html" else 206)
+        self.send_header("Content-Type", "text/html" if fault == "html" else "application/x-tar")
+        self.send_header("Content-Length", str(len(part)))
+        self.end_headers()
+        self.wfile.write(part)
 
     def _drip(self, part: bytes, burst: bool) -> None:
         """Half of `part` at once (`burst`), then byte by byte; a Range request (a retry) drips from its start."""
@@ -131,6 +154,7 @@ class FaultyHttpServer:
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.server.faults, self.server.no_range, self.server.ranges = faults, set(no_range), []
         self.server.drip_all, self.server.drips, self.server.closing = False, 0, False
+        self.server.seen, self.server.redirect_to = [], ""   # (path, headers) of every request; a redirect's target
         self.server.block_on_close = False   # a dripping transfer would hold close() for hours
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()

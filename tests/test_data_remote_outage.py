@@ -120,6 +120,50 @@ def test_hf_urls_read_from_the_hub_endpoint_with_the_same_retries(shards, tmp_pa
     assert [ln.split(": ", 1)[1].split(";")[0] for ln in backoff_lines(caplog)] == ["HTTP 502 Bad Gateway"]
 
 
+def test_a_retry_answered_with_other_bytes_is_a_counted_skip_with_a_line(shards, caplog):
+    """A transfer cut mid-way is read on with a Range request; a 206 that does not say where its bytes start, or a
+    proxy's HTML error page answered 200, would be read on as the rest of the shard (samples lost without a word):
+    each is the shard's end, counted as truncated_tar, with one line naming the shard and why."""
+    names = [p.name for p in shards]
+    faults = {f"/{names[1]}": ["cut", "206 without Content-Range"], f"/{names[2]}": ["cut", "html"]}
+    server = FaultyHttpServer(shards[0].parent, faults)
+    try:
+        keys, skips = read_keys([f"{server.url}/{n}" for n in names[:3]])
+    finally:
+        server.close()
+    local, _ = read_keys([str(p) for p in shards[:3]])
+    assert skips == Counter(truncated_tar=2) and keys == [k for k in local if k in keys] and len(keys) < len(local)
+    said = [r.getMessage() for r in caplog.records if "the rest of the shard is skipped" in r.getMessage()]
+    assert len(said) == 2 and names[1] in said[0] and "206 Partial Content with no valid Content-Range" in said[0]
+    assert names[2] in said[1] and "not the same file" in said[1] and "(text/html)" in said[1], said
+
+
+def test_the_hub_token_goes_to_the_hub_host_only(shards, tmp_path, monkeypatch):
+    """An hf:// file read with the stored token (HF_TOKEN): a redirect within the hub's host keeps it, one to another
+    host (a CDN) does not get it."""
+    repo = tmp_path / "datasets" / "owner" / "name" / "resolve" / "main"
+    repo.mkdir(parents=True)
+    for p in shards[:2]:
+        (repo / p.name).write_bytes(p.read_bytes())
+    path = "/datasets/owner/name/resolve/main/"
+    hub, cdn = FaultyHttpServer(tmp_path, {path + shards[0].name: ["redirect"], path + shards[1].name: ["redirect"]}), \
+        FaultyHttpServer(tmp_path, {})
+    hub.server.redirect_to = hub.url   # shard 0: to the same host (and port); shard 1 below: to another host
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    try:
+        first, _ = read_keys([f"hf://datasets/owner/name/{shards[0].name}"])
+        hub.server.redirect_to = cdn.url.replace("127.0.0.1", "localhost")
+        second, _ = read_keys([f"hf://datasets/owner/name/{shards[1].name}"])
+    finally:
+        hub.close()
+        cdn.close()
+    assert first + second == read_keys([str(p) for p in shards[:2]])[0]
+    tokens = [(path_, headers.get("Authorization")) for path_, headers in hub.server.seen + cdn.server.seen]
+    assert tokens == [(path + shards[0].name, "Bearer hf_secret")] * 2 + [(path + shards[1].name, "Bearer hf_secret"),
+                                                                        (path + shards[1].name, None)], tokens
+
+
 class _ShardSamples(torch.utils.data.IterableDataset):
     def __init__(self, url: str, retry: RetryPolicy):
         self.url, self.retry = url, retry
@@ -343,6 +387,24 @@ def test_a_source_that_stays_away_saves_exits_7_and_resume_latest_ends_with_the_
     resumed = tiny_runs.train("gave_up", None, "--resume", "latest", remote_retry_total_s=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _losses(run_dir) == tiny_runs.reference
+
+
+@pytest.mark.slow
+def test_a_source_away_from_the_start_exits_7_saying_resume_auto_which_then_trains_the_undisturbed_run(tiny_runs):
+    """No step trained, so nothing saved: the line says --resume auto (--resume latest would find no checkpoint and
+    exit 4), and that resume, with the server back, trains the undisturbed run."""
+    tiny_runs.server.stop()
+    try:
+        proc = tiny_runs.train("away", None, remote_retry_total_s=1)
+    finally:
+        tiny_runs.server.start()
+    said = [ln for ln in proc.stderr.splitlines() if ln.startswith("crate-clip train:")]
+    assert proc.returncode == EXIT_SOURCE_UNAVAILABLE and len(said) == 1, proc.stderr[-3000:]
+    assert "no step trained yet, so nothing is saved" in said[0] and "start it again with --resume auto" in said[0]
+    assert "--resume latest" not in said[0] and not (tiny_runs.root / "away" / "checkpoints" / "latest").exists()
+    resumed = tiny_runs.train("away", None, "--resume", "auto", remote_retry_total_s=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _losses(tiny_runs.root / "away") == tiny_runs.reference
 
 
 def _wait_for(condition, what: str, proc: subprocess.Popen, err: Path, timeout: float = 120.0) -> None:

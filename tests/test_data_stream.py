@@ -199,9 +199,19 @@ def test_rank_without_shard(numbered, tmp_path):
 
 
 def test_only_unreadable_shards_fail_instead_of_spinning(tmp_path):
+    """Every shard unreadable (or a `pipe:true` that sends nothing): one line naming the shards and the fix, exit code
+    2 after a save (not a traceback), also from a DataLoader worker."""
+    from crate_clip.core.errors import report_error
+    from crate_clip.data.stream_slices import NoUsableSamples
+
     (tmp_path / "00000000.tar").write_bytes(b"not a tar\n" * 10)
-    with pytest.raises(RuntimeError, match="without one usable sample"):
-        take(stream_of(tmp_path, num_workers=0, num_samples=10), 1)
+    for source, workers in ((tmp_path, 0), ("pipe:true", 1)):
+        with pytest.raises(NoUsableSamples, match="without one usable sample") as err:
+            take(stream_of(source, num_workers=workers, num_samples=10), 1)
+        line = str(err.value)
+        assert "\n" not in line and "Traceback" not in line and "crate-clip shards inspect" in line, line
+        assert (str(tmp_path / "00000000.tar") if workers == 0 else "pipe:true") in line
+        assert err.value.checkpoint_before_exit and report_error("crate-clip train", err.value) == 2
 
 
 def test_every_image_mode_becomes_rgb():

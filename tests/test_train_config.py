@@ -110,6 +110,10 @@ def test_overrides():
         apply_override(raw, "stages.5.lr=1")
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         apply_override(raw, "stages.0.lr")
+    deep = "deepspeed.overrides." + ".".join(["a"] * 50_000)   # a free-form section: once it passed --validate
+    with pytest.raises(ConfigError, match=r"a key of 50,002 parts, more than the 16 any run-config key has") as err:
+        apply_override(raw, f"{deep}=1")
+    assert len(str(err.value)) < 300 and raw["deepspeed"]["overrides"] == {"zero_optimization": {"overlap_comm": True}}
 
 
 def test_cli_rejects_a_bad_config_before_training(tmp_path, capsys):

@@ -37,6 +37,22 @@ class UserError(Exception):
     exit_code = EXIT_USAGE
 
 
+class OneLineDataError(UserError, RuntimeError):
+    """A data error with its one line, also when a DataLoader worker raised it: PyTorch re-raises a worker's exception
+    in the trainer as exc_type("Caught ... in DataLoader worker ... Original Traceback ... <Name>: <line>"), and the
+    line is cut back out of that. `checkpoint_before_exit`: the trainer saves the last completed step first."""
+
+    checkpoint_before_exit = True
+
+    def __init__(self, message: str):
+        marker = f"{type(self).__name__}: "
+        self.line = message.rsplit(marker, 1)[-1].strip().splitlines()[0] if marker in message else message
+        super().__init__(self.line)
+
+    def __str__(self) -> str:
+        return self.line   # a reader may append to args (webdataset adds " @ <file>"): the line stays ours
+
+
 class ConfigError(UserError, ValueError):
     """A run config that cannot be used; the message lists every bad key with its fix."""
 

@@ -56,6 +56,7 @@ from crate_clip.train.stage_setup.engine import DistInfo, build_engine, init_dis
 from crate_clip.train.stage_setup.optim import restore_schedule_settings, schedule_settings
 from crate_clip.train.stage_setup.optimizer_carry import CARRY, CarriedState, apply_state, check_carry, collect_state
 from crate_clip.train.stage_setup.stage_model import ResolvedStage, resolve_stage
+from crate_clip.data.remote_retry import RESUME_LATEST
 from crate_clip.data.train_stream import build_train_stream
 
 
@@ -522,8 +523,13 @@ def _stop(run: RunContext, engine, stage: ResolvedStage, progress: Progress, str
         tag_dir = run.ckpts.root / checkpoint_tag(progress.stage_index, progress.step)
     run.log.end_stage()
     where = f"stage {progress.stage_index} ({stage.name}) step {progress.step}, {progress.samples_seen} samples seen"
-    kept = f"saved in {tag_dir}" if tag_dir else "no step of this stage trained yet: the last checkpoint is kept"
-    resume = "" if "--resume" in reason else "; continue with --resume latest (or --resume auto)"
+    if tag_dir is None and progress.global_step == 0:   # no checkpoint at all: --resume latest would find none
+        reason = reason.replace(RESUME_LATEST, "start it again with --resume auto")
+        kept, resume = "no step trained yet, so nothing is saved", "" if "--resume" in reason else \
+            "; start it again with --resume auto"
+    else:
+        kept = f"saved in {tag_dir}" if tag_dir else "no step of this stage trained yet: the last checkpoint is kept"
+        resume = "" if "--resume" in reason else f"; {RESUME_LATEST} (or --resume auto)"
     raise StopRequested(f"{reason.rstrip('.')}; at {where}, {kept}{resume}", code)
 
 

@@ -15,6 +15,7 @@ from pydantic import Field, PrivateAttr, ValidationError
 
 from crate_clip.checkpoint_io.weights_headers import WeightsHeaderError, stored_values
 from crate_clip.core.errors import ConfigError
+from crate_clip.core.user_text import cut
 from crate_clip.core.config_schema import Bool, Float, Int, Section, error_lines
 from crate_clip.core.file_kinds import special_file
 from crate_clip.core.safe_yaml import load_yaml, load_yaml_file
@@ -376,6 +377,9 @@ class RunConfig(Section):
 
 
 # ---------------------------------------------------------------- overrides
+MAX_SET_KEY_PARTS = 16   # the deepest real key (deepspeed.overrides.zero_optimization.offload_optimizer.device) has 5
+
+
 def apply_override(raw: dict, assignment: str) -> None:
     """Apply one `a.b.0.c=value` override (value parsed as YAML) to the raw config dict in place."""
     if "=" not in assignment:
@@ -384,6 +388,9 @@ def apply_override(raw: dict, assignment: str) -> None:
     parts = [p for p in path.strip().split(".") if p]
     if not parts:
         raise ConfigError(f"--set {assignment!r}: empty key")
+    if len(parts) > MAX_SET_KEY_PARTS:   # no key is that deep; thousands of levels would exhaust the recursion later
+        raise ConfigError(f"--set {cut(path.strip(), 60)}: a key of {len(parts):,} parts, more than the "
+                          f"{MAX_SET_KEY_PARTS} any run-config key has; fix: a key such as stages.0.lr")
     value = load_yaml(text, f"--set {path.strip()}") if text.strip() else None
     node: Any = raw
     for depth, part in enumerate(parts):
