@@ -15,6 +15,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # of them as a fresh interpreter instead (~7 s of CPU each).
 os.environ.setdefault("KMP_DUPLICATE_LIB_OK", "True")
 os.environ.setdefault("KMP_INIT_AT_FORK", "FALSE")
+# The same for `import deepspeed`, which sets this one (PYTORCH_* is read at load time): a test importing DeepSpeed in
+# the pytest process would otherwise turn every later warm command of that process into a fresh interpreter.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # NLTK's English tagger for the tests only (see ../shared/nltk_data/README.md); never copied in.
