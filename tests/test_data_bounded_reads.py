@@ -1,6 +1,7 @@
 """Bounded reading and sizes as facts, through the real `crate-clip shards inspect` (and `train --validate`) run as
-subprocesses: compressed shards, oversized members, images and captions are counted skips that cost no memory;
-special files are refused at once; truncated and missing shards and malformed stats are reported, not guessed."""
+subprocesses: compressed shards, oversized members, images, captions and samples are counted skips that cost no
+memory; special files are refused at once; truncated and missing shards and malformed stats are reported, not
+guessed; the shuffle buffer holds at most its byte bound."""
 import gzip
 import json
 import os
@@ -59,6 +60,29 @@ def sparse_member_tar(path: Path, member_bytes: int) -> None:
                 add_member(tar, name, data)
 
 
+def sparse_sample_tar(path: Path, members: int, member_bytes: int) -> None:
+    """A tar whose first sample has `members` members of member_bytes each (holes on disk: nothing written, each
+    under the member cap), then one whole sample and the end blocks."""
+    with open(path, "wb") as f:
+        for i in range(members):
+            info = tarfile.TarInfo(f"00080000.part{i:02d}")
+            info.size = member_bytes
+            f.write(info.tobuf(tarfile.USTAR_FORMAT))
+            f.seek(-(-member_bytes // 512) * 512, os.SEEK_CUR)
+        with tarfile.open(fileobj=f, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
+            for name, data in good_members("0010", 1):
+                add_member(tar, name, data)
+
+
+def size_field_tar(path: Path, size: int) -> None:
+    """A tar of one member header whose base-256 size field says `size` (2^80: beyond any file), then end blocks."""
+    header = bytearray(tarfile.TarInfo("00090000.jpg").tobuf(tarfile.USTAR_FORMAT))
+    header[124:136] = b"\x80" + size.to_bytes(11, "big")   # GNU's base-256 number: the first byte's high bit set
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)   # the checksum of the edited header
+    path.write_bytes(bytes(header) + bytes(1024))
+
+
 @pytest.fixture(scope="module")
 def shard_sets(tmp_path_factory):
     """clean/: one shard of 8 whole samples; bad/: the same shard plus a gzip shard with a 256 MiB member, a member
@@ -75,6 +99,17 @@ def shard_sets(tmp_path_factory):
     write_tar(bad / "00000004.tar", [("00040000.jpg", jpeg_bytes()), ("00040000.txt", b"word " * (2 << 20))]
               + good_members("0005", 1))
     return clean, bad
+
+
+@pytest.fixture(scope="module")
+def attack_shards(shard_sets, tmp_path_factory):
+    """The clean shard beside the issue-50 attack's: one sample of 24 members of 60 MiB (each under the 64 MiB member
+    cap: 1.4 GB together, which took +1.38 GB) and a member whose size field says 2^80 bytes."""
+    attack = tmp_path_factory.mktemp("attack")
+    (attack / "00000000.tar").symlink_to(shard_sets[0] / "00000000.tar")
+    sparse_sample_tar(attack / "00000001.tar", 24, 60 << 20)
+    size_field_tar(attack / "00000002.tar", 1 << 80)
+    return attack
 
 
 def inspect(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -113,15 +148,67 @@ def _peaks_kb(runs) -> list[int]:
     return peaks
 
 
+@pytest.fixture(scope="module")
+def clean_inspection(shard_sets) -> subprocess.CompletedProcess:
+    """The real command on the clean shard alone, once: the baseline of the memory tests below."""
+    proc = inspect(str(shard_sets[0]), *EPOCH)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
 @pytest.mark.slow   # two warm inspections: ~5 s of CPU
-def test_peak_memory_with_bad_shards_adds_less_than_a_decoded_bad_member(shard_sets):
+def test_peak_memory_with_bad_shards_adds_less_than_a_decoded_bad_member(shard_sets, clean_inspection):
     """The real command's peak RSS on the clean shard, then on it with the bad shards beside it."""
-    clean, bad = shard_sets
-    runs = [inspect(str(d), *EPOCH) for d in (clean, bad)]
-    for proc in runs:
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    clean_kb, both_kb = _peaks_kb(runs)
+    proc = inspect(str(shard_sets[1]), *EPOCH)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    clean_kb, both_kb = _peaks_kb([clean_inspection, proc])
     assert both_kb - clean_kb <= EXTRA_PEAK_KB, f"peak RSS {clean_kb} KB without the bad shards, {both_kb} KB with"
+
+
+def test_the_attack_shards_are_counted_within_a_tenth_of_a_clean_runs_memory(attack_shards, clean_inspection):
+    """Issue 50's shards: the sample of 24 x 60 MiB is skipped once its members pass the sample budget (the first
+    one, within it, is read: the 60 MiB this costs is inside the tenth), the one after it is read; the 2^80 size
+    field is a malformed header, the shard named in the census line; peak RSS at most 1.1 x the clean run's."""
+    proc = inspect(str(attack_shards), *EPOCH)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert (report["skip_counts"]["oversized_sample"], report["skip_counts"]["unreadable_shard"]) == (1, 1)
+    assert report["samples_read"] == 8 + 1
+    census = [line for line in proc.stderr.splitlines() if "shard sizes" in line]
+    assert len(census) == 1 and f"1 unreadable (not tar files: count 0; first: {attack_shards}/00000002.tar)" \
+        in census[0], proc.stderr
+    clean_kb, attack_kb = _peaks_kb([clean_inspection, proc])
+    assert attack_kb <= 1.1 * clean_kb, f"peak RSS {clean_kb} KB on the clean shard, {attack_kb} KB with the attack's"
+
+
+def test_the_shuffle_buffer_holds_at_most_its_byte_bound_beside_one_sample():
+    """bounded_shuffle gives webdataset's order while under its byte bound, and at the bound holds at most the bound
+    plus the sample being added (samples of 1 to 50 KB, bound 200 KB): not shuffle_buffer x the sample budget."""
+    import random
+
+    import webdataset as wds
+
+    from crate_clip.core.tar_samples import held_bytes
+    from crate_clip.data.stream_slices import bounded_shuffle
+
+    samples = [{"__key__": f"{i:04d}", "jpg": bytes(1000 * (1 + i * 7 % 50))} for i in range(600)]
+    keys = [s["__key__"] for s in bounded_shuffle(iter(samples), 1000, 1 << 30, random.Random("t"))]
+    assert keys == [s["__key__"] for s in wds.shuffle(1000, initial=100, rng=random.Random("t"))(iter(samples))]
+    held, peak, bound = 0, 0, 200_000
+
+    def source():
+        nonlocal held, peak
+        for sample in samples:
+            held += held_bytes(sample)   # taken from the shards: in the buffer until it is yielded
+            peak = max(peak, held)
+            yield sample
+
+    out = []
+    for sample in bounded_shuffle(source(), 1000, bound, random.Random("t")):
+        held -= held_bytes(sample)
+        out.append(sample["__key__"])
+    assert sorted(out) == [s["__key__"] for s in samples] and held == 0
+    assert bound < peak <= bound + max(held_bytes(s) for s in samples), peak
 
 
 @pytest.mark.slow   # two warm training runs: ~10 s of CPU

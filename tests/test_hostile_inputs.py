@@ -2,6 +2,9 @@
 numbers in `--set`, control characters in a config key, an export whose timm tower is a 1.8-billion-parameter
 architecture, a NaN preprocessing mean, weights linked to /dev/zero, FIFOs as configs. Each is refused in one line
 with exit code 2, fast and within a small memory bound, and every file the user gave is still there as it was.
+Issue 50's (a brace pattern of 10^9 names, a 16 MiB config of 8 million values, a gzip bomb and an nshards.txt of
+999,999,999 among evaluation data, a safetensors header claiming 2e9 values, a 3 GiB results.jsonl) each cost at most
+a tenth more memory than the same command's clean run.
 
 Every command runs as a subprocess (forked warm by tests/warm_python.py) through a wrapper that resets the process's
 peak resident memory (/proc/self/clear_refs) and reports how far it rose: the alias chain took 3.5 GB and growing,
@@ -167,6 +170,12 @@ def _edit_config(export: Path, edit) -> None:
     (export / "open_clip_config.json").write_text(json.dumps(config))
 
 
+def _crate_tower_beside_small_weights(export: Path) -> str:
+    _edit_config(export, lambda c: c["model_cfg"]["vision_cfg"].update(
+        timm_model_name="crate_alpha_clipa.w1024_d24_h16_p14_224", image_size=224, patch_size=14))
+    return "its model has 256,028,417 parameters, more than the 3,959,169 values"   # 252.6M in the image tower
+
+
 def _gigantic_tower(export: Path) -> str:
     _edit_config(export, lambda c: c["model_cfg"]["vision_cfg"].update(timm_model_name="vit_gigantic_patch14_clip_224"))
     return "its image tower vit_gigantic_patch14_clip_224 has 1,842,777,344 parameters, more than the"
@@ -205,8 +214,10 @@ def _inspect(export: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("make, command", [(_gigantic_tower, _eval), (_gigantic_tower, _inspect), (_nan_mean, _eval),
-                                           (_zero_std, _eval), (_weights_to_dev_zero, _eval), (_fifo_config, _eval)],
-                         ids=["gigantic-eval", "gigantic-inspect", "nan-mean", "zero-std", "dev-zero", "fifo-config"])
+                                           (_zero_std, _eval), (_weights_to_dev_zero, _eval), (_fifo_config, _eval),
+                                           (_crate_tower_beside_small_weights, _eval)],
+                         ids=["gigantic-eval", "gigantic-inspect", "nan-mean", "zero-std", "dev-zero", "fifo-config",
+                              "crate-tower"])
 def test_an_export_is_checked_before_anything_is_built(tiny_export, tmp_path, make, command):
     export = tmp_path / "export"
     shutil.copytree(tiny_export, export)
@@ -280,3 +291,153 @@ def test_a_run_folder_record_with_an_alias_chain_is_refused_in_one_line(tmp_path
         recorded_config(tmp_path)
     assert str(refused.value).startswith(f"{record}: refused: its aliases expand to more than 1,000,000 values")
     assert "\n" not in str(refused.value) and record.read_text() == _alias_chain(8)
+
+
+# ---------------------------------------------------------------------------------------- issue 50: bounds that hold
+RATIO = 1.1   # an attack input's peak RSS against its command's clean run
+
+
+def _warm(cwd: Path, *argv: str) -> tuple[int, list[str], int]:
+    """(exit code, stderr lines, peak RSS in KB) of `crate-clip ARGV` forked from the warm interpreter: two such
+    commands share its pages, so their peaks compare (tests/README.md)."""
+    done = warm_python.run([sys.executable, "-m", "crate_clip.cli", *argv], env=run_env(), cwd=str(cwd),
+                           capture_output=True, text=True, timeout=300)
+    assert done.max_rss_kb is not None, "forked from the warm interpreter, to share one baseline"
+    return done.returncode, [line for line in done.stderr.splitlines() if "real_accelerator" not in line], \
+        done.max_rss_kb
+
+
+BILLION = "{0..999999999}"
+TOO_MANY = "names {:,} shards, more than the 2,000,000 a data set may name (DataComp's largest pool: 1.28M); " \
+           "fix: correct the pattern or count"
+
+
+def test_a_billion_shard_pattern_and_a_config_of_millions_of_values_are_refused_before_expansion(tmp_path):
+    """`train --validate`: a brace pattern of 10^9 names (local, http://, pipe:) is counted, not expanded (4.9 GB and
+    a MemoryError before); a 16 MiB config of 8 million values is refused from the parser's events before any node
+    exists (8.3 GB and 5 minutes before). Peak RSS within a tenth of the valid config's validation."""
+    config = _config(tmp_path)
+    code, lines, clean_kb = _warm(tmp_path, "train", "--config", str(config), "--validate")
+    assert code == 0, lines
+    for source in (f"{tmp_path}/shards/{BILLION}.tar", f"http://127.0.0.1:9/{BILLION}.tar", f"pipe:cat {BILLION}.tar"):
+        code, lines, peak_kb = _warm(tmp_path, "train", "--config", str(config), "--validate", "--set",
+                                     f"data.sources=[{source!r}]")
+        assert code == 2 and lines[0] == f"crate-clip train: invalid run config ({config}):", lines
+        assert lines[1:] == [f"  data.sources.0: source {source!r} {TOO_MANY.format(10 ** 9)}"], lines
+        assert peak_kb <= RATIO * clean_kb, (source, clean_kb, peak_kb)
+    huge = tmp_path / "huge.yaml"   # 16 MiB less a little: within the file-size bound, so the parser meets it
+    huge.write_text(config.read_text() + "notes: [" + "0," * ((8 << 20) - 200) + "0]\n")
+    code, lines, peak_kb = _warm(tmp_path, "train", "--config", str(huge), "--validate")
+    at = len(config.read_text().splitlines()) + 1   # the line of the list
+    assert code == 2 and lines == [f"crate-clip train: {huge}: refused: it holds more than 250,000 values (line {at}); "
+                                   "fix: list the shards as a brace pattern or a folder"], lines
+    assert peak_kb <= RATIO * clean_kb, (clean_kb, peak_kb)
+
+
+def _cls_shard(path: Path) -> Path:
+    """A classification shard of two images of label 3 (`.jpg` + `.cls`)."""
+    from data_fixtures import jpeg_bytes, write_tar
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_tar(path, [m for i in range(2) for m in ((f"{i:05d}.jpg", jpeg_bytes()), (f"{i:05d}.cls", b"3"))])
+
+
+def _gzip_bomb(path: Path, member_bytes: int = 1 << 30) -> Path:
+    """A gzip "tar" of ~1 MB holding one member of member_bytes zeros: gzip members of 1 MiB of zeros repeated
+    (a gzip stream may be several members), nothing compressed but the first MiB."""
+    import gzip
+
+    info = tarfile.TarInfo("00010000.jpg")
+    info.size = member_bytes
+    zeros = gzip.compress(bytes(1 << 20), compresslevel=9)
+    with open(path, "wb") as f:
+        f.write(gzip.compress(info.tobuf(tarfile.USTAR_FORMAT)))
+        f.writelines([zeros] * (member_bytes >> 20))
+    return path
+
+
+def _header_claiming_2e9_values(export: Path) -> Path:
+    """The export with a 303M-parameter timm tower (ViT-L/16), no recorded checksums, and weights whose safetensors
+    header adds a tensor of 2e9 values the file does not hold: the tower check passed (2e9 > 303M) and the tower was
+    built before the weights failed."""
+    import struct
+
+    def edit(config):
+        config["model_cfg"]["vision_cfg"].update(timm_model_name="vit_large_patch16_224")
+        config.pop("file_checksums", None)
+    _edit_config(export, edit)
+    weights = export / "open_clip_model.safetensors"
+    raw = weights.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header, data = json.loads(raw[8:8 + length]), raw[8 + length:]
+    end = len(data) + 8_000_000_000   # 2e9 float32 values past the data the file holds
+    header["visual.claimed"] = {"dtype": "F32", "shape": [2_000_000_000], "data_offsets": [len(data), end]}
+    text = json.dumps(header).encode()
+    weights.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return weights
+
+
+def _eval_on(export: Path, data) -> list[str]:
+    return ["eval", "zeroshot", "--model", f"local-dir:{export}", "--data", str(data), "--dataset", "fashion_mnist",
+            "--device", "cpu", "--no-progress"]
+
+
+def test_evaluation_data_and_weights_attacks_cost_at_most_a_tenth_more_than_a_clean_run(tiny_export, tmp_path):
+    """`eval zeroshot` reads its shards with the training stream's bounded reader: a 1 MB gzip "tar" with a 1 GiB
+    member is an unreadable shard named as compressed (+2 GB and "truncated" before); an nshards.txt of 999,999,999
+    and a brace pattern of 10^9 names are one line naming the file or pattern; a safetensors header claiming 2e9
+    values is refused before the 303M tower is built. Peak RSS within a tenth of a clean evaluation's."""
+    clean = _cls_shard(tmp_path / "clean" / "00000000.tar").parent
+    code, lines, clean_kb = _warm(tmp_path, *_eval_on(tiny_export, clean))
+    assert code == 0, lines
+    bomb = tmp_path / "bomb"
+    _cls_shard(bomb / "00000000.tar")
+    _gzip_bomb(bomb / "00000001.tar")
+    nshards = tmp_path / "wds" / "test" / "nshards.txt"
+    nshards.parent.mkdir(parents=True)
+    nshards.write_text("999999999\n")
+    export = tmp_path / "export"
+    shutil.copytree(tiny_export, export)
+    weights = _header_claiming_2e9_values(export)
+    cases = [(_eval_on(tiny_export, bomb), f"{bomb / '00000001.tar'}: unreadable tar (CompressedTarError: "
+                                           "gzip-compressed tar: crate-clip reads uncompressed .tar shards only)"),
+             (_eval_on(tiny_export, nshards.parent.parent), f"crate-clip eval: {nshards} {TOO_MANY.format(999999999)}"),
+             (_eval_on(tiny_export, f"{clean}/{BILLION}.tar"),
+              f"crate-clip eval: source '{clean}/{BILLION}.tar' {TOO_MANY.format(10 ** 9)}"),
+             (_eval_on(export, clean), f"crate-clip eval: {weights}: its header claims tensor 'visual.claimed' of "
+                                       f"2,000,000,000 values at bytes ")]
+    for argv, says in cases:
+        code, lines, peak_kb = _warm(tmp_path, *argv)
+        assert code == 2 and len(lines) == 1 and says in lines[0] and "Traceback" not in lines[0], lines
+        assert peak_kb <= RATIO * clean_kb, (says, clean_kb, peak_kb)
+
+
+def test_export_reads_results_jsonl_bounded_and_refuses_a_malformed_row(tmp_path):
+    """A 3 GiB results.jsonl (sparse) is refused from its size (7.25 GB before), a row `5` in one line naming its
+    line (an AttributeError before), both before any weights are read; peak RSS within a tenth of the export of the
+    same checkpoint with a valid results.jsonl (which goes on to its weights: here none, an error after the read)."""
+    from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE, CheckpointInfo, Progress
+
+    tag = tmp_path / "run" / "checkpoints" / "stage0-step00000004"
+    tag.mkdir(parents=True)
+    record = CheckpointInfo(CRATE_TINY, 28, 32, 4, 0, "s", 4, "fp32", {}, {"mean": [0.5] * 3, "std": [0.5] * 3}, {},
+                            Progress(stage_index=0, step=4, global_step=4))
+    (tag / INFO_FILE).write_text(json.dumps(record.as_dict()))
+    results = tmp_path / "run" / "results.jsonl"
+    row = json.dumps({"stage_index": 0, "eval": "fmnist", "image_size": 28, "top1": 0.5})
+    export = ["export", str(tag), "--out", str(tmp_path / "out")]
+    results.write_text(row + "\n")
+    code, lines, clean_kb = _warm(tmp_path, *export)
+    assert code == 2 and "mp_rank_00_model_states.pt" in lines[-1], lines   # past the results: the weights
+    results.write_text(f"{row}\n5\n")
+    code, lines, row_kb = _warm(tmp_path, *export)
+    assert code == 2 and lines == [f"crate-clip export: {results}:2: 5 is not a JSON object: not a result row the "
+                                   "trainer writes; fix: remove the line (or move the file away: the card then lists "
+                                   "no results)"], lines
+    with open(results, "wb") as f:
+        f.truncate(3 << 30)   # sparse: 3 GiB of size, no disk used
+    code, lines, huge_kb = _warm(tmp_path, *export)
+    assert code == 2 and lines == [f"crate-clip export: {results}: 3,221,225,472 bytes, more than the 67,108,864 such "
+                                   "a file may hold; the model card lists the run's results from it"], lines
+    assert max(row_kb, huge_kb) <= RATIO * clean_kb, (clean_kb, row_kb, huge_kb)
+    assert not (tmp_path / "out").exists()
