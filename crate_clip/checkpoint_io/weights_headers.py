@@ -63,7 +63,8 @@ def _safetensors_values(path: Path, size: int) -> int:
         count, (begin, end) = _tensor_claim(path, name, entry)
         if end > data_bytes:
             raise WeightsHeaderError(f"{path}: its header claims tensor {name[:80]!r} of {count:,} values at bytes "
-                                     f"{begin:,}-{end:,}, past the {data_bytes:,} bytes of data the file holds")
+                                     f"{begin:,}-{end:,}, past the {data_bytes:,} bytes of data the file holds "
+                                     "(truncated, or not the file its header describes); copy or download it again")
         values += count
     return values
 
@@ -86,12 +87,13 @@ def _tensor_claim(path: Path, name: str, entry) -> tuple[int, tuple[int, int]]:
 
 
 def _zip_values(path: Path, size: int) -> int:
-    """The bytes of a torch zip file's records (a value takes at least one), each stored uncompressed in the file."""
+    """The bytes of a torch zip file's records (a value takes at least one), each stored uncompressed in the file; a
+    directory that does not read is the file's size (torch's own reader then refuses the file)."""
     try:
         with zipfile.ZipFile(path) as archive:
             records = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError, OverflowError) as exc:
-        raise WeightsHeaderError(f"{path}: not a torch file (a damaged zip archive: {exc})") from None
+    except (zipfile.BadZipFile, OSError, ValueError, OverflowError):
+        return size   # a damaged archive: torch's reader refuses it, and its caller names the file so
     total = 0
     for record in records:
         if record.compress_type != zipfile.ZIP_STORED or record.header_offset + record.file_size > size:
