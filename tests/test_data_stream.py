@@ -111,7 +111,7 @@ def corrupt_dir(tmp_path_factory):
 EXPECTED_SKIPS = {"truncated_tar": 1, "unreadable_shard": 2, "undecodable_image": 1, "zero_size_image": 1,
                   "decompression_bomb": 1, "missing_image": 1, "missing_caption": 1, "empty_caption": 1,
                   "non_utf8_caption": 1, "duplicate_key": 1, "compressed_shard": 0, "oversized_member": 0,
-                  "oversized_caption": 0}
+                  "oversized_caption": 0, "oversized_sample": 0}
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
