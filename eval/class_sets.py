@@ -4,10 +4,12 @@ open_clip's lists are imported on first use."""
 from functools import cache
 from pathlib import Path
 
+from crate_clip.checkpoint_io.bounded_reads import read_small_bytes
 from crate_clip.core.class_names import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES
 from crate_clip.eval.class_folders import name_key
 
 BUILTIN_DATASETS = ("imagenet1k", "fashion_mnist")   # the built-in class sets (their names: builtin_classnames)
+MAX_LIST_BYTES = 16 << 20   # a class-name or template list: ImageNet-21k's 21,843 names are ~1 MB
 TEMPLATE_SETS = ("openai", "simple", "fashion_mnist", "plain")   # the built-in template sets
 DEFAULT_TEMPLATES = {"imagenet1k": "openai", "fashion_mnist": "fashion_mnist"}
 DEFAULT_DATASET = "imagenet1k"   # the data set when neither a name nor the data's own classnames.txt says
@@ -43,8 +45,10 @@ def builtin_templates(name: str) -> tuple:
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """Non-empty stripped lines of a text file."""
-    return [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    """Non-empty stripped lines of a text file, read only as a regular file of at most MAX_LIST_BYTES (an evaluation
+    set from elsewhere brings its classnames.txt and templates)."""
+    text = read_small_bytes(path, MAX_LIST_BYTES).decode("utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def _beside(data: str | Path | None, name: str) -> list[Path]:

@@ -141,7 +141,7 @@ def read_label_file(path: str | Path, file_names: list[str], num_classes: int,
 
 
 def _label_rows(path: Path) -> list[tuple[str, ...]]:
-    text = path.read_text(encoding="utf-8")
+    text = read_small_bytes(path).decode("utf-8")   # within 64 MiB: ImageNet's LOC_val_solution.csv is 2.6 MB
     if text.startswith("ImageId,PredictionString"):   # Kaggle ImageNet localisation solution file
         return [(r["ImageId"], r["PredictionString"].split()[0]) for r in csv.DictReader(io.StringIO(text))]
     return [tuple(line.replace(",", " ").split()) for line in text.splitlines() if line.strip()]
