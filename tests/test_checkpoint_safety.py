@@ -85,10 +85,14 @@ def trained(tmp_path_factory, tiny_fmnist):
 
 
 def _copy_mid_stage(source: Path, run: Path) -> Path:
-    """A run folder holding only the step-1 checkpoint of `source` (named by `latest`); returns its tag folder."""
+    """A run folder holding only the step-1 checkpoint of `source` (named by `latest`) and the run's records a resume
+    checks its config against (run_config.yaml, run_reads.json); returns its tag folder."""
     tag = run / "checkpoints" / MID_TAG
     shutil.copytree(source / "checkpoints" / MID_TAG, tag)
     (run / "checkpoints" / "latest").write_text(MID_TAG)
+    for record in ("run_config.yaml", "run_reads.json"):
+        if (source / record).is_file():
+            shutil.copy2(source / record, run / record)
     return tag
 
 

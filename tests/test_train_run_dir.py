@@ -58,6 +58,7 @@ def _show(proc: subprocess.CompletedProcess) -> str:
 def resumed_run(tmp_path_factory, tiny_fmnist):
     """A run killed between stage 0's two evaluations (16 px recorded, 28 px not), then resumed to the end."""
     import open_clip
+    import torch
     from safetensors.torch import save_file
 
     import crate_clip  # noqa: F401
@@ -143,12 +144,16 @@ def test_overwrite_moves_the_earlier_run_aside(resumed_run, tiny_fmnist, tmp_pat
 
 
 def test_resave_mid_stage_1_keeps_the_old_checkpoint_and_one_metrics_row_per_step(resumed_run):
-    """Resume in stage 1 from its step-2 checkpoint with model.pretrained now unreadable (a resumed stage takes
-    every weight from the checkpoint), then die while DeepSpeed writes the step-3 checkpoint a second time."""
+    """Resume in stage 1 from its step-2 checkpoint with model.pretrained now holding weights of no tensor of the
+    model (a resumed stage takes every weight from the checkpoint; the file is still well-formed, as the config check
+    asks), then die while DeepSpeed writes the step-3 checkpoint a second time."""
+    import torch
+    from safetensors.torch import save_file
+
     from crate_clip.train.checkpointing.checkpoints import read_info
 
     run_dir = resumed_run["run_dir"]
-    resumed_run["pretrained"].write_bytes(b"not a weights file")
+    save_file({"unrelated": torch.zeros(1)}, str(resumed_run["pretrained"]))
     old = run_dir / "checkpoints" / "stage1-step00000003"
     before, info = snapshot(old), read_info(old)
     proc = _run(str(WORKERS), "kill_in_save", str(resumed_run["config"]), "stage1-step00000003",
