@@ -166,7 +166,9 @@ DEMO = "tests/test_train_demo.py::test_demo_runs_end_to_end_on_a_few_images"
 DOC_EXPORTS = ("tests/test_checkpoint_rotation.py::"
                "test_keep_last_1_keeps_each_stage_end_and_the_docs_export_commands_run_as_written")
 SLURM = ("tests/test_slurm_preemption.py::"
-         "test_a_preemption_signal_saves_the_step_exits_8_and_the_run_resumes_to_the_same_weights")
+         "test_the_time_limit_warning_and_scancel_save_the_step_with_loader_workers_and_the_run_ends_as_undisturbed")
+SLURM_NO_REQUEUE = ("tests/test_slurm_preemption.py::"
+                    "test_scancel_during_a_retried_outage_saves_and_exits_8_before_slurm_kills")
 PLAN_RESUME = "tests/test_train_elastic.py::test_plan_for_a_run_in_progress_at_another_gpu_count"
 LAUNCHED = "tests/test_train_launch_checks.py::test_launched_workers_exit_code_is_the_trainers_own"
 PROBE = "tests/test_eval_linear_probe.py::test_cli_linear_probe_and_fewshot_on_a_clip_with_the_feature_cache"
@@ -244,7 +246,7 @@ COVERED_BY = {
     "--rdzv_id crate-b16 -m crate_clip.train.cli --config C.yaml --resume auto":
         "tests/test_train_elastic.py::test_torchrun_restarts_a_killed_rank_and_ends_with_the_uninterrupted_export",
     "sbatch configs/slurm/train.sbatch configs/datacomp/crate_alpha_clipa_b-16.yaml": SLURM,
-    "sbatch --time=4:00:00 configs/slurm/train.sbatch C.yaml --no-requeue": SLURM,
+    "sbatch --time=4:00:00 configs/slurm/train.sbatch C.yaml --no-requeue": SLURM_NO_REQUEUE,
     "set -eu":   # docs/training.md's copy of configs/slurm/train.sbatch, the script those tests submit
         "tests/test_slurm_preemption.py::test_the_docs_show_the_submitted_script",
     "crate-clip eval zeroshot --model runs/b16/checkpoints --data /data/imagenet/val --dataset imagenet1k "

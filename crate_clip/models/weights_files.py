@@ -37,9 +37,9 @@ def refuse_special_file(path: str | Path) -> None:
 
 
 def read_weights_file(path: str | Path):
-    """The object stored in a .safetensors / torch file; a corrupt or truncated file raises CorruptWeightsError,
-    one that pickles a class outside the allow-list UntrustedCheckpointError, one whose header claims more than the
-    file holds WeightsHeaderError (crate_clip.checkpoint_io)."""
+    """The object stored in a .safetensors / torch file; a corrupt or truncated file (its header claiming more than
+    the file holds included: crate_clip.checkpoint_io.weights_headers) raises CorruptWeightsError, one that pickles a
+    class outside the allow-list UntrustedCheckpointError."""
     path = Path(path)
     refuse_special_file(path)
     try:
@@ -48,8 +48,11 @@ def read_weights_file(path: str | Path):
             stored_values(path)   # its header held to the file's size before any tensor exists
             return load_file(str(path), device="cpu")
         return load_torch_file(path)   # weights_only=True, DeepSpeed's classes allowed (its model-states files)
-    except (FileNotFoundError, IsADirectoryError, PermissionError, UntrustedCheckpointError, WeightsHeaderError):
+    except (FileNotFoundError, IsADirectoryError, PermissionError, UntrustedCheckpointError):
         raise
+    except WeightsHeaderError as exn:   # the header claims more than the file holds: truncated, or not such a file
+        said = str(exn).removeprefix(f"{path}: ")
+        raise CorruptWeightsError(f"{path}: corrupt or truncated weights file: {said}") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, LookupError, TypeError,
             AttributeError, OverflowError, MemoryError, zipfile.BadZipFile, struct.error) as exn:
         # a text file or random bytes read as a legacy pickle stop anywhere in the unpickler: an IndexError (pop

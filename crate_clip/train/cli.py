@@ -73,14 +73,19 @@ def main(argv=None) -> int:
     if args.nproc and os.environ.get("RANK") is not None:
         parser.error("--nproc starts the training processes itself; under torchrun, deepspeed or accelerate launch "
                      "leave it out (the launcher's process count is used)")
-    from crate_clip.train.run.save_signals import hold_until_handled, parse_signals
+    from crate_clip.train.run.save_signals import held_until_handled, parse_signals
 
     try:
         stop_signals = parse_signals(args.save_on_signal)
     except ValueError as exc:
         parser.error(str(exc))
-    if not args.validate:   # a training process or a launcher: a save signal from now on is a stop, never an end
-        hold_until_handled(stop_signals)
+    # a training process or a launcher: a save signal from now on is a stop, never an end
+    with held_until_handled(() if args.validate else stop_signals):
+        return _train(args, argv, stop_signals)
+
+
+def _train(args, argv: list[str], stop_signals: tuple[int, ...]) -> int:
+    """`crate-clip train` once its command line is read: check, launch or run, and the exit code."""
     # the run's modules (torch, DeepSpeed, open_clip: seconds of CPU) after parsing, so that --help is instant
     import torch.distributed as tdist
 

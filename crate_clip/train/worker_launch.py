@@ -73,10 +73,10 @@ class _Forwarder:
         self.signums, self.received = signums, []
         self._sent: set[tuple[int, int]] = set()   # (worker PID, signal) passed on
         self._done = threading.Event()
-        self._thread = None
+        self._thread, self._previous = None, None
         if signums:
             # blocked before any thread or worker starts: they inherit it (the workers until their handlers exist)
-            signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+            self._previous = signal.pthread_sigmask(signal.SIG_BLOCK, signums)
             self._thread = threading.Thread(target=self._run, name="save-signal-forwarder", daemon=True)
             self._thread.start()
 
@@ -101,9 +101,14 @@ class _Forwarder:
                         pass
 
     def close(self) -> None:
+        """The workers have ended: stop forwarding; a save signal that came meanwhile is dropped (the launcher exits
+        with the workers' code), and the signal mask is what it was."""
         self._done.set()
         if self._thread is not None:
             self._thread.join()
+            while signal.sigtimedwait(self.signums, 0) is not None:
+                pass
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._previous)
 
 
 def torchrun_args(nproc: int, train_args: list[str]) -> list[str]:

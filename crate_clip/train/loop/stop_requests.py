@@ -68,11 +68,11 @@ def stop_signals_handled(signums: tuple[int, ...], ignore_after_stop: bool = Fal
     try:
         yield
     finally:
+        while _sharing:   # first: its thread must not deliver a signal once the handlers below are gone
+            _sharing.pop().close()
         stopped = bool(_request)
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_IGN if stopped and ignore_after_stop else handler)
-        while _sharing:
-            _sharing.pop().close()
         read_stops.set_stop_signals(())
         read_stops.clear()
         _request.clear()

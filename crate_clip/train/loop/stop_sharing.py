@@ -112,7 +112,8 @@ class StopSharing:
         signum, self.origin = found
         self._delivered = True
         self._posted = self._posted or found[1].startswith("rank")   # the other ranks have it already
-        signal.pthread_kill(self._main, signum)
+        if not self._closing.is_set():   # the run's handlers are still in place (close() comes before they go)
+            signal.pthread_kill(self._main, signum)
 
     def _posted_elsewhere(self) -> Optional[tuple[int, str]]:
         if self._store is None:

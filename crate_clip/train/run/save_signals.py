@@ -11,7 +11,9 @@ Light on purpose (no torch): it runs before the heavy imports.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
+from typing import Iterator
 
 DEFAULT_SIGNALS = "USR1,TERM"
 
@@ -34,8 +36,14 @@ def parse_signals(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def hold_until_handled(signums: tuple[int, ...]) -> None:
-    """Block `signums` in this thread (and the threads and processes it starts) until stop_signals_handled unblocks
-    them: received meanwhile, they are delivered then instead of ending the process."""
-    if signums:
-        signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+@contextlib.contextmanager
+def held_until_handled(signums: tuple[int, ...]) -> Iterator[None]:
+    """For the body: `signums` blocked in this thread (and the threads and processes it starts) until
+    stop_signals_handled unblocks them; received meanwhile, they are delivered then instead of ending the process.
+    Afterwards the signal mask is what it was (`crate-clip train` called in-process returns with nothing held)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signums) if signums else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
