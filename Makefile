@@ -10,6 +10,11 @@ TORCH_PIN ?= torch==2.14.1 torchvision==0.29.1
 # the venv from PyPI first; pip when neither works, when uv fails, or with INSTALLER=pip. uv reads no pip
 # configuration, so tools/uv_install.py hands it pip's package sources (where the pinned torch wheels lie).
 INSTALLER ?= uv
+# Every process compiles the modules it imports unless their bytecode is on disk, and where PYTHONDONTWRITEBYTECODE
+# is set (or the venv is read-only) it never is: `import timm` then costs 9.6 s of CPU instead of 4.6 s, and the
+# suite starts many fresh interpreters. So the install compiles it: uv's --compile-bytecode for what it installs (pip
+# compiles by default), compileall for the project's own packages (BENCHMARKS.md, "Bytecode at install").
+PACKAGES := crate_clip data_pipelines eval
 # Debian packages holding the real local data sets used by the demo and the tests (one list, in Python).
 DEB_DATA := $(shell $(PYTHON) data_pipelines/sources/debian_packages.py)
 # Debian packages of the real components some tests run: a one-node Slurm on localhost (tests/slurm_cluster.py).
@@ -38,13 +43,15 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	uv=""; if [ "$(INSTALLER)" = uv ]; then \
 	    uv=$$(command -v uv || { $(PY) -m pip install -q uv >/dev/null 2>&1 && echo $(VENV)/bin/uv; }); \
 	fi; \
-	if [ -n "$$uv" ] && $(PY) tools/uv_install.py $$uv $(PY) -q --upgrade-package pip pip $$pin -e '.[dev]'; then \
+	if [ -n "$$uv" ] && $(PY) tools/uv_install.py $$uv $(PY) -q --compile-bytecode --upgrade-package pip pip $$pin \
+	        -e '.[dev]'; then \
 	    echo "installed with $$uv"; \
 	else \
 	    if [ -n "$$uv" ]; then echo "uv failed (above); installing with pip"; fi; \
 	    $(PY) -m pip install -q --upgrade pip && \
 	    $(PY) -m pip install -q $$pin -e '.[dev]'; \
 	fi
+	@$(PY) -m compileall -q $(PACKAGES) >/dev/null || true
 	@touch $@
 
 # Installs the Debian data and test-tool packages when missing (needs root and apt); otherwise says what to install.
