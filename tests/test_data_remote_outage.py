@@ -417,11 +417,13 @@ def _wait_for(condition, what: str, proc: subprocess.Popen, err: Path, timeout: 
 def _ended_within(proc: subprocess.Popen, err: Path, seconds: float) -> str:
     """The run's stderr once it has ended, at most `seconds` after the stop signal (a bound, not a speed check: a
     retried outage or a drip would hold it for the 20 minutes of data.remote_retry_total_s)."""
+    signalled = time.monotonic()
     try:
         proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise AssertionError(f"not ended {seconds:g} s after the stop signal: {err.read_text()[-3000:]}") from None
+    print(f"{err.stem}: ended {time.monotonic() - signalled:.1f} s after the stop signal")   # BENCHMARKS.md
     return err.read_text()
 
 
