@@ -53,6 +53,48 @@ def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd
     # torch deprecation notices of the collectives DeepSpeed and open_clip's ClipLoss call (one per rank)
     assert "initialized randomly" not in out and "is deprecated" not in out
     assert "final model on the 40 test images" in out
+    _timm_scores_what_eval_scored(run / "export", tmp_path / "data" / "test", results[-1])
+
+
+def _timm_scores_what_eval_scored(export, test_dir, final: dict) -> None:
+    """timm loads the export's image tower as docs/export.md shows (an overlay `file`, and `checkpoint_path=`) with
+    the export's own preprocessing: its transform gives open_clip's tensors, its tower the CLIP's features, and
+    through the CLIP's projection and text classifier the demo's final zero-shot top-1 on the same images."""
+    import timm
+    import torch
+    import torch.nn.functional as F
+    from PIL import Image
+    from timm.data import create_transform, resolve_data_config
+
+    from crate_clip.core.class_names import FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES
+    from crate_clip.eval.tasks.zeroshot import build_text_classifier
+    from crate_clip.export.writer import load_export
+
+    config = json.loads((export / "open_clip_config.json").read_text())
+    name, pre = config["model_cfg"]["vision_cfg"]["timm_model_name"], config["preprocess_cfg"]
+    weights = str(export / "open_clip_model.safetensors")
+    tower = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=weights)).eval()
+    data_cfg = resolve_data_config({}, model=tower)
+    assert data_cfg == {"input_size": (3, 27, 27), "interpolation": pre["interpolation"], "mean": tuple(pre["mean"]),
+                        "std": tuple(pre["std"]), "crop_pct": 1.0, "crop_mode": "center"}
+    by_path = timm.create_model(name, checkpoint_path=weights).eval()   # the file's tensors alone: no crop either
+    assert {k: resolve_data_config({}, model=by_path)[k] for k in ("input_size", "crop_pct")} == {
+        "input_size": (3, 27, 27), "crop_pct": 1.0}
+    model, preprocess, tokenizer = load_export(export)
+    paths = sorted(test_dir.glob("*/*.png"))
+    labels = torch.tensor([int(p.parent.name.split("_")[0]) for p in paths])
+    images = [Image.open(p).convert("RGB") for p in paths]   # as timm's ImageDataset reads them
+    x = torch.stack([create_transform(**data_cfg)(image) for image in images])
+    assert len(paths) == final["n_images"] == 40 and torch.equal(x, torch.stack([preprocess(i) for i in images]))
+    with torch.no_grad():
+        features = tower(x)
+        torch.testing.assert_close(features, model.visual.trunk(x))
+        torch.testing.assert_close(by_path(x), features)
+        classifier = build_text_classifier(model, tokenizer, FASHION_MNIST_CLASSNAMES, FASHION_MNIST_TEMPLATES,
+                                           progress=False)
+        top1 = (F.normalize(model.visual.head(features), dim=-1) @ classifier).argmax(dim=1)
+    # the demo scored on 2 ranks, other batch shapes: an arg-max between equal logits may go either way
+    assert abs(int((top1 == labels).sum()) - round(final["top1"] * 40)) <= 1, (top1, labels, final["top1"])
 
 
 @pytest.mark.multiproc

@@ -28,6 +28,7 @@ _TAG = re.compile(r"^w(\d+)_d(\d+)_h(\d+)_p(\d+)_(\d+)$")
 _UNDERSCORE = re.compile(r"^crate_alpha_clipa_(w\d+_d\d+_h\d+_p\d+_\d+)$")
 FORM = f"{FAMILY}.w<width>_d<depth>_h<heads>_p<patch>_<px>"
 DEFAULT_TAG = "w768_d12_h12_p16_224"
+WEIGHT_SOURCES = ("file", "url", "hf_hub_id", "state_dict")   # the pretrained_cfg keys timm loads weights from
 # A name is read from files (an export's config): its sizes are bounded by the registered families (the largest,
 # CRATE-alpha-H: width 1280, 32 blocks, 16 heads; patches up to 32 px) and the image by 1024 px (fine-tuning at
 # a higher resolution than 224 px), so no name makes timm allocate more than the largest registered tower
@@ -92,19 +93,22 @@ def tower_name_at(name: str, patch_size: int, image_size: int) -> str:
 
 
 def _family_entrypoint(pretrained: bool = False, pretrained_cfg=None, **kwargs):
-    """The CRATE-alpha CLIP tower its tag names (`crate_alpha_clipa.w128_d4_h4_p7_28`); no released weights."""
+    """The CRATE-alpha CLIP tower its tag names (`crate_alpha_clipa.w128_d4_h4_p7_28`); no released weights, so
+    `pretrained=True` loads the file the caller names (pretrained_cfg_overlay's `file`, e.g. an export's)."""
     tag = pretrained_cfg if isinstance(pretrained_cfg, str) else DEFAULT_TAG
     arch = _tag_arch(tag, f"{FAMILY}.{tag}")
-    if pretrained:
-        raise ValueError(f"{FAMILY}.{tag}: parametric towers have no released weights; load a checkpoint instead")
-    cfg = {**crate_alpha._cfg(arch["img_size"], num_classes=0), "tag": tag}
-    return crate_alpha._create_crate_alpha(FAMILY, False, pretrained_cfg=cfg, **{**arch, **kwargs})
+    overlay = kwargs.get("pretrained_cfg_overlay") or {}
+    if pretrained and not any(overlay.get(k) for k in WEIGHT_SOURCES):
+        raise ValueError(f"{FAMILY}.{tag}: parametric towers have no released weights; name a file: "
+                         "pretrained_cfg_overlay=dict(file=EXPORT/open_clip_model.safetensors), or checkpoint_path=")
+    cfg = {**crate_alpha.clip_tower_cfg(arch["img_size"]), "tag": tag}
+    return crate_alpha._create_crate_alpha(FAMILY, pretrained, pretrained_cfg=cfg, **{**arch, **kwargs})
 
 
 def _register_family() -> None:
     _family_entrypoint.__name__ = _family_entrypoint.__qualname__ = FAMILY
     _family_entrypoint.__module__ = crate_alpha.__name__   # listed with the other CRATE towers
-    default = {f"{FAMILY}.{DEFAULT_TAG}": crate_alpha._cfg(224, num_classes=0)}
+    default = {f"{FAMILY}.{DEFAULT_TAG}": crate_alpha.clip_tower_cfg(224)}
     crate_alpha.default_cfgs.update(generate_default_cfgs(default))
     setattr(crate_alpha, FAMILY, register_model(_family_entrypoint))
 
@@ -115,7 +119,7 @@ def register_clip_tower(name: str) -> None:
         return
     arch = parse_clip_tower_name(name)
     crate_alpha.default_cfgs.update(
-        crate_alpha.generate_default_cfgs({name: crate_alpha._cfg(arch["img_size"], num_classes=0)}))
+        crate_alpha.generate_default_cfgs({name: crate_alpha.clip_tower_cfg(arch["img_size"])}))
     setattr(crate_alpha, name, register_model(crate_alpha._make_entrypoint(name, arch)))
 
 

@@ -300,6 +300,14 @@ class CrateAlpha(nn.Module):
                     blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     @torch.jit.ignore
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """nn.Module's, also given an export's whole CLIP weights: `timm.create_model(name, checkpoint_path=...)`
+        hands a file's tensors to the model unfiltered, so the tower takes its own part (checkpoint_filter_fn)."""
+        if is_clip_layout(state_dict):
+            state_dict = checkpoint_filter_fn(state_dict, self)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block in the backward pass instead of storing its activations."""
         self.grad_checkpointing = enable
@@ -541,15 +549,33 @@ def _is_official_layout(state_dict: Dict[str, torch.Tensor]) -> bool:
     return "conv1.weight" in state_dict or any(k.startswith("transformer.layers.") for k in state_dict)
 
 
-def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: CrateAlpha) -> Dict[str, torch.Tensor]:
-    """Adapt a checkpoint (official port layout or ours) to `model`.
+# an open_clip CLIP's state dict (an export's weights): the tower is its TimmModel's trunk
+CLIP_TOWER_PREFIX = "visual.trunk."
 
-    Renames the official layout, resamples the position embedding to the model's grid, folds a patch-conv
+
+def is_clip_layout(state_dict: Dict[str, torch.Tensor]) -> bool:
+    """Whether `state_dict` is a whole open_clip CLIP's (an export's weights) rather than a tower's."""
+    return any(k.startswith(CLIP_TOWER_PREFIX) for k in state_dict)
+
+
+def clip_image_tower(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The image tower's entries of an open_clip CLIP's state dict, named as the tower's own (the projection,
+    `visual.head`, and the text tower are the CLIP's, not the tower's)."""
+    return {k[len(CLIP_TOWER_PREFIX):]: v for k, v in state_dict.items() if k.startswith(CLIP_TOWER_PREFIX)}
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: CrateAlpha) -> Dict[str, torch.Tensor]:
+    """Adapt a checkpoint (official port layout, ours, or an export's whole CLIP) to `model`.
+
+    Takes the image tower out of an open_clip CLIP's weights (an export's `visual.trunk.`), renames the official
+    layout, resamples the position embedding to the model's grid, folds a patch-conv
     bias into the position embedding when the model's conv has none (exact: the bias adds to every patch
     token), drops the head when the model has none and keeps the model's own (freshly initialised) head
     when the class counts differ (e.g. a 19,167-class IN-21K checkpoint into a 1000-class model).
     """
     state_dict = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state_dict.items()}
+    if is_clip_layout(state_dict):
+        state_dict = clip_image_tower(state_dict)
     if _is_official_layout(state_dict):
         state_dict = official_to_timm(state_dict)
     pos = state_dict.get("pos_embed")
@@ -580,6 +606,12 @@ def _adapt_head(state_dict: Dict[str, torch.Tensor], model: CrateAlpha) -> None:
 def _create_crate_alpha(variant: str, pretrained: bool = False, device=None, dtype=None, **kwargs) -> CrateAlpha:
     # timm.create_model(name, device=..., dtype=...): parameters are created on `device` (e.g. 'meta',
     # nothing allocated) through torch's default-device context, then cast to `dtype`
+    overlay = kwargs.get("pretrained_cfg_overlay") or {}
+    if overlay.get("file"):   # an export's weights: its own preprocessing under the caller's keys
+        from crate_clip.models.export_timm_cfg import export_preprocessing
+
+        kwargs["pretrained_cfg_overlay"] = {**export_preprocessing(overlay["file"], kwargs.get("img_size")),
+                                            **overlay}
     with torch.device(device) if device is not None else contextlib.nullcontext():
         model = build_model_with_cfg(
             CrateAlpha, variant, pretrained,
@@ -594,10 +626,17 @@ def _cfg(input_px: int = 224, num_classes: int = 1000, **kwargs) -> Dict:
     # 'classifier' names the head (timm's convention; its loader drops a head of another class count after
     # checkpoint_filter_fn, which already keeps the model's fresh head then). Towers without a head: None.
     # mean/std: ImageNet defaults (the released models' own normalisation is not recorded in the spec).
-    return dict(url="", num_classes=num_classes, input_size=(3, input_px, input_px), pool_size=None,
-                crop_pct=0.875, interpolation="bicubic", fixed_input_size=True,
-                mean=IMAGENET_MEAN, std=IMAGENET_STD, first_conv="patch_embed.proj",
-                classifier="head" if num_classes else None, **kwargs)
+    return {**dict(url="", num_classes=num_classes, input_size=(3, input_px, input_px), pool_size=None,
+                   crop_pct=0.875, interpolation="bicubic", fixed_input_size=True,
+                   mean=IMAGENET_MEAN, std=IMAGENET_STD, first_conv="patch_embed.proj",
+                   classifier="head" if num_classes else None), **kwargs}
+
+
+def clip_tower_cfg(input_px: int) -> Dict:
+    """The pretrained cfg of a CLIP image tower (no head): CLIPA's evaluation and every export resize the shorter
+    side to the input size and take the center square, timm's crop_pct 1.0. An export's file overrides the rest
+    (export_timm_cfg)."""
+    return _cfg(input_px, num_classes=0, crop_pct=1.0)
 
 
 _SIZES = {  # name: (width, depth, heads)  (CRATE-alpha decode_variant; note S is 576 wide)
@@ -640,7 +679,7 @@ def _default_cfgs() -> Dict[str, Dict]:
     for name, arch in VARIANTS.items():
         px = arch.get("img_size", 224)
         if name.startswith("crate_alpha_clipa_"):
-            cfgs[name] = _cfg(px, num_classes=0)
+            cfgs[name] = clip_tower_cfg(px)
         elif name.startswith("crate_alpha_"):
             cfgs[f"{name}.in21k_ft_in1k"] = _cfg(px, 1000)   # first tag = default
             cfgs[f"{name}.in21k"] = _cfg(px, 19167)          # IN-21K pre-training head
