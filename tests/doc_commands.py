@@ -173,6 +173,8 @@ PLAN_RESUME = "tests/test_train_elastic.py::test_plan_for_a_run_in_progress_at_a
 LAUNCHED = "tests/test_train_launch_checks.py::test_launched_workers_exit_code_is_the_trainers_own"
 PROBE = "tests/test_eval_linear_probe.py::test_cli_linear_probe_and_fewshot_on_a_clip_with_the_feature_cache"
 CLIP_BENCHMARK = "tests/test_eval_clip_benchmark.py::test_clip_benchmark_gives_crate_clip_evals_numbers"
+CLIP_BENCHMARK_FOLDER = ("tests/test_eval_clip_benchmark.py::"
+                         "test_clip_benchmark_reads_the_demos_image_folder_as_documented")
 CONVERT = "tests/test_models_clipa.py::test_official_file_through_eval_loader_and_convert_cli"   # a small model
 # in the released layout, the tokenizer given offline
 
@@ -209,6 +211,8 @@ RUN_HERE = {
     # on the demo's export (the untrained tiny CLIP stands in) and data (40 images)
     "crate-clip eval zeroshot --model local-dir:runs/fashion_mnist_demo/export --data data/fmnist_wds "
     "--dataset fashion_mnist --batch-size 500": Run(),
+    "crate-clip eval zeroshot --model local-dir:runs/fashion_mnist_demo/export --data data/fashion_mnist/test "
+    "--dataset fashion_mnist --batch-size 500": Run(),
     "crate-clip eval linear-probe --model local-dir:runs/fashion_mnist_demo/export --train-data "
     "data/fashion_mnist/probe_train_10000 --data data/fashion_mnist/test --dataset fashion_mnist": Run(),
     "crate-clip inspect maps --model local-dir:runs/fashion_mnist_demo/export --images a.png b.png --out runs/maps/ "
@@ -227,7 +231,6 @@ COVERED_BY = {
     "python -m crate_clip.train.demo --set stages.0.samples=76800": DEMO,
     "python -m crate_clip.train.demo --resume":
         "tests/test_train_resume.py::test_demo_killed_in_its_inherited_patch_stage_resumes_bit_for_bit",
-    "python -m crate_clip.train.demo --run-dir runs/demo_seed1 --set run.seed=1": DEMO,
     "crate-clip train --config configs/demo/fashion_mnist.yaml": DEMO,
     "crate-clip plan configs/datacomp/crate_alpha_clipa_l-14.yaml --gpus 64 --gpu-memory 80GiB --gpu h100":
         "tests/test_doc_outputs.py::test_the_slow_blocks_are_current",   # BENCHMARKS.md's "plan l-14 memory"
@@ -269,6 +272,16 @@ COVERED_BY = {
     "sys.exit(main())' eval --model_type open_clip --model local-dir:runs/fashion_mnist_demo/export --pretrained "
     "none --dataset wds/fmnist --dataset_root data/fmnist_wds --task zeroshot_classification --batch_size 500 "
     "--num_workers 0 --no_amp --output runs/fmnist_clip_benchmark.json": CLIP_BENCHMARK,
+    ".venv-clip-benchmark/bin/python -c 'import json, sys; from crate_clip.eval.class_sets import builtin_templates, "
+    "read_lines; folder, name = sys.argv[1:]; json.dump({name: read_lines(folder + \"/classnames.txt\")}, "
+    "open(\"runs/cb_classnames.json\", \"w\")); json.dump({name: [t.replace(\"{}\", \"{c}\") for t in "
+    "builtin_templates(\"fashion_mnist\")]}, open(\"runs/cb_templates.json\", \"w\"))' data/fashion_mnist/test "
+    "fer2013": CLIP_BENCHMARK_FOLDER,
+    ".venv-clip-benchmark/bin/python -c 'import sys, crate_clip; from clip_benchmark.cli import main; "
+    "sys.exit(main())' eval --model_type open_clip --model local-dir:runs/fashion_mnist_demo/export --pretrained "
+    "none --dataset fer2013 --dataset_root data/fashion_mnist --split test --task zeroshot_classification "
+    "--custom_classname_file runs/cb_classnames.json --custom_template_file runs/cb_templates.json --batch_size 500 "
+    "--num_workers 0 --no_amp --output runs/fmnist_folder_clip_benchmark.json": CLIP_BENCHMARK_FOLDER,
     "crate-clip shards inspect --mode epoch":
         "tests/test_data_reliability.py::test_shards_inspect_prints_samples_read_next_to_the_claimed_size",
     "crate-clip train --config configs/datacomp/crate_alpha_clipa_b-16.yaml --validate --set "
