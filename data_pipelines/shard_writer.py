@@ -190,7 +190,7 @@ def write_shards(samples: Iterable[dict], out_dir: str | Path, samples_per_shard
     from concurrent.futures import Future, ProcessPoolExecutor
     from multiprocessing import get_context
 
-    from tqdm import tqdm
+    from crate_clip.core.progress_lines import StepProgress
 
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
@@ -198,7 +198,7 @@ def write_shards(samples: Iterable[dict], out_dir: str | Path, samples_per_shard
     out.mkdir(parents=True, exist_ok=True)
     settings = {"max_side": max_side, "min_side": min_side, "quality": quality, "samples_per_shard": samples_per_shard}
     result = {"out_dir": str(out), "shards": [], "samples": 0, "failed": 0, "shards_written": 0, "shards_skipped": 0}
-    bar = tqdm(total=total, desc=description, unit="img", disable=not progress, leave=False)
+    bar = StepProgress(description, total=total, unit="image", enabled=progress, leave=False)
     workers = _default_workers() if num_workers is None else max(1, num_workers)
     pool = ProcessPoolExecutor(workers, mp_context=get_context("fork")) if workers > 1 else None
     pending: list[tuple] = []  # (shard, written?, stats or Future, samples not yet shown on the bar), in order
@@ -214,6 +214,7 @@ def write_shards(samples: Iterable[dict], out_dir: str | Path, samples_per_shard
             result["samples"] += stats["successes"]
             result["failed"] += stats["count"] - stats["successes"]
 
+    written = False   # a write cut short by an error: the error is said, not an end line
     try:
         for shard, chunk in enumerate(_chunks(samples, samples_per_shard), start=first_shard):
             for s in chunk:
@@ -231,10 +232,11 @@ def write_shards(samples: Iterable[dict], out_dir: str | Path, samples_per_shard
                 pending.append((shard, True, future, len(chunk)))
             collect_ready(limit=2 * workers)  # bounded: at most ~2 shards per process held in memory
         collect_ready(limit=0)
+        written = True
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        bar.close()
+        bar.close(done=written)
     n = len(result["shards"])
     result["pattern"] = (str(out / f"{{{first_shard:08d}..{first_shard + n - 1:08d}}}.tar") if n > 1
                          else (result["shards"][0] if n else ""))

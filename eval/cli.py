@@ -62,7 +62,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     add_json_flag(parser, "the metrics")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "crate_clip" / "zeroshot"),
                         help="cache of what a task can reuse, e.g. zero-shot text classifiers ('' disables)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress display (a bar on a terminal, else plain lines on stderr)")
     parser.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
 
 

@@ -353,8 +353,9 @@ def make_loader(dataset, *, batch_size: int, num_workers: int = 0, rank: int = 0
 
 
 def loader_length(dataset, max_images: int | None, world: int, batch_size: int) -> int | None:
-    """Number of batches on rank 0 (for progress bars), None for shards of unknown length."""
-    if isinstance(dataset, ShardSamples):
+    """Number of batches on rank 0 (for the progress display), None for shards and other data sets of unknown
+    length."""
+    if isinstance(dataset, ShardSamples) or not hasattr(dataset, "__len__"):
         return None
     n = len(subset_indices(len(dataset), max_images))
     return -(-len(range(0, n, world)) // batch_size)

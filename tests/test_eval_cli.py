@@ -14,7 +14,7 @@ from eval_fixtures import CRATE_TINY, PER_CLASS, shared_crate_tiny
 def test_cli_zeroshot_writes_json_and_uses_the_cache(sets, vit_file, tmp_path, capsys):
     name, weights = vit_file
     args = ["eval", "zeroshot", "--model", name, "--pretrained", str(weights), "--data", str(sets["folder"]),
-            "--dataset", "fashion_mnist", "--batch-size", "64", "--num-workers", "0", "--no-progress",
+            "--dataset", "fashion_mnist", "--batch-size", "64", "--num-workers", "0",
             "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "zs.json")]
     assert crate_clip_main(args + ["--per-class", "--per-image-out", str(tmp_path / "per_image.csv")]) == 0
     first = json.loads((tmp_path / "zs.json").read_text())
@@ -23,8 +23,11 @@ def test_cli_zeroshot_writes_json_and_uses_the_cache(sets, vit_file, tmp_path, c
     assert header == "index,label,top1" and [r[0] for r in rows] == list(range(first["n_images"]))
     assert sum(label == top1 for _, label, top1 in rows) == round(first["top1"] * first["n_images"])
     assert sorted({r[1] for r in rows}) == list(range(10)) and "per_image" not in first
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "zero-shot: top-1" in out and re.search(rf"\nankle boot +{PER_CLASS} +\d", out)
+    # stderr is no terminal here: each step's plain line with its total (docs/cli.md#progress), no bar fragments
+    assert re.fullmatch(r"\[progress\] text classifier: done, 1/1 batch in \d+\.\d s\n"
+                        r"\[progress\] zero-shot images: done, 3/3 batches in \d+\.\d s\n", err), err
     assert crate_clip_main(args + ["--json"]) == 0   # the metrics on stdout as JSON, instead of the summary
     second = json.loads((tmp_path / "zs.json").read_text())
     assert json.loads(capsys.readouterr().out) == {**second, "task": "zeroshot"}

@@ -45,11 +45,16 @@ def test_fixed_weight_decay_and_metrics_by_hand():
 def test_cli_linear_probe_and_fewshot_on_a_clip_with_the_feature_cache(sets, vit_file, tmp_path, capsys):
     name, weights = vit_file
     base = ["eval", "linear-probe", "--model", name, "--pretrained", str(weights), "--train-data", str(sets["shards"]),
-            "--data", str(sets["folder"]), "--dataset", "fashion_mnist", "--num-workers", "0", "--no-progress",
+            "--data", str(sets["folder"]), "--dataset", "fashion_mnist", "--num-workers", "0",
             "--cache-dir", str(tmp_path / "cache"), "--batch-size", "64"]
     assert crate_clip_main(base + ["--output", str(tmp_path / "lp.json")]) == 0
     first = json.loads((tmp_path / "lp.json").read_text())
-    assert "linear probe: top-1" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "linear probe: top-1" in out
+    # stderr is no terminal here: plain lines (docs/cli.md#progress); shards have no total until read
+    lines = [line.split(" in ")[0] for line in err.splitlines()]
+    assert lines == ["[progress] train features: done, 3 batches", "[progress] test features: done, 3/3 batches",
+                     f"[progress] linear probe fits: done, {first['wd_trials'] + 1} fits"], err
     assert first["n_test"] == 10 * PER_CLASS and first["features"] == "image" and first["cache_hit"] is False
     assert first["top1"] > 0.4 and first["n_train"] == 10 * PER_CLASS   # train+val after the search
     args = base + ["--fewshot-k", "4", "--fewshot-seeds", "2", "--output", str(tmp_path / "fs.json")]

@@ -10,4 +10,5 @@ tar_samples.py    members grouped into samples within a per-sample budget: the s
 class_names.py    the built-in class names and prompt templates (Fashion-MNIST; ImageNet from open_clip)
 image_normalization.py  the image mean and std (OpenAI's, ImageNet's) of the towers, the stream and the evaluations
 resize_modes.py   the names of the ways a model runs at another image size (grid, patch)
+progress_lines.py a long step's console progress: a bar on a terminal, plain lines with totals elsewhere
 """

@@ -395,8 +395,7 @@ def run(model, settings: Settings, context) -> dict:
 def linear_probe_evaluate(model, *, preprocess, settings: Settings | dict, device="cpu", precision: str = "fp32",
                           cache_dir: str | Path | None = None, progress: bool = True, tokenizer=None) -> dict:
     """Linear-probe (or few-shot) metrics of `model` (a CLIP or a timm classifier; all ranks call this)."""
-    from tqdm import tqdm
-
+    from crate_clip.core.progress_lines import StepProgress
     from crate_clip.eval.eval_datasets import classification_dataset
     from crate_clip.eval.model_calls import check_precision
 
@@ -423,8 +422,9 @@ def linear_probe_evaluate(model, *, preprocess, settings: Settings | dict, devic
     extract_seconds = time.perf_counter() - start
     head = {"num_classes": num_classes, "feature_dim": xtr.shape[1], "n_test": len(yte), "features": kind,
             "n_unreadable": itr["unreadable"] + ite["unreadable"], "cache_hit": itr["cache_hit"] and ite["cache_hit"]}
-    # the fits take minutes on big feature sets: a bar counting them (the weight-decay search's and the final one)
-    with tqdm(desc="linear probe fits", unit="fit", disable=not progress, leave=False) as bar:
+    # the fits take minutes on big feature sets: their count (the weight-decay search's and the final one), whose
+    # total the search decides as it goes
+    with StepProgress("linear probe fits", unit="fit", enabled=progress, leave=False) as bar:
         if settings.fewshot_k is None:
             out = probe(xtr, ytr, xte, yte, num_classes, settings, on_fit=bar.update)
         else:

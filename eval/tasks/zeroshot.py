@@ -52,14 +52,14 @@ def build_text_classifier(model, tokenizer, classnames: Sequence[str], templates
                           precision: str = "fp32", progress: bool = True) -> torch.Tensor:
     """[embed_dim, num_classes] classifier: per class the normalised mean of normalised template embeddings."""
     import torch
-    from tqdm import tqdm
 
+    from crate_clip.core.progress_lines import progress as shown_progress
     from crate_clip.eval.model_calls import text_features
 
     chunks = []
     starts = range(0, len(classnames), CLASSES_PER_BATCH)
     with torch.no_grad():
-        for start in tqdm(starts, desc="text classifier", unit="batch", disable=not progress):
+        for start in shown_progress(starts, "text classifier", unit="batch", enabled=progress):
             names = classnames[start:start + CLASSES_PER_BATCH]
             tokens = tokenizer([template_text(t, c) for c in names for t in templates]).to(device)
             feats = text_features(model, tokens, precision).reshape(len(names), len(templates), -1).mean(dim=1)
@@ -112,7 +112,7 @@ def zero_shot_evaluate(model, tokenizer, dataset, classnames: Sequence[str], tem
     classnames = list(classnames)
     _check_class_count(dataset, classnames)
     batches = EvalPass(model, dataset, batch_size=batch_size, num_workers=num_workers, max_images=max_images,
-                       desc="zero-shot images", progress=progress, count_batches=True,
+                       desc="zero-shot images", progress=progress,
                        idle=lambda: image_features(model, dummy_images(model, device), precision))  # ZeRO-3 in step
     counts = torch.zeros(3, len(classnames), dtype=torch.float64)   # images, top-1 hits, top-5 hits per class
     with evaluation_mode(model):   # the text classifier too

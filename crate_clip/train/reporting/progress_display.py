@@ -6,16 +6,12 @@
 from __future__ import annotations
 
 import datetime
-import sys
 import time
 from typing import Optional
 
 from tqdm import tqdm
 
-
-def console_is_terminal() -> bool:
-    """tqdm draws on stderr: a bar only where that is a terminal."""
-    return bool(getattr(sys.stderr, "isatty", lambda: False)())
+from crate_clip.core.progress_lines import console_is_terminal   # the evaluations' and shard writing's rule too
 
 
 class StageProgress:
