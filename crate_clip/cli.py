@@ -33,9 +33,12 @@ def _usage() -> str:
 def main(argv=None) -> int:
     """Run `crate-clip <command> ...`."""
     argv = pop_debug_flag(list(sys.argv[1:] if argv is None else argv))
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if not argv:   # argparse's convention, as every sub-command without its arguments: usage on stderr, exit 2
+        print(f"{_usage()}\n\ncrate-clip: error: the following arguments are required: <command>", file=sys.stderr)
+        return 2
     if argv[0] in ("-V", "--version"):
         from crate_clip import __version__
         print(f"crate-clip {__version__}")

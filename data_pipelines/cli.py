@@ -23,7 +23,8 @@ def _add_writer_args(p: argparse.ArgumentParser, default_max_side: int | None = 
     p.add_argument("--max-side", type=NON_NEGATIVE_INT, default=default_max_side,
                    help="shrink images whose longer side exceeds this (DataComp: 512; 0 keeps sizes)")
     p.add_argument("--parquet", action="store_true", help="also write {shard:08d}.parquet (needs pyarrow)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress display (a bar on a terminal, else plain lines on stderr)")
     _add_json(p)
     p.add_argument("--dataset-name", metavar="NAME", default=None,
                    help="the data set's name for model cards, recorded in OUT/dataset.json (the fashion-mnist "
@@ -191,10 +192,12 @@ def main(argv=None) -> int:
 
             result = _write(args, emoji_samples(args.max_images, args.size), description="emoji")
         elif args.command == "eval-folder":
+            from .eval_sets import image_folder_count
             from .sources.fashion_mnist import write_fashion_mnist_eval_folder
 
             folder = write_fashion_mnist_eval_folder(args.out, args.split, args.source_dir, args.max_images)
-            result = {"out_dir": str(folder)}
+            result = {"out_dir": str(folder), "samples": image_folder_count(folder),   # as eval-shards says them
+                      "classnames": str(folder / "classnames.txt")}
         elif args.command == "eval-shards":
             from .sources.fashion_mnist import write_fashion_mnist_classification_shards
 

@@ -68,6 +68,11 @@ def write_image_folder(labelled: Iterable[tuple], out_dir: str | Path, classname
     return root
 
 
+def image_folder_count(root: str | Path) -> int:
+    """The images of a folder write_image_folder wrote (or kept): the files of its class folders."""
+    return sum(1 for d in Path(root).iterdir() if d.is_dir() for f in d.iterdir() if f.is_file())
+
+
 def write_templates(out_dir: str | Path, templates) -> Path:
     """zeroshot_classification_templates.txt: one prompt per line, `{c}` where the class name goes ('{}' in ours)."""
     path = Path(out_dir) / TEMPLATES_FILE

@@ -35,6 +35,12 @@ def test_version_and_top_level_help(capsys):
 
     assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"crate-clip {__version__}"
     assert main(["--help"]) == 0 and "--version" in capsys.readouterr().out
+    # bare, as a sub-command without its arguments (argparse's convention): usage on stderr, exit code 2
+    assert main([]) == 2 == _help_exit(["eval"])
+    bare, eval_bare = capsys.readouterr().err.split("usage: crate-clip eval", 1)
+    assert bare.startswith("usage: crate-clip") and "--version" in bare and bare.rstrip().endswith(
+        "crate-clip: error: the following arguments are required: <command>")
+    assert "error: the following arguments are required: command" in eval_bare
 
 
 def _all_parsers(parser: argparse.ArgumentParser, path: str):
@@ -202,6 +208,10 @@ def test_the_old_task_name_warns(capsys):
     (["plan", "c.yaml", "--gpus", "1", "--gpu-memroy", "80GiB"], "(did you mean '--gpu-memory'?)"),
     (["export", "run", "--repo-ulr", "x"], "(did you mean '--repo-url'?)"),
     (["inspect", "mapz"], "unknown command 'mapz' (did you mean 'maps'?)"),
+    # another command's name for the same thing, not the nearest spelling (--max-objects)
+    (["shards", "scenes", "--out", "s", "--max-images", "50"],
+     "unrecognized arguments: --max-images (did you mean '--count'?) 50"),
+    (["train", "c.yaml", "--nproc_per_node", "2"], "(did you mean '--nproc'?)"),
 ])
 def test_a_mistyped_command_or_option_gets_a_did_you_mean(argv, says, capsys):
     assert _help_exit(argv) == 2

@@ -9,8 +9,8 @@ from PIL import Image
 from crate_clip.data.cli import main as shards_main
 from crate_clip.data.shard_reader import expand_source, iter_shard_samples
 from crate_clip.data.shard_writer import write_shards
-from crate_clip.data.sources.fashion_mnist import CLASSNAMES, write_fashion_mnist_eval_folder, \
-    write_fashion_mnist_classification_shards, write_fashion_mnist_shards
+from crate_clip.data.sources.fashion_mnist import CLASSNAMES, write_fashion_mnist_classification_shards, \
+    write_fashion_mnist_shards
 from crate_clip.data.sources.image_folder import image_folder_samples
 from crate_clip.data.sources.table import table_samples
 from crate_clip.eval.class_sets import resolve_classnames
@@ -67,7 +67,7 @@ def test_big_images_shrunk_to_max_side_and_failures_counted(tmp_path):
     assert (stats["count"], stats["successes"], stats["failed_to_resize"]) == (3, 2, 1)
 
 
-def test_folder_and_table_sources(tmp_path):
+def test_folder_and_table_sources(tmp_path, capsys):
     root = tmp_path / "folder"
     for cls, color in (("golden_retriever", (200, 150, 50)), ("red_car", (220, 0, 0))):
         (root / cls).mkdir(parents=True)
@@ -83,12 +83,14 @@ def test_folder_and_table_sources(tmp_path):
     with pytest.raises(KeyError, match="caption_text"):
         list(table_samples(tmp_path / "t.tsv", caption_col="caption_text"))
     from crate_clip.core.dataset_records import read_dataset_record   # a name for model cards, given by the user
-    assert shards_main(["folder", str(root), "--out", str(tmp_path / "named"), "--dataset-name", "Dogs and cars",
-                        "--no-progress"]) == 0
+    capsys.readouterr()
+    assert shards_main(["folder", str(root), "--out", str(tmp_path / "named"), "--dataset-name", "Dogs and cars"]) == 0
     assert read_dataset_record(tmp_path / "named").name == "Dogs and cars"
+    err = capsys.readouterr().err   # stderr is no terminal here: a plain line, no bar (docs/cli.md#progress)
+    assert err.startswith(f"[progress] folder {root}: done, 6 images in ") and "\r" not in err, err
 
 
-def test_fashion_mnist_shards_and_eval_sets(tmp_path, fashion_mnist_dir):
+def test_fashion_mnist_shards_and_eval_sets(tmp_path, fashion_mnist_dir, capsys):
     result = write_fashion_mnist_shards(tmp_path / "train", "train", samples_per_shard=100, limit=250)
     assert result["samples"] == 250 and len(result["shards"]) == 3
     raw, _ = read_all(result["pattern"])
@@ -99,7 +101,10 @@ def test_fashion_mnist_shards_and_eval_sets(tmp_path, fashion_mnist_dir):
     from crate_clip.core.dataset_records import read_dataset_record   # the data named for model cards
     assert read_dataset_record(result["pattern"]).name == "Fashion-MNIST"
 
-    folder = write_fashion_mnist_eval_folder(tmp_path / "val", "test", limit=60)
+    assert shards_main(["eval-folder", "--out", str(tmp_path / "val"), "--max-images", "60"]) == 0
+    summary = json.loads(capsys.readouterr().out)   # the sample count, as eval-shards says it
+    folder = Path(summary["out_dir"])
+    assert summary == {"out_dir": str(tmp_path / "val"), "samples": 60, "classnames": str(folder / "classnames.txt")}
     dirs = sorted(d.name for d in folder.iterdir() if d.is_dir())
     assert len(dirs) == 10 and dirs[0] == "0_T-shirt-top" and dirs[9] == "9_ankle_boot"   # "T-shirt/top", "ankle boot"
     assert (folder / "classnames.txt").read_text().splitlines() == list(CLASSNAMES)

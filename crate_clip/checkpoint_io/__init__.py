@@ -11,6 +11,7 @@ safe_unpickling.py        torch files read with weights_only=True and the allow-
                           the one-line refusal and the --trust-checkpoint opt-in
 trust_flag.py             that opt-in's flag, help and warning (no torch: the command parsers take them)
 deepspeed_objects.py      the allow-listed DeepSpeed objects rebuilt from validated fields (no other state)
+deepspeed_notices.py      DeepSpeed's import notice ("Setting accelerator to CPU") kept off a reader's console
 bounded_reads.py          record files (crate_clip.json, latest, configs) read only as small regular files
 weights_headers.py        what a weights file holds, from its safetensors header or zip directory held to its size
 manifest_schema.py        what a well-formed file_checksums record holds, JSON type checks

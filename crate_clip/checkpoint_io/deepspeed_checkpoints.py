@@ -22,6 +22,7 @@ from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, INFO_MISSING,
                                                         complete_tags_in, is_deepspeed_checkpoint, is_stage_end,
                                                         latest_complete_tag, newest_complete_tag, read_info,
                                                         read_info_checked, read_record, resolve_checkpoint_tag)
+from crate_clip.checkpoint_io.deepspeed_notices import deepspeed_notices_off
 from crate_clip.checkpoint_io.file_checksums import (CHECKSUMS_KEY, ChecksumMismatchError, checksum_problem,
                                                      verify_recorded_checksums)
 from crate_clip.checkpoint_io.run_layout import LATEST_FILE  # noqa: F401
@@ -82,7 +83,8 @@ def consolidate_deepspeed_checkpoint(path: str | Path, tag: str | None = None,
     tag_dir = resolve_checkpoint_tag(path, tag)
     record = (verify_checkpoint(tag_dir) if verify else read_record(tag_dir)) or CheckpointInfo.from_dict({})
     if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        with deepspeed_notices_off():   # a first import of DeepSpeed announces its accelerator
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         with deepspeed_reads(tag_dir):   # zero_to_fp32 unpickles with weights_only=False otherwise
             state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     else:

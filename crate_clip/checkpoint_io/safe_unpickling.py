@@ -28,6 +28,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from crate_clip.checkpoint_io.deepspeed_notices import deepspeed_notices_off
 from crate_clip.checkpoint_io.deepspeed_objects import REFUSED_OBJECT, standins
 from crate_clip.checkpoint_io.trust_flag import TRUST_FLAG, TRUST_HELP, TRUST_WARNING  # noqa: F401 (the CLIs')
 from crate_clip.checkpoint_io.weights_headers import stored_values
@@ -85,7 +86,8 @@ def allowed_classes(names: Iterable[str] = DEEPSPEED_CLASSES) -> dict[str, type]
     for name in names:
         module, _, attr = name.rpartition(".")
         try:
-            found[name] = getattr(importlib.import_module(module), attr)
+            with deepspeed_notices_off():   # the first of them imports DeepSpeed, which announces its accelerator
+                found[name] = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError):
             continue
     return found

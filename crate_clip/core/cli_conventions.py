@@ -24,6 +24,29 @@ def did_you_mean(word: str, choices) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+# Option names that mean one thing, as one command or another tool spells it: an option of one group that a command
+# lacks is pointed to the group's name the command has, before any spelling match (by spelling alone,
+# `shards scenes --max-images` would be sent to --max-objects, not to --count, its number of images)
+SAME_MEANING = (
+    ("--max-images", "--count", "--limit", "--num-images", "--max-samples"),      # how many images (written, read)
+    ("--out", "--output", "--out-dir", "--output-dir", "--output_dir"),           # where to write
+    ("--nproc", "--gpus", "--nproc-per-node", "--nproc_per_node", "--num-gpus"),  # processes / GPUs
+    ("--image-size", "--size", "--img-size", "--resolution"),                     # image side in pixels
+    ("--config", "--config-file", "--cfg"),                                       # the run config
+)
+
+
+def did_you_mean_option(option: str, options) -> str:
+    """did_you_mean for an unrecognised option: first the command's option of the same meaning (SAME_MEANING),
+    else the closest spelling."""
+    options = [str(o) for o in options]
+    for group in SAME_MEANING:
+        same = [o for o in group if o in options and o != option] if option in group else []
+        if same:
+            return f" (did you mean {same[0]!r}?)"
+    return did_you_mean(option, options)
+
+
 def deprecation_warning(prog: str, old: str, new: str) -> None:
     """The one line an old name costs: it still works, and says its new name."""
     print(f"{prog}: {old} is deprecated; use {new} (the old name will be removed)", file=sys.stderr)
@@ -46,7 +69,8 @@ class CommandParser(argparse.ArgumentParser):
             delattr(namespace, _SUGGESTER)
         if extras:
             options = [s for a in owner._actions for s in a.option_strings if a.help != argparse.SUPPRESS]
-            hints = [f"{x}{did_you_mean(x.split('=')[0], options)}" if x.startswith("-") else x for x in extras]
+            hints = [f"{x}{did_you_mean_option(x.split('=')[0], options)}" if x.startswith("-") else x
+                     for x in extras]
             owner.error(f"unrecognized arguments: {' '.join(hints)}")
         return namespace
 
