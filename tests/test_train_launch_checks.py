@@ -6,11 +6,14 @@ may not write into (crate_clip/train/run/run_dir.py), each against the real comm
     `pipe:` command that fails): every problem at once, one line each, exit code 2;
   - `--nproc N` exits with the worker's own code (4 for a resume with nothing to resume), not torchrun's 1;
   - run.output_dir that is, holds or lies inside a data source or an evaluation set, `/`, a home folder, and
-    `--overwrite` of a folder that holds no run: one line, exit code 2, every file still where it was.
+    `--overwrite` of a folder that holds no run: one line, exit code 2, every file still where it was;
+  - a folder that holds a run (without --resume or --overwrite) or whose lock a live run holds: said once by
+    `--validate` and the `--nproc` launcher, before any worker starts.
 """
 from __future__ import annotations
 
 import io
+import os
 import socket
 import subprocess
 import sys
@@ -230,6 +233,39 @@ def test_overwrite_moves_only_a_run_folder(tmp_path):
     (folder / "run_config.yaml").write_text("run: {}\n")   # the record the trainer writes first
     proc = _train(config, "--overwrite", "--validate")
     assert proc.returncode == 0 and "valid (" in proc.stdout, proc.stderr
+
+
+def test_a_folder_holding_a_run_or_held_by_a_live_run_is_refused_before_any_worker_starts(tmp_path, capsys):
+    """What the workers would refuse about the output folder, `--validate` and the `--nproc` launcher say first,
+    once (the launch used to start both workers, which each printed the refusal): a run already there (its
+    run_config.yaml, the record a trainer writes first) without --resume or --overwrite, exit code 2; a live run's
+    lock, exit code 5. Nothing is written. In-process: a refusal starts no process."""
+    from crate_clip.train.cli import main
+    from crate_clip.train.run.run_lock import RunLock
+
+    data = _user_files(tmp_path)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "run_config.yaml").write_text("run: {}\n")
+    config = _config(tmp_path, folder, data)
+    before = _snapshot(tmp_path)
+    for args in (["--validate"], ["--validate", "--nproc", "2"], ["--nproc", "2"]):
+        assert main([str(config), *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("already holds a run") == 1 and len(_problem_lines(err)) == 2, (args, err)
+        assert f"run.output_dir {folder} already holds a run (run_config.yaml); fix: continue it with --resume " \
+               "latest, or start over with --overwrite" in err
+    assert main([str(config), "--validate", "--overwrite"]) == 0 and "valid (" in capsys.readouterr().out
+    lock, _ = RunLock.acquire(folder)   # this process: a live run of this host
+    try:
+        for args in (["--validate", "--resume", "latest"], ["--validate", "--overwrite", "--take-over-lock"]):
+            assert main([str(config), *args]) == 5, args
+            (line,) = capsys.readouterr().err.strip().splitlines()
+            assert line.startswith(f"crate-clip train: run.output_dir {folder} is in use by another run: PID "
+                                   f"{os.getpid()} on this host"), line
+    finally:
+        lock.release()
+    assert _snapshot(tmp_path) == before
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess:

@@ -99,10 +99,11 @@ def test_train_into_a_finished_run_is_refused(resumed_run, capsys):
 
     run_dir = resumed_run["run_dir"]
     before = snapshot(run_dir)
-    assert main(["--config", str(resumed_run["config"])]) == EXIT_CONFIG
-    err = capsys.readouterr().err
-    assert f"run.output_dir {run_dir} already holds a run" in err
-    assert "--resume latest" in err and "--overwrite" in err
+    for checked in ([], ["--validate"], ["--validate", "--nproc", "2"]):   # --validate says what the launch says
+        assert main(["--config", str(resumed_run["config"]), *checked]) == EXIT_CONFIG
+        err = capsys.readouterr().err
+        assert err.count(f"run.output_dir {run_dir} already holds a run") == 1, err
+        assert "--resume latest" in err and "--overwrite" in err
     assert snapshot(run_dir) == before  # nothing written, moved or deleted
 
 

@@ -74,6 +74,10 @@ def test_wheel_has_only_crate_clip_at_top_level(built_wheel):
     for must in ("crate_clip/eval/tasks/zeroshot.py", "crate_clip/data/train_stream.py", "crate_clip/core/errors.py"):
         assert must in names
     assert any(n.startswith("crate_clip/models/model_configs/") and n.endswith(".json") for n in names)
+    # configs/ as crate_clip/configs, every file of it: the demo's config (crate_clip/train/demo.py finds it there),
+    # the DataComp configs beside the DeepSpeed files they name (../deepspeed/zero1.json), the Slurm script
+    shipped = sorted(n[len("crate_clip/"):] for n in names if n.startswith("crate_clip/configs/"))
+    assert shipped == sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*") if p.is_file())
 
 
 def test_wheel_build_prints_no_warning(built_wheel):

@@ -100,6 +100,7 @@ def _train(args, argv: list[str], stop_signals: tuple[int, ...]) -> int:
     from crate_clip.train.run.launcher_watch import watch_launcher
     from crate_clip.train.checkpointing.config_changes import config_changes
     from crate_clip.train.run.launch_checks import checked_config
+    from crate_clip.train.run.run_lock import RunLockedError
     from crate_clip.train.loop.stage_loop import run_training
 
     watch_launcher()   # under torchrun / deepspeed / accelerate: stop when the launcher is gone
@@ -108,15 +109,17 @@ def _train(args, argv: list[str], stop_signals: tuple[int, ...]) -> int:
     for old_name in ("all_gather_into_tensor", "torch.distributed.nn.functional.all_gather"):
         warnings.filterwarnings("ignore", message=f".*{old_name}.* is deprecated", category=FutureWarning)
     try:
-        # the launching process (--nproc, --validate) checks all it can before any worker starts, data included
-        # (pipe: commands run only for a launch: --validate is how a config from elsewhere is read safely)
-        launch = bool(args.nproc and not args.validate)
+        # the launching process (--nproc, --validate) checks all it can before any worker starts, data and the
+        # output folder included, so that a refusal is said once (pipe: commands run only for a launch:
+        # --validate is how a config from elsewhere is read safely); a worker checks the same but the lock
+        launch, launching = bool(args.nproc and not args.validate), bool(args.validate or args.nproc)
         cfg = checked_config(args.config, args.overrides, world_size=args.nproc or int(os.environ.get("WORLD_SIZE", 1)),
                              device=_launch_device() if launch else None, overwrite=args.overwrite,
-                             probe=bool(args.validate or args.nproc), run_commands=launch)
-        if args.resume and (args.nproc or args.validate):   # a resume that changes what the run trains, unnamed:
+                             resume=args.resume, take_over_lock=args.take_over_lock if launching else None,
+                             probe=launching, run_commands=launch)
+        if args.resume and launching:   # a resume that changes what the run trains, unnamed:
             config_changes(cfg, args.resume, args.allow_changes)   # refused before any worker starts
-    except ConfigError as exc:   # every rank of a launched job finds it: rank 0 says it
+    except (ConfigError, RunLockedError) as exc:   # every rank of a launched job finds it: rank 0 says it
         return report_error(PROG, exc, once_per_job=True)
     if args.validate and args.json:
         print(json.dumps({"config": args.config, "valid": True, "stages": len(cfg.stages),

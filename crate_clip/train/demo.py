@@ -22,7 +22,10 @@ from crate_clip.checkpoint_io.run_layout import (DEMO_PROBE_FILE, PLOT_FILE, che
 from crate_clip.data.sources.debian_packages import DEBIAN_PACKAGES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEMO_CONFIG = REPO_ROOT / "configs" / "demo" / "fashion_mnist.yaml"
+# configs/ as installed from a wheel (setup.cfg: crate_clip.configs), else the checkout's
+CONFIGS_DIR = next((d for d in (Path(__file__).resolve().parents[1] / "configs", REPO_ROOT / "configs")
+                    if d.is_dir()), REPO_ROOT / "configs")
+DEMO_CONFIG = CONFIGS_DIR / "demo" / "fashion_mnist.yaml"
 DEB_PACKAGE = DEBIAN_PACKAGES["fashion_mnist"]
 STUDY_RESULTS = REPO_ROOT / "docs" / "inverse_scaling.json"   # written by bench/bench_inverse_scaling.py
 
@@ -316,13 +319,14 @@ def _path_overrides(train_dir: Path, test_dir: Path, run_dir: Path) -> list[str]
             f"eval.evals.0.data={json.dumps(str(test_dir))}"]
 
 
-def _check_before_launch(config: str, overrides: list[str], nproc: int, overwrite: bool) -> None:
+def _check_before_launch(config: str, overrides: list[str], nproc: int, resume: bool) -> None:
     """What the trainer would refuse (batches against the processes, the run folder: --overwrite moves only a run,
-    never `/`, a home folder or the data), said before the data is written and any process started: a ConfigError
-    with every problem, one line each."""
+    never `/`, a home folder or the data; a resume continues the run there), said before the data is written and
+    any process started: a ConfigError with every problem, one line each."""
     from crate_clip.train.run.launch_checks import checked_config
 
-    checked_config(config, overrides, world_size=nproc, overwrite=overwrite, data_written=False)
+    checked_config(config, overrides, world_size=nproc, overwrite=not resume, resume="latest" if resume else None,
+                   data_written=False)
 
 
 def main(argv=None) -> int:
@@ -343,7 +347,7 @@ def _demo(args, record: dict | None = None) -> int:
     try:
         train_dir, test_dir, run_dir = demo_paths(args.config, args.data_dir, args.run_dir, args.overrides)
         _check_before_launch(args.config, [*_path_overrides(train_dir, test_dir, run_dir), *args.overrides],
-                             args.nproc, overwrite=not (args.resume and run_dir.exists()))
+                             args.nproc, resume=bool(args.resume and run_dir.exists()))
         prepare_data(train_dir, test_dir, args.max_train_images, args.max_test_images)
     except (FileNotFoundError, ValueError) as exc:   # no data set, a config without the demo's paths
         print(f"[demo] {exc}", file=sys.stderr)

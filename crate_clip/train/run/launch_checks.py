@@ -1,9 +1,11 @@
 """Everything about a run that can be checked before any worker starts, in the process that launches them
 (`crate-clip train --nproc N`, `crate-clip train --validate`, the demo): the config's keys (warm-up against the
-stage's steps among them), the batches against the process count, the output folder (--overwrite moves only a
-run), local data and evaluation sets present, and each remote data source answering a short probe of its first
-shard. Every problem is one line; all of them come at once in one ConfigError (exit code 2), instead of a
-worker's traceback under the launcher's ChildFailedError minutes later.
+stage's steps among them), the batches against the process count, the output folder (one that holds a run is
+refused without --resume or --overwrite, --overwrite moves only a run, a live run's lock refuses a start), local
+data and evaluation sets present, and each remote data source answering a short probe of its first shard. Every
+problem is one line; all of them come at once in one ConfigError (exit code 2; then a live run's lock: the
+launch's own RunLockedError, exit code 5), said once by the launching process, not by every worker after the
+launcher started them, nor as a worker's traceback under the launcher's ChildFailedError minutes later.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from crate_clip.data.remote_transport import (COMMAND_SCHEMES, PermanentSourceEr
                                               open_transport, shown_source)
 from crate_clip.train.run.run_config import (RunConfig, apply_override, batch_problem, load_run_config,
                                              path_problems, runtime_problems)
-from crate_clip.train.run.run_dir import output_dir_problems, overwrite_problem
+from crate_clip.train.run.run_dir import ExistingRunError, LinkedRunPartError, check_run_dir, output_dir_problems
+from crate_clip.train.run.run_lock import RunLockedError, in_use_problem
 
 PROBE_TIMEOUT_S = 10.0   # per remote source (or data.remote_stall_timeout_s when shorter): a server that answers
                          # at all answers a 512-byte read far sooner
@@ -25,13 +28,17 @@ PROBE_BYTES = 512        # one tar header: the first shard is there and sends da
 
 
 def checked_config(path: str | Path, overrides: list[str], *, world_size: int, device: Optional[str] = None,
-                   overwrite: bool = False, probe: bool = False, run_commands: bool = False,
+                   overwrite: bool = False, probe: bool = False,
+                   resume: Optional[str] = None, take_over_lock: Optional[bool] = None, run_commands: bool = False,
                    data_written: bool = True) -> RunConfig:
     """The run config of `path` with `overrides`, checked for a launch of `world_size` processes; raises one
     ConfigError listing every problem found (`probe`: also ask each http(s) data source for its first shard, and
     with `run_commands` run each `pipe:` source's first command: only when the run is launched, never for
     `--validate`, which is how a config from elsewhere is read before it runs anything; `data_written` False: the
-    data and evaluation sets are written later, by the demo, so not looked for)."""
+    data and evaluation sets are written later, by the demo, so not looked for).
+    `resume`, `overwrite`: the command's (a folder holding a run is refused with neither); `take_over_lock`: None
+    leaves the folder's lock to the run (a worker), else the command's --take-over-lock, and a live run holding
+    the lock is refused now."""
     try:
         cfg = load_run_config(path, overrides, check_paths=False)
     except ConfigError as exc:   # keys refused: add the batch lines the raw values already show
@@ -40,15 +47,32 @@ def checked_config(path: str | Path, overrides: list[str], *, world_size: int, d
     problems = (path_problems(cfg, Path(path).parent) if data_written else
                 output_dir_problems(cfg.run.output_dir, cfg.data.sources, [e.data for e in cfg.eval.evals]))
     problems += runtime_problems(cfg, world_size, device)
-    named = any(line.startswith("run.output_dir") for line in problems)   # one line about that folder is enough
-    if overwrite and not named and (problem := overwrite_problem(cfg.run_dir)):
-        problems.append(problem)
+    if not any(line.startswith("run.output_dir") for line in problems):   # one line about that folder is enough
+        problems += _run_folder_problems(cfg.run_dir, resume, overwrite)
     if probe:
         timeout = min(PROBE_TIMEOUT_S, cfg.data.remote_stall_timeout_s)   # no longer than a run would wait
         problems += remote_source_problems(cfg.data.sources, timeout, run_commands=run_commands)
     if problems:   # as every config refusal: one line per problem under the header
         raise ConfigError(f"invalid run config ({path}):\n  " + "\n  ".join(problems))
+    in_use = None if take_over_lock is None else in_use_problem(cfg.run_dir, take_over_lock)
+    if in_use:   # the launch's own refusal, with its exit code (5)
+        raise RunLockedError(in_use)
     return cfg
+
+
+def _run_folder_problems(run_dir: Path, resume: Optional[str], overwrite: bool) -> list[str]:
+    """What the run would refuse about its output folder (run_dir.check_run_dir): a run there without --resume
+    or --overwrite, --overwrite of a folder of other files, a part linked out of it (raised as it is for a resume:
+    its exit code is 4)."""
+    try:
+        check_run_dir(run_dir, resume, overwrite)
+    except LinkedRunPartError as exc:
+        if resume:
+            raise
+        return [str(exc)]
+    except ExistingRunError as exc:
+        return [str(exc)]
+    return []
 
 
 def _raw_batch_problems(path, overrides, world_size: int) -> list[str]:

@@ -16,6 +16,7 @@ from crate_clip.core.errors import EXIT_CONFIG, EXIT_RESUME, ConfigError, UserEr
 
 class ExistingRunError(UserError, RuntimeError):
     """run.output_dir already holds a run, and the command neither resumes it nor moves it aside."""
+    once_per_job = True   # every rank finds it: rank 0 says it
 
 
 class LinkedRunPartError(ConfigError):

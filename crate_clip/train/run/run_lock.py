@@ -310,12 +310,7 @@ def _take_over_if_stale(path: Path, run_dir: Path, me: LockHolder, take_over: bo
         return _move_malformed_aside(path, run_dir, why_unnamed)
     why = _why_stale(holder, me, age, take_over)
     if why is None:
-        who = holder.describe() if holder else "a process that has not yet written its name into it"
-        raise RunLockedError(
-            f"run.output_dir {run_dir} is in use by another run: {who} (lock {path}, refreshed {age:.0f} s ago); "
-            f"fix: wait for that run to end or stop it, or set run.output_dir to another folder (a lock not "
-            f"refreshed for {STALE_AFTER_S:.0f} s counts as stale; --take-over-lock takes it now, when you know "
-            f"that run is gone)")
+        raise RunLockedError(_in_use(run_dir, holder, path, age))
     aside = path.with_name(f".{path.name}.stale{os.getpid()}")
     try:
         os.rename(path, aside)
@@ -327,6 +322,32 @@ def _take_over_if_stale(path: Path, run_dir: Path, me: LockHolder, take_over: bo
     aside.unlink(missing_ok=True)
     who = holder.describe() if holder else "an unreadable lock"
     return f"run.output_dir {run_dir}: took over the stale lock {path} of {who} ({why})"
+
+
+def _in_use(run_dir: Path, holder: Optional[LockHolder], path: Path, age: float) -> str:
+    """The refusal's line: the folder, the live holder, the lock and how to go on."""
+    who = holder.describe() if holder else "a process that has not yet written its name into it"
+    return (f"run.output_dir {run_dir} is in use by another run: {who} (lock {path}, refreshed {age:.0f} s ago); "
+            f"fix: wait for that run to end or stop it, or set run.output_dir to another folder (a lock not "
+            f"refreshed for {STALE_AFTER_S:.0f} s counts as stale; --take-over-lock takes it now, when you know "
+            f"that run is gone)")
+
+
+def in_use_problem(run_dir: Path, take_over: bool = False) -> Optional[str]:
+    """The line a start would be refused with because a live run holds `run_dir`'s lock, found without taking,
+    moving or waiting for the lock (`crate-clip train --validate` and the launcher, before any worker starts);
+    None when there is no lock, or one a start would take over (stale, naming no holder, or `take_over`)."""
+    path = lock_path(run_dir)
+    holder = _read_holder(path)
+    if holder is None:
+        return None
+    try:
+        age = _age_s(path)
+    except FileNotFoundError:   # released meanwhile
+        return None
+    if _why_stale(holder, LockHolder.of_this_process(), age, take_over) is not None:
+        return None
+    return _in_use(run_dir, holder, path, age)
 
 
 def _why_stale(holder: Optional[LockHolder], me: LockHolder, age: float, take_over: bool) -> Optional[str]:
