@@ -22,4 +22,32 @@ loop/           one optimizer step, batches fetched in agreement, stop requests,
 the entry layer, these modules (`python -m crate_clip.train.cli` is what torchrun starts):
 cli.py           `crate-clip train`;  plan_cli.py: `crate-clip plan`;  demo.py: the README's first command;
 worker_launch.py the torchrun launch of cli.py's workers
+python_api.py    `crate_clip.train.run(config) -> RunResult`: the Python API (docs/python_api.md)
 """
+import importlib
+import types
+
+from crate_clip.train import run as _run_package
+
+_API_MODULE = "crate_clip.train.python_api"   # imported on first use: torch, DeepSpeed and open_clip take seconds
+
+
+class _CallableRunPackage(types.ModuleType):
+    """`crate_clip.train.run` is the run/ subpackage (config, folder, lock: 65 modules import it by that name) and,
+    called, the Python API: `crate_clip.train.run(config, ...)` is python_api.run, what `crate-clip train` does in
+    this process, returning a RunResult (docs/python_api.md). A function of that name here would be replaced by
+    the subpackage as soon as anything imported it, so the subpackage's module is made callable instead."""
+
+    def __call__(self, config, **options):
+        """python_api.run(config, **options): train `config` in this process; returns a RunResult."""
+        return importlib.import_module(_API_MODULE).run(config, **options)
+
+
+_run_package.__class__ = _CallableRunPackage
+
+
+def __getattr__(name: str):
+    """RunResult and the exit-reason exceptions of the Python API, from python_api on first use."""
+    if name in ("RunResult", "InputError", "SourceUnavailableStop", "PreemptedStop"):
+        return getattr(importlib.import_module(_API_MODULE), name)
+    raise AttributeError(f"module 'crate_clip.train' has no attribute {name!r}")

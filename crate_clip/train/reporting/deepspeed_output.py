@@ -63,6 +63,13 @@ def divert_deepspeed_logs() -> None:
         logger.addFilter(_DIVERT)
 
 
+def stop_diverting_deepspeed_logs() -> None:
+    """DeepSpeed's logger as before divert_deepspeed_logs, nothing held (a run in a notebook's process has ended)."""
+    close_log()
+    logging.getLogger(DEEPSPEED_LOGGER).removeFilter(_DIVERT)
+    _DIVERT.held = []
+
+
 def log_to(path: Path) -> None:
     """Open (append) the log file and write what was held."""
     close_log()
