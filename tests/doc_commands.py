@@ -193,6 +193,7 @@ RUN_HERE = {
     "crate-clip trian": Run(code=2),
     "crate-clip eval zeroshot --model m --data d --num-workerz 2": Run(code=2),
     "crate-clip shards fashion_mnist": Run(code=2),
+    "crate-clip shards scenes --max-images 50 --out s": Run(code=2),
     # reading shards (README, docs/data.md): the tiny shards for DataComp's, `cat` for `aws s3 cp`
     "crate-clip shards inspect '/data/datacomp1b/shards/{00000000..00139827}.tar' --image-size 84 "
     "--context-length 32": Run(),
