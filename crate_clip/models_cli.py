@@ -1,7 +1,11 @@
 """`crate-clip models [--json]`: the registered open_clip model configs of crate-clip, each with its parameters (image
 tower, text tower, all) and the FLOPs of one image-caption pair at the config's own image size and text length,
 counted by torch.utils.flop_counter on a meta-device build (no weights made; the planner's counter, towers deeper
-than a few blocks counted on 1 and 2 blocks and extrapolated: exact, and seconds for all of them)."""
+than a few blocks counted on 1 and 2 blocks and extrapolated: exact, and seconds for all of them).
+
+`crate-clip models --weights [--json]`: the released weights crate-clip knows (the CRATE-alpha paper's and CLIPA's,
+crate_clip/models/released_weights.py): where each is, its size and reported accuracy, how it loads; then how a
+run's own export loads."""
 from __future__ import annotations
 
 import argparse
@@ -32,8 +36,39 @@ def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="crate-clip models", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--filter", default=None, metavar="TEXT",
                    help="only the models whose name contains TEXT (case-insensitive)")
+    p.add_argument("--weights", action="store_true",
+                   help="list the released weights crate-clip knows (the CRATE-alpha paper's, CLIPA's): where each "
+                        "is, its size, reported accuracy and how it loads; and how a run's own export loads")
     add_json_flag(p, "the table")
     return p
+
+
+def format_weights(entries) -> str:
+    """The released weights (ReleasedWeights), one block each."""
+    blocks = []
+    for w in entries:
+        lines = [f"{w.name}: {w.what}", f"  where:    {w.where}"]
+        lines += [f"  size:     {w.size}"] if w.size else []
+        lines += [f"  reported: {w.reported}"] if w.reported else []
+        lines += [f"  load:     {w.load}", f"  source:   {w.source}"]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def list_weights(name_filter, as_json: bool) -> int:
+    """`crate-clip models --weights`: the released weights (those whose name contains `name_filter`), then a run's
+    own export."""
+    from crate_clip.models.released_weights import LOCAL_EXPORT, RELEASED_WEIGHTS
+
+    entries = [w for w in RELEASED_WEIGHTS if not name_filter or name_filter.lower() in w.name.lower()]
+    if not entries:
+        print(f"crate-clip models: no released weights match {name_filter!r}; fix: `crate-clip models --weights` "
+              "lists them all", file=sys.stderr)
+        return 2
+    entries.append(LOCAL_EXPORT)
+    print(json.dumps([asdict(w) for w in entries], indent=1, ensure_ascii=False) if as_json else
+          format_weights(entries))
+    return 0
 
 
 def registered_models() -> list[str]:
@@ -80,6 +115,8 @@ def format_table(rows: list[ModelRow]) -> str:
 def main(argv=None) -> int:
     """Run `crate-clip models`; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.weights:   # data only: no model is built
+        return list_weights(args.filter, args.json)
     import crate_clip  # noqa: F401  (registers the configs and the towers)
 
     names = [n for n in registered_models() if not args.filter or args.filter.lower() in n.lower()]

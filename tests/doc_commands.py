@@ -230,6 +230,10 @@ COVERED_BY = {
     "make demo": DEMO,
     "python -m crate_clip.train.demo": DEMO,
     "python -m crate_clip.train.demo --set stages.0.samples=76800": DEMO,
+    # docs/python_api.md: the smoke form, run in the wheel's fresh environment by hand; the test, the same sizes
+    "crate-clip demo --data-dir data/smoke --run-dir runs/smoke --max-train-images 640 --max-test-images 100 "
+    "--probe-train-images 100 --set stages.0.samples=640 --set stages.0.warmup_steps=2 --set stages.1.samples=128 "
+    "--set stages.1.warmup_steps=0": DEMO,
     "python -m crate_clip.train.demo --resume":
         "tests/test_train_resume.py::test_demo_killed_in_its_inherited_patch_stage_resumes_bit_for_bit",
     "crate-clip train --config configs/demo/fashion_mnist.yaml": DEMO,
@@ -328,6 +332,11 @@ NOT_HERE = {
     "hf download UCSC-VLAA/ViT-H-14-CLIPA-datacomp1B": "the Hugging Face hub",
     "hf auth login": "a Hugging Face account",
     "pip install awscli": "a network install",
+    "python -m build --outdir /tmp/crate_dist": "the wheel, by hand (docs/python_api.md): built in an isolated "
+    "environment whose setuptools comes from PyPI; tests/test_wheel_contents.py builds it offline",
+    "uv venv /tmp/wheelvenv": "a fresh environment for the wheel, by hand (docs/python_api.md)",
+    "uv pip install --python /tmp/wheelvenv/bin/python /tmp/crate_dist/crate_clip-0.1.0-py3-none-any.whl "
+    "torch==2.14.1 torchvision==0.29.1": "the wheel and its dependencies into a fresh environment (GBs), by hand",
     "pip install wandb": "a network install",
     "python bench/bench_patch_size.py": "a benchmark: three demo runs, ~15 min (BENCHMARKS.md)",
     "python bench/bench_text_tower.py --demo --data-dir /tmp/fmnist": "a benchmark: a full demo run per text tower",

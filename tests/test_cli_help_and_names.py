@@ -250,3 +250,44 @@ def test_models_lists_each_registered_config_with_its_parameters_and_flops(capsy
     assert row["forward_gflops"] * 1e9 == pytest.approx(counter.get_total_flops(), rel=1e-4)
     assert 2.5 < row["train_gflops"] / row["forward_gflops"] < 3.5   # backward ~ twice the forward
     assert main(["models", "--filter", "no-such-model"]) == 2
+
+
+def test_models_weights_lists_the_released_weights_each_loading_into_a_model_that_exists(capsys):
+    """`crate-clip models --weights`: each entry's model is registered (open_clip config, timm name, open_clip's
+    pretrained tag at the hub repository it names), and a CLIPA tower is offered as CRATE-alpha-CLIPA's text tower
+    (model.text_pretrained) exactly when its text config has that tower's shape."""
+    import json
+
+    import open_clip
+    import timm
+    from open_clip.pretrained import get_pretrained_cfg
+
+    import crate_clip  # noqa: F401
+
+    assert main(["models", "--weights", "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)
+    names = [e["name"] for e in entries]
+    assert names[:2] == ["CRATE-α-CLIPA-L/14", "CRATE-α-CLIPA-H/14"] and names[-1] == "your export"
+    assert "2.56 GB, 640,165,889 fp32 values" in entries[0]["size"] and "69.8%" in entries[0]["reported"]
+    def text_shape(name: str) -> dict:   # what sets the text tower's keys and shapes (docs/text_lock.md)
+        text = open_clip.get_model_config(name)["text_cfg"]
+        return {k: text.get(k) for k in ("width", "layers", "heads", "mlp_ratio", "context_length", "vocab_size")}
+
+    crate_text = text_shape("CRATE-alpha-CLIPA-L-14")
+    for entry in entries:
+        kind, _, target = entry["loads_into"].partition(":")
+        if kind == "timm":
+            assert target in timm.list_models("crate_alpha*"), entry["name"]
+        elif kind == "open_clip":
+            config, _, tag = target.partition(":")
+            assert open_clip.get_model_config(config) is not None, entry["name"]
+            if tag:   # a hub checkpoint: open_clip's own tag for it, at the repository listed
+                assert entry["where"] == f"hf-hub:{get_pretrained_cfg(config, tag)['hf_hub'].rstrip('/')}"
+                fits = text_shape(config) == crate_text
+                assert fits == ("model.text_pretrained" in entry["load"]), entry["name"]
+        else:
+            assert entry["name"] in ("CRATE-α (JAX)", "your export")
+    assert main(["models", "--weights"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"{name}: " in printed for name in names) and "local-dir:EXPORT" in printed
+    assert main(["models", "--weights", "--filter", "no-such-weights"]) == 2

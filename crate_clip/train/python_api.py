@@ -1,4 +1,4 @@
-"""The Python API of training: `crate_clip.train.run(config) -> RunResult`, what `crate-clip train` does in this process.
+"""The Python API of training: `crate_clip.train.run(config) -> RunResult`, `crate-clip train` in the calling process.
 
     import crate_clip.train
     result = crate_clip.train.run("configs/demo/fashion_mnist.yaml", overrides=["stages.0.samples=6400"])
@@ -191,7 +191,7 @@ def stage_results(run_dir: Path) -> tuple[EvalRecord, ...]:
     names = [f.name for f in dataclasses.fields(EvalRecord) if f.name != "results"]
     rows = {}
     for _, row in read_small_jsonl(Path(run_dir) / RESULTS_FILE):   # bounded, as the export reads it
-        if isinstance(row, dict) and row.get("at", "stage_end") == "stage_end" and isinstance(row.get("stage_index"), int):
+        if isinstance(row, dict) and row.get("at", "stage_end") == "stage_end" and type(row.get("stage_index")) is int:
             row = {"resize": "grid", "at": "stage_end", **row}   # rows written before these keys existed
             rows[(row["stage_index"], str(row.get("eval")), row.get("image_size") or 0, row["resize"])] = row
     return tuple(EvalRecord(**{k: row.get(k) for k in names}, results={k: v for k, v in row.items() if k not in names})
