@@ -81,6 +81,78 @@ def attach(path: str) -> None:
     _zygote["socket"] = path
 
 
+# ------------------------------------------------------------------------------------- a stand-in for a trainer
+# Set in the environment of what a test launches (torchrun, srun, deepspeed's ssh/pdsh runner): a training entry point
+# started anywhere below it, `python [-u] -m crate_clip.train.cli ...`, is forked from the suite's warm interpreter
+# instead (tests/warm_site/sitecustomize.py). STAND_IN_PATH is the folder to put first on PYTHONPATH for that.
+STAND_IN_ENV = "WARM_PYTHON_STAND_IN"
+STAND_IN_PATH = str(Path(__file__).resolve().parent / "warm_site")
+TRAINING_ENTRIES = (["-m", "crate_clip.train.cli"], ["-m", "crate_clip.cli", "train"])
+
+
+def stand_in_env(env: dict) -> dict:
+    """`env` for a launcher whose training processes should be warm: this process's zygote (started if need be), the
+    stand-in's folder first on PYTHONPATH, and the file their CPU is added to (count_stand_in_cpu)."""
+    if not socket_path():
+        run([sys.executable, "-c", "pass"], env=env)   # the zygote, started in this environment
+    cpu_file = tempfile.NamedTemporaryFile(prefix="warm-cpu-", delete=False)
+    cpu_file.close()
+    path = os.pathsep.join(p for p in (STAND_IN_PATH, env.get("PYTHONPATH")) if p)
+    return dict(env, PYTHONPATH=path, **{STAND_IN_ENV: socket_path(), "WARM_CPU_FILE": cpu_file.name})
+
+
+def count_stand_in_cpu(env: dict) -> None:
+    """Add the CPU of the stand-ins' warm commands (written to env's WARM_CPU_FILE) to this test's."""
+    path = Path(env.get("WARM_CPU_FILE", ""))
+    if path.is_file():
+        count_launched_cpu(sum(float(x) for x in path.read_text().split()))
+        path.unlink()
+
+
+LAUNCHER_ENTRIES = (["-m", "torch.distributed.run"],)   # warm too; the trainers they start are stood in for again
+
+
+def training_entry(orig_argv: list[str]) -> list[str] | None:
+    """The `python` arguments of a training entry point or of torchrun (interpreter options dropped; the `torchrun`
+    script as `-m torch.distributed.run`), or None for another command."""
+    args = [a for a in orig_argv[1:] if a not in ("-u", "-B")]
+    if args and os.path.basename(args[0]) == "torchrun":
+        args = ["-m", "torch.distributed.run", *args[1:]]
+    return args if any(args[:len(e)] == e for e in TRAINING_ENTRIES + LAUNCHER_ENTRIES) else None
+
+
+def stand_in(argv: list[str]) -> None:
+    """In a fresh interpreter started for `python ARGV` (a training entry point): have the zygote fork ARGV in this
+    process's place (its namespaces, environment, folder, standard streams), pass every signal this process gets on
+    to it, and end as it ends (its code, or its signal). Never returns."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)   # gone with its launcher
+    env = dict(os.environ)
+    attach(env[STAND_IN_ENV])
+    if not any(argv[:len(e)] == e for e in LAUNCHER_ENTRIES):   # a trainer: its environment as the user's
+        env.pop(STAND_IN_ENV)
+        path = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p and p != STAND_IN_PATH]
+        if path:
+            env["PYTHONPATH"] = os.pathsep.join(path)
+    proc = WarmProcess([sys.executable, *argv], env, os.getcwd(), None, None, None, False, False,
+                       stand_in_for=os.getpid())
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, lambda s, f: proc.send_signal(s))
+    while True:
+        try:
+            code = proc.wait()
+            break
+        except InterruptedError:
+            continue
+    if env.get("WARM_CPU_FILE"):
+        with open(env["WARM_CPU_FILE"], "a") as f:
+            f.write(f"{launched_cpu_s()}\n")
+    sys.stdout.flush()
+    if code < 0:   # ended by a signal: so does this process, as the launcher expects to see it
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
 # ----------------------------------------------------------------------------------------------- the caller's side
 def run(cmd, *, capture_output=False, timeout=None, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run for the suite's Python commands: warm when it can be (see the module docstring)."""
@@ -150,7 +222,7 @@ def _stop_zygote() -> None:
 class WarmProcess:
     """A command forked by the zygote, with the parts of subprocess.Popen's interface the tests use."""
 
-    def __init__(self, args, env, cwd, stdin, stdout, stderr, text, start_new_session):
+    def __init__(self, args, env, cwd, stdin, stdout, stderr, text, start_new_session, stand_in_for=None):
         self.args, self.returncode, self._text = args, None, text
         self.max_rss_kb = None   # the command's peak RSS once it ended (its pages shared with the zygote included)
         self.stdin = self.stdout = self.stderr = None
@@ -158,7 +230,7 @@ class WarmProcess:
         self._readers: list[threading.Thread] = []
         ends, theirs = self._streams(stdin, stdout, stderr)
         request = {"argv": args[1:], "env": env, "cwd": str(cwd or os.getcwd()), "new_session": start_new_session,
-                   "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN}
+                   "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN, "stand_in": stand_in_for}
         self._conn = _connect(env)
         try:
             socket.send_fds(self._conn, [json.dumps(request).encode()], theirs)
@@ -336,6 +408,8 @@ def _become(request: dict, fds: list[int], conn: socket.socket) -> None:
     conn.close()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0)   # the command outlives the zygote, as a process
+    if request.get("stand_in"):
+        _take_the_place_of(request["stand_in"])
     if request["new_session"]:
         os.setsid()
     for target, fd in enumerate(fds):
@@ -347,6 +421,29 @@ def _become(request: dict, fds: list[int], conn: socket.socket) -> None:
     os.environ.update(request["env"])
     _as_at_start(request["sigint_ignored"])
     exit_as_the_interpreter(run_as_main(request["argv"], request["cwd"]))
+
+
+def _take_the_place_of(pid: int) -> None:
+    """In the forked child: join the namespaces of stand-in `pid` (its node: network, hostname, mounts), and die with
+    it (SIGKILL), as the process it stands for would with its launcher."""
+    setns = ctypes.CDLL(None, use_errno=True).setns
+    for kind in ("net", "uts", "mnt"):
+        fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
+        try:
+            if setns(fd, 0) != 0:
+                raise OSError(ctypes.get_errno(), f"setns {kind} of {pid}")
+        finally:
+            os.close(fd)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.2)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="stand-in-watch", daemon=True).start()
 
 
 def run_as_main(argv: list[str], cwd: str) -> int:

@@ -16,6 +16,8 @@ EXIT_LOCKED = 5                  # the run folder is in use by another training 
 EXIT_NO_SPACE = 6                # the disk filled up while a run wrote (the last complete checkpoint is kept)
 EXIT_SOURCE_UNAVAILABLE = 7      # a remote data source stayed unreachable past data.remote_retry_total_s (saved)
 EXIT_PREEMPTED = 8               # stopped by a preemption signal after saving (--save-on-signal)
+EXIT_RANK_LOST = 9               # another rank of the job was lost (its node crashed): nothing saved since the last
+                                 # checkpoint, which is kept
 # What each exit code of a crate-clip process means; docs/exit_codes.md says the same for users.
 EXIT_MEANINGS = {1: "unexpected error, see the traceback above",
                  EXIT_USAGE: "configuration or input error, see the message above",
@@ -24,7 +26,8 @@ EXIT_MEANINGS = {1: "unexpected error, see the traceback above",
                  EXIT_LOCKED: "the run folder is in use by another training run",
                  EXIT_NO_SPACE: "no space left on the device the run writes to",
                  EXIT_SOURCE_UNAVAILABLE: "a data source stayed unreachable; --resume latest continues once it is back",
-                 EXIT_PREEMPTED: "stopped by a preemption signal after saving; --resume latest continues"}
+                 EXIT_PREEMPTED: "stopped by a preemption signal after saving; --resume latest continues",
+                 EXIT_RANK_LOST: "another rank of the job was lost; --resume latest continues from the last checkpoint"}
 # Set in the processes torchrun, the DeepSpeed launcher and `accelerate launch` start.
 LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION")
 # read as the process starts: a one-process `crate-clip train` sets RANK and LOCAL_RANK itself later

@@ -51,6 +51,7 @@ FREE_TO_CHANGE: dict[str, str] = {
     "run.name": "the run's label",
     "run.output_dir": "where the run folder is (a folder moved or mounted elsewhere)",
     "run.max_nonfinite_in_a_row": "when the run gives up on non-finite losses",
+    "run.lost_rank_timeout_s": "when a job gives up on a rank it no longer hears from",
     "model.grad_checkpointing": "recomputes the same activations in the backward (memory, not values)",
     "data.num_workers": "loader processes per rank: the sample order is fixed by data.canonical_streams",
     "data.prefetch_factor": "batches each loader worker prepares ahead",

@@ -42,6 +42,7 @@ from crate_clip.train.loop.stage_evals import (EvalBudget, agreed, agreed_missin
 from crate_clip.train.loop.stop_requests import (StopRequested, agreed_stop, request_stop, share_between_ranks,
                                                   stops_with_checkpoint)
 from crate_clip.train.loop.train_step import train_step
+from crate_clip.train.reporting.host_line import host_line
 from crate_clip.train.reporting.deepspeed_output import (close_log, deepspeed_log_path, deepspeed_prints,
                                                          divert_deepspeed_logs, log_to, warnings_to_log)
 from crate_clip.train.reporting.metrics_log import PLOT_FILE, MetricsLog, set_aside_rows_after, write_plot
@@ -111,7 +112,7 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
         _remove_leftovers(ckpts.root, dist)
         check_space_for_next_save(ckpts.root, start.tag_dir)
     tdist.barrier()  # every rank has read the folder before rank 0 changes it
-    share_between_ranks(dist)   # from here a stop reaches every rank at once, not only at a step boundary
+    share_between_ranks(dist, cfg.run.lost_rank_timeout_s)   # from here a stop reaches every rank at once, not only at a step boundary
     if dist.is_main:
         _prepare_run_dir(cfg, start, moved_aside=earlier_run and overwrite,
                          restarted=bool(earlier_run) and not overwrite and start.tag_dir is None)
@@ -224,6 +225,9 @@ def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], st
         engine = build_engine(model, cfg, stage, dist, load_universal=universal)
     _seed_everything(cfg.run.seed * 7919 + 104729 * stage.index + dist.rank)  # token masks differ per rank
     stream = run.stream_factory(cfg, stage, dist)
+    line = host_line(stage, cfg.data)
+    if line is not None:   # every host's first process: its own loaders (host_line.py); rank 0's says the others
+        print(line, flush=True)
     if start is not None:
         settings = schedule_settings(engine.lr_scheduler)   # the run config's: an allowed change takes effect
         rank_state = _load_checkpoint(run, engine, stage, start.tag_dir, universal)

@@ -78,15 +78,16 @@ def stop_signals_handled(signums: tuple[int, ...], ignore_after_stop: bool = Fal
         _request.clear()
 
 
-def share_between_ranks(dist) -> None:
+def share_between_ranks(dist, lost_after_s: Optional[float] = None) -> None:
     """Every rank, once the run's process group is up: stops pass between the ranks through the job's store at once,
-    not only at the next step boundary (stop_sharing.py). A collective: every rank calls it at the same point."""
+    not only at the next step boundary, and a rank not heard from for `lost_after_s` ends the job (stop_sharing.py,
+    peer_watch.py). A collective: every rank calls it at the same point."""
     if dist.world_size == 1 or not tdist.is_initialized():
         return
     token = [new_token() if dist.is_main else None]
     tdist.broadcast_object_list(token, src=0)
     for sharing in _sharing:
-        sharing.between_ranks(dist.rank, token[0])
+        sharing.between_ranks(dist.rank, token[0], dist.world_size, lost_after_s)
 
 
 def _on_signal(signum, frame) -> None:

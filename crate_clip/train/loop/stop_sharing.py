@@ -14,6 +14,9 @@ handler cannot even run. So a thread of every rank watches for save signals as t
 
 A stop is then acted on by every process within POLL_S plus the time a read takes to notice (at once, read_stops.py):
 the step in progress ends or its read is broken off, and the run saves and exits 8 as before.
+
+The same thread keeps the watch on lost nodes every BEAT_S (peer_watch.py): a rank that is no longer heard from ends
+the job with exit 9 within run.lost_rank_timeout_s, instead of the process group's 30-minute timeout.
 """
 from __future__ import annotations
 
@@ -21,14 +24,19 @@ import contextlib
 import os
 import select
 import signal
+import sys
 import threading
+import time
 import uuid
 from datetime import timedelta
 from typing import Optional
 
+from crate_clip.core.errors import EXIT_RANK_LOST
 from crate_clip.data import read_stops
+from crate_clip.train.loop.peer_watch import PeerWatch
 
 POLL_S = 0.5
+BEAT_S = 2.0
 STORE_TIMEOUT_S = 10.0
 
 
@@ -39,6 +47,8 @@ class StopSharing:
         self.signums = frozenset(signums)
         self.origin: Optional[str] = None      # where a stop this thread delivered came from, for its line
         self._store, self._key, self._rank = None, None, 0
+        self._peers: Optional[PeerWatch] = None
+        self._beat_at = 0.0
         self._posted = False
         self._delivered = False
         self._closing = threading.Event()
@@ -50,9 +60,10 @@ class StopSharing:
         self._thread = threading.Thread(target=self._watch, name="stop-sharing", daemon=True)
         self._thread.start()
 
-    def between_ranks(self, rank: int, token: str) -> None:
+    def between_ranks(self, rank: int, token: str, world_size: int = 1, lost_after_s: Optional[float] = None) -> None:
         """Share stops with the other ranks of the job through its TCPStore (MASTER_ADDR:MASTER_PORT), under a key of
-        this launch (`token`, the same on every rank); a store that cannot be reached leaves the per-step agreement."""
+        this launch (`token`, the same on every rank); a store that cannot be reached leaves the per-step agreement.
+        With `lost_after_s`, also keep the watch on lost ranks (peer_watch.py)."""
         import torch.distributed as tdist
 
         try:
@@ -61,6 +72,8 @@ class StopSharing:
         except (KeyError, ValueError, RuntimeError):
             return
         self._key, self._rank = f"/crate_clip/stop/{token}", rank
+        if lost_after_s and world_size > 1:
+            self._peers = PeerWatch(self._store, f"/crate_clip/peers/{token}", rank, world_size, lost_after_s)
 
     def close(self) -> None:
         """Stop watching: the previous wake-up pipe is back, the thread has ended."""
@@ -69,6 +82,8 @@ class StopSharing:
         with contextlib.suppress(OSError):
             os.write(self._write_fd, b"\0")
         self._thread.join(timeout=5)
+        if self._peers is not None:
+            self._peers.leave()
         self._store = None
         for fd in (self._read_fd, self._write_fd):
             with contextlib.suppress(OSError):
@@ -82,6 +97,15 @@ class StopSharing:
                 self._pass_on(signum)
             if not self._delivered:
                 self._deliver_from_elsewhere()
+            self._watch_peers()
+
+    def _watch_peers(self) -> None:
+        if self._peers is None or time.monotonic() - self._beat_at < BEAT_S:
+            return
+        self._beat_at = time.monotonic()
+        lost = self._peers.beat()
+        if lost is not None and not self._closing.is_set():
+            _end_for_a_lost_rank(self._rank, lost)
 
     def _received(self) -> list[int]:
         """The save signals this process received since the last look (the wake-up pipe holds every handled one)."""
@@ -126,6 +150,17 @@ class StopSharing:
             self._store = None
             return None
         return (int(signum), f"rank {rank}") if int(rank) != self._rank and int(signum) in self.signums else None
+
+
+def _end_for_a_lost_rank(rank: int, why: str) -> None:
+    """The job cannot go on (its collectives wait for the lost rank): one line, the lock released, exit 9. Never
+    returns. No save: it would need the lost rank's part; the last checkpoint is kept."""
+    print(f"crate-clip train: rank {rank}: {why}; stopping (exit {EXIT_RANK_LOST}). The last checkpoint is kept: "
+          "--resume latest continues from it, on the nodes left too", file=sys.stderr, flush=True)
+    from crate_clip.train.run.run_lock import release_held_locks   # here: needed only when a rank is lost
+
+    release_held_locks()   # os._exit skips the `finally` that would: the next attempt finds the folder free
+    os._exit(EXIT_RANK_LOST)
 
 
 def new_token() -> str:

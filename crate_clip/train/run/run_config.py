@@ -56,6 +56,9 @@ class RunSection(Section):
                                                         "stage draws its own stream seed from it)")
     max_nonfinite_in_a_row: Int = Field(5, ge=1, description="non-finite steps in a row that stop the run (a few "
                                                              "skipped steps in a row are normal in fp16)")
+    lost_rank_timeout_s: Float = Field(120.0, ge=5, le=86400, description="seconds without a sign of life from "
+                                       "another rank (its node crashed, its network went) before the job ends with "
+                                       "exit 9, instead of waiting out the process group's 30-minute timeout")
 
 
 class ModelSection(Section):
