@@ -193,7 +193,7 @@ RUN_HERE = {
     "crate-clip trian": Run(code=2),
     "crate-clip eval zeroshot --model m --data d --num-workerz 2": Run(code=2),
     "crate-clip shards fashion_mnist": Run(code=2),
-    "crate-clip shards scenes --max-images 50 --out s": Run(code=2),
+    "crate-clip shards scenes --max-images 50 --out data/fmnist_scenes": Run(code=2),
     # reading shards (README, docs/data.md): the tiny shards for DataComp's, `cat` for `aws s3 cp`
     "crate-clip shards inspect '/data/datacomp1b/shards/{00000000..00139827}.tar' --image-size 84 "
     "--context-length 32": Run(),
@@ -347,3 +347,8 @@ NOT_HERE = {
 # exist.
 ENTRY_POINTS = {"python -m crate_clip.train.cli", "python -m crate_clip.train.worker_launch",
                 "python -m open_clip_train.main"}
+
+# Modules a page runs with `python -m` that are a tool the reader installs for that one step, not a dependency of
+# crate-clip, so absent from this environment (the command itself is in NOT_HERE): not looked for, with the reason.
+OTHER_TOOLS = {"build": "PyPA's build, from PyPI: docs/python_api.md's wheel (tests/test_wheel_contents.py builds "
+                        "it with pip wheel, offline)"}
