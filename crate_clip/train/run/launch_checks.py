@@ -27,10 +27,10 @@ PROBE_TIMEOUT_S = 10.0   # per remote source (or data.remote_stall_timeout_s whe
 PROBE_BYTES = 512        # one tar header: the first shard is there and sends data
 
 
-def checked_config(path: str | Path, overrides: list[str], *, world_size: int, device: Optional[str] = None,
-                   overwrite: bool = False, probe: bool = False,
-                   resume: Optional[str] = None, take_over_lock: Optional[bool] = None, run_commands: bool = False,
-                   data_written: bool = True) -> RunConfig:
+def checked_config(path: str | Path | RunConfig, overrides: list[str], *, world_size: int,
+                   device: Optional[str] = None, overwrite: bool = False, probe: bool = False,
+                   resume: Optional[str] = None, take_over_lock: Optional[bool] = None,
+                   run_commands: bool = False, data_written: bool = True) -> RunConfig:
     """The run config of `path` with `overrides`, checked for a launch of `world_size` processes; raises one
     ConfigError listing every problem found (`probe`: also ask each http(s) data source for its first shard, and
     with `run_commands` run each `pipe:` source's first command: only when the run is launched, never for
@@ -38,13 +38,19 @@ def checked_config(path: str | Path, overrides: list[str], *, world_size: int, d
     data and evaluation sets are written later, by the demo, so not looked for).
     `resume`, `overwrite`: the command's (a folder holding a run is refused with neither); `take_over_lock`: None
     leaves the folder's lock to the run (a worker), else the command's --take-over-lock, and a live run holding
-    the lock is refused now."""
-    try:
-        cfg = load_run_config(path, overrides, check_paths=False)
-    except ConfigError as exc:   # keys refused: add the batch lines the raw values already show
-        extra = _raw_batch_problems(path, overrides, world_size)
-        raise ConfigError("\n  ".join([str(exc), *extra])) from None
-    problems = (path_problems(cfg, Path(path).parent) if data_written else
+    the lock is refused now.
+    `path` may be a RunConfig built
+    already, its overrides applied (the Python API's dict or config object, crate_clip/train/python_api.py)."""
+    if isinstance(path, RunConfig):
+        cfg, path = path, path.source_path or "given in Python"
+    else:
+        try:
+            cfg = load_run_config(path, overrides, check_paths=False)
+        except ConfigError as exc:   # keys refused: add the batch lines the raw values already show
+            extra = _raw_batch_problems(path, overrides, world_size)
+            raise ConfigError("\n  ".join([str(exc), *extra])) from None
+    base_dir = Path(cfg.source_path).parent if cfg.source_path else Path(".")
+    problems = (path_problems(cfg, base_dir) if data_written else
                 output_dir_problems(cfg.run.output_dir, cfg.data.sources, [e.data for e in cfg.eval.evals]))
     problems += runtime_problems(cfg, world_size, device)
     if not any(line.startswith("run.output_dir") for line in problems):   # one line about that folder is enough
