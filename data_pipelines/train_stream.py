@@ -46,7 +46,6 @@ the count, buffer and workers, which the planner reads too).
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from pathlib import PurePath
 from typing import Literal, Optional, get_args
@@ -61,6 +60,7 @@ from crate_clip.core.image_normalization import OPENAI_MEAN, OPENAI_STD
 from crate_clip.core.read_bounds import (MAX_CAPTION_BYTES, MAX_MEMBER_BYTES, MAX_SAMPLE_BYTES,
                                          MAX_SHUFFLE_BUFFER_BYTES)
 from crate_clip.core.tar_samples import SampleCaps
+from crate_clip.core.host_ranks import ranks_on_this_host
 
 from .device_decode import DECODE_COUNTERS, Decode, DeviceJpegBatch
 from .epoch_sizes import adopt_real_sizes
@@ -478,7 +478,7 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
     check_some_shard_exists(cfg.sources, all_shards)
     epoch_mode = cfg.mode == "epoch"
     settings = stream_settings(cfg, world_size, batch_size, len(all_shards) if epoch_mode else None,
-                               int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+                               ranks_on_this_host(world_size))
     streams = settings.streams
     layout = resolve_layout(streams, batch_size * world_size, world_size, rank, cfg.num_workers)
     _check_epoch_shards(cfg.mode, len(all_shards), streams)

@@ -167,6 +167,7 @@ DOC_EXPORTS = ("tests/test_checkpoint_rotation.py::"
                "test_keep_last_1_keeps_each_stage_end_and_the_docs_export_commands_run_as_written")
 SLURM = ("tests/test_slurm_preemption.py::"
          "test_the_time_limit_warning_and_scancel_save_the_step_with_loader_workers_and_the_run_ends_as_undisturbed")
+MULTINODE = "tests/test_multinode.py::"
 SLURM_NO_REQUEUE = ("tests/test_slurm_preemption.py::"
                     "test_scancel_during_a_retried_outage_saves_and_exits_8_before_slurm_kills")
 PLAN_RESUME = "tests/test_train_elastic.py::test_plan_for_a_run_in_progress_at_another_gpu_count"
@@ -253,6 +254,24 @@ COVERED_BY = {
     "torchrun --nnodes 4 --nproc_per_node 8 --max-restarts 3 --rdzv_backend c10d --rdzv_endpoint node1:29500 "
     "--rdzv_id crate-b16 -m crate_clip.train.cli --config C.yaml --resume auto":
         "tests/test_train_elastic.py::test_torchrun_restarts_a_killed_rank_and_ends_with_the_uninterrupted_export",
+    # docs/training.md#several-nodes: on two nodes of one machine (tests/two_nodes.py), one rank each
+    "deepspeed --hostfile hostfile --num_nodes 4 --num_gpus 8 --master_addr node1 --module crate_clip.train.cli "
+    "--config C.yaml": MULTINODE + "test_deepspeed_hostfile_launch_over_ssh_trains_what_one_node_trains",
+    "torchrun --nnodes 4 --node_rank $R --nproc_per_node 8 --master_addr node1 --master_port 29500 -m crate_clip.cli "
+    "train --config C.yaml": MULTINODE + "test_torchrun_two_static_nodes_train_what_one_node_trains",
+    "torchrun --nnodes 2:4 --nproc_per_node 8 --max-restarts 3 --rdzv_backend c10d --rdzv_endpoint node1:29500 "
+    "--rdzv_id crate-b16 -m crate_clip.train.cli --config C.yaml --resume auto":
+        MULTINODE + "test_elastic_torchrun_survives_a_node_crash_and_takes_the_node_back",
+    "sbatch --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 configs/slurm/train.sbatch C.yaml":
+        MULTINODE + "test_slurm_two_nodes_preempted_then_a_node_lost",
+    "torchrun --nnodes 4": MULTINODE + "test_torchrun_two_static_nodes_train_what_one_node_trains",
+    "torchrun --nnodes 2 --node_rank R": MULTINODE + "test_torchrun_two_static_nodes_train_what_one_node_trains",
+    "torchrun --nnodes 1:2": MULTINODE + "test_elastic_torchrun_survives_a_node_crash_and_takes_the_node_back",
+    "sbatch --nodes=2 configs/slurm/train.sbatch": MULTINODE + "test_slurm_two_nodes_preempted_then_a_node_lost",
+    "python tests/two_nodes.py up": MULTINODE + "test_the_two_node_script_makes_runs_on_and_removes_a_cluster",
+    "python tests/two_nodes.py run crate-0000-n1 -- hostname":
+        MULTINODE + "test_the_two_node_script_makes_runs_on_and_removes_a_cluster",
+    "python tests/two_nodes.py down": MULTINODE + "test_the_two_node_script_makes_runs_on_and_removes_a_cluster",
     "sbatch configs/slurm/train.sbatch configs/datacomp/crate_alpha_clipa_b-16.yaml": SLURM,
     "sbatch --time=4:00:00 configs/slurm/train.sbatch C.yaml --no-requeue": SLURM_NO_REQUEUE,
     "set -eu":   # docs/training.md's copy of configs/slurm/train.sbatch, the script those tests submit
@@ -320,10 +339,6 @@ NOT_HERE = {
     "torchrun --nproc_per_node 8 -m crate_clip.cli train --config C.yaml": "8 GPUs",
     "deepspeed --num_gpus 8 --module crate_clip.train.cli --config C.yaml": "8 GPUs",
     "accelerate launch --multi_gpu --num_processes 8 -m crate_clip.cli train --config C.yaml": "8 GPUs",
-    "deepspeed --hostfile hostfile --num_nodes 4 --num_gpus 8 --master_addr node1 --module crate_clip.train.cli "
-    "--config C.yaml": "4 GPU nodes",
-    "torchrun --nnodes 4 --node_rank $R --nproc_per_node 8 --master_addr node1 --master_port 29500 -m crate_clip.cli "
-    "train --config C.yaml": "4 GPU nodes",
     "head=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)": "a Slurm cluster of 4 GPU nodes",
     "tensorboard --logdir runs/fashion_mnist_demo/tensorboard": "a server that runs until stopped",
     "crate-clip eval zeroshot --model CRATE-alpha-CLIPA-L-14 --pretrained crate_alpha_CLIPA_L14.pth --data "

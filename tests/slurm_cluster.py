@@ -35,31 +35,37 @@ def _which(name: str) -> Optional[str]:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
 
 
-def slurm_conf(folder: Path, munge_socket: Path) -> str:
+def slurm_conf(folder: Path, munge_socket: Path, nodes=None) -> str:
     """A one-node cluster: localhost with 2 CPUs, tasks tracked as the processes below slurmstepd (no cgroups, no
-    systemd), no accounting (scontrol keeps a finished job's state and exit code for MinJobAge seconds)."""
+    systemd), no accounting (scontrol keeps a finished job's state and exit code for MinJobAge seconds). With
+    `nodes` (a two_nodes.TwoNodeCluster): its two nodes, slurmctld on the bridge's address (the head), a node that
+    does not answer for 10 s is down."""
+    names = [n.name for n in nodes.nodes] if nodes else ["localhost"]
+    node_lines = ([f"NodeName={n.name} NodeAddr={n.addr} CPUs=2 RealMemory=1000 State=UNKNOWN" for n in nodes.nodes]
+                  if nodes else ["NodeName=localhost CPUs=2 RealMemory=1000 State=UNKNOWN"])
     return "\n".join([
-        f"ClusterName=crate{os.getpid()}", "SlurmctldHost=localhost",
+        f"ClusterName=crate{os.getpid()}", f"SlurmctldHost=localhost({nodes.head})" if nodes else "SlurmctldHost=localhost",
         f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
         "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
         f"AuthInfo=socket={munge_socket}", "MpiDefault=none",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "SchedulerType=sched/backfill",
         "SlurmdParameters=config_overrides",   # CPUs=2 whatever the machine has
-        f"StateSaveLocation={folder / 'state'}", f"SlurmdSpoolDir={folder / 'spool'}",
-        f"SlurmctldPidFile={folder / 'slurmctld.pid'}", f"SlurmdPidFile={folder / 'slurmd.pid'}",
-        f"SlurmctldLogFile={folder / 'slurmctld.log'}", f"SlurmdLogFile={folder / 'slurmd.log'}",
+        f"StateSaveLocation={folder / 'state'}", f"SlurmdSpoolDir={folder / 'spool' / '%n'}",
+        f"SlurmctldPidFile={folder / 'slurmctld.pid'}", f"SlurmdPidFile={folder / 'slurmd-%n.pid'}",
+        f"SlurmctldLogFile={folder / 'slurmctld.log'}", f"SlurmdLogFile={folder / 'slurmd-%n.log'}",
         "ReturnToService=2", "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
         "JobAcctGatherType=jobacct_gather/none", "MinJobAge=600", "KillWait=30",
-        "NodeName=localhost CPUs=2 RealMemory=1000 State=UNKNOWN",
-        "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP", ""])
+        *(["SlurmdTimeout=10", "MessageTimeout=5"] if nodes else []),
+        *node_lines,
+        f"PartitionName=debug Nodes={','.join(names)} Default=YES MaxTime=INFINITE State=UP", ""])
 
 
 class SlurmCluster:
     """The running cluster: its SLURM_CONF and the client commands."""
 
-    def __init__(self, folder: Path):
-        self.folder, self.conf = folder, folder / "slurm.conf"
+    def __init__(self, folder: Path, nodes=None):
+        self.folder, self.conf, self.nodes = folder, folder / "slurm.conf", nodes
         self._daemons: list[subprocess.Popen] = []
 
     def env(self, base: Optional[dict] = None) -> dict:
@@ -119,16 +125,28 @@ class SlurmCluster:
         key.write_bytes(os.urandom(128))
         key.chmod(0o600)
         sock = folder / "munge" / "socket"
-        self.conf.write_text(slurm_conf(folder, sock))
+        self.conf.write_text(slurm_conf(folder, sock, self.nodes))
         self._spawn(["munged", "-F", "-f", f"--socket={sock}", f"--key-file={key}",
                      f"--log-file={folder / 'munge' / 'log'}", f"--pid-file={folder / 'munge' / 'pid'}",
                      f"--seed-file={folder / 'munge' / 'seed'}"], until=sock.exists)
         self._spawn(["slurmctld", "-D", "-c"])
-        self._spawn(["slurmd", "-D", "-N", "localhost"], until=self._node_idle)
+        if self.nodes is None:
+            self._spawn(["slurmd", "-D", "-N", "localhost"], until=self._node_idle)
+            return
+        for node in self.nodes.nodes:   # one slurmd on each node, in its namespaces
+            self.start_slurmd(node, wait=node is self.nodes.nodes[-1])
+
+    def start_slurmd(self, node, wait: bool = True) -> None:
+        """The slurmd of `node` (two-node cluster), as its own host: it and the jobs it starts are on that node."""
+        (self.folder / "spool" / node.name).mkdir(parents=True, exist_ok=True)
+        self._spawn(self.nodes.command(node, ["sh", "-c", f'{_cgroup_mounts()} && exec "$@"', "slurmd",
+                                              _which("slurmd"), "-D", "-N", node.name]),
+                    until=self._node_idle if wait else None)
 
     def _spawn(self, cmd: list[str], until=None, timeout: float = 20.0) -> None:
         """Start a daemon in the foreground; wait until `until()` (it died, or timed out: skip with its log)."""
-        log = open(self.folder / f"{cmd[0]}.out", "w")
+        name = Path(cmd[-1] if cmd[0] == "ip" else cmd[0]).name   # a node's slurmd: named after the node
+        log = open(self.folder / f"{name}-{len(self._daemons)}.out", "w")
         self._daemons.append(subprocess.Popen([_which(cmd[0]), *cmd[1:]], env=self.env(), stdout=log,
                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         log.close()
@@ -142,8 +160,10 @@ class SlurmCluster:
             time.sleep(0.05)
 
     def _node_idle(self) -> bool:
+        """Every node that is not drained is idle."""
         done = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env(), capture_output=True, text=True)
-        return done.stdout.strip() == "idle"
+        states = {s.rstrip("*~#") for s in done.stdout.split()} - {"drained", "down", "drain"}
+        return states == {"idle"}
 
     def _logs(self) -> list[str]:
         lines = []
@@ -168,13 +188,30 @@ class SlurmCluster:
                 proc.wait()
 
 
+def _cgroup_mounts() -> str:
+    """Shell commands that mount the machine's cgroup hierarchies again under /sys/fs/cgroup: `ip netns exec` gives
+    a node a sysfs of its own, without them, and slurmd 22.05 will not start without (proctrack/linuxproc still
+    tracks the jobs' processes, not the cgroups)."""
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    if any(m[1] == "/sys/fs/cgroup" and m[2] == "cgroup2" for m in mounts):
+        return "mount -t cgroup2 none /sys/fs/cgroup"
+    steps = ["mount -t tmpfs none /sys/fs/cgroup"]
+    for m in mounts:   # cgroup v1: one hierarchy a controller (cpu, memory, ..., name=systemd)
+        if m[2] == "cgroup" and m[1].startswith("/sys/fs/cgroup/"):
+            options = ",".join(o for o in m[3].split(",") if o not in ("rw", "ro", "relatime", "nosuid", "nodev",
+                                                                         "noexec"))
+            steps.append(f"mkdir -p {m[1]} && mount -t cgroup -o {options} cgroup {m[1]}")
+    return " && ".join(steps)
+
+
 class _CannotStart(RuntimeError):
     pass
 
 
 @contextlib.contextmanager
-def slurm_cluster() -> Iterator[SlurmCluster]:
-    """A started one-node cluster for the body; skips the test, saying why, where Slurm cannot run here."""
+def slurm_cluster(nodes=None) -> Iterator[SlurmCluster]:
+    """A started one-node cluster for the body (or one of `nodes`, a two_nodes.TwoNodeCluster that is up); skips the
+    test, saying why, where Slurm cannot run here."""
     missing = [name for name in DAEMONS + CLIENTS if not _which(name)]
     if missing:
         pytest.skip(f"Slurm is not installed (missing {', '.join(missing)}); {INSTALL}")
@@ -182,7 +219,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         pytest.skip("the local Slurm cluster runs its daemons as root (SlurmUser=root); run the test as root")
     # a short path: munged's socket path must fit a sockaddr_un (108 bytes)
     folder = Path(tempfile.mkdtemp(prefix="slurm-"))
-    cluster = SlurmCluster(folder)
+    cluster = SlurmCluster(folder, nodes)
     try:
         try:
             cluster._start()

@@ -91,6 +91,33 @@ class TwoNodeCluster:
         """The node back on the network (its processes are not: start them again)."""
         _ip("link", "set", self._root_end(node), "up")
 
+    def start_sshd(self) -> list[subprocess.Popen]:
+        """Passwordless ssh between the nodes, as a cluster has it: each node an sshd (Debian's openssh-server) and an
+        /etc/ssh of its own (/etc/netns/<node>/ssh, mounted over /etc/ssh on the node), with a key made here that
+        every node's root accepts and uses. The sshds, to stop after use (down() kills them with the nodes)."""
+        key = self.folder / "id_ed25519"
+        if not key.exists():
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)])
+        Path("/run/sshd").mkdir(exist_ok=True)   # sshd's privilege-separation folder
+        daemons = []
+        for node in self.nodes:
+            etc = Path("/etc/netns") / node.name / "ssh"
+            etc.mkdir(parents=True, exist_ok=True)
+            shutil.copy(key, etc / "id_ed25519")
+            (etc / "authorized_keys").write_text(Path(f"{key}.pub").read_text())
+            if not (etc / "ssh_host_ed25519_key").exists():
+                _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(etc / "ssh_host_ed25519_key")])
+            (etc / "sshd_config").write_text(
+                f"ListenAddress {node.addr}\nHostKey /etc/ssh/ssh_host_ed25519_key\nPermitRootLogin prohibit-password\n"
+                "AuthorizedKeysFile /etc/ssh/authorized_keys\nUsePAM no\nStrictModes no\nPidFile none\n"
+                "AcceptEnv none\n")
+            (etc / "ssh_config").write_text(
+                "Host *\n  IdentityFile /etc/ssh/id_ed25519\n  StrictHostKeyChecking no\n"
+                "  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n")
+            daemons.append(self.popen(node, [shutil.which("sshd", path="/usr/sbin:/sbin:/usr/bin"), "-D", "-e"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        return daemons
+
     # ------------------------------------------------------------------ making and removing it
     def up(self) -> "TwoNodeCluster":
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -109,15 +109,19 @@ def count_stand_in_cpu(env: dict) -> None:
         path.unlink()
 
 
-LAUNCHER_ENTRIES = (["-m", "torch.distributed.run"],)   # warm too; the trainers they start are stood in for again
+# warm too; the trainers they start are stood in for again
+LAUNCHER_ENTRIES = (["-m", "torch.distributed.run"], ["-m", "deepspeed.launcher.runner"],
+                    ["-m", "deepspeed.launcher.launch"])
+SCRIPTS = {"torchrun": ["-m", "torch.distributed.run"], "crate-clip": ["-m", "crate_clip.cli"],
+           "deepspeed": ["-m", "deepspeed.launcher.runner"]}   # console scripts, as the modules they run
 
 
 def training_entry(orig_argv: list[str]) -> list[str] | None:
-    """The `python` arguments of a training entry point or of torchrun (interpreter options dropped; the `torchrun`
-    script as `-m torch.distributed.run`), or None for another command."""
+    """The `python` arguments of a training entry point or of a launcher (interpreter options dropped; a console
+    script as the module it runs), or None for another command."""
     args = [a for a in orig_argv[1:] if a not in ("-u", "-B")]
-    if args and os.path.basename(args[0]) == "torchrun":
-        args = ["-m", "torch.distributed.run", *args[1:]]
+    if args and os.path.basename(args[0]) in SCRIPTS:
+        args = [*SCRIPTS[os.path.basename(args[0])], *args[1:]]
     return args if any(args[:len(e)] == e for e in TRAINING_ENTRIES + LAUNCHER_ENTRIES) else None
 
 

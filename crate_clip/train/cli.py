@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "exit 8 (Slurm: --signal=B:USR1@120, and the SIGTERM of scancel, preemption and requeue); "
                         "comma-separated, or none (default: USR1,TERM; docs/training.md#preemption-and-slurm)")
     p.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=False,
-                   help="after such a stop, requeue this Slurm job (scontrol requeue $SLURM_JOB_ID) unless Slurm is "
+                   help="after such a stop, or when the job ends for a lost rank (exit 9), requeue this Slurm job (scontrol requeue $SLURM_JOB_ID) unless Slurm is "
                         "already ending it: it resumes with --resume auto (--no-requeue: the last one given wins)")
     p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
     p.add_argument("--validate", action="store_true",
@@ -143,7 +143,8 @@ def _train(args, argv: list[str], stop_signals: tuple[int, ...]) -> int:
     try:
         # after a stop the save signals are ignored: a second one cannot cut the requeue or the exit short
         with trusted_checkpoints(args.trust_checkpoint), \
-                stop_requests.stop_signals_handled(stop_signals, ignore_after_stop=True), \
+                stop_requests.stop_signals_handled(stop_signals, ignore_after_stop=True,
+                                                   requeue_when_lost=args.requeue), \
                 chatter_to_stderr(args.json):   # --json: stdout keeps the summary alone
             summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite,
                                    take_over_lock=args.take_over_lock, allow_changes=tuple(args.allow_changes))

@@ -66,6 +66,7 @@ from crate_clip.train.run.run_config import RunConfig
 from crate_clip.train.run.run_dir import ExistingRunError
 from crate_clip.data.stream_layout import (KEY as STREAMS_KEY, STATE_VERSION, LayoutError, merge_stream_states,
                                           per_stream_buffer, resolve_layout, split_stream_state, stream_count)
+from crate_clip.core.host_ranks import ranks_on_this_host
 
 AUTO = "auto"
 STREAM_TABLE = "stream_table.json"
@@ -137,7 +138,7 @@ def settled_shuffle_buffer(cfg: RunConfig, streams: int, world_size: int, tag_di
         saved = _saved_data(read_record(tag_dir)).get("shuffle_buffer")
         if saved is not None:
             return int(saved)
-    return per_stream_buffer(cfg.data, streams, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    return per_stream_buffer(cfg.data, streams, world_size, ranks_on_this_host(world_size))
 
 
 def settle_canonical_streams(cfg: RunConfig, world_size: int, tag_dir: Optional[Path] = None,

@@ -51,17 +51,19 @@ class StopRequested(UserError, RuntimeError):
 
 
 @contextlib.contextmanager
-def stop_signals_handled(signums: tuple[int, ...], ignore_after_stop: bool = False) -> Iterator[None]:
+def stop_signals_handled(signums: tuple[int, ...], ignore_after_stop: bool = False,
+                         requeue_when_lost: bool = False) -> Iterator[None]:
     """For the body (the training run): each signal in `signums` is a stop request (exit code 8), in this process and
     in its DataLoader workers; afterwards the previous handlers are back and no request is left (a later run in the
     same process starts clean). `ignore_after_stop` (the CLI): after a stop the signals are ignored instead, so a
-    second one cannot end the process before it has exited with its code."""
+    second one cannot end the process before it has exited with its code. `requeue_when_lost` (--requeue): a rank
+    that ends the job for a lost rank (exit 9, peer_watch.py) requeues its Slurm job first."""
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for signum in signums:
             previous[signum] = signal.signal(signum, _on_signal)
         if signums:
-            _sharing.append(StopSharing(signums))
+            _sharing.append(StopSharing(signums, on_lost=requeue_slurm_job if requeue_when_lost else None))
             # a launcher blocks them while it starts its workers (worker_launch.py): pending ones are delivered now
             signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
     read_stops.set_stop_signals(tuple(previous))

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 from crate_clip.core.errors import EXIT_RANK_LOST
 from crate_clip.data import read_stops
@@ -43,8 +43,9 @@ STORE_TIMEOUT_S = 10.0
 class StopSharing:
     """The watching thread of one process's run (started by stop_requests.stop_signals_handled)."""
 
-    def __init__(self, signums: tuple[int, ...]):
+    def __init__(self, signums: tuple[int, ...], on_lost: Optional[Callable[[], object]] = None):
         self.signums = frozenset(signums)
+        self.on_lost = on_lost   # what else to do before the exit for a lost rank (the Slurm job's requeue)
         self.origin: Optional[str] = None      # where a stop this thread delivered came from, for its line
         self._store, self._key, self._rank = None, None, 0
         self._peers: Optional[PeerWatch] = None
@@ -105,7 +106,7 @@ class StopSharing:
         self._beat_at = time.monotonic()
         lost = self._peers.beat()
         if lost is not None and not self._closing.is_set():
-            _end_for_a_lost_rank(self._rank, lost)
+            _end_for_a_lost_rank(self._rank, lost, self.on_lost)
 
     def _received(self) -> list[int]:
         """The save signals this process received since the last look (the wake-up pipe holds every handled one)."""
@@ -152,14 +153,17 @@ class StopSharing:
         return (int(signum), f"rank {rank}") if int(rank) != self._rank and int(signum) in self.signums else None
 
 
-def _end_for_a_lost_rank(rank: int, why: str) -> None:
-    """The job cannot go on (its collectives wait for the lost rank): one line, the lock released, exit 9. Never
-    returns. No save: it would need the lost rank's part; the last checkpoint is kept."""
+def _end_for_a_lost_rank(rank: int, why: str, then: Optional[Callable[[], object]]) -> None:
+    """The job cannot go on (its collectives wait for the lost rank): one line, the lock released, `then` (the
+    requeue), exit 9. Never returns. No save: it would need the lost rank's part; the last checkpoint is kept."""
     print(f"crate-clip train: rank {rank}: {why}; stopping (exit {EXIT_RANK_LOST}). The last checkpoint is kept: "
           "--resume latest continues from it, on the nodes left too", file=sys.stderr, flush=True)
     from crate_clip.train.run.run_lock import release_held_locks   # here: needed only when a rank is lost
 
     release_held_locks()   # os._exit skips the `finally` that would: the next attempt finds the folder free
+    if then is not None:
+        then()
+    sys.stdout.flush()
     os._exit(EXIT_RANK_LOST)
 
 

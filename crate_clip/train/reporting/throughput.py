@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as tdist
 
+from crate_clip.core.host_ranks import ranks_on_this_host
 from crate_clip.train.planning.planner import gpu_peak_tflops
 
 DATA_WAIT_WARN = 0.10  # warn when the loader holds up more than this fraction of step time
@@ -69,7 +70,7 @@ class StepMeter:
         self.counts = stage.counts
         self.warned = False
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
+        ranks_here = ranks_on_this_host(dist.world_size)
         self.advice = loader_advice(loader_workers, ranks_here, cores, stage.decode, dist.device)
         self._reset()
         self._t = time.perf_counter()

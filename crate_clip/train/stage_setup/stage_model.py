@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -26,6 +25,7 @@ from crate_clip.train.planning import planner
 from crate_clip.train.stage_setup.engine import model_dtype, zero_stage_of
 from crate_clip.train.run.run_config import ModelSection, RunConfig, StageConfig
 from crate_clip.train.stage_setup.text_lock import apply_text_config
+from crate_clip.core.host_ranks import ranks_on_this_host
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str =
         steps=s.steps, zero_stage=zero_stage_of(cfg), precision=cfg.precision, decode=s.decode,
         interpolation=cfg.data.crop_interpolation,
         stream=stream_settings(cfg.data, world_size, math.gcd(*(t.global_batch // world_size for t in cfg.stages)),
-                               None, ranks_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))),
+                               None, ranks_per_host or ranks_on_this_host(world_size)),
         checkpoint_blocks=s.checkpoint_blocks, **norm)
     if s.micro_batch == "auto" and device.startswith("cuda"):
         memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
