@@ -17,8 +17,9 @@ INSTALLER ?= uv
 PACKAGES := crate_clip data_pipelines eval
 # Debian packages holding the real local data sets used by the demo and the tests (one list, in Python).
 DEB_DATA := $(shell $(PYTHON) data_pipelines/sources/debian_packages.py)
-# Debian packages of the real components some tests run: a one-node Slurm on localhost (tests/slurm_cluster.py).
-DEB_TOOLS := slurm-wlm
+# Debian packages of the real components some tests run: Slurm (tests/slurm_cluster.py), and for two nodes on one
+# machine (tests/two_nodes.py) network namespaces, and ssh and pdsh for DeepSpeed's hostfile launch.
+DEB_TOOLS := slurm-wlm iproute2 openssh-server openssh-client pdsh
 
 .PHONY: install system-data demo test bench clip-benchmark timm-model-tests clean
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +116,9 @@ def test_deepspeed_hostfile_launch_over_ssh_trains_what_one_node_trains(one_node
     """`deepspeed --hostfile` as docs/training.md shows it: its pdsh runner ssh-es to each node (an sshd from Debian on
     each, a key made for the test) and starts DeepSpeed's launch.py there; the same weights as one node's two ranks.
     The variables the trainers need reach them as a user's would: a DS_ENV_FILE (DeepSpeed's .deepspeed_env)."""
+    missing = [tool for tool in ("sshd", "ssh", "pdsh") if not shutil.which(tool, path="/usr/sbin:/usr/bin:/sbin")]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (make system-data: apt-get install openssh-server pdsh)")
     (root, expected), (made, env) = one_node, cluster
     n1, n2 = made.nodes
     made.start_sshd()
