@@ -268,6 +268,8 @@ COVERED_BY = {
     "torchrun --nnodes 2 --node_rank R": MULTINODE + "test_torchrun_two_static_nodes_train_what_one_node_trains",
     "torchrun --nnodes 1:2": MULTINODE + "test_elastic_torchrun_survives_a_node_crash_and_takes_the_node_back",
     "sbatch --nodes=2 configs/slurm/train.sbatch": MULTINODE + "test_slurm_two_nodes_preempted_then_a_node_lost",
+    "head=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)":   # both srun torchrun scripts
+        MULTINODE + "test_slurm_torchrun_scripts_of_the_docs_on_two_nodes",
     "python tests/two_nodes.py up": MULTINODE + "test_the_two_node_script_makes_runs_on_and_removes_a_cluster",
     "python tests/two_nodes.py run crate-0000-n1 -- hostname":
         MULTINODE + "test_the_two_node_script_makes_runs_on_and_removes_a_cluster",
@@ -339,7 +341,6 @@ NOT_HERE = {
     "torchrun --nproc_per_node 8 -m crate_clip.cli train --config C.yaml": "8 GPUs",
     "deepspeed --num_gpus 8 --module crate_clip.train.cli --config C.yaml": "8 GPUs",
     "accelerate launch --multi_gpu --num_processes 8 -m crate_clip.cli train --config C.yaml": "8 GPUs",
-    "head=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)": "a Slurm cluster of 4 GPU nodes",
     "tensorboard --logdir runs/fashion_mnist_demo/tensorboard": "a server that runs until stopped",
     "crate-clip eval zeroshot --model CRATE-alpha-CLIPA-L-14 --pretrained crate_alpha_CLIPA_L14.pth --data "
     "/data/imagenet/val --dataset imagenet1k --precision fp32": "the released weights (1.2 GB) and ImageNet",

@@ -12,6 +12,7 @@ names and paths adapted), each to the weights of a one-node run of the same glob
     Slurm, two slurmds (sbatch --nodes=2)        a requeue saves both ranks' parts, exit 8, resumed bit for bit;
                                                  node 2 crashes: exit 9 and a requeue, node 2 drained, finished
                                                  on node 1
+    Slurm, srun torchrun (the docs' 2 scripts)   the same weights, tensor for tensor
 
 The trainers (and torchrun's agents) are forked from the suite's warm interpreter in place of the fresh processes
 the launchers start (warm_python.stand_in_env): each joins its node's namespaces, so it is on that node as the fresh
@@ -241,6 +242,36 @@ def test_slurm_two_nodes_preempted_then_a_node_lost(one_node, tiny_fmnist, clust
     got = _weights(run_dir)
     worst = max(float((got[k] - expected[k]).abs().max()) for k in got)
     assert worst < 5e-5, f"the weights differ from the undisturbed run's by up to {worst:.2e}"
+
+
+def test_slurm_torchrun_scripts_of_the_docs_on_two_nodes(one_node, tiny_fmnist, cluster):
+    """docs/training.md's two batch scripts that run torchrun under srun (one agent a node, its c10d rendezvous at
+    the job's first node): as written, but for the GPUs, 2 nodes of 1 rank and our config; each ends with the weights
+    of one node's two ranks, tensor for tensor."""
+    (root, expected), (made, env) = one_node, cluster
+    env = dict(env, PATH=f"{Path(sys.executable).parent}:{env['PATH']}")   # `torchrun`, as an installed one
+    docs = (REPO_ROOT / "docs" / "training.md").read_text()
+    scripts = re.findall(r"```bash\n(#!/bin/bash\n#SBATCH --job-name=crate-b16\n.*?)```", docs, re.S)
+    assert len(scripts) == 2
+    with slurm_cluster(made) as slurm:
+        for i, script in enumerate(scripts):
+            name = f"srun_torchrun{i}"
+            config = _config(root, tiny_fmnist, name, shuffle_buffer=200)
+            for old, new in (("--gpus-per-node=8 ", ""), ("--cpus-per-task=64", "--cpus-per-task=1"),
+                             ("--nodes=4", "--nodes=2"), ("--nproc_per_node 8", "--nproc_per_node 1"),
+                             ("configs/datacomp/crate_alpha_clipa_b-16.yaml", str(config)),
+                             ("runs/b16/slurm-%j.out", f"{root}/{name}-%j.out")):
+                assert old in script
+                script = script.replace(old, new)
+            path = root / f"{name}.sbatch"
+            path.write_text(script)
+            job = slurm.sbatch([str(path)], env=env, cwd=REPO_ROOT)
+            done = slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=300)
+            out = (root / f"{name}-{job}.out").read_text()
+            assert done["JobState"] == "COMPLETED" and done["NumNodes"] == "2", (done, out[-4000:])
+            assert all(f"[host {node.name}] stage 0 (s): 1 rank(s)" in out for node in made.nodes), out[-4000:]
+            got = _weights(root / name)
+            assert all(torch.equal(got[k], expected[k]) for k in expected), f"{name}: other weights"
 
 
 def _wait_for_slurm(condition, slurm, job, out: Path, timeout: float = 240) -> None:

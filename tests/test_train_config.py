@@ -33,7 +33,6 @@ def _error(raw: dict, **kw) -> str:
 def test_shipped_configs_validate(path):
     cfg = load_run_config(path, check_paths=False)
     assert cfg.stages and all(s.steps >= 1 for s in cfg.stages)
-    assert cfg.rounding_notes() == []   # whole global batches: a shipped config sets off no note of its own
     assert cfg.stages[-1].image_size >= cfg.stages[0].image_size
 
 
@@ -44,8 +43,7 @@ def test_datacomp_recipes_match_the_paper():
         low = 80 if size == "B-16" else 84   # the paper's 84 px at B/16's 16 px patches drops pixels (issue 39)
         assert (pre.image_size, pre.samples, pre.global_batch, pre.lr, pre.warmup_steps) == \
             (low, 2_560_000_000, 32_768, 1.024e-3, 1600)
-        assert (ft.image_size, ft.steps, ft.lr, ft.warmup_steps) == (224, 15_640, 5.12e-5, 800)
-        assert ft.samples == 512_491_520 and 0 < 512_500_000 - ft.samples < ft.global_batch   # 512.5M, whole batches
+        assert (ft.image_size, ft.samples, ft.lr, ft.warmup_steps) == (224, 512_500_000, 5.12e-5, 800)
         assert cfg.optimizer.betas == [0.9, 0.95] and cfg.optimizer.grad_clip == 1.0
         assert pre.weight_decay == ft.weight_decay == 0.2 and cfg.model.name == f"CRATE-alpha-CLIPA-{size}"
         assert cfg.model.pos_embed_resize == "official_1d"   # the official 84 -> 224 px stage change
