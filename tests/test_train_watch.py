@@ -173,7 +173,8 @@ def test_a_run_reports_mid_stage_evaluations_to_every_tracker(tiny_fmnist, tmp_p
     assert {"config/run_config.yaml/text_summary", "eval/fmnist@16px/per_class/text_summary"} <= set(
         events.Tags()["tensors"])
 
-    lines = [line for line in out[0].splitlines() if line.startswith("[progress] ")]
+    lines = [line for line in out[0].splitlines() if line.startswith("[progress] stage ")]
+    assert any(line.startswith("[progress] zero-shot images: done") for line in out[0].splitlines())   # evals too
     assert lines[0].startswith("[progress] stage 0 low @16px: step 1/4 (25%), 16/64 samples, loss ")
     assert "samples/s, ETA " in lines[0] and lines[-1].startswith("[progress] stage 1 full @28px: step 2/2 (100%)")
     assert "[eval] mid-stage evaluation took " in out[0]

@@ -37,7 +37,7 @@ from crate_clip.core.writable_folders import unwritable_error
 from crate_clip.train.loop import stop_requests
 from crate_clip.train.loop.stage_evals import EvalRecord
 from crate_clip.train.loop.stage_loop import run_training
-from crate_clip.train.reporting.deepspeed_output import stop_diverting_deepspeed_logs
+from crate_clip.train.reporting.deepspeed_output import deepspeed_logs_diverted, stop_diverting_deepspeed_logs
 from crate_clip.train.run.disk_space import no_space_while_writing
 from crate_clip.train.run.launch_checks import checked_config
 from crate_clip.train.run.launcher_watch import watch_launcher
@@ -207,6 +207,7 @@ def process_state_kept() -> Iterator[None]:
     (stage_setup/engine.init_distributed), the random generators the run seeds, Python's warning filters and
     DeepSpeed's logger are as before, so a notebook's next cell (or a next run) starts from what it had."""
     env = {name: os.environ.get(name) for name in _PROCESS_GROUP_ENV}
+    diverted = deepspeed_logs_diverted()   # by an earlier run in this process (crate-clip train called in it)
     generators = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
                   torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
     try:
@@ -223,4 +224,5 @@ def process_state_kept() -> Iterator[None]:
         torch.set_rng_state(generators[2])
         if generators[3] is not None:
             torch.cuda.set_rng_state_all(generators[3])
-        stop_diverting_deepspeed_logs()
+        if not diverted:
+            stop_diverting_deepspeed_logs()

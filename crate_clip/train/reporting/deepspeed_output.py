@@ -63,6 +63,11 @@ def divert_deepspeed_logs() -> None:
         logger.addFilter(_DIVERT)
 
 
+def deepspeed_logs_diverted() -> bool:
+    """Whether DeepSpeed's logger writes to a run's log (divert_deepspeed_logs) now."""
+    return _DIVERT in logging.getLogger(DEEPSPEED_LOGGER).filters
+
+
 def stop_diverting_deepspeed_logs() -> None:
     """DeepSpeed's logger as before divert_deepspeed_logs, nothing held (a run in a notebook's process has ended)."""
     close_log()
