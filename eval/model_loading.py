@@ -1,5 +1,9 @@
 """Load a CLIP for evaluation from an open_clip name + weights file, `local-dir:`, or a DeepSpeed checkpoint.
 
+--model and --pretrained are read by crate_clip.models.weights_source (the one parser of a weights source); a
+checkpoint folder is chosen by crate_clip.checkpoint_io.checkpoint_choice (its EVAL rules: a checkpoints folder's
+`latest`, or one tag folder, DeepSpeed's files sufficing for a checkpoint from elsewhere).
+
 DeepSpeed checkpoints (`<run>/checkpoints/` with a `latest` file, or one `<tag>/` folder) of any ZeRO stage
 are consolidated to fp32 by crate_clip.checkpoint_io, the one owner of the checkpoint layout. Whatever the
 source, weights that are not finite are refused (a NaN/inf tensor would only give a chance-level number), and
@@ -14,8 +18,8 @@ import open_clip
 import torch
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
-from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, CheckpointInfo, is_deepspeed_checkpoint,
-                                                        newest_complete_tag, read_record, resolve_checkpoint_tag)
+from crate_clip.checkpoint_io.checkpoint_choice import EVAL, choose_checkpoint
+from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE, CheckpointInfo, newest_complete_tag, read_record
 from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidate_deepspeed_checkpoint
 from crate_clip.checkpoint_io.run_layout import LATEST_FILE, checkpoints_dir
 from crate_clip.core.errors import UserError
@@ -23,11 +27,13 @@ from crate_clip.core.patch_tiling import PatchTilingError
 from crate_clip.core.resize_modes import RESOLUTION_RESIZE_MODES
 from crate_clip.models.clip_factory import create_clip, read_state_dict
 from crate_clip.models.clip_tokenizers import clip_tokenizer
-from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR
+from crate_clip.models.export_files import CONFIG_FILE
 from crate_clip.models.model_cfg_check import check_recorded_normalisation
 from crate_clip.models.patch_change import (checkpoint_input_sizes, model_tiling_problem,
                                            patch_input_size, set_resolution_by_patch, tower_patch_size)
 from crate_clip.models.weights_files import CorruptWeightsError, corrupt_file_message
+from crate_clip.models.weights_source import (CHECKPOINT, FILE, HF_HUB_KIND, LOCAL_DIR_KIND, NAME, WeightsSource,
+                                              parse_weights_source)
 
 
 
@@ -65,16 +71,19 @@ def load_eval_model(model: str, pretrained: str | None = None, image_size: int |
         raise ValueError(f"--resize must be one of {RESOLUTION_RESIZE_MODES}, got {resize!r}")
     by_patch = resize == "patch" and image_size is not None
     requested, image_size = image_size, (None if by_patch else image_size)   # 'patch': built at its own size
-    if model.startswith(LOCAL_DIR):
+    source = parse_weights_source(model)   # the one reading of a weights source (weights_source.py)
+    weights = parse_weights_source(pretrained) if pretrained is not None else None
+    if source.kind == LOCAL_DIR_KIND:
         # built at the requested size, then loaded with pos-embed resizing (open_clip alone cannot resize a timm tower)
         clip, model_name, record = create_clip(model, image_size=image_size), model, None
-    elif is_deepspeed_checkpoint(model) or is_deepspeed_checkpoint(pretrained):
-        clip, model_name, record = _from_deepspeed(model, pretrained, image_size)
-    elif Path(model).is_file():
+    elif source.kind == CHECKPOINT or (weights is not None and weights.kind == CHECKPOINT):
+        clip, model_name, record = _from_deepspeed(source if source.kind == CHECKPOINT else weights, model,
+                                                   image_size)
+    elif source.kind == FILE:
         raise ValueError(f"--model {model} is a weights file: pass the model name as --model and the file as "
                          f"--pretrained (or use local-dir:FOLDER for an exported model with open_clip_config.json)")
     else:
-        _check_model_name(model)
+        _check_model_name(source)
         clip, model_name, record = _from_weights_file(model, pretrained, image_size), model, None
     check_finite_weights(clip, pretrained or model)
     if by_patch:
@@ -138,12 +147,12 @@ class ModelSourceError(UserError, ValueError):
     """A --model that names nothing loadable; the message says what it is and what to pass."""
 
 
-def _check_model_name(model: str) -> None:
+def _check_model_name(source: WeightsSource) -> None:
     """A --model that is a folder but no checkpoint or export, a path that does not exist, or a name open_clip has
     no config for: one line saying what it is and what to pass (open_clip would take the folder's path for a
     model name and raise its own error with the list of every config)."""
-    folder = Path(model).expanduser()
-    if folder.is_dir():
+    model, folder = source.spec, source.path
+    if folder is not None and folder.is_dir():
         newest = newest_complete_tag(folder)
         if newest is not None:
             fix = (f"a checkpoints folder without its `{LATEST_FILE}` file (a run cut short before it was written?); "
@@ -157,25 +166,27 @@ def _check_model_name(model: str) -> None:
                    "checkpoint folder holding crate_clip.json) nor an export (open_clip_config.json); fix: pass one "
                    "of those, or an open_clip model name with --pretrained FILE")
         raise ModelSourceError(f"--model {model}: {fix}")
-    _check_not_a_missing_path(model)
-    if not model.startswith("hf-hub:") and open_clip.get_model_config(model) is None:
+    _check_not_a_missing_path(source)
+    if source.kind != HF_HUB_KIND and open_clip.get_model_config(model) is None:
         known = [m for m in open_clip.list_models() if m.startswith("CRATE")]
         raise ModelSourceError(f"--model {model}: no such open_clip model config (CRATE-alpha ones: {', '.join(known)}); "
                          f"fix: pass a registered name, local-dir:EXPORT or a checkpoint folder")
 
 
-def _check_not_a_missing_path(model: str) -> None:
+def _check_not_a_missing_path(source: WeightsSource) -> None:
     """A --model that looks like a path (model names have no '/') but does not exist: say so."""
-    if ("/" in model or model.startswith((".", "~"))) and not model.startswith("hf-hub:") and not Path(model).exists():
+    model = source.spec
+    if source.kind == NAME and ("/" in model or model.startswith((".", "~"))) and not source.path.exists():
         raise FileNotFoundError(f"--model {model}: does not exist (a checkpoint folder or file was meant; an open_clip "
                                 f"model name has no '/'): check the path")
 
 
-def _from_deepspeed(model: str, pretrained: str | None, image_size: int | None):
-    checkpoint = model if is_deepspeed_checkpoint(model) else pretrained
-    _check_normalisation(checkpoint)
+def _from_deepspeed(source: WeightsSource, model: str, image_size: int | None):
+    """The checkpoint folder `source` (--model's, else --pretrained's; then --model names the config)."""
+    checkpoint = source.spec
+    _check_normalisation(source.path)
     try:
-        state, record = consolidate_deepspeed_checkpoint(checkpoint)   # all None for one from elsewhere
+        state, record = consolidate_deepspeed_checkpoint(source.path)   # all None for one from elsewhere
     except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile) as exn:   # truncated / corrupt
         raise CorruptWeightsError(corrupt_file_message(checkpoint, exn)) from exn
     model_name = record.model_name if checkpoint == model else model
@@ -192,7 +203,7 @@ def _check_normalisation(checkpoint) -> None:
     """A NaN mean or a zero std in the checkpoint's record is said to be one before its weights are read (an
     evaluation with it would find no image readable)."""
     try:
-        tag_dir = resolve_checkpoint_tag(checkpoint)
+        tag_dir = choose_checkpoint(checkpoint, EVAL).tag_dir
     except (OSError, ValueError):
         return   # the consolidation says what is wrong with the folder
     record = read_record(tag_dir)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from crate_clip.checkpoint_io.checkpoint_choice import EXPORT, choose_checkpoint
 from crate_clip.checkpoint_io.checkpoint_record import (INFO_FIELDS, INFO_FILE, CheckpointInfo, Progress,
-                                                        complete_tags_in, info_problem, read_record, stage_final_tag,
-                                                        user_checkpoint)
+                                                        complete_tags_in, info_problem, read_record, stage_final_tag)
 
 
 def _record(stage: int, step: int, global_step: int, stage_steps: int = 4) -> CheckpointInfo:
@@ -66,6 +66,6 @@ def test_listing_and_a_stages_final_go_by_step_not_by_name(tmp_path):
     assert complete_tags_in(ckpts) == ["z-early", "m-middle", "a-late"]
     assert stage_final_tag(ckpts, 0) == "a-late"
     assert stage_final_tag(ckpts, 1) is None   # step 2 of 4: not the stage's final
-    assert user_checkpoint(tmp_path / "run", 0, ValueError) == ckpts / "a-late"
+    assert choose_checkpoint(tmp_path / "run", EXPORT, stage=0).tag_dir == ckpts / "a-late"
     with pytest.raises(ValueError, match="no complete final checkpoint of stage 1 .*'z-early', 'm-middle', 'a-late'"):
-        user_checkpoint(tmp_path / "run", 1, ValueError)
+        choose_checkpoint(tmp_path / "run", EXPORT, stage=1)

@@ -208,7 +208,7 @@ def test_a_resume_from_an_earlier_checkpoint_starts_a_line_that_rotation_latest_
     stage1-step1 (keeping A's two), and export --stage 0 and --resume latest without `latest` would take A's."""
     # in this process, the functions train calls (none imports DeepSpeed, whose import would change the environment
     # the warm commands share, tests/warm_python.py)
-    from crate_clip.checkpoint_io.checkpoint_record import resume_checkpoint
+    from crate_clip.checkpoint_io.checkpoint_choice import RESUME, choose_checkpoint
     from crate_clip.train.checkpointing.checkpoints import CheckpointManager, intact_checkpoint
     from crate_clip.train.checkpointing.elastic_resume import resolve_auto
 
@@ -249,7 +249,7 @@ def test_a_resume_from_an_earlier_checkpoint_starts_a_line_that_rotation_latest_
     (ckpts / "latest").unlink()   # lost: the line is found from the records, not from the steps
     manager = CheckpointManager(ckpts, keep_last=2, rank=0, world_size=1)
     assert resolve_auto(run, manager, "auto") == "latest"
-    assert resume_checkpoint(ckpts, "latest", ValueError) == ckpts / "stage1-step00000002"
+    assert choose_checkpoint("latest", RESUME, run_checkpoints=ckpts).tag_dir == ckpts / "stage1-step00000002"
     with open(ckpts / "stage1-step00000002" / "mp_rank_00_model_states.pt", "ab") as f:
         f.write(b"x")   # damaged: --resume latest goes back along its line, to stage1-step1, not to A's
     assert intact_checkpoint(manager, ckpts / "stage1-step00000002", "latest") == ckpts / "stage1-step00000001"

@@ -113,7 +113,7 @@ def _stage0_checkpoint(root, tag, step):
 
 
 def test_a_latest_file_that_is_not_text_counts_as_missing(tmp_path):
-    from crate_clip.checkpoint_io.deepspeed_checkpoints import resolve_checkpoint_tag
+    from crate_clip.checkpoint_io.checkpoint_choice import EVAL, choose_checkpoint
     from crate_clip.train.checkpointing.checkpoints import CheckpointManager
     from crate_clip.eval.model_loading import load_eval_model
 
@@ -121,7 +121,7 @@ def test_a_latest_file_that_is_not_text_counts_as_missing(tmp_path):
     _stage0_checkpoint(root, "stage0_step1", 1)
     _stage0_checkpoint(root, "stage0_step2", 2)
     (root / "latest").write_bytes(b"\xff\xfe\x00garbled")
-    assert resolve_checkpoint_tag(root) == root / "stage0_step2"
+    assert choose_checkpoint(root, EVAL).tag_dir == root / "stage0_step2"
     assert CheckpointManager(root, keep_last=3, rank=0, world_size=1).latest_tag() == "stage0_step2"
     model, *_ = load_eval_model(str(root))
     assert torch.equal(model.state_dict()["visual.trunk.pos_embed"],

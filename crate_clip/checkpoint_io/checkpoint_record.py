@@ -1,5 +1,5 @@
-"""The one owner of a checkpoint's record, crate_clip.json, and of finding checkpoints: train, export, eval and
-inspect read, list and resolve checkpoints only through here.
+"""The one owner of a checkpoint's record, crate_clip.json, and of listing checkpoints: train, export, eval and
+inspect read and list checkpoints only through here (and choose one through checkpoint_choice.py).
 
 The record: CheckpointInfo (the model and stage that wrote it) with its Progress; a save adds `world_size`, the
 files' checksums (checkpoint_manifest.py) and the checkpoint's place in the run's history (`save_number`,
@@ -19,13 +19,10 @@ and `export --stage N` follow. A checkpoint written before these fields existed 
 before every checkpoint that has them, and descends from every such earlier-version checkpoint of a lower global
 step (the one line an earlier version assumed).
 
-Resolving which checkpoint is meant:
+The two answers the choice of a checkpoint is built on (which checkpoint a user's words mean, for every command, is
+checkpoint_choice.py's):
     latest_complete_tag     the tag `latest` names when complete, else the one saved last
     stage_final_tag         a stage's last checkpoint on the line of the latest one (export --stage N)
-    resolve_checkpoint_tag  a checkpoints folder (its `latest`), a tag in it, or a tag folder (eval, consolidation)
-    user_checkpoint         a run folder, its checkpoints folder, a tag folder, or a stage (export)
-    resume_checkpoint       `latest` of the run's own folder, a checkpoints folder or a tag folder (train --resume)
-Each raises the caller's error class with one line naming the folder and the fix.
 """
 from __future__ import annotations
 
@@ -36,9 +33,7 @@ from typing import Optional, get_type_hints
 
 from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_small_bytes, read_small_json
 from crate_clip.checkpoint_io.manifest_schema import checksum_records_problem, has_json_type, json_type_name
-from crate_clip.checkpoint_io.run_layout import (CHECKPOINTS_DIR, LATEST_FILE, checkpoints_in, linked_outside,
-                                                 tag_position)
-from crate_clip.core.file_kinds import special_file
+from crate_clip.checkpoint_io.run_layout import LATEST_FILE, linked_outside, tag_position
 
 INFO_FILE = "crate_clip.json"
 INFO_MISSING = "is missing"
@@ -294,125 +289,3 @@ def lineage_fields(checkpoints: Path, parent: Optional[str]) -> dict:
     number = max((r.save_number or 0 for r in records.values()), default=0) + 1
     lineage = [{"tag": t, "save_number": records[t].save_number} for t in line_of(records, parent)]
     return {"save_number": number, "lineage": lineage}
-
-
-# ------------------------------------------------------------------------------------------------ resolving
-def _is_tag_dir(path: Path) -> bool:
-    return path.is_dir() and (any(path.glob("*mp_rank_*_model_states.pt")) or (path / INFO_FILE).is_file())
-
-
-def is_deepspeed_checkpoint(path: str | Path | None) -> bool:
-    """True for a DeepSpeed checkpoint folder (with a `latest` file) or one of its tag folders."""
-    if path is None or str(path).startswith("local-dir:"):
-        return False
-    path = Path(path)
-    return os.path.lexists(path / LATEST_FILE) or _is_tag_dir(path)
-
-
-def resolve_checkpoint_tag(path: str | Path, tag: str | None = None) -> Path:
-    """The tag folder: `path/<tag>`, `path/<contents of latest>`, or `path` itself when it is a tag folder; a
-    `latest` that cannot be read names the newest complete checkpoint instead."""
-    path = Path(path)
-    if tag is None and latest_problem(path):
-        raise UnreadableRecordError(f"{path / LATEST_FILE}: {latest_problem(path)}, not the text file naming the "
-                                    f"newest checkpoint; fix: replace it (echo TAG > {path / LATEST_FILE}) or pass "
-                                    "a checkpoint tag folder")
-    if tag is not None:
-        tag_dir = path / tag
-    elif (path / LATEST_FILE).is_file():
-        found = read_latest_tag(path) or newest_complete_tag(path)
-        if found is None:
-            raise FileNotFoundError(f"{path}: its {LATEST_FILE} file names no checkpoint and no folder in it holds "
-                                    f"a complete one ({INFO_FILE}); pass a checkpoint tag folder")
-        tag_dir = path / found
-    else:
-        tag_dir = path
-    if not _is_tag_dir(tag_dir):
-        raise FileNotFoundError(f"{tag_dir} is not a DeepSpeed checkpoint folder (no *model_states.pt files)")
-    return tag_dir
-
-
-def user_checkpoint(path: Path, stage: int | None, error: type[Exception]) -> Path:
-    """The tag folder a user's path names: a run folder or its checkpoints/ folder (the checkpoint `latest` names),
-    one tag folder, or with `stage` that stage's last checkpoint; `error` (one line) when it names none."""
-    path = Path(path)
-    if not path.is_dir():   # a FIFO or a device is said to be one, not to be missing
-        what = f"{special_file(path) or 'a file'}, not a folder" if os.path.exists(path) else "no such folder"
-        raise error(f"{path}: {what} (a run folder, its checkpoints/ folder, or one checkpoint folder is exported)")
-    is_tag = read_info(path) is not None
-    root = path.parent if is_tag else checkpoints_in(path)
-    if not is_tag:
-        _checkpoints_not_linked_outside(root, error)
-    if stage is not None:
-        tag = stage_final_tag(root, stage)
-        if tag is None:
-            raise error(f"{root}: no complete final checkpoint of stage {stage} on the line of its latest checkpoint "
-                        f"({latest_complete_tag(root) or 'none'}: the run has not finished the stage since it "
-                        f"resumed, or it was pruned); complete checkpoints: {complete_tags_in(root) or 'none'}")
-        return root / tag
-    if is_tag:
-        return path
-    if os.path.lexists(root / LATEST_FILE):   # a link to nothing is a broken `latest`, said so below
-        # bounded and checked like a resume's read: a FIFO, a huge file or a tag naming a path outside the
-        # checkpoints folder ("../x") is refused, not followed
-        tag = read_latest_tag(root)
-        if tag is None:
-            why = latest_problem(root) or "not one checkpoint folder's name"
-            raise error(f"{root / LATEST_FILE}: {why}; pass one of "
-                        f"{complete_tags_in(root) or 'the checkpoint folders'} instead")
-        if read_info(root / tag) is None:
-            raise error(f"{root / LATEST_FILE} names {tag!r}, which is not a complete checkpoint; "
-                        f"pass one of {complete_tags_in(root) or 'the checkpoint folders'} instead")
-        return root / tag
-    raise error(f"{path}: not a checkpoint (no {INFO_FILE}) and no {LATEST_FILE} file; pass a run folder, "
-                f"its checkpoints/ folder or one of {complete_tags_in(root) or 'its checkpoint folders'}")
-
-
-def resume_checkpoint(root: Path, resume: str, error: type[Exception]) -> Path:
-    """The checkpoint `--resume` names: `latest` -> the newest complete checkpoint in `root` (the run's
-    checkpoints folder); else a checkpoints folder (its newest complete one) or one tag folder; `error` (one line)
-    when it names no complete checkpoint. A checkpoint folder that is a link to another run's checkpoint is refused
-    (linked_outside)."""
-    if resume == "latest":
-        return _not_linked_outside(_latest_dir(root, resume, error), resume, error)
-    path = Path(resume)
-    if (path / LATEST_FILE).is_file() or (path.is_dir() and read_info(path) is None and
-                                          any(read_info(p) for p in path.iterdir() if p.is_dir())):
-        return _not_linked_outside(_latest_dir(path, resume, error), resume, error)
-    info, why = read_info_checked(path)
-    if info is None:
-        what = (f"its {INFO_FILE} {why}: damaged" if why != INFO_MISSING else
-                f"no {INFO_FILE}: missing or an interrupted save")
-        raise error(f"--resume {resume}: not a complete checkpoint ({what}); fix: pass a checkpoint folder or "
-                    "'latest'")
-    return _not_linked_outside(path, resume, error)
-
-
-def _checkpoints_not_linked_outside(root: Path, error: type[Exception]) -> None:
-    """`error` when the checkpoints folder `root` is a symbolic link leaving its run folder (another run's
-    checkpoints): exporting through it would file that run's weights under this one."""
-    target = linked_outside(root) if root.name == CHECKPOINTS_DIR else None
-    if target is not None:
-        raise error(f"{root}: a symbolic link to {target}, outside its run folder (another run's checkpoints); fix: "
-                    f"export {target} itself, or replace the link by the run's own folder")
-
-
-def _latest_dir(root: Path, resume: str, error: type[Exception]) -> Path:
-    """The newest complete checkpoint's folder in `root`; `error` when there is none."""
-    tag = latest_complete_tag(root)
-    if tag is None:
-        raise error(f"--resume latest: no complete checkpoint in {root}; fix: start without --resume (with "
-                    "--overwrite if the folder holds the files of a run cut short before its first checkpoint: they "
-                    "are moved aside)")
-    return Path(root) / tag
-
-
-def _not_linked_outside(tag_dir: Path, resume: str, error: type[Exception]) -> Path:
-    """`tag_dir`, unless it is a link leaving its checkpoints and run folder: a resume from it would continue
-    another run's checkpoint under this run's name without a word; `error` naming both."""
-    target = linked_outside(tag_dir)
-    if target is not None:
-        raise error(f"--resume {resume}: {tag_dir} is a symbolic link to {target}, outside its run folder (another "
-                    f"run's checkpoint); fix: remove the link, or pass --resume {target} to continue from that "
-                    "checkpoint knowingly")
-    return tag_dir

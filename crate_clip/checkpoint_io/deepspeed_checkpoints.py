@@ -1,5 +1,5 @@
 """A DeepSpeed checkpoint's files on disk, verified and consolidated, used by the trainer and the evaluator (its
-record, crate_clip.json, and the finding of checkpoints: checkpoint_record.py).
+record, crate_clip.json: checkpoint_record.py; which checkpoint a path names: checkpoint_choice.py).
 
     <run_dir>/checkpoints/latest        the tag of the newest complete checkpoint (DeepSpeed's convention)
     <run_dir>/checkpoints/<tag>/        DeepSpeed's files, train_state_rank<r>.pt, and crate_clip.json:
@@ -18,10 +18,10 @@ from pathlib import Path
 
 from crate_clip.checkpoint_io.bounded_reads import read_small_json
 # the record and the finding of checkpoints are checkpoint_record.py's; named here too for this layer's callers
+from crate_clip.checkpoint_io.checkpoint_choice import EVAL, choose_checkpoint
 from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, INFO_MISSING, CheckpointInfo,  # noqa: F401
-                                                        complete_tags_in, is_deepspeed_checkpoint, is_stage_end,
-                                                        latest_complete_tag, newest_complete_tag, read_info,
-                                                        read_info_checked, read_record, resolve_checkpoint_tag)
+                                                        complete_tags_in, is_stage_end, latest_complete_tag,
+                                                        newest_complete_tag, read_info, read_info_checked, read_record)
 from crate_clip.checkpoint_io.deepspeed_notices import deepspeed_notices_off
 from crate_clip.checkpoint_io.file_checksums import (CHECKSUMS_KEY, ChecksumMismatchError, checksum_problem,
                                                      verify_recorded_checksums)
@@ -80,7 +80,7 @@ def consolidate_deepspeed_checkpoint(path: str | Path, tag: str | None = None,
     None for a checkpoint from elsewhere, which has none); the files are verified against its checksums first
     (`verify=False`: the caller just did, or just wrote them), DamagedCheckpointError when they differ. A file
     needing a class outside the allow-list raises UntrustedCheckpointError (unless inside trusted_checkpoints())."""
-    tag_dir = resolve_checkpoint_tag(path, tag)
+    tag_dir = choose_checkpoint(path, EVAL, tag=tag).tag_dir
     record = (verify_checkpoint(tag_dir) if verify else read_record(tag_dir)) or CheckpointInfo.from_dict({})
     if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
         with deepspeed_notices_off():   # a first import of DeepSpeed announces its accelerator

@@ -2,8 +2,9 @@
 normalisation, the run's stages and the evaluation results its weights have (results.jsonl).
 
 A checkpoint is named as a user has it at hand: the run folder, its `checkpoints/` folder (the checkpoint
-`latest` names), one `<tag>/` folder, or a stage number (that stage's last checkpoint), resolved by
-crate_clip.checkpoint_io.checkpoint_record (user_checkpoint), where train and eval resolve theirs. Every value
+`latest` names), one `<tag>/` folder, or a stage number (that stage's last checkpoint), chosen by
+crate_clip.checkpoint_io.checkpoint_choice (choose_checkpoint), where train and eval choose theirs; a checkpoint
+linked from another run is refused there (its results.jsonl and exports/ would be this run's). Every value
 comes from the checkpoint's record (crate_clip.json, read as that module's CheckpointInfo), so an export of it is
 the same wherever and whenever it is made.
 """
@@ -15,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_small_jsonl
-from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE, CheckpointInfo, read_record, user_checkpoint
-from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, linked_outside, run_dir_of
+from crate_clip.checkpoint_io.checkpoint_choice import EXPORT, choose_checkpoint
+from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE, CheckpointInfo, read_record
+from crate_clip.checkpoint_io.run_layout import RESULTS_FILE, run_dir_of
 from crate_clip.core.errors import UserError
 from crate_clip.models import preprocess_cfg_for
 from crate_clip.models.clip_tokenizers import tokenizer_record
@@ -87,11 +89,7 @@ class ExportSource:
 def export_source(checkpoint: str | Path, stage: int | None = None, bert_vocab: str | None = None) -> ExportSource:
     """The checkpoint to export: `checkpoint` is a run folder, its checkpoints folder or one tag folder;
     `stage` picks that stage's last checkpoint. `bert_vocab` stands in for the vocabulary the run recorded."""
-    tag_dir = user_checkpoint(Path(checkpoint), stage, ExportSourceError)
-    target = linked_outside(tag_dir)
-    if target is not None:   # its results.jsonl and exports/ would be this run's: refused, not followed silently
-        raise ExportSourceError(f"{tag_dir}: a symbolic link to {target}, outside its run folder (another run's "
-                                f"checkpoint); fix: export {target} itself, or remove the link")
+    tag_dir = choose_checkpoint(checkpoint, EXPORT, stage=stage, error=ExportSourceError).tag_dir
     record = read_record(tag_dir)
     if record is None or record.model_name is None:
         raise ExportSourceError(f"{tag_dir}: {INFO_FILE} missing, unreadable or naming no model (an interrupted "

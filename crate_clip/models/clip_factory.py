@@ -3,8 +3,9 @@ exports, evaluation, conversion, the white-box maps, the benchmarks), as open_cl
 
 It builds an open_clip config at a stage's image size / context length, or an export (`local-dir:FOLDER`), moves
 the image tower to another patch size (patch_change.py), and loads weights of any size into it: a weights file,
-a state dict, a DeepSpeed checkpoint folder or an export folder. Reading, resizing and loading weights is
-clip_weights.py's (re-exported here, where callers found it before).
+a state dict, a DeepSpeed checkpoint folder or an export folder (a string read by weights_source.py's parser, as
+every weights source is). Reading, resizing and loading weights is clip_weights.py's (re-exported here, where
+callers found it before).
 """
 import contextlib
 from copy import deepcopy
@@ -21,7 +22,8 @@ from crate_clip.models.clip_tokenizers import bert_text_cfg, bert_tokenizer  # n
 from crate_clip.models.clip_weights import (IMAGE_POS_KEY, TEXT_POS_KEY, TEXT_POS_KEYS,  # noqa: F401  (re-exported)
                                             _image_tower, load_clip_weights, quiet_random_init, read_state_dict,
                                             resize_clip_state_dict, strip_module_prefix)
-from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR
+from crate_clip.models.export_files import LOCAL_DIR
+from crate_clip.models.weights_source import CHECKPOINT, EXPORT, FILE, NAME, parse_weights_source
 from crate_clip.models.export_folder_check import export_weights_file
 from crate_clip.models.export_loading import create_from_export
 from crate_clip.models.open_clip_configs import image_patch_size, preprocess_cfg_for
@@ -45,8 +47,8 @@ def create_clip(model_name: str, image_size: Optional[int] = None, context_lengt
     Unknown model names raise open_clip's usual error.
     """
     if str(model_name).startswith(LOCAL_DIR):
-        return _create_from_export(Path(model_name[len(LOCAL_DIR):]), image_size, context_length, pretrained, device,
-                                   precision, pos_embed_resize, patch_size, patch_resize, **open_clip_kwargs)
+        return _create_from_export(parse_weights_source(model_name).path, image_size, context_length, pretrained,
+                                   device, precision, pos_embed_resize, patch_size, patch_resize, **open_clip_kwargs)
     weights, origin = pretrained_state(pretrained)
     model = _build(model_name, image_size, context_length, device, precision, text_cfg, **open_clip_kwargs)
     native = image_patch_size(model_name) if (patch_size is not None or weights is not None) else None
@@ -67,9 +69,11 @@ def pretrained_state(pretrained: Optional[Weights]):
         return None, None
     if not isinstance(pretrained, (str, Path)):
         return strip_module_prefix(dict(pretrained)), None
-    path = Path(pretrained)
-    if path.is_dir() and (path / CONFIG_FILE).is_file():
-        path = export_weights_file(path)   # the file open_clip would load: a regular file
+    source = parse_weights_source(pretrained)
+    if source.kind == EXPORT:
+        path = export_weights_file(source.path)   # the file open_clip would load: a regular file
+    else:   # a weights file or a checkpoint folder; anything else is refused by the read, naming it
+        path = source.path if source.kind in (FILE, CHECKPOINT, NAME) else Path(pretrained)
     return read_state_dict(path), path
 
 

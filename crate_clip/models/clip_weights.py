@@ -15,8 +15,8 @@ import open_clip
 import torch
 from torch import nn
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import (consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint,
-                                                            verify_recorded_file)
+from crate_clip.checkpoint_io.checkpoint_choice import is_deepspeed_checkpoint
+from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidate_deepspeed_checkpoint, verify_recorded_file
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError, key_list
 from crate_clip.models.crate_alpha import CrateAlpha
 from crate_clip.models.official_clipa import is_official_clipa_layout, official_clipa_to_open_clip, official_key

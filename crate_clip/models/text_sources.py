@@ -4,7 +4,8 @@ Sources: a weights file (open_clip / DeepSpeed-consolidated state dict, plain or
 .pt/.pth/.bin/.safetensors, or a released crate_alpha_CLIPA_*.pth in the official layout), a DeepSpeed checkpoint
 folder (any ZeRO stage, consolidated), `local-dir:DIR` (an open_clip export, e.g. ours), `hf-hub:ORG/REPO` or `MODEL:TAG` as open_clip.list_pretrained(as_str=True) names it
 (e.g. `ViT-H-14-CLIPA:datacomp1b`), both resolved by open_clip's own pretrained machinery (a download when a hub
-is reachable, else its cache). Every error names the config key, the source and the fix.
+is reachable, else its cache). The string is read by weights_source.parse_weights_source, as every weights source
+is. Every error names the config key, the source and the fix.
 """
 from __future__ import annotations
 
@@ -14,61 +15,54 @@ from typing import Optional
 import open_clip
 from torch import nn
 
-from crate_clip.checkpoint_io.deepspeed_checkpoints import is_deepspeed_checkpoint
 from crate_clip.core.errors import ConfigError
 from crate_clip.models.checkpoint_errors import CheckpointMismatchError
 from crate_clip.models.clip_factory import read_state_dict
 from crate_clip.models.clipa_import import load_text_tower
 from crate_clip.models.open_clip_text_tower import kind_of_model, kind_of_state
-from crate_clip.models.export_files import LOCAL_DIR, WEIGHTS_FILES as EXPORT_WEIGHTS
+from crate_clip.models.export_files import WEIGHTS_FILES as EXPORT_WEIGHTS
+from crate_clip.models.weights_source import (CHECKPOINT, FILE, HF_HUB_KIND, LOCAL_DIR_KIND, OPEN_CLIP,
+                                              WeightsSource, parse_weights_source)
 
 KEY = "model.text_pretrained"
-HF_HUB = "hf-hub:"
 
 
 class TextTowerError(ConfigError):
     """A text checkpoint that cannot be used; the message names the config key, the file and the fix."""
 
 
-def _pretrained_tag(spec: str) -> Optional[tuple[str, str]]:
-    """(model, tag) when `spec` is one of open_clip's `MODEL:TAG` names, else None."""
-    if ":" not in spec or spec.startswith((LOCAL_DIR, HF_HUB)):
-        return None
-    model, tag = spec.split(":", 1)
-    known = model in open_clip.list_models() or bool(open_clip.list_pretrained_tags_by_model(model))
-    return (model, tag) if known else None
-
-
 def check_text_source(spec: str, key: str = KEY) -> Optional[str]:
     """Error text for a source that is malformed or unknown (no file is opened, nothing is fetched)."""
-    if spec.startswith(LOCAL_DIR) or spec.startswith(HF_HUB):
-        return None if spec.split(":", 1)[1] else f"{key}: {spec!r} names nothing after the prefix"
-    tag = _pretrained_tag(spec)
-    if tag is not None:
-        model, name = tag
-        if not open_clip.is_pretrained_cfg(model, name):
-            known = open_clip.list_pretrained_tags_by_model(model)
-            return (f"{key}: {spec!r}: open_clip has no pretrained tag {name!r} for {model!r}; fix: one of "
-                    f"{[f'{model}:{t}' for t in known]}, a weights file, local-dir:DIR or hf-hub:ORG/REPO")
+    return _source_problem(parse_weights_source(spec), key)
+
+
+def _source_problem(source: WeightsSource, key: str) -> Optional[str]:
+    if source.kind in (LOCAL_DIR_KIND, HF_HUB_KIND):
+        return None if source.after_prefix else f"{key}: {source.spec!r} names nothing after the prefix"
+    if source.kind == OPEN_CLIP and not open_clip.is_pretrained_cfg(source.name, source.tag):
+        model, name = source.name, source.tag
+        known = open_clip.list_pretrained_tags_by_model(model)
+        return (f"{key}: {source.spec!r}: open_clip has no pretrained tag {name!r} for {model!r}; fix: one of "
+                f"{[f'{model}:{t}' for t in known]}, a weights file, local-dir:DIR or hf-hub:ORG/REPO")
     return None
 
 
 def resolve_text_source(spec: str, key: str = KEY, cache_dir: Optional[str] = None) -> Path:
     """The local weights file `spec` names (a hub tag is fetched by open_clip, or found in its cache)."""
-    error = check_text_source(spec, key)
+    source = parse_weights_source(spec)
+    error = _source_problem(source, key)
     if error:
         raise TextTowerError(error)
-    if spec.startswith(LOCAL_DIR):
-        folder = Path(spec[len(LOCAL_DIR):]).expanduser()
+    if source.kind == LOCAL_DIR_KIND:
+        folder = source.path
         for name in EXPORT_WEIGHTS:
             if (folder / name).is_file():
                 return folder / name
         raise TextTowerError(f"{key}: {spec!r}: no {' or '.join(EXPORT_WEIGHTS)} in {folder}; fix: point it at an "
                              "open_clip export folder (crate-clip's run_dir/export, or open_clip's save format)")
-    tag = _pretrained_tag(spec)
-    if tag is not None or spec.startswith(HF_HUB):
-        cfg = (open_clip.get_pretrained_cfg(*tag) if tag is not None
-               else {"hf_hub": spec[len(HF_HUB):].rstrip("/") + "/"})
+    if source.kind in (OPEN_CLIP, HF_HUB_KIND):
+        cfg = (open_clip.get_pretrained_cfg(source.name, source.tag) if source.kind == OPEN_CLIP
+               else {"hf_hub": source.name.rstrip("/") + "/"})
         try:
             path = open_clip.download_pretrained(cfg, cache_dir=cache_dir)
         except Exception as exc:  # offline without a cached copy, unknown repo, no huggingface_hub, ...
@@ -79,12 +73,11 @@ def resolve_text_source(spec: str, key: str = KEY, cache_dir: Optional[str] = No
         if not path:
             raise TextTowerError(f"{key}: {spec!r}: open_clip knows no file for it; fix: give a weights file")
         return Path(path)
-    path = Path(spec).expanduser()
-    if not (path.is_file() or is_deepspeed_checkpoint(path)):
+    if source.kind not in (FILE, CHECKPOINT):
         raise TextTowerError(f"{key}: {spec!r} is not a file, local-dir:DIR, hf-hub:ORG/REPO, an open_clip "
                              "MODEL:TAG (open_clip.list_pretrained(as_str=True)) or a DeepSpeed checkpoint folder; "
                              "fix: correct the path")
-    return path
+    return source.path
 
 
 def read_text_source(spec: str, key: str = KEY) -> tuple[dict, str]:

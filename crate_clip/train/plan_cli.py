@@ -124,14 +124,16 @@ def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int
                 per_node: int = 8) -> tuple[dict, list]:
     """(how the run in progress would resume on `gpus` ranks, `per_node` a node, its remaining stages resolved for
     them)."""
+    from crate_clip.checkpoint_io.checkpoint_choice import PLAN, choose_checkpoint
     from crate_clip.checkpoint_io.checkpoint_record import INFO_FILE, read_record
     from crate_clip.checkpoint_io.run_layout import run_dir_of
+    from crate_clip.train.checkpointing.checkpoints import ResumeError
     from crate_clip.train.checkpointing.config_changes import recorded_config
-    from crate_clip.train.checkpointing.elastic_resume import checkpoint_of, resume_summary
+    from crate_clip.train.checkpointing.elastic_resume import resume_summary
     from crate_clip.train.run.run_config import apply_override, check_runtime, config_from_dict, load_run_config
     from crate_clip.train.stage_setup.stage_model import resolve_stage
 
-    tag_dir = checkpoint_of(resume)
+    tag_dir = choose_checkpoint(resume, PLAN, error=ResumeError).tag_dir
     if config is not None:
         cfg = load_run_config(config, overrides, check_paths=False)
     else:   # the run's recorded config with the changes its resumes made, else the checkpoint's (found complete)

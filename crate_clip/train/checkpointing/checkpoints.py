@@ -36,11 +36,11 @@ from crate_clip.core.errors import EXIT_RESUME, UserError
 from crate_clip.checkpoint_io.atomic_files import (atomic_torch_save, atomic_write_text, fsync_tree, replace_dir,
                                                    restore_replaced)
 from crate_clip.checkpoint_io.checkpoint_manifest import checksum_share, damage_in_share
+from crate_clip.checkpoint_io.checkpoint_choice import RESUME, choose_checkpoint
 from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, CheckpointInfo, Progress,  # noqa: F401
                                                         complete_records, complete_tags_in, latest_complete_tag,
                                                         line_of, lineage_fields, read_info,
-                                                        read_info_checked, read_latest_tag, read_record,
-                                                        resume_checkpoint, save_order)
+                                                        read_info_checked, read_latest_tag, read_record, save_order)
 from crate_clip.checkpoint_io.deepspeed_checkpoints import LATEST_FILE, consolidated_state_dict  # noqa: F401
 from crate_clip.checkpoint_io.run_layout import (DAMAGED_SUFFIX, REPLACED_SUFFIX, checkpoint_tag,  # noqa: F401
                                                  is_own_staging, linked_outside, staging_name, tag_position)
@@ -251,9 +251,9 @@ class CheckpointManager:
                   "once you no longer need them", flush=True)
 
     def resolve(self, resume: str) -> Path:
-        """`latest` -> newest complete checkpoint of this run; else a tag folder or a checkpoints folder; a link to
-        another run's checkpoint is refused (checkpoint_record.resume_checkpoint)."""
-        return resume_checkpoint(self.root, resume, ResumeError)
+        """`latest` -> newest complete checkpoint of this run; else a tag folder, a checkpoints folder or a run
+        folder; a link to another run's checkpoint is refused (checkpoint_choice.choose_checkpoint)."""
+        return choose_checkpoint(resume, RESUME, run_checkpoints=self.root, error=ResumeError).tag_dir
 
     # ------------------------------------------------------------ load
     @staticmethod

@@ -36,9 +36,10 @@ import yaml
 
 from crate_clip.checkpoint_io.atomic_files import atomic_write_text
 from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_small_bytes, read_small_json
-from crate_clip.checkpoint_io.checkpoint_record import latest_complete_tag, read_record
+from crate_clip.checkpoint_io.checkpoint_choice import RESUME, choose_checkpoint
+from crate_clip.checkpoint_io.checkpoint_record import read_record
 from crate_clip.checkpoint_io.run_layout import (CONFIG_CHANGES_FILE, ORPHANED_CHANGES_FILE, RUN_CONFIG_FILE,
-                                                 RUN_READS_FILE, checkpoints_in)
+                                                 RUN_READS_FILE, checkpoints_dir)
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.safe_yaml import load_yaml_file
 from crate_clip.core.shard_sources import is_remote
@@ -376,20 +377,20 @@ class ResumedAt:
 
 
 def resumed_at(run_dir: Path, resume: Optional[str]) -> Optional[ResumedAt]:
-    """The checkpoint `resume` names (latest, auto: the newest complete one of the run; or a path), from its JSON
-    record only; None when there is none (the trainer's own checks say why)."""
+    """The checkpoint `resume` names (latest, auto: the newest complete one of the run; or a path), as the resume
+    chooses it (checkpoint_choice.py), from its JSON record only; None when there is none (the trainer's own checks
+    say why)."""
     if not resume:
         return None
-    if resume in ("latest", "auto"):
-        folder = checkpoints_in(Path(run_dir))
-    else:
-        folder = Path(resume) if read_record(Path(resume)) is not None else checkpoints_in(Path(resume))
-    tag = None if read_record(folder) is not None else latest_complete_tag(folder)
-    record = read_record(folder / tag if tag else folder)
+    try:
+        tag_dir = choose_checkpoint(resume, RESUME, run_checkpoints=checkpoints_dir(run_dir)).tag_dir
+    except (ValueError, OSError):   # the resume refuses it, saying why
+        return None
+    record = read_record(tag_dir) if tag_dir is not None else None
     if record is None:
         return None
     progress = record.progress
-    return ResumedAt(progress.stage_index, progress.step, progress.global_step, (folder / tag if tag else folder).name)
+    return ResumedAt(progress.stage_index, progress.step, progress.global_step, tag_dir.name)
 
 
 def config_changes(cfg: RunConfig, resume: Optional[str], allowed: Iterable[str] = ()) -> list[ConfigChange]:

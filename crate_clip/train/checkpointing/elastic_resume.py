@@ -55,9 +55,10 @@ from crate_clip.checkpoint_io.atomic_files import atomic_write_text, fsync_dir, 
 from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError, read_small_json
 from crate_clip.checkpoint_io.file_checksums import (CHECKSUMS_KEY, ChecksumMismatchError, file_checksum,
                                                      verify_recorded_checksums)
-from crate_clip.checkpoint_io.checkpoint_record import CheckpointInfo, latest_complete_tag, read_record
+from crate_clip.checkpoint_io.checkpoint_choice import AUTO, LATEST, RESUME, choose_checkpoint
+from crate_clip.checkpoint_io.checkpoint_record import CheckpointInfo, read_record
 from crate_clip.checkpoint_io.deepspeed_checkpoints import UNIVERSAL_DIR
-from crate_clip.checkpoint_io.run_layout import EXPORT_DIR, RESULTS_FILE, checkpoints_in
+from crate_clip.checkpoint_io.run_layout import EXPORT_DIR, RESULTS_FILE
 from crate_clip.checkpoint_io.safe_unpickling import deepspeed_reads, load_torch_file
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.shard_sources import expand_source
@@ -68,7 +69,6 @@ from crate_clip.data.stream_layout import (KEY as STREAMS_KEY, STATE_VERSION, La
                                           per_stream_buffer, resolve_layout, split_stream_state, stream_count)
 from crate_clip.core.host_ranks import ranks_on_this_host
 
-AUTO = "auto"
 STREAM_TABLE = "stream_table.json"
 CONVERTED_FILE = "converted.json"          # written last into a universal folder: the conversion is whole
 MODEL_STATES_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -80,8 +80,8 @@ def resolve_auto(run_dir: Path, ckpts: CheckpointManager, resume: Optional[str])
     value unchanged. A folder with an export or evaluations but no checkpoint is not a run cut short: refused."""
     if resume != AUTO:
         return resume
-    if ckpts.latest_tag() is not None:
-        return "latest"
+    if choose_checkpoint(AUTO, RESUME, run_checkpoints=ckpts.root, error=ResumeError).tag_dir is not None:
+        return LATEST
     finished = [name for name in (EXPORT_DIR, RESULTS_FILE) if (Path(run_dir) / name).exists()]
     if finished:
         raise ExistingRunError(
@@ -163,17 +163,6 @@ def settle_canonical_streams(cfg: RunConfig, world_size: int, tag_dir: Optional[
     cfg.data.shuffle_buffer = settled_shuffle_buffer(cfg, count, world_size, tag_dir)   # recorded with the count
     cfg.data.canonical_streams = count
     return count
-
-
-def checkpoint_of(path: Path) -> Path:
-    """The checkpoint a run folder, a checkpoints folder (its `latest`) or a tag folder names; ResumeError if none."""
-    path = checkpoints_in(path)
-    tag = latest_complete_tag(path) if read_record(path) is None else None
-    tag_dir = path / tag if tag else path
-    if read_record(tag_dir) is None:
-        raise ResumeError(f"{path}: no complete checkpoint (crate_clip.json) there; fix: pass a run folder, its "
-                          "checkpoints folder or one checkpoint folder")
-    return tag_dir
 
 
 def resume_summary(tag_dir: Path, cfg: RunConfig, world_size: int) -> dict:

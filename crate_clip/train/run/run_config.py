@@ -22,7 +22,9 @@ from crate_clip.core.safe_yaml import load_yaml, load_yaml_file
 from crate_clip.core.patch_tiling import grid_tiling_problem, patch_tiling_problem, tiling_sizes
 from crate_clip.models.open_clip_configs import image_patch_size
 from crate_clip.models.pos_embed import POS_EMBED_RESIZE_MODES
+from crate_clip.models.export_files import LOCAL_DIR
 from crate_clip.models.text_sources import check_text_source
+from crate_clip.models.weights_source import LOCAL_DIR_KIND, parse_weights_source
 from crate_clip.models.token_masks import TokenMask
 from crate_clip.data.device_decode import Decode
 from crate_clip.core.shard_sources import TooManyShardsError, check_shard_count, pattern_count, refused_source
@@ -547,11 +549,11 @@ def _resolve_paths(cfg: RunConfig, base_dir: Path) -> None:
         cfg.model.pretrained = str(resolve_path(cfg.model.pretrained, base_dir))
     if cfg.model.bert_vocab:
         cfg.model.bert_vocab = str(resolve_path(cfg.model.bert_vocab, base_dir))
-    text = cfg.model.text_pretrained
-    if text and text.startswith("local-dir:"):
-        cfg.model.text_pretrained = "local-dir:" + str(resolve_path(text[len("local-dir:"):], base_dir))
-    elif text and resolve_path(text, base_dir).exists():
-        cfg.model.text_pretrained = str(resolve_path(text, base_dir))
+    text = parse_weights_source(cfg.model.text_pretrained) if cfg.model.text_pretrained else None
+    if text is not None and text.kind == LOCAL_DIR_KIND:
+        cfg.model.text_pretrained = LOCAL_DIR + str(resolve_path(text.after_prefix, base_dir))
+    elif text is not None and resolve_path(text.spec, base_dir).exists():
+        cfg.model.text_pretrained = str(resolve_path(text.spec, base_dir))
 
 
 def check_runtime(cfg: RunConfig, world_size: int, device: str = "cpu") -> None:
