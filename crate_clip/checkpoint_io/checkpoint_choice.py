@@ -54,7 +54,7 @@ from crate_clip.checkpoint_io.bounded_reads import UnreadableRecordError
 from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, INFO_MISSING, complete_tags_in, latest_complete_tag,
                                                         latest_problem, newest_complete_tag, read_info,
                                                         read_info_checked, read_latest_tag, stage_final_tag)
-from crate_clip.checkpoint_io.run_layout import CHECKPOINTS_DIR, LATEST_FILE, checkpoints_dir, linked_outside
+from crate_clip.checkpoint_io.run_layout import CHECKPOINTS_DIR, LATEST_FILE, checkpoints_in, linked_outside
 from crate_clip.core.file_kinds import special_file
 
 RESUME, PLAN, EXPORT, EVAL = "resume", "plan", "export", "eval"   # the uses (table above)
@@ -109,8 +109,8 @@ def _latest_of_run(root: Path, word: str, error: type[Exception]) -> CheckpointC
 # ------------------------------------------------------------------------------------------------ RESUME, PLAN
 def _for_resume(path: Path, named: str, use: str, error: type[Exception]) -> CheckpointChoice:
     """A tag folder, a checkpoints folder or a run folder (its checkpoints/) for train --resume or plan --resume."""
-    if read_info(path) is None and checkpoints_dir(path).is_dir():
-        path = checkpoints_dir(path)   # a run folder
+    if read_info(path) is None:
+        path = checkpoints_in(path)   # a run folder: its checkpoints/
     if read_info(path) is None and _holds_checkpoints(path, use):
         found = latest_complete_tag(path)
         if found is None:
@@ -162,7 +162,7 @@ def _for_export(path: Path, stage: Optional[int], error: type[Exception]) -> Che
         what = f"{special_file(path) or 'a file'}, not a folder" if os.path.exists(path) else "no such folder"
         raise error(f"{path}: {what} (a run folder, its checkpoints/ folder, or one checkpoint folder is exported)")
     is_tag = read_info(path) is not None
-    root = path.parent if is_tag else (checkpoints_dir(path) if checkpoints_dir(path).is_dir() else path)
+    root = path.parent if is_tag else checkpoints_in(path)
     if not is_tag:
         _checkpoints_not_linked_outside(root, error)
     if stage is not None:
