@@ -210,6 +210,7 @@ def test_a_resume_from_an_earlier_checkpoint_starts_a_line_that_rotation_latest_
     # the warm commands share, tests/warm_python.py)
     from crate_clip.checkpoint_io.checkpoint_choice import RESUME, choose_checkpoint
     from crate_clip.train.checkpointing.checkpoints import CheckpointManager, intact_checkpoint
+    from crate_clip.train.checkpointing.config_changes import resumed_at
     from crate_clip.train.checkpointing.elastic_resume import resolve_auto
 
     stages = [dict(STAGES[0]), dict(STAGES[0], name="more", samples=48)]   # 3 + 3 steps, all at 16 px (cheap)
@@ -250,6 +251,9 @@ def test_a_resume_from_an_earlier_checkpoint_starts_a_line_that_rotation_latest_
     manager = CheckpointManager(ckpts, keep_last=2, rank=0, world_size=1)
     assert resolve_auto(run, manager, "auto") == "latest"
     assert choose_checkpoint("latest", RESUME, run_checkpoints=ckpts).tag_dir == ckpts / "stage1-step00000002"
+    # the run folder names the same one, for the resume and for its config-change check alike
+    assert manager.resolve(str(run)) == ckpts / "stage1-step00000002"
+    assert resumed_at(run, str(run)).checkpoint == resumed_at(run, "auto").checkpoint == "stage1-step00000002"
     with open(ckpts / "stage1-step00000002" / "mp_rank_00_model_states.pt", "ab") as f:
         f.write(b"x")   # damaged: --resume latest goes back along its line, to stage1-step1, not to A's
     assert intact_checkpoint(manager, ckpts / "stage1-step00000002", "latest") == ckpts / "stage1-step00000001"
