@@ -266,6 +266,15 @@ def test_a_folder_holding_a_run_or_held_by_a_live_run_is_refused_before_any_work
     finally:
         lock.release()
     assert _snapshot(tmp_path) == before
+    # --validate --resume of nothing to resume: the run's own refusal, exit 4 (a launch leaves it to its workers)
+    (tmp_path / "new").mkdir()
+    fresh, empty = _config(tmp_path / "new", tmp_path / "new" / "run", data), tmp_path / "new" / "run"
+    for resume, said in (("latest", f"--resume latest: no complete checkpoint in {empty / 'checkpoints'}"),
+                         (str(tmp_path / "nothing"), f"--resume {tmp_path / 'nothing'}: not a complete checkpoint")):
+        assert main([str(fresh), "--validate", "--resume", resume]) == 4, resume
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"crate-clip train: {said}"), line
+    assert not empty.exists()
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess:

@@ -100,6 +100,9 @@ def _train(args, argv: list[str], stop_signals: tuple[int, ...]) -> int:
     from crate_clip.train.run.launcher_watch import watch_launcher
     from crate_clip.train.checkpointing.config_changes import config_changes
     from crate_clip.train.run.launch_checks import checked_config
+    from crate_clip.checkpoint_io.checkpoint_choice import RESUME, choose_checkpoint
+    from crate_clip.checkpoint_io.run_layout import checkpoints_dir
+    from crate_clip.train.checkpointing.checkpoints import ResumeError
     from crate_clip.train.run.run_lock import RunLockedError
     from crate_clip.train.loop.stage_loop import run_training
 
@@ -119,7 +122,9 @@ def _train(args, argv: list[str], stop_signals: tuple[int, ...]) -> int:
                              probe=launching, run_commands=launch)
         if args.resume and launching:   # a resume that changes what the run trains, unnamed:
             config_changes(cfg, args.resume, args.allow_changes)   # refused before any worker starts
-    except (ConfigError, RunLockedError) as exc:   # every rank of a launched job finds it: rank 0 says it
+        if args.validate and args.resume not in (None, "auto"):   # what it names is there (the run's exit 4)
+            choose_checkpoint(args.resume, RESUME, run_checkpoints=checkpoints_dir(cfg.run_dir), error=ResumeError)
+    except (ConfigError, RunLockedError, ResumeError) as exc:   # every rank of a launched job finds it: rank 0 says it
         return report_error(PROG, exc, once_per_job=True)
     if args.validate and args.json:
         print(json.dumps({"config": args.config, "valid": True, "stages": len(cfg.stages),
