@@ -73,8 +73,8 @@ DEFAULT_SHUFFLE_BUFFER = 1000   # raw samples per canonical stream when neither 
 
 @dataclass(frozen=True)
 class StreamSettings:
-    """Every setting of one rank's training stream that a run decides (count, buffer, workers), decided once by
-    stream_settings(): the stream reads it, and so does the planner."""
+    """Every setting of one rank's training stream that a run decides (count, buffer, workers), decided once a launch
+    by stream_settings(): the stream reads it, and so do the planner, the host line and the checkpoint's record."""
 
     streams: int          # C canonical streams of the run
     world_size: int
@@ -83,6 +83,7 @@ class StreamSettings:
     shuffle_buffer: int   # raw samples held per canonical stream
     prefetch_factor: int  # rank batches each worker prepares ahead
     shards_per_group: int = 2   # shards a stream interleaves: its buffer never holds more than their samples
+    host_shuffle_buffer: Optional[int] = None   # data.host_shuffle_buffer (what a first launch splits per stream)
 
     @property
     def per_rank(self) -> int:
@@ -95,31 +96,39 @@ class StreamSettings:
         return self.per_rank * self.ranks_per_host
 
 
-def stream_count(cfg, world_size: int, rank_batch: int, max_streams: Optional[int] = None) -> int:
-    """C: data.canonical_streams, else default_stream_count (what a first launch settles)."""
-    return cfg.canonical_streams or default_stream_count(world_size, cfg.num_workers, rank_batch, max_streams)
+def stream_count(cfg, world_size: int, rank_batch: int, max_streams: Optional[int] = None,
+                 recorded: Optional[int] = None) -> int:
+    """C: data.canonical_streams, else the count a checkpoint resumed recorded, else default_stream_count (what a
+    first launch settles)."""
+    return cfg.canonical_streams or recorded or default_stream_count(world_size, cfg.num_workers, rank_batch,
+                                                                     max_streams)
 
 
-def per_stream_buffer(cfg, streams: int, world_size: int, ranks_per_host: int) -> int:
-    """Raw samples each canonical stream holds: data.shuffle_buffer when set (a resume: the value the first launch
-    settled), else data.host_shuffle_buffer shared by the streams of one host, else DEFAULT_SHUFFLE_BUFFER."""
+def per_stream_buffer(cfg, streams: int, world_size: int, ranks_per_host: int, recorded: Optional[int] = None) -> int:
+    """Raw samples each canonical stream holds: data.shuffle_buffer when set, else the buffer a checkpoint resumed
+    recorded (the value its first launch settled: the sample order depends on it), else data.host_shuffle_buffer
+    shared by the streams of one host, else DEFAULT_SHUFFLE_BUFFER."""
     if cfg.shuffle_buffer is not None:
         return cfg.shuffle_buffer
+    if recorded is not None:
+        return recorded
     if cfg.host_shuffle_buffer is not None:
         return cfg.host_shuffle_buffer // max(1, streams // world_size * min(ranks_per_host, world_size))
     return DEFAULT_SHUFFLE_BUFFER
 
 
 def stream_settings(cfg, world_size: int, rank_batch: int, max_streams: Optional[int] = None,
-                    ranks_per_host: Optional[int] = None) -> StreamSettings:
+                    ranks_per_host: Optional[int] = None, recorded_streams: Optional[int] = None,
+                    recorded_buffer: Optional[int] = None) -> StreamSettings:
     """The stream settings of a launch of `world_size` processes, `ranks_per_host` a host (default: all), from the
     run's `data` section (a StreamConfig); `rank_batch`: the rank's share of the global batch (of every stage: their
-    greatest common divisor); `max_streams`: epoch mode's shard count."""
+    greatest common divisor); `max_streams`: epoch mode's shard count; `recorded_*`: the canonical stream count and
+    shuffle buffer a checkpoint resumed was written with (they stand where the config leaves the keys unset)."""
     hosts = min(ranks_per_host or world_size, world_size)
-    streams = stream_count(cfg, world_size, rank_batch, max_streams)
+    streams = stream_count(cfg, world_size, rank_batch, max_streams, recorded_streams)
     return StreamSettings(streams, world_size, hosts, min(cfg.num_workers, max(1, streams // world_size)),
-                          per_stream_buffer(cfg, streams, world_size, hosts), cfg.prefetch_factor,
-                          cfg.shards_per_group)
+                          per_stream_buffer(cfg, streams, world_size, hosts, recorded_buffer), cfg.prefetch_factor,
+                          cfg.shards_per_group, cfg.host_shuffle_buffer)
 
 
 def resolve_layout(streams: int, global_batch: int, world_size: int, rank: int, num_workers: int,

@@ -71,7 +71,8 @@ from .remote_retry import RetryPolicy
 from .shard_census import ShardCensus, resolve_sizes
 from .shard_plan import ShardPlan
 from .shard_reader import SKIP_REASONS, ShardListError, check_some_shard_exists, expand_source
-from .stream_layout import KEY, STATE_VERSION, StreamLayout, resolve_layout, stream_settings, takes_rank_counters
+from .stream_layout import (KEY, STATE_VERSION, StreamLayout, StreamSettings, resolve_layout, stream_settings,
+                            takes_rank_counters)
 from .stream_slices import SliceSpec, StreamsDataset, fresh_position
 from .text_reduction import TEXT_MASKS, TextReducer, load_tokenizer
 
@@ -213,6 +214,7 @@ class TrainStream:
         self._keys: list[str] = []
         self._pos_probe: str | None = None
         self.census: ShardCensus | None = None   # the shards' sizes and problems, once they have been read
+        self.settled_streams: int | None = None   # the count the launch settled (build_train_stream's `settings`)
 
     @property
     def num_samples(self) -> int:
@@ -393,8 +395,9 @@ class TrainStream:
         """Read the saved canonical streams when the config leaves the count open; else they must agree."""
         if streams == self.layout.streams:
             return
-        if self.cfg.canonical_streams is not None:
-            raise ValueError(f"{KEY}={self.cfg.canonical_streams} but the stream state was saved with "
+        fixed = self.cfg.canonical_streams or self.settled_streams   # set, or settled by the launch: it stands
+        if fixed is not None:
+            raise ValueError(f"{KEY}={fixed} but the stream state was saved with "
                              f"{streams}; fix: {KEY}: {streams} (or remove the key)")
         layout = resolve_layout(streams, self.layout.global_batch, self.layout.world_size, self.layout.rank,
                                 self.cfg.num_workers, " (recorded in the checkpoint)")
@@ -455,11 +458,13 @@ def _probe_pos_source(cfg: StreamConfig) -> str:
 def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: int, text_mask: str,
                        batch_size: int, rank: int = 0, world_size: int = 1, tokenizer_name: str = "clip-bpe",
                        epoch: int = 0, bert_vocab: str | None = None, decode: Decode = "cpu",
-                       device: str = "cpu") -> TrainStream:
+                       device: str = "cpu", settings: StreamSettings | None = None) -> TrainStream:
     """The training stream of one rank for one stage (image size, text length and mask); `batch_size`: the
     rank's share of the global batch (global batch = batch_size x world_size); `bert_vocab`: a folder with
     vocab.txt for a BERT-tokenized model when the HuggingFace hub is not reachable; `decode`: 'device'
-    decodes the JPEGs on `device` in the trainer's process (data_pipelines/device_decode.py)."""
+    decodes the JPEGs on `device` in the trainer's process (data_pipelines/device_decode.py); `settings`: the
+    stream settings a training launch settled once (canonical streams, shuffle buffer), else stream_settings of
+    `cfg` for this rank batch (a stream read on its own)."""
     if decode not in get_args(Decode):   # the one list of decode paths: device_decode.Decode
         raise ValueError(f"decode={decode!r}: use one of {get_args(Decode)}")
     if text_mask not in TEXT_MASKS:
@@ -477,8 +482,12 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
     all_shards = [s for shards in shards_by_source for s in shards]
     check_some_shard_exists(cfg.sources, all_shards)
     epoch_mode = cfg.mode == "epoch"
-    settings = stream_settings(cfg, world_size, batch_size, len(all_shards) if epoch_mode else None,
-                               ranks_on_this_host(world_size))
+    settled = settings is not None
+    if not settled:
+        settings = stream_settings(cfg, world_size, batch_size, len(all_shards) if epoch_mode else None,
+                                   ranks_on_this_host(world_size))
+    elif settings.world_size != world_size:
+        raise ValueError(f"stream settings settled for world_size {settings.world_size}, this stream has {world_size}")
     streams = settings.streams
     layout = resolve_layout(streams, batch_size * world_size, world_size, rank, cfg.num_workers)
     _check_epoch_shards(cfg.mode, len(all_shards), streams)
@@ -503,6 +512,7 @@ def build_train_stream(cfg: StreamConfig, *, image_size: int, context_length: in
                      max_image_bytes=cfg.max_image_bytes, shuffle_buffer_bytes=cfg.max_shuffle_buffer_bytes)
     stream = TrainStream(cfg, plan, spec, layout, reducer, num_samples, context_length, text_mask, device)
     stream.census = census
+    stream.settled_streams = streams if settled else None
     return stream
 
 def _data_set_sizes(shards: list[str]) -> ShardCensus:

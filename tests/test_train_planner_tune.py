@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from crate_clip.data.stream_layout import stream_settings
-from crate_clip.train.checkpointing.elastic_resume import settle_canonical_streams
+from crate_clip.train.checkpointing.elastic_resume import launch_stream_settings
 from crate_clip.train.plan_cli import main as plan_main
 from crate_clip.train.planning.planner import (CUDA_CONTEXT_BYTES, RAW_SAMPLE_BYTES, SAMPLE_OBJECT_BYTES,
                                                measure_stage, plan_stage)
@@ -121,8 +121,12 @@ def test_the_stream_and_the_planner_read_one_stream_setting(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     first = config_from_dict({**_raw(**data), "stages": [{**_raw()["stages"][0], "global_batch": 64}]},
                              check_paths=False)
-    settle_canonical_streams(first, 8)
-    assert (first.data.canonical_streams, first.data.shuffle_buffer) == (32, 4_000)   # recorded with the run
+    settled = launch_stream_settings(first, 8)
+    assert settled == stage.stream and (settled.streams, settled.shuffle_buffer) == (32, 4_000)
+    assert (first.data.canonical_streams, first.data.shuffle_buffer) == (None, None)   # the validated config as read
+    recorded = first.to_dict(settled)["data"]   # what run_config.yaml and every checkpoint record
+    assert (recorded["canonical_streams"], recorded["shuffle_buffer"], recorded["host_shuffle_buffer"]) == (
+        32, 4_000, 64_000)
 
 
 def test_a_resume_on_another_process_count_keeps_the_recorded_buffer(tmp_path, monkeypatch):
@@ -134,14 +138,13 @@ def test_a_resume_on_another_process_count_keeps_the_recorded_buffer(tmp_path, m
     (tag / "crate_clip.json").write_text(json.dumps({"run_config": recorded}))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")   # 2 ranks, one host: the share would be 64,000 / 32
     resumed = config_from_dict({**_raw(**data), "stages": stages}, check_paths=False)
-    settle_canonical_streams(resumed, 2, tag)
-    assert resumed.data.shuffle_buffer == 4_000   # the first launch's, so the sample order is the same
+    settled = launch_stream_settings(resumed, 2, tag)
+    assert (settled.streams, settled.shuffle_buffer) == (32, 4_000)   # the first launch's: the same sample order
     fresh = config_from_dict({**_raw(**data), "stages": stages}, check_paths=False)
-    settle_canonical_streams(fresh, 2)
-    assert fresh.data.shuffle_buffer == 2_000
+    assert launch_stream_settings(fresh, 2).shuffle_buffer == 2_000
     # the node now holds twice the host budget (32 streams of 4,000): the plan says so
-    host = plan_stage(resolve_stage(resumed, 0, 2, ranks_per_host=2), measure_stage(
-        resolve_stage(resumed, 0, 2), memory=False), 2 ** 40, None, 0.4).host_bytes
+    host = plan_stage(resolve_stage(resumed, 0, 2, ranks_per_host=2, stream=settled), measure_stage(
+        resolve_stage(resumed, 0, 2, stream=settled), memory=False), 2 ** 40, None, 0.4).host_bytes
     sample = RAW_SAMPLE_BYTES + SAMPLE_OBJECT_BYTES   # a raw sample's members and its Python objects
     assert host["shuffle buffers"] == 32 * 4_000 * sample == 2 * 64_000 * sample
 
@@ -173,6 +176,10 @@ def test_the_host_plan_counts_the_batches_the_dataloader_keeps_in_flight_and_a_g
     outstanding_samples = (loader._send_idx - loader._rcvd_idx) * 8 // 2
     del loader
     assert item[0].shape[0] == 4 and outstanding_samples == 3 * 2 * 8 == (in_flight + 1) * 8
+    # a training launch passes the settings it settled (a resume: the checkpoint's buffer): the stream takes them
+    settled = build_train_stream(cfg.data, image_size=32, context_length=16, text_mask="truncate", batch_size=8,
+                                 settings=replace(stage.stream, shuffle_buffer=24))
+    assert (settled.spec.shuffle_buffer, settled.canonical_streams, settled.settled_streams) == (24, 2, 2)
 
 
 def test_micro_batch_auto_is_the_largest_that_fits_a_gpu():

@@ -129,7 +129,7 @@ def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int
     from crate_clip.checkpoint_io.run_layout import run_dir_of
     from crate_clip.train.checkpointing.checkpoints import ResumeError
     from crate_clip.train.checkpointing.config_changes import recorded_config
-    from crate_clip.train.checkpointing.elastic_resume import resume_summary
+    from crate_clip.train.checkpointing.elastic_resume import launch_stream_settings, resume_summary
     from crate_clip.train.run.run_config import apply_override, check_runtime, config_from_dict, load_run_config
     from crate_clip.train.stage_setup.stage_model import resolve_stage
 
@@ -143,7 +143,9 @@ def plan_resume(resume: str, config: str | None, overrides: list[str], gpus: int
         cfg = config_from_dict(raw, check_paths=False, source_path=str(tag_dir / INFO_FILE))
     check_runtime(cfg, gpus, "cuda")
     summary = resume_summary(tag_dir, cfg, gpus)
-    return summary, [resolve_stage(cfg, i, gpus, ranks_per_host=min(per_node, gpus))
+    hosts = min(per_node, gpus)
+    stream = launch_stream_settings(cfg, gpus, tag_dir, summary["stage_index"], hosts)   # as the launch settles them
+    return summary, [resolve_stage(cfg, i, gpus, ranks_per_host=hosts, stream=stream)
                      for i in range(summary["stage_index"], len(cfg.stages))]
 
 

@@ -70,7 +70,7 @@ FREE_TO_CHANGE: dict[str, str] = {
     "logging": "metrics cadence, progress display, trackers (report_to), plot, white-box diagnostics",
 }
 # keys a first launch settles when the config leaves them unset, recorded in run_config.yaml: unset on a resume
-# means "the recorded value" (elastic_resume.settle_canonical_streams reads it back from the checkpoint)
+# means "the recorded value" (elastic_resume.launch_stream_settings reads it back from the checkpoint)
 SETTLED_AT_FIRST_LAUNCH = ("data.canonical_streams", "data.shuffle_buffer")
 # keys whose values name what the run reads: compared as the run reads them (read_form), recorded in run_reads.json
 READ_KEYS = ("data.sources", "model.pretrained", "model.text_pretrained", "model.bert_vocab", "deepspeed.config")
@@ -340,11 +340,12 @@ def _with_values(config: dict, values: dict[str, Any]) -> dict:
     return config
 
 
-def record_run(cfg: RunConfig) -> None:
+def record_run(cfg: RunConfig, stream=None) -> None:
     """Rank 0, once a start or resume is checked: the run's record of what it trains, at the first start
     (run_config.yaml, never rewritten: config_changes.jsonl records what resumes change; and run_reads.json), and
     run_reads.json for a run started before it existed. A run_config.yaml lost and taken again from this config
-    (--allow-change '*'): the rows of config_changes.jsonl, which changed the lost one, are set aside first."""
+    (--allow-change '*'): the rows of config_changes.jsonl, which changed the lost one, are set aside first.
+    `stream`: the stream settings the launch settled, recorded with the config (RunConfig.to_dict)."""
     run_dir = cfg.run_dir
     recorded = recorded_config(run_dir)
     if recorded is None:
@@ -357,8 +358,8 @@ def record_run(cfg: RunConfig) -> None:
             print(f"[note] {run_dir / RUN_CONFIG_FILE} was missing: this run config is the run's record from now on "
                   f"(--allow-change '*'); the changes recorded against the lost one are kept in {orphaned}",
                   flush=True)
-        atomic_write_text(run_dir / RUN_CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        _write_reads(run_dir, read_forms(_as_recorded(cfg.to_dict())))
+        atomic_write_text(run_dir / RUN_CONFIG_FILE, yaml.safe_dump(cfg.to_dict(stream), sort_keys=False))
+        _write_reads(run_dir, read_forms(_as_recorded(cfg.to_dict(stream))))
     elif not (run_dir / RUN_READS_FILE).exists():
         _write_reads(run_dir, read_forms(recorded))
 

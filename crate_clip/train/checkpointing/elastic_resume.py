@@ -65,8 +65,8 @@ from crate_clip.core.shard_sources import expand_source
 from crate_clip.train.checkpointing.checkpoints import CheckpointManager, ResumeError, rank_state_path
 from crate_clip.train.run.run_config import RunConfig
 from crate_clip.train.run.run_dir import ExistingRunError
-from crate_clip.data.stream_layout import (KEY as STREAMS_KEY, STATE_VERSION, LayoutError, merge_stream_states,
-                                          per_stream_buffer, resolve_layout, split_stream_state, stream_count)
+from crate_clip.data.stream_layout import (KEY as STREAMS_KEY, STATE_VERSION, LayoutError, StreamSettings,
+                                          merge_stream_states, resolve_layout, split_stream_state, stream_settings)
 from crate_clip.core.host_ranks import ranks_on_this_host
 
 STREAM_TABLE = "stream_table.json"
@@ -118,51 +118,41 @@ def saved_canonical_streams(tag_dir: Path, record: Optional[CheckpointInfo]) -> 
     return int(stream["canonical_streams"]) if stream and "canonical_streams" in stream else None
 
 
-def first_launch_stream_count(cfg: RunConfig, world_size: int) -> int:
-    """data.canonical_streams left unset at the first launch: world size x the most DataLoader workers whose count
-    divides every stage's rank batch (epoch mode: at most one stream per shard)."""
-    rank_batch = run_rank_batch(cfg, world_size)
-    shards = sum(len(expand_source(src)) for src in cfg.data.sources) if cfg.data.mode == "epoch" else None
-    return stream_count(cfg.data, world_size, rank_batch, shards)
-
-
 def run_rank_batch(cfg: RunConfig, world_size: int) -> int:
     """The rank batch every stage's divides (their greatest common divisor): what the stream count must divide."""
     return math.gcd(*(s.global_batch // world_size for s in cfg.stages))
 
 
-def settled_shuffle_buffer(cfg: RunConfig, streams: int, world_size: int, tag_dir: Optional[Path] = None) -> int:
-    """data.shuffle_buffer for this launch: the config's, else the one the checkpoint's run recorded (the sample
-    order depends on it), else the first launch's share of data.host_shuffle_buffer (LOCAL_WORLD_SIZE ranks a host)."""
-    if cfg.data.shuffle_buffer is None and tag_dir is not None:
-        saved = _saved_data(read_record(tag_dir)).get("shuffle_buffer")
-        if saved is not None:
-            return int(saved)
-    return per_stream_buffer(cfg.data, streams, world_size, ranks_on_this_host(world_size))
-
-
-def settle_canonical_streams(cfg: RunConfig, world_size: int, tag_dir: Optional[Path] = None,
-                             first_stage: int = 0) -> int:
-    """Set cfg.data.canonical_streams for this launch: the config's, else the checkpoint's (`tag_dir`), else the first
-    launch's default; raises a one-line ResumeError / ConfigError when it does not fit this job's processes and
-    workers in a stage from `first_stage` on."""
-    saved = saved_canonical_streams(tag_dir, read_record(tag_dir)) if tag_dir is not None else None
+def launch_stream_settings(cfg: RunConfig, world_size: int, tag_dir: Optional[Path] = None, first_stage: int = 0,
+                           ranks_per_host: Optional[int] = None) -> StreamSettings:
+    """The stream settings of this launch, settled once: data.canonical_streams and data.shuffle_buffer as the config
+    sets them, else as the checkpoint resumed (`tag_dir`) recorded them (the sample order is defined by them), else
+    the first launch's (world size x the most DataLoader workers whose count divides every stage's rank batch, epoch
+    mode at most one stream per shard; data.host_shuffle_buffer split over a host's streams, `ranks_per_host` a host:
+    default LOCAL_WORLD_SIZE). The resolved stages carry them, the streams read them and the run's records hold them
+    (RunConfig.to_dict(stream)). Raises a one-line ResumeError / ConfigError when the count does not fit this job's
+    processes and workers in a stage from `first_stage` on."""
+    record = read_record(tag_dir) if tag_dir is not None else None
+    saved = saved_canonical_streams(tag_dir, record) if tag_dir is not None else None
     wanted = cfg.data.canonical_streams
     if saved and wanted and saved != wanted:
         raise ResumeError(f"{tag_dir}: written with {STREAMS_KEY}={saved} (the sample order is defined by it), the "
                           f"run config sets {wanted}; fix: {STREAMS_KEY}: {saved}, or remove the key")
-    count = wanted or saved or first_launch_stream_count(cfg, world_size)
+    saved_buffer = _saved_data(record).get("shuffle_buffer")
+    shards = (sum(len(expand_source(src)) for src in cfg.data.sources)
+              if cfg.data.mode == "epoch" and not (wanted or saved) else None)
+    settings = stream_settings(cfg.data, world_size, run_rank_batch(cfg, world_size), shards,
+                               ranks_per_host or ranks_on_this_host(world_size), saved,
+                               None if saved_buffer is None else int(saved_buffer))
     origin = " (recorded in the checkpoint)" if saved and not wanted else ""
     for i in range(first_stage, len(cfg.stages)):
         try:
-            resolve_layout(count, cfg.stages[i].global_batch, world_size, 0, cfg.data.num_workers, origin)
+            resolve_layout(settings.streams, cfg.stages[i].global_batch, world_size, 0, cfg.data.num_workers, origin)
         except LayoutError as exc:
             where = f"{tag_dir}: resuming with {world_size} processes: " if tag_dir is not None else ""
             error = ResumeError if tag_dir is not None else ConfigError
             raise error(f"{where}stages.{i}: {exc}") from None
-    cfg.data.shuffle_buffer = settled_shuffle_buffer(cfg, count, world_size, tag_dir)   # recorded with the count
-    cfg.data.canonical_streams = count
-    return count
+    return settings
 
 
 def resume_summary(tag_dir: Path, cfg: RunConfig, world_size: int) -> dict:
@@ -173,7 +163,7 @@ def resume_summary(tag_dir: Path, cfg: RunConfig, world_size: int) -> dict:
 
     record = read_record(tag_dir)
     stage = record.progress.stage_index
-    streams = settle_canonical_streams(cfg, world_size, tag_dir, stage)
+    streams = launch_stream_settings(cfg, world_size, tag_dir, stage).streams
     zero_stage = resolve_stage(cfg, stage, world_size).zero_stage   # what the launch decides, as run_stage uses it
     universal = needs_universal(tag_dir, world_size, zero_stage)
     converted = (Path(tag_dir) / UNIVERSAL_DIR / CONVERTED_FILE).is_file()

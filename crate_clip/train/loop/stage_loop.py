@@ -34,8 +34,8 @@ from crate_clip.train.checkpointing.checkpoints import (CheckpointManager, Resum
 from crate_clip.train.checkpointing.config_changes import (ConfigChange, ResumedAt, agreed_config_changes,
                                                            record_changes, record_run)
 from crate_clip.train.checkpointing.elastic_resume import (STREAM_TABLE, gather_stream_table, load_resume_state,
-                                                           needs_universal, resolve_auto, resume_seed,
-                                                           settle_canonical_streams)
+                                                           launch_stream_settings, needs_universal, resolve_auto,
+                                                           resume_seed)
 from crate_clip.train.loop.batch_agreement import agreed_batches
 from crate_clip.train.loop.stage_evals import (EvalBudget, agreed, agreed_missing_evals, evaluate_after_stage,
                                                evaluate_mid_stage, mid_stage_due)
@@ -58,6 +58,7 @@ from crate_clip.train.stage_setup.optim import restore_schedule_settings, schedu
 from crate_clip.train.stage_setup.optimizer_carry import CARRY, CarriedState, apply_state, check_carry, collect_state
 from crate_clip.train.stage_setup.stage_model import ResolvedStage, resolve_stage
 from crate_clip.data.remote_retry import RESUME_LATEST
+from crate_clip.data.stream_layout import StreamSettings
 from crate_clip.data.train_stream import build_train_stream
 
 
@@ -77,6 +78,7 @@ class RunContext:
     ckpts: CheckpointManager
     log: MetricsLog
     stream_factory: Callable
+    stream: StreamSettings   # the launch's stream settings (launch_stream_settings): every stage's, and the records'
     config_changes: list[ConfigChange] = dataclasses.field(default_factory=list)   # recorded once the resume took
     carried: Optional[CarriedState] = None   # the last stage's AdamW state, for a next stage that carries it
 
@@ -107,14 +109,14 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
     stream_factory = stream_factory or default_stream_factory
     ckpts = CheckpointManager(checkpoints_dir(cfg.run_dir), cfg.checkpoint.keep_last, dist.rank, dist.world_size)
     start = find_resume_point(cfg, ckpts, _intact(ckpts, resolve_auto(cfg.run_dir, ckpts, resume)))  # before any write
-    settle_canonical_streams(cfg, dist.world_size, start.tag_dir, start.progress.stage_index)  # run_config.yaml
+    streams = launch_stream_settings(cfg, dist.world_size, start.tag_dir, start.progress.stage_index)
     if start.tag_dir is not None:   # every rank: the run's file system, once rank 0 removed what saves left
         _remove_leftovers(ckpts.root, dist)
         check_space_for_next_save(ckpts.root, start.tag_dir)
     tdist.barrier()  # every rank has read the folder before rank 0 changes it
     share_between_ranks(dist, cfg.run.lost_rank_timeout_s)   # from here a stop reaches every rank at once, not only at a step boundary
     if dist.is_main:
-        _prepare_run_dir(cfg, start, moved_aside=earlier_run and overwrite,
+        _prepare_run_dir(cfg, streams, start, moved_aside=earlier_run and overwrite,
                          restarted=bool(earlier_run) and not overwrite and start.tag_dir is None)
         if start.tag_dir is not None:   # `latest` names it: a resume from an earlier checkpoint starts another line
             ckpts.continue_from(start.tag_dir)
@@ -122,8 +124,8 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
     log_to(deepspeed_log_path(cfg.run_dir, dist.rank))
     if not dist.is_main:   # only rank 0 prints
         warnings_to_log()
-    log = _open_log(cfg, dist)
-    run = RunContext(cfg, dist, ckpts, log, stream_factory, changes)
+    log = _open_log(cfg, dist, streams)
+    run = RunContext(cfg, dist, ckpts, log, stream_factory, streams, changes)
     if start.tag_dir is None:   # --resume auto restarting a run cut short before its first checkpoint
         _record_config_changes(run, start)
     progress, weights, evals, tag_dir = start.progress, None, [], start.tag_dir
@@ -140,7 +142,7 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
         for i in range(first):  # stages finished before the checkpoint resumed from
             evals += _evaluate_finished_stage(run, i)
         for i in range(first, len(cfg.stages)):
-            stage = resolve_stage(cfg, i, dist.world_size, dist.device)
+            stage = resolve_stage(cfg, i, dist.world_size, dist.device, stream=streams)
             resume_here = start if i == first and start.tag_dir is not None else None
             tag_dir, weights, records = run_stage(run, stage, weights, resume_here, progress)
             evals += records
@@ -156,15 +158,15 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
             _plot(cfg, log)
 
 
-def _open_log(cfg: RunConfig, dist: DistInfo) -> MetricsLog:
+def _open_log(cfg: RunConfig, dist: DistInfo, streams: StreamSettings) -> MetricsLog:
     """The run's log; its trackers start on rank 0, and one that cannot (wandb without a login) stops every rank
     with rank 0's one line before the first step."""
     log, error = None, None
     try:
         log = MetricsLog(cfg.run_dir, enabled=dist.is_main, progress=cfg.logging.progress,
                          tensorboard=cfg.logging.tensorboard, report_to=cfg.logging.report_to,
-                         progress_every_s=cfg.logging.progress_every_s, config=cfg.to_dict(), run_name=cfg.run.name,
-                         wandb_project=cfg.logging.wandb_project)
+                         progress_every_s=cfg.logging.progress_every_s, config=cfg.to_dict(streams),
+                         run_name=cfg.run.name, wandb_project=cfg.logging.wandb_project)
     except Exception as exc:   # noqa: BLE001 - told to every rank first, then raised as it is on rank 0
         error = exc
     box = [None if error is None else str(error)]
@@ -225,7 +227,7 @@ def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], st
         engine = build_engine(model, cfg, stage, dist, load_universal=universal)
     _seed_everything(cfg.run.seed * 7919 + 104729 * stage.index + dist.rank)  # token masks differ per rank
     stream = run.stream_factory(cfg, stage, dist)
-    line = host_line(stage, cfg.data)
+    line = host_line(stage)
     if line is not None:   # every host's first process: its own loaders (host_line.py); rank 0's says the others
         print(line, flush=True)
     if start is not None:
@@ -322,7 +324,7 @@ def _evaluate_finished_stage(run: RunContext, i: int) -> list[dict]:
         log.print(f"[warn] stage {i} ({cfg.stages[i].name}): evaluations missing from results.jsonl and its "
                   f"final checkpoint {tag_dir} is gone; they cannot be run")
         return []
-    stage = resolve_stage(cfg, i, dist.world_size)   # for its evaluations: no device micro-batch fit
+    stage = resolve_stage(cfg, i, dist.world_size, stream=run.stream)   # for its evaluations: no micro-batch fit
     with deepspeed_prints():
         weights = consolidated_state_dict(tag_dir)
     return evaluate_after_stage(cfg, stage, weights, record.progress, log, dist)
@@ -334,7 +336,8 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _prepare_run_dir(cfg: RunConfig, start: ResumePoint, moved_aside: bool, restarted: bool = False) -> None:
+def _prepare_run_dir(cfg: RunConfig, streams: StreamSettings, start: ResumePoint, moved_aside: bool,
+                     restarted: bool = False) -> None:
     """Rank 0, once the command is validated: move an earlier run aside (--overwrite), set aside the rows a
     cut-short segment logged after the checkpoint resumed from (`restarted`: --resume auto starts over a run
     cut short before its first checkpoint: all its rows), write run_config.yaml at the first start (a resume keeps
@@ -344,7 +347,7 @@ def _prepare_run_dir(cfg: RunConfig, start: ResumePoint, moved_aside: bool, rest
     if start.tag_dir is not None or restarted:
         set_aside_rows_after(cfg.run_dir, start.progress.global_step)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    record_run(cfg)   # run_config.yaml at the first start, and what its path keys read (config_changes.py)
+    record_run(cfg, streams)   # run_config.yaml at the first start, and what its path keys read (config_changes.py)
 
 
 def _export(run: RunContext, tag_dir: Path, weights: dict) -> Optional[Path]:
@@ -365,7 +368,8 @@ def default_stream_factory(cfg: RunConfig, stage: ResolvedStage, dist: DistInfo)
                               text_mask=stage.text_mask, batch_size=stage.per_rank_batch,
                               rank=dist.rank, world_size=dist.world_size,
                               tokenizer_name=cfg.model.tokenizer or cfg.model.name,
-                              bert_vocab=cfg.model.bert_vocab, decode=stage.decode, device=dist.device)
+                              bert_vocab=cfg.model.bert_vocab, decode=stage.decode, device=dist.device,
+                              settings=stage.stream)
 
 
 def _make_loss(dist: DistInfo) -> ClipLoss:
@@ -557,7 +561,7 @@ def _save(run: RunContext, engine, stage: ResolvedStage, progress: Progress, str
     stream's now)."""
     cfg, ckpts = run.cfg, run.ckpts
     info = CheckpointInfo(cfg.model.name, stage.image_size, stage.context_length, tower_patch_size(engine.module),
-                          stage.zero_stage, stage.name, stage.steps, cfg.precision, cfg.to_dict(),
+                          stage.zero_stage, stage.name, stage.steps, cfg.precision, cfg.to_dict(run.stream),
                           {"mean": list(stage.mean), "std": list(stage.std)},
                           tokenizer_record(cfg.model.tokenizer or cfg.model.name, cfg.model.bert_vocab),
                           progress)

@@ -15,15 +15,15 @@ from typing import Optional
 from crate_clip.train.planning.planner import host_bytes_per_node
 
 
-def host_line(stage, data) -> Optional[str]:
-    """This host's line for `stage` (a ResolvedStage; `data`: the run config's data section), or None on any process
-    of the host but the first, and on a job of one host (the plan says it all there)."""
+def host_line(stage) -> Optional[str]:
+    """This host's line for `stage` (a ResolvedStage: its stream settings, as the launch settled them), or None on any
+    process of the host but the first, and on a job of one host (the plan says it all there)."""
     st = stage.stream
     one_host = st is None or st.ranks_per_host >= stage.world_size
     if one_host or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return None
-    split = (f" (data.host_shuffle_buffer {data.host_shuffle_buffer:,} split over a host's streams at the run's "
-             "first launch)" if data.host_shuffle_buffer is not None else "")
+    split = (f" (data.host_shuffle_buffer {st.host_shuffle_buffer:,} split over a host's streams at the run's "
+             "first launch)" if st.host_shuffle_buffer is not None else "")
     parts = host_bytes_per_node(stage)
     memory = ", ".join(f"{k} {v / 2 ** 20:,.0f} MiB" for k, v in parts.items())
     return (f"[host {socket.gethostname()}] stage {stage.index} ({stage.name}): {st.ranks_per_host} rank(s) reading "

@@ -356,9 +356,13 @@ class RunConfig(Section):
         """A line for each stage whose samples are not whole global batches (they are rounded down)."""
         return [note for i, s in enumerate(self.stages) if (note := s.rounding_note(f"stages.{i}"))]
 
-    def to_dict(self) -> dict:
-        """Plain-dict form (for the copy saved in the run folder and in checkpoints)."""
-        return self.model_dump(mode="json", exclude={"data": {"seed"}})  # set per stage from run.seed
+    def to_dict(self, stream=None) -> dict:
+        """Plain-dict form (for the copy saved in the run folder and in checkpoints); with `stream` (the StreamSettings
+        a launch settled), data.canonical_streams and data.shuffle_buffer as settled: what a resume reads back."""
+        raw = self.model_dump(mode="json", exclude={"data": {"seed"}})  # set per stage from run.seed
+        if stream is not None:
+            raw["data"].update(canonical_streams=stream.streams, shuffle_buffer=stream.shuffle_buffer)
+        return raw
 
     def checks(self) -> list[tuple[str, str]]:
         """At least one stage, unique stage names; the stream seed comes from run.seed."""

@@ -151,10 +151,12 @@ class ResolvedStage:
 
 
 def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str = "cpu",
-                  ranks_per_host: Optional[int] = None) -> ResolvedStage:
+                  ranks_per_host: Optional[int] = None, stream: Optional[StreamSettings] = None) -> ResolvedStage:
     """Stage `index` of `cfg` for a job of `world_size` processes on `device` (CUDA: micro_batch auto is the
     planner's largest that fits this GPU; elsewhere the whole rank batch), `ranks_per_host` of them a host
-    (default: LOCAL_WORLD_SIZE, else all)."""
+    (default: LOCAL_WORLD_SIZE, else all); `stream`: the stream settings the launch settled
+    (elastic_resume.launch_stream_settings), else those the config's data section gives (a plan without a checkpoint,
+    an evaluation)."""
     s = cfg.stages[index]
     norm = {k: tuple(getattr(cfg.data, k) if k in cfg.data.model_fields_set else preprocess_cfg_for(cfg.model.name)[k])
             for k in ("mean", "std")}   # the model's own normalisation unless the run config sets data.mean/std
@@ -166,8 +168,9 @@ def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str =
         micro_batch=s.micro_batch if isinstance(s.micro_batch, int) else s.global_batch // world_size,
         steps=s.steps, zero_stage=zero_stage_of(cfg), precision=cfg.precision, decode=s.decode,
         interpolation=cfg.data.crop_interpolation,
-        stream=stream_settings(cfg.data, world_size, math.gcd(*(t.global_batch // world_size for t in cfg.stages)),
-                               None, ranks_per_host or ranks_on_this_host(world_size)),
+        stream=stream or stream_settings(cfg.data, world_size,
+                                         math.gcd(*(t.global_batch // world_size for t in cfg.stages)),
+                                         None, ranks_per_host or ranks_on_this_host(world_size)),
         checkpoint_blocks=s.checkpoint_blocks, **norm)
     if s.micro_batch == "auto" and device.startswith("cuda"):
         memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
