@@ -44,7 +44,8 @@ def slurm_conf(folder: Path, munge_socket: Path, nodes=None) -> str:
     node_lines = ([f"NodeName={n.name} NodeAddr={n.addr} CPUs=2 RealMemory=1000 State=UNKNOWN" for n in nodes.nodes]
                   if nodes else ["NodeName=localhost CPUs=2 RealMemory=1000 State=UNKNOWN"])
     return "\n".join([
-        f"ClusterName=crate{os.getpid()}", f"SlurmctldHost=localhost({nodes.head})" if nodes else "SlurmctldHost=localhost",
+        f"ClusterName=crate{os.getpid()}",
+        f"SlurmctldHost=localhost({nodes.head})" if nodes else "SlurmctldHost=localhost",
         f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
         "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
         f"AuthInfo=socket={munge_socket}", "MpiDefault=none",

@@ -15,10 +15,9 @@ It is also a script, for trying a multi-node launch by hand (docs/training.md#se
 Layout: a bridge in the machine's own namespace holds the address .1 (the "head": slurmctld, a test's servers), each
 node a veth pair to it (its end named eth0) and .2, .3. A node's processes resolve both node names through
 /etc/netns/<node>/hosts, which `ip netns exec` mounts over /etc/hosts for them (and a resolv.conf that fails at once:
-no DNS server is reachable from a node). A command runs on a node as
-`ip netns exec NODE nsenter --uts=UTS_FILE -- CMD`; killing a node is what a crash does: its link goes down, so the other
-node's connections to it hear nothing more (no FIN, no RST), and every process whose network namespace is the node's
-(`ip netns pids`) gets SIGKILL.
+no DNS server is reachable from a node). A command runs on a node as `ip netns exec NODE nsenter --uts=UTS_FILE --
+CMD`; killing a node is what a crash does: its link goes down, so the other node's connections to it hear nothing
+more (no FIN, no RST), and every process whose network namespace is the node's (`ip netns pids`) gets SIGKILL.
 """
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "exit 8 (Slurm: --signal=B:USR1@120, and the SIGTERM of scancel, preemption and requeue); "
                         "comma-separated, or none (default: USR1,TERM; docs/training.md#preemption-and-slurm)")
     p.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=False,
-                   help="after such a stop, or when the job ends for a lost rank (exit 9), requeue this Slurm job (scontrol requeue $SLURM_JOB_ID) unless Slurm is "
+                   help="after such a stop, or when the job ends for a lost rank (exit 9), requeue this Slurm "
+                        "job (scontrol requeue $SLURM_JOB_ID) unless Slurm is "
                         "already ending it: it resumes with --resume auto (--no-requeue: the last one given wins)")
     p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true", help=TRUST_HELP)
     p.add_argument("--validate", action="store_true",

@@ -114,7 +114,8 @@ def _run_holding_the_folder(cfg: RunConfig, resume: Optional[str], stream_factor
         _remove_leftovers(ckpts.root, dist)
         check_space_for_next_save(ckpts.root, start.tag_dir)
     tdist.barrier()  # every rank has read the folder before rank 0 changes it
-    share_between_ranks(dist, cfg.run.lost_rank_timeout_s)   # from here a stop reaches every rank at once, not only at a step boundary
+    # from here a stop reaches every rank at once, not only at a step boundary, and a lost rank ends the job
+    share_between_ranks(dist, cfg.run.lost_rank_timeout_s)
     if dist.is_main:
         _prepare_run_dir(cfg, streams, start, moved_aside=earlier_run and overwrite,
                          restarted=bool(earlier_run) and not overwrite and start.tag_dir is None)

@@ -2,9 +2,9 @@
 
 Only global rank 0 prints the run's progress; but a node's host memory is its own (the shuffle buffers of the
 canonical streams its ranks read, their DataLoader workers), and a node that runs out of it is the one to look at.
-So in a job of several hosts the first process of each (LOCAL_RANK 0) says, once per stage, how many streams its ranks read, the buffer
-each holds (data.host_shuffle_buffer is split over exactly these), the decode workers, and the host memory that
-`crate-clip plan` counts for them (planner.host_bytes_per_node).
+So in a job of several hosts the first process of each (LOCAL_RANK 0) says, once per stage, how many streams its
+ranks read, the buffer each holds (data.host_shuffle_buffer is split over exactly these), the decode workers, and
+the host memory that `crate-clip plan` counts for them (planner.host_bytes_per_node).
 """
 from __future__ import annotations
 
