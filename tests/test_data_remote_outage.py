@@ -198,17 +198,19 @@ def test_a_transfer_below_the_throughput_floor_is_a_stall_and_the_outage_budget_
     the source back, the outage's budget runs out (exit code 7) instead of the read taking hours."""
     server = FaultyHttpServer(shards[0].parent, {})
     server.server.drip_all = True
-    policy = RetryPolicy(total_s=2.0, stall_s=1.0, backoff_base_s=0.1, backoff_max_s=0.2, min_bytes_per_s=1024)
+    # a stall timeout of 4 drips: on a loaded machine a drip came over a second late once (a 1 s timeout)
+    policy = RetryPolicy(total_s=4.0, stall_s=2.0, backoff_base_s=0.1, backoff_max_s=0.2, min_bytes_per_s=1024)
     start = time.monotonic()
     try:
-        with pytest.raises(ShardSourceUnavailable, match=r"still unreachable after 2 s .* below 1024 B/s") as err:
+        with pytest.raises(ShardSourceUnavailable,
+                           match=r"still unreachable after 4 s .* (below 1024 B/s|no byte for 2 s)") as err:
             read_keys([f"{server.url}/{shards[0].name}"], policy)
     finally:
         server.close()
     assert time.monotonic() - start < 30 and server.server.drips >= 2   # retried, then given up: no hang
-    lines = backoff_lines(caplog)   # a retry drips from its first byte: on a loaded machine, silent for a second
-    assert "below 1024 B/s (data.remote_min_bytes_per_s)" in lines[0]
-    assert all("below 1024 B/s" in ln or "no byte for 1 s" in ln for ln in lines), lines
+    lines = backoff_lines(caplog)   # a retry drips from its first byte: on a loaded machine, silent for a while
+    assert any("below 1024 B/s (data.remote_min_bytes_per_s)" in ln for ln in lines), lines
+    assert all("below 1024 B/s" in ln or "no byte for 2 s" in ln for ln in lines), lines
     assert err.value.exit_code == EXIT_SOURCE_UNAVAILABLE
 
 
