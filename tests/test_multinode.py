@@ -64,6 +64,17 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "export" / "open_clip_model.safetensors")
 
 
+def _identical(got: dict, expected: dict) -> bool:
+    """The same tensors under the same names, bit for bit."""
+    return got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def _worst_difference(got: dict, expected: dict) -> float:
+    """The largest absolute difference of any weight (the same names in both)."""
+    assert got.keys() == expected.keys()
+    return max(float((got[k] - expected[k]).abs().max()) for k in got)
+
+
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory, tiny_fmnist):
     """The undisturbed run: one node, two ranks (forked), the same global batch and samples."""
@@ -101,9 +112,7 @@ def test_torchrun_two_static_nodes_train_what_one_node_trains(one_node, tiny_fmn
     codes = [p.wait(timeout=300) for p in procs]
     text = [o.read_text() for o in outs]
     assert codes == [0, 0], text
-    got = _weights(root / "static")
-    assert got.keys() == expected.keys()
-    assert all(torch.equal(got[k], expected[k]) for k in got), "two nodes trained other weights than one node"
+    assert _identical(_weights(root / "static"), expected), "two nodes trained other weights than one node"
     # each host says what its own loaders hold, once; only global rank 0 reports the run
     for node, out in zip(made.nodes, text):
         lines = [line for line in out.splitlines() if line.startswith("[host ")]
@@ -133,8 +142,7 @@ def test_deepspeed_hostfile_launch_over_ssh_trains_what_one_node_trains(one_node
     done = made.run(n1, cmd, env=dict(env, DS_ENV_FILE=str(env_file)), cwd=REPO_ROOT, capture_output=True,
                     text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    got = _weights(root / "deepspeed")
-    assert all(torch.equal(got[k], expected[k]) for k in expected), "the hostfile launch trained other weights"
+    assert _identical(_weights(root / "deepspeed"), expected), "the hostfile launch trained other weights"
     # launch.py says a host's processes in LOCAL_SIZE: each host's line counts its own rank
     for node in made.nodes:
         assert f"{node.name}: [host {node.name}] stage 0 (s): 1 rank(s) reading 1 of 2" in done.stdout, done.stdout
@@ -155,7 +163,7 @@ def test_elastic_torchrun_survives_a_node_crash_and_takes_the_node_back(one_node
 
     out1, out2, out2b = (root / f"elastic-{x}.out" for x in ("n1", "n2", "n2-back"))
     agent1, agent2 = torchrun(n1, out1), torchrun(n2, out2)
-    _wait_for(lambda: _saved_steps(run_dir) and max(_saved_steps(run_dir)) >= 4, agent1, out1)
+    _wait_for(lambda: _saved_steps(run_dir) and max(_saved_steps(run_dir)) >= 4, _launcher_ended(agent1), out1)
     holder = json.loads((root / "elastic.lock").read_text())
     assert holder["host"] == n1.name   # the run lock names the host that holds it (rank 0's)
     lost_at = time.monotonic()
@@ -163,13 +171,14 @@ def test_elastic_torchrun_survives_a_node_crash_and_takes_the_node_back(one_node
     assert agent2.wait(timeout=30) == -signal.SIGKILL
     # node 1's rank hears no more of rank 1: it ends with 9 (no 30-minute collective timeout) and its agent
     # restarts it, alone: it resumes from the last checkpoint at one process
-    _wait_for(lambda: "has not been heard from" in out1.read_text(), agent1, out1)
+    _wait_for(lambda: "has not been heard from" in out1.read_text(), _launcher_ended(agent1), out1)
     said = time.monotonic() - lost_at
     assert said < LOST_AFTER_S + 15, f"the lost rank was noticed after {said:.0f} s"
     lost_line = next(line for line in out1.read_text().splitlines() if "has not been heard from" in line)
     assert f"rank 1 (host {n2.name})" in lost_line and "(exit 9)" in lost_line
     resumed_alone = max(_saved_steps(run_dir))
-    _wait_for(lambda: max(_saved_steps(run_dir)) > resumed_alone, agent1, out1)   # steps of its own, alone
+    # steps of its own, alone
+    _wait_for(lambda: max(_saved_steps(run_dir)) > resumed_alone, _launcher_ended(agent1), out1)
     # the job is stopped (a preemption: SIGTERM to torchrun, which passes it on: a save, exit 8) and launched again
     # once node 2 is back: both nodes resume at two processes
     os.kill(agent1.pid, signal.SIGTERM)
@@ -182,10 +191,9 @@ def test_elastic_torchrun_survives_a_node_crash_and_takes_the_node_back(one_node
     assert codes == [0, 0], (out1b.read_text()[-3000:], out2b.read_text()[-3000:])
     assert "resuming from" in out1b.read_text()
     assert "resuming from" in out1.read_text()   # on node 1 alone
-    got = _weights(run_dir)
     # a segment at one process sums the gradients in another order: float rounding, which AdamW's normalisation
     # carries into the weights (measured: at most 4.8e-6 absolute); another sample order would move them ~1e-3
-    worst = max(float((got[k] - expected[k]).abs().max()) for k in got)
+    worst = _worst_difference(_weights(run_dir), expected)
     assert worst < 5e-5, f"the weights differ from the undisturbed run's by up to {worst:.2e}"
 
 
@@ -206,7 +214,7 @@ def test_slurm_two_nodes_preempted_then_a_node_lost(one_node, tiny_fmnist, clust
         out = root / f"slurm-{job}.out"
         attempt = slurm.wait_state(job, {"RUNNING"})
         assert attempt["NumNodes"] == "2", attempt
-        _wait_for_slurm(lambda: _saved_steps(run_dir) and max(_saved_steps(run_dir)) >= 2, slurm, job, out)
+        _wait_for(lambda: _saved_steps(run_dir) and max(_saved_steps(run_dir)) >= 2, _job_ended(slurm, job), out)
         slurm.command("scontrol", "requeue", job)   # SIGTERM to every process of the job, on both nodes
         slurm.wait_state(job, {"PENDING"})
         preempted = out.read_text()
@@ -216,7 +224,7 @@ def test_slurm_two_nodes_preempted_then_a_node_lost(one_node, tiny_fmnist, clust
         assert len(parts) == 2, parts   # one checkpoint holds both ranks' optimizer partitions
         slurm.start_now(job)
         slurm.wait_state(job, {"RUNNING"})
-        _wait_for_slurm(lambda: max(_saved_steps(run_dir)) >= tag + 4, slurm, job, out)
+        _wait_for(lambda: max(_saved_steps(run_dir)) >= tag + 4, _job_ended(slurm, job), out)
         lost_at = time.monotonic()
         made.kill_node(n2)   # node 2 crashes: rank 0 (node 1) ends the job (9) and requeues it
         slurm.wait_state(job, {"PENDING"}, timeout=120)
@@ -239,8 +247,7 @@ def test_slurm_two_nodes_preempted_then_a_node_lost(one_node, tiny_fmnist, clust
     ours = {r["global_step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
     theirs = {r["global_step"]: r["loss"] for r in read_jsonl(root / "one_node" / "metrics.jsonl") if "loss" in r}
     assert all(ours[s] == theirs[s] for s in range(tag + 1, tag + 5)), (ours, theirs)
-    got = _weights(run_dir)
-    worst = max(float((got[k] - expected[k]).abs().max()) for k in got)
+    worst = _worst_difference(_weights(run_dir), expected)
     assert worst < 5e-5, f"the weights differ from the undisturbed run's by up to {worst:.2e}"
 
 
@@ -270,18 +277,7 @@ def test_slurm_torchrun_scripts_of_the_docs_on_two_nodes(one_node, tiny_fmnist, 
             out = (root / f"{name}-{job}.out").read_text()
             assert done["JobState"] == "COMPLETED" and done["NumNodes"] == "2", (done, out[-4000:])
             assert all(f"[host {node.name}] stage 0 (s): 1 rank(s)" in out for node in made.nodes), out[-4000:]
-            got = _weights(root / name)
-            assert all(torch.equal(got[k], expected[k]) for k in expected), f"{name}: other weights"
-
-
-def _wait_for_slurm(condition, slurm, job, out: Path, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        state = slurm.job(job).get("JobState")
-        if state not in ("RUNNING", "PENDING", "CONFIGURING") or time.monotonic() > deadline:
-            text = out.read_text() if out.exists() else ""
-            raise AssertionError(f"not reached (job {state}):\n{text[-4000:]}")
-        time.sleep(0.2)
+            assert _identical(_weights(root / name), expected), f"{name}: other weights"
 
 
 def test_the_two_node_script_makes_runs_on_and_removes_a_cluster(capsys):
@@ -310,9 +306,23 @@ def _saved_steps(run_dir: Path) -> list[int]:
             if (p / "crate_clip.json").is_file()]
 
 
-def _wait_for(condition, proc, out: Path, timeout: float = 240) -> None:
+def _wait_for(condition, ended, out: Path, timeout: float = 240) -> None:
+    """Until `condition()`; fails with the output's tail once `ended()` says what stopped (or the timeout)."""
     deadline = time.monotonic() + timeout
     while not condition():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"not reached (launcher {proc.returncode}):\n{out.read_text()[-4000:]}")
+        why = ended() or ("a timeout" if time.monotonic() > deadline else None)
+        if why:
+            text = out.read_text() if out.exists() else ""
+            raise AssertionError(f"not reached ({why}):\n{text[-4000:]}")
         time.sleep(0.2)
+
+
+def _launcher_ended(proc: subprocess.Popen):
+    return lambda: None if proc.poll() is None else f"launcher {proc.returncode}"
+
+
+def _job_ended(slurm, job: str):
+    def ended():
+        state = slurm.job(job).get("JobState")
+        return None if state in ("RUNNING", "PENDING", "CONFIGURING") else f"job {state}"
+    return ended

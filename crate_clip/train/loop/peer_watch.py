@@ -6,7 +6,7 @@ folder's lock, and an elastic launcher cannot restart them on the nodes left unt
 lives, and watches the ranks it depends on, through the job's key-value store (the TCPStore at MASTER_ADDR, which
 the launcher of node 0 serves):
 
-    every rank, each POLL_S (stop_sharing.py's thread):  adds 1 to its own counter in the store
+    every rank, each BEAT_S (stop_sharing.py's thread):  adds 1 to its own counter in the store
     rank 0:   reads every other rank's counter;  the other ranks: rank 0's
     a counter that has not moved for `lost_after_s`, or a store that has not answered for that long (node 0 is
     gone): one line naming the rank and its host, the run folder's lock released, exit EXIT_RANK_LOST (9)
