@@ -42,9 +42,9 @@ from crate_clip.train.loop.stage_evals import (EvalBudget, agreed, agreed_missin
 from crate_clip.train.loop.stop_requests import (StopRequested, agreed_stop, request_stop, share_between_ranks,
                                                   stops_with_checkpoint)
 from crate_clip.train.loop.train_step import train_step
-from crate_clip.train.reporting.host_line import host_line
 from crate_clip.train.reporting.deepspeed_output import (close_log, deepspeed_log_path, deepspeed_prints,
                                                          divert_deepspeed_logs, log_to, warnings_to_log)
+from crate_clip.train.reporting.host_line import host_line
 from crate_clip.train.reporting.metrics_log import PLOT_FILE, MetricsLog, set_aside_rows_after, write_plot
 from crate_clip.train.reporting.throughput import StepMeter
 from crate_clip.train.reporting.trackers import TrackerError
@@ -229,7 +229,7 @@ def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], st
     _seed_everything(cfg.run.seed * 7919 + 104729 * stage.index + dist.rank)  # token masks differ per rank
     stream = run.stream_factory(cfg, stage, dist)
     line = host_line(stage)
-    if line is not None:   # every host's first process: its own loaders (host_line.py); rank 0's says the others
+    if line is not None:   # said by each host's first process, not rank 0 alone: its own loaders (host_line.py)
         print(line, flush=True)
     if start is not None:
         settings = schedule_settings(engine.lr_scheduler)   # the run config's: an allowed change takes effect
