@@ -274,7 +274,7 @@ TRAIN_LAYERS = (
     ("run", "reporting"),      # the run config, folder, lock and processes | the meter, metrics files, trackers
     ("stage_setup",),          # ResolvedStage and its model, the text lock, the optimizer, the DeepSpeed engine
     ("checkpointing",),        # checkpoints and their records, elastic resume, config changes on resume
-    ("loop",),                 # the step, batch agreement, stop requests, stage evaluations, the stage loop
+    ("loop",),                 # the step, batch agreement, stop requests, stage evaluations, the stage loop and its parts
     (TRAIN_ENTRY,),
 )
 TRAIN_LAYER_OF = {part: i for i, layer in enumerate(TRAIN_LAYERS) for part in layer}
@@ -333,6 +333,34 @@ def test_train_scan_sees_an_import_running_up(tmp_path, monkeypatch):
     graph = train_part_graph()
     assert graph == {"planning": {"loop"}, "loop": {"planning"}, TRAIN_ENTRY: set()}
     assert find_cycle(graph) == ["loop", "planning", "loop"]
+
+
+LOOP = ROOT / "crate_clip" / "train" / "loop"
+PARTS_USER = "crate_clip.train.loop.stage_loop"   # the one module that composes the stage's parts
+
+
+def parts_arrows(loop: Path) -> list[str]:
+    """Imports that break the loop's one direction: a part importing the stage loop, or another module than the
+    stage loop importing a part (the parts use the loop's building blocks; stage_loop.py alone puts them together)."""
+    bad = []
+    for path in sorted(loop.rglob("*.py")):
+        in_parts = path.parent.name == "parts"
+        for lineno, module in _imported_modules(path):
+            if in_parts and module == PARTS_USER:
+                bad.append(f"{path.name}:{lineno} imports {module}")
+            if not in_parts and module.startswith("crate_clip.train.loop.parts") and path.stem != "stage_loop":
+                bad.append(f"{path.name}:{lineno} imports {module}")
+    return bad
+
+
+def test_only_the_stage_loop_puts_the_parts_together(tmp_path, monkeypatch):
+    assert parts_arrows(LOOP) == []
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "p.py").write_text("from crate_clip.train.loop.stage_loop import run_training\n")
+    (tmp_path / "train_step.py").write_text("from crate_clip.train.loop.parts.stage_part import StagePart\n")
+    assert parts_arrows(tmp_path) == ["p.py:1 imports crate_clip.train.loop.stage_loop",
+                                      "train_step.py:1 imports crate_clip.train.loop.parts.stage_part"]
 
 
 def train_layers_line() -> str:

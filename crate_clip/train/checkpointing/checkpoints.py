@@ -277,11 +277,13 @@ class CheckpointManager:
             raise _earlier_rank_state(exc) from None
         return record
 
-    def load_rank_state(self, tag_dir: Path) -> dict:
-        """This rank's data-stream position and RNG states."""
-        path = rank_state_path(tag_dir, self.rank)
+    def load_rank_state(self, tag_dir: Path, rank: Optional[int] = None) -> dict:
+        """This rank's (or saved rank `rank`'s) states of the stage loop's parts: data-stream position, RNG states,
+        progress, ..."""
+        rank = self.rank if rank is None else rank
+        path = rank_state_path(tag_dir, rank)
         if not path.is_file():
-            raise ResumeError(f"{path}: missing; the checkpoint holds no state for rank {self.rank}")
+            raise ResumeError(f"{path}: missing; the checkpoint holds no state for rank {rank}")
         try:
             return load_torch_file(path, allow=())
         except UntrustedCheckpointError as exc:

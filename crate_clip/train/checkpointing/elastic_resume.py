@@ -229,11 +229,12 @@ def needs_universal(tag_dir: Path, world_size: int, zero_stage: int) -> bool:
 
 
 def load_resume_state(ckpts: CheckpointManager, engine, tag_dir: Path, rank: int, world_size: int,
-                      universal: bool) -> dict:
+                      universal: bool, job_wide: tuple = ()) -> dict:
     """Load checkpoint `tag_dir` into `engine` (every rank; `universal`: needs_universal's answer, the engine built
-    with load_universal); returns this rank's client state: `stream` position and `rng` states, None at another
-    world size (the caller seeds with resume_seed). The checkpoint was checked (complete, allow-listed) by
-    find_resume_point before anything was written."""
+    with load_universal); returns this rank's states of the stage loop's parts. At another world size the saved ranks'
+    own states do not fit: the `stream` position is rebuilt for this rank from the saved table, `rng` is None (the
+    caller seeds with resume_seed) and the `job_wide` parts' states come from saved rank 0's file. The checkpoint was
+    checked (complete, allow-listed) by find_resume_point before anything was written."""
     if universal:
         universal_checkpoint(tag_dir, rank)
         load_universal(engine, tag_dir)
@@ -242,7 +243,9 @@ def load_resume_state(ckpts: CheckpointManager, engine, tag_dir: Path, rank: int
     saved_world = _saved_shape(read_record(tag_dir), world_size, 0)[0]
     if saved_world == world_size:   # the ranks' own states fit (at most the ZeRO stage changed)
         return ckpts.load_rank_state(tag_dir)
-    return {"stream": stream_state_for(tag_dir, rank, world_size, saved_world), "rng": None}
+    rank0 = ckpts.load_rank_state(tag_dir, rank=0) if job_wide else {}
+    return {**{name: rank0.get(name) for name in job_wide},
+            "stream": stream_state_for(tag_dir, rank, world_size, saved_world), "rng": None}
 
 
 def universal_damage(folder: Path) -> Optional[str]:

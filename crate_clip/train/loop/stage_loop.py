@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import time
 from pathlib import Path
-from typing import Callable, NoReturn, Optional
+from typing import Callable, Optional
 
-import numpy as np
-import torch
 import torch.distributed as tdist
 from open_clip import ClipLoss
 
@@ -24,31 +21,37 @@ from crate_clip.checkpoint_io.checkpoint_record import CheckpointInfo, Progress,
 from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
 from crate_clip.checkpoint_io.run_layout import checkpoint_tag, checkpoints_dir, export_dir
 from crate_clip.checkpoint_io.safe_unpickling import TRUST_WARNING, checkpoints_trusted
-from crate_clip.core.errors import EXIT_NONFINITE, UserError
+from crate_clip.data.stream_layout import StreamSettings
+from crate_clip.data.train_stream import build_train_stream
+from crate_clip.export.writer import export_checkpoint
 from crate_clip.models import tokenizer_record
 from crate_clip.models.patch_change import tower_patch_size
-from crate_clip.export.writer import export_checkpoint
 from crate_clip.train.checkpointing.checkpoints import (CheckpointManager, ResumeError, ResumePoint,
-                                                        find_resume_point, intact_checkpoint, rng_state,
-                                                        set_rng_state)
+                                                        find_resume_point, intact_checkpoint)
 from crate_clip.train.checkpointing.config_changes import (ConfigChange, ResumedAt, agreed_config_changes,
                                                            record_changes, record_run)
 from crate_clip.train.checkpointing.elastic_resume import (STREAM_TABLE, gather_stream_table, load_resume_state,
-                                                           launch_stream_settings, needs_universal, resolve_auto,
-                                                           resume_seed)
+                                                           launch_stream_settings, needs_universal, resolve_auto)
 from crate_clip.train.loop.batch_agreement import agreed_batches
-from crate_clip.train.loop.stage_evals import (EvalBudget, agreed, agreed_missing_evals, evaluate_after_stage,
-                                               evaluate_mid_stage, mid_stage_due)
-from crate_clip.train.loop.stop_requests import (StopRequested, agreed_stop, request_stop, share_between_ranks,
-                                                  stops_with_checkpoint)
+from crate_clip.train.loop.parts.checkpoint_cadence import CheckpointCadence
+from crate_clip.train.loop.parts.mid_stage_evals import MidStageEvals
+from crate_clip.train.loop.parts.nonfinite_guard import NonFiniteLossError, NonfiniteGuard  # noqa: F401 - its error
+from crate_clip.train.loop.parts.progress_record import ProgressRecord, advance
+from crate_clip.train.loop.parts.rng_states import RngStates, seed_everything
+from crate_clip.train.loop.parts.stage_part import (LoopState, StagePart, job_wide_names, load_part_states,
+                                                    part_states)
+from crate_clip.train.loop.parts.step_metrics import StepMetrics
+from crate_clip.train.loop.parts.stop_agreement import StopAgreement, stop_stage
+from crate_clip.train.loop.parts.stream_position import StreamPosition
+from crate_clip.train.loop.parts.whitebox_diagnostics import WhiteboxDiagnostics
+from crate_clip.train.loop.stage_evals import agreed_missing_evals, evaluate_after_stage
+from crate_clip.train.loop.stop_requests import agreed_stop, request_stop, share_between_ranks, stops_with_checkpoint
 from crate_clip.train.loop.train_step import train_step
 from crate_clip.train.reporting.deepspeed_output import (close_log, deepspeed_log_path, deepspeed_prints,
                                                          divert_deepspeed_logs, log_to, warnings_to_log)
 from crate_clip.train.reporting.host_line import host_line
 from crate_clip.train.reporting.metrics_log import PLOT_FILE, MetricsLog, set_aside_rows_after, write_plot
-from crate_clip.train.reporting.throughput import StepMeter
 from crate_clip.train.reporting.trackers import TrackerError
-from crate_clip.train.reporting.whitebox_log import WhiteboxProbe
 from crate_clip.train.run.disk_space import check_space_for_next_save, remove_leftovers
 from crate_clip.train.run.run_config import RunConfig, check_runtime
 from crate_clip.train.run.run_dir import check_run_dir, move_run_aside
@@ -57,14 +60,6 @@ from crate_clip.train.stage_setup.engine import DistInfo, build_engine, init_dis
 from crate_clip.train.stage_setup.optim import restore_schedule_settings, schedule_settings
 from crate_clip.train.stage_setup.optimizer_carry import CARRY, CarriedState, apply_state, check_carry, collect_state
 from crate_clip.train.stage_setup.stage_model import ResolvedStage, resolve_stage
-from crate_clip.data.remote_retry import RESUME_LATEST
-from crate_clip.data.stream_layout import StreamSettings
-from crate_clip.data.train_stream import build_train_stream
-
-
-class NonFiniteLossError(UserError, RuntimeError):
-    """Too many non-finite losses in a row; the message names the step and the checkpoint to go back to."""
-    exit_code = EXIT_NONFINITE
 
 
 # ---------------------------------------------------------------- the run (entry point)
@@ -226,27 +221,24 @@ def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], st
     universal = start is not None and needs_universal(start.tag_dir, dist.world_size, stage.zero_stage)
     with deepspeed_prints():
         engine = build_engine(model, cfg, stage, dist, load_universal=universal)
-    _seed_everything(cfg.run.seed * 7919 + 104729 * stage.index + dist.rank)  # token masks differ per rank
+    seed_everything(cfg.run.seed * 7919 + 104729 * stage.index + dist.rank)  # token masks differ per rank
     stream = run.stream_factory(cfg, stage, dist)
     line = host_line(stage)
     if line is not None:   # said by each host's first process, not rank 0 alone: its own loaders (host_line.py)
         print(line, flush=True)
+    loop = LoopState(run, stage, engine, stream, progress, saver=_save)
+    loop.parts = stage_parts(loop)
     if start is not None:
         settings = schedule_settings(engine.lr_scheduler)   # the run config's: an allowed change takes effect
-        rank_state = _load_checkpoint(run, engine, stage, start.tag_dir, universal)
+        states = _load_checkpoint(run, engine, stage, start.tag_dir, universal, job_wide_names(loop.parts))
         restore_schedule_settings(engine.lr_scheduler, settings)
         _record_config_changes(run, start)
-        if rank_state.get("stream") is not None:
-            stream.load_state_dict(rank_state["stream"])
-        if rank_state.get("rng") is not None:
-            set_rng_state(rank_state["rng"])
-        else:   # another world size: the saved generators belong to ranks this job does not have
-            _seed_everything(resume_seed(cfg.run.seed, stage.index, progress.global_step, dist.rank))
+        load_part_states(loop.parts, states)
     else:
         progress.stage_index, progress.step, progress.nonfinite_in_a_row = stage.index, 0, 0
         if stage.config.optimizer_state == CARRY:
             _carry_into(run, stage, engine)
-    tag_dir = train_stage(run, stage, engine, stream, progress)
+    tag_dir = train_stage(loop)
     run.carried = collect_state(engine) if _next_stage_carries(cfg, stage) else None
     engine.destroy()
     del engine, model, stream
@@ -283,12 +275,15 @@ def _carry_into(run: RunContext, stage: ResolvedStage, engine) -> None:
     run.carried = None
 
 
-def _load_checkpoint(run: RunContext, engine, stage: ResolvedStage, tag_dir: Path, universal: bool) -> dict:
-    """Load `tag_dir` into the stage's engine; returns this rank's state. Weights of other shapes than the stage's
+def _load_checkpoint(run: RunContext, engine, stage: ResolvedStage, tag_dir: Path, universal: bool,
+                     job_wide: tuple = ()) -> dict:
+    """Load `tag_dir` into the stage's engine; returns this rank's states of the parts (`job_wide`: the parts whose
+    state rank 0 keeps, elastic_resume.load_resume_state). Weights of other shapes than the stage's
     model (a run config changed since) are a ResumeError naming the first mismatch, not a traceback."""
     try:
         with deepspeed_prints():
-            return load_resume_state(run.ckpts, engine, tag_dir, run.dist.rank, run.dist.world_size, universal)
+            return load_resume_state(run.ckpts, engine, tag_dir, run.dist.rank, run.dist.world_size, universal,
+                                     job_wide)
     except RuntimeError as exc:   # torch's load_state_dict under DeepSpeed: "size mismatch for <key>: ..."
         lines = [line.strip() for line in str(exc).splitlines()
                  if line.strip().startswith(("size mismatch", "Missing key", "Unexpected key"))]
@@ -329,12 +324,6 @@ def _evaluate_finished_stage(run: RunContext, i: int) -> list[dict]:
     with deepspeed_prints():
         weights = consolidated_state_dict(tag_dir)
     return evaluate_after_stage(cfg, stage, weights, record.progress, log, dist)
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed)
 
 
 def _prepare_run_dir(cfg: RunConfig, streams: StreamSettings, start: ResumePoint, moved_aside: bool,
@@ -381,165 +370,51 @@ def _make_loss(dist: DistInfo) -> ClipLoss:
                     rank=dist.rank, world_size=dist.world_size)
 
 
-def _summed_counters(stream, dist: DistInfo, counters: str = "skip_counts") -> dict:
-    """The data stream's bad-sample counters (or its `decode_counts`), summed over ranks."""
-    local = getattr(stream, counters)() if hasattr(stream, counters) else {}
-    gathered = [None] * dist.world_size
-    tdist.all_gather_object(gathered, dict(local))
-    total: dict = {}
-    for d in gathered:
-        for k, v in (d or {}).items():
-            total[k] = total.get(k, 0) + int(v)
-    return total
-
-
 # ---------------------------------------------------------------- the steps of one stage
-def _rng_untouched(dist: DistInfo):
-    """Measurements (FLOP count, white-box probe) run models whose token masks draw from the global generators:
-    they must not move them, or a resumed stage would draw other masks than the uninterrupted one."""
-    return torch.random.fork_rng(devices=[torch.device(dist.device)] if dist.device.startswith("cuda") else [])
+def stage_parts(loop: LoopState) -> list[StagePart]:
+    """The stage's parts, in the order their hooks run (stage_part.py): a feature of the loop is one entry here."""
+    cfg, progress = loop.cfg, loop.progress
+    return [StreamPosition(loop.stream), RngStates(cfg.run.seed, loop.stage.index, progress, loop.dist.rank),
+            ProgressRecord(progress), WhiteboxDiagnostics(), StepMetrics(cfg.logging.every_steps),
+            NonfiniteGuard(cfg.run.max_nonfinite_in_a_row), CheckpointCadence(cfg.checkpoint.every_steps),
+            MidStageEvals(cfg.eval.max_time_share), StopAgreement()]
 
 
-def train_stage(run: RunContext, stage: ResolvedStage, engine, stream, progress: Progress) -> Path:
-    """Run the stage's remaining steps; returns the folder of its final checkpoint."""
-    cfg, dist, log = run.cfg, run.dist, run.log
-    loss_fn = _make_loss(dist)
-    dtype = model_dtype(cfg.precision)
+def train_stage(loop: LoopState) -> Path:
+    """Run the stage's remaining steps, calling its parts' hooks; returns the folder of its final checkpoint."""
+    run, stage, engine, stream, progress = loop.run, loop.stage, loop.engine, loop.stream, loop.progress
+    loss_fn, dtype = _make_loss(run.dist), model_dtype(run.cfg.precision)
+    loop.first_step = progress.step   # a stop saves only once a step was trained since
     engine.train()
-    batches = agreed_batches(stream, dist.device)   # a data error on one rank stops every rank
-    log.start_stage(f"stage {progress.stage_index} {stage.name} @{stage.image_size}px", stage.steps,
-                    progress.step, stage.global_batch)
-    every_log, every_ckpt = cfg.logging.every_steps, cfg.checkpoint.every_steps
-    with _rng_untouched(dist):
-        meter = StepMeter(stage, dist, cfg.data.num_workers)
-        probe = WhiteboxProbe.for_stage(cfg, stage, engine, dist, log)  # None unless logging.diagnostics_every
-    stop, first_step = None, progress.step
-    mid = _MidStageEvals(cfg.eval.max_time_share)
+    batches = agreed_batches(stream, run.dist.device)   # a data error on one rank stops every rank
+    run.log.start_stage(f"stage {progress.stage_index} {stage.name} @{stage.image_size}px", stage.steps,
+                        progress.step, stage.global_batch)
+    _hooks(loop, "on_stage_start")
     while progress.step < stage.steps:
-        meter.begin()
+        loop.saved, loop.measured = None, {}
+        _hooks(loop, "on_step_start")
         position = _stream_state(stream)   # before the fetch: a rank whose batch is dropped below must not skip it
         try:
-            batches, (images, tokens) = _next_batch(batches, stream, cfg, dist)
+            batches, (loop.images, tokens) = _next_batch(batches, stream, run.cfg, run.dist)
         except Exception as exc:   # a data source given up on: every rank raised at this batch (agreed_batches)
             if not stops_with_checkpoint(exc):
                 raise
             request_stop(str(exc), exc.exit_code)
-            _stop(run, engine, stage, progress, stream, agreed_stop(dist), first_step, stream_state=position)
-        lr = engine.get_lr()[0]
-        meter.data_ready()
-        result = train_step(engine, loss_fn, images, tokens, dist, dtype, cfg.model.attention)
-        meter.step_done()
-        loss, scale = result.loss, result.logit_scale
-        progress.step += 1
-        progress.global_step += 1
-        progress.samples_seen += stage.global_batch
-        if loss is None:
-            progress.nonfinite_skipped += 1
-            # fp16's dynamic loss scale overflows now and then by design: not a sign of divergence
-            progress.nonfinite_in_a_row += result.skipped != "loss_scale_overflow"
-            what = {"nonfinite_grad": "finite loss but non-finite gradient norm",
-                    "loss_scale_overflow": "fp16 loss-scale overflow"}.get(result.skipped, "non-finite loss")
-            log.print(f"[warn] stage {progress.stage_index} step {progress.step}: {what}, step skipped "
-                      f"({progress.nonfinite_in_a_row} in a row, {progress.nonfinite_skipped} in total)")
-        else:
-            progress.nonfinite_in_a_row = 0
-        log.advance(loss, lr, progress.step)
-        if progress.step == 1:   # the stage's first batch, as the model sees it (rank 0's share)
-            log.log_images(f"train_samples/stage{stage.index}_{stage.name}", images, progress.samples_seen,
-                           stage.mean, stage.std)
-        last = progress.step == stage.steps
-        measured = None
-        if probe and probe.due(progress.step, last):
-            with _rng_untouched(dist):
-                measured = probe.measure()
-        if progress.step % every_log == 0 or last or loss is None or measured is not None:
-            perf = meter.record()
-            warning = meter.data_wait_warning(perf)
-            if warning:
-                log.print(warning)
-            log.show_throughput(perf)
-            log.log_step({"stage_index": progress.stage_index, "stage_name": stage.name, "step": progress.step,
-                          "global_step": progress.global_step, "samples_seen": progress.samples_seen,
-                          "image_size": stage.image_size, "loss": loss, "lr": lr, "logit_scale": scale,
-                          "grad_norm": result.grad_norm, "skipped": result.skipped,
-                          "samples_per_s": log.samples_per_second(progress.step),
-                          "nonfinite_skipped": progress.nonfinite_skipped,
-                          "data_skips": _summed_counters(stream, dist), "time": time.time(), **(measured or {}),
-                          **({"data_decode": _summed_counters(stream, dist, "decode_counts")}
-                             if stage.decode == "device" else {})}, perf)
-        if progress.nonfinite_in_a_row >= cfg.run.max_nonfinite_in_a_row:
-            # the skipped steps left the weights untouched: this checkpoint holds the last good state
-            tag_dir = _save(run, engine, stage, progress, stream)
-            log.end_stage()
-            raise NonFiniteLossError(
-                f"stopped: {progress.nonfinite_in_a_row} non-finite losses in a row (run.max_nonfinite_in_a_row="
-                f"{cfg.run.max_nonfinite_in_a_row}) at stage {progress.stage_index} ({stage.name}) step "
-                f"{progress.step}, {progress.samples_seen} samples seen. The weights of the last good step are "
-                f"saved in {tag_dir}. Fix: lower stages.{progress.stage_index}.lr or raise its warmup_steps, use "
-                f"precision: bf16/fp32 instead of fp16, or check the data; then resume with --resume latest.")
-        saved = None
-        if every_ckpt and progress.step % every_ckpt == 0 and not last:
-            saved = _save(run, engine, stage, progress, stream)
-        mid.after_step(run, stage, engine, progress, last)
-        stop = agreed_stop(dist)   # a preemption signal on any rank: every rank stops after this same step
-        if stop is not None and not last:
-            _stop(run, engine, stage, progress, stream, stop, first_step, saved)
-    tag_dir = _save(run, engine, stage, progress, stream)
-    if stop is not None:   # on the stage's last step: its final checkpoint is the save; evaluations on resume
-        _stop(run, engine, stage, progress, stream, stop, first_step, tag_dir)
-    log.end_stage()
-    return tag_dir
-
-
-class _MidStageEvals:
-    """eval.every_samples / every_steps in one stage: a mark crossed makes an evaluation pending; it runs once the
-    budget (eval.max_time_share of this stage's training time) allows it, rank 0 deciding for all ranks."""
-
-    def __init__(self, share: float):
-        self.budget, self.pending = EvalBudget(share), None
-        self.t0 = time.perf_counter()
-
-    def after_step(self, run: RunContext, stage: ResolvedStage, engine, progress: Progress, last: bool) -> None:
-        if mid_stage_due(run.cfg, progress, stage.global_batch, last):
-            self.pending = self.pending or progress.samples_seen
-        if self.pending is None or last:
-            return
-        train_s = time.perf_counter() - self.t0 - self.budget.eval_s
-        if not agreed(self.budget.allows(train_s), run.dist):
-            line = self.budget.deferral(train_s, self.pending)
-            if line:
-                run.log.print(line)
-            return
-        started = time.perf_counter()
-        with _rng_untouched(run.dist):   # the stage's token masks and data order stay those of a run without it
-            evaluate_mid_stage(run.cfg, stage, engine, progress, run.log, run.dist)
-        seconds = time.perf_counter() - started
-        run.log.pause(seconds)
-        run.log.print(self.budget.spent(seconds, train_s))
-        self.pending = None
-
-
-def _stop(run: RunContext, engine, stage: ResolvedStage, progress: Progress, stream, stop: tuple[str, int],
-          first_step: int, saved: Optional[Path] = None, stream_state: Optional[dict] = None) -> NoReturn:
-    """Every rank: save the last completed step (unless `saved` holds it, or no step was trained since the checkpoint
-    this stage started from), end the stage's display and raise StopRequested with the stop's reason and exit code
-    (the run folder's lock is released on the way out; stop_requests.py)."""
-    reason, code = stop
-    tag_dir = saved
-    if tag_dir is None and progress.step > first_step:
-        tag_dir = _save(run, engine, stage, progress, stream, stream_state)
-    elif tag_dir is None and progress.step > 0:   # the checkpoint this stage resumed from holds this step
-        tag_dir = run.ckpts.root / checkpoint_tag(progress.stage_index, progress.step)
+            stop_stage(loop, agreed_stop(run.dist), stream_state=position)
+        loop.lr = engine.get_lr()[0]
+        _hooks(loop, "on_batch_ready")
+        loop.result = train_step(engine, loss_fn, loop.images, tokens, run.dist, dtype, run.cfg.model.attention)
+        advance(progress, loop.result, stage.global_batch)
+        _hooks(loop, "on_step_end")
+    loop.save()   # the stage's final checkpoint
+    _hooks(loop, "on_stage_end")
     run.log.end_stage()
-    where = f"stage {progress.stage_index} ({stage.name}) step {progress.step}, {progress.samples_seen} samples seen"
-    if tag_dir is None and progress.global_step == 0:   # no checkpoint at all: --resume latest would find none
-        reason = reason.replace(RESUME_LATEST, "start it again with --resume auto")
-        kept, resume = "no step trained yet, so nothing is saved", "" if "--resume" in reason else \
-            "; start it again with --resume auto"
-    else:
-        kept = f"saved in {tag_dir}" if tag_dir else "no step of this stage trained yet: the last checkpoint is kept"
-        resume = "" if "--resume" in reason else f"; {RESUME_LATEST} (or --resume auto)"
-    raise StopRequested(f"{reason.rstrip('.')}; at {where}, {kept}{resume}", code)
+    return loop.saved
+
+
+def _hooks(loop: LoopState, hook: str) -> None:
+    for part in loop.parts:
+        getattr(part, hook)(loop)
 
 
 def _next_batch(batches, stream, cfg: RunConfig, dist: DistInfo):
@@ -556,20 +431,21 @@ def _stream_state(stream) -> Optional[dict]:
     return stream.state_dict() if hasattr(stream, "state_dict") else None
 
 
-def _save(run: RunContext, engine, stage: ResolvedStage, progress: Progress, stream,
-          stream_state: Optional[dict] = None) -> Path:
-    """Every rank: a checkpoint of the step just trained; `stream_state`: the data position to record (default: the
-    stream's now)."""
+def _save(loop: LoopState, stream_state: Optional[dict] = None) -> Path:
+    """Every rank: a checkpoint of the step just trained, holding every part's state (`stream_state`: the data
+    position to record instead of the stream's now)."""
+    run, stage, progress = loop.run, loop.stage, loop.progress
     cfg, ckpts = run.cfg, run.ckpts
-    info = CheckpointInfo(cfg.model.name, stage.image_size, stage.context_length, tower_patch_size(engine.module),
+    info = CheckpointInfo(cfg.model.name, stage.image_size, stage.context_length, tower_patch_size(loop.engine.module),
                           stage.zero_stage, stage.name, stage.steps, cfg.precision, cfg.to_dict(run.stream),
                           {"mean": list(stage.mean), "std": list(stage.std)},
                           tokenizer_record(cfg.model.tokenizer or cfg.model.name, cfg.model.bert_vocab),
                           progress)
-    stream_state = stream_state if stream_state is not None else _stream_state(stream)
-    rank_state = {"stream": stream_state, "rng": rng_state(), "progress": dataclasses.asdict(progress)}
-    table = gather_stream_table(stream_state, ckpts.rank, ckpts.world_size)   # every rank: a collective
-    return ckpts.save(engine, checkpoint_tag(progress.stage_index, progress.step), info.as_dict(), rank_state,
+    rank_state = part_states(loop.parts)
+    if stream_state is not None:
+        rank_state[StreamPosition.name] = stream_state
+    table = gather_stream_table(rank_state.get(StreamPosition.name), ckpts.rank, ckpts.world_size)   # a collective
+    return ckpts.save(loop.engine, checkpoint_tag(progress.stage_index, progress.step), info.as_dict(), rank_state,
                       shared_files={STREAM_TABLE: json.dumps(table)} if table else None)
 
 
