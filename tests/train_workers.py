@@ -22,8 +22,8 @@ import crate_clip  # noqa: E402,F401
 from bench import zero_footprint  # noqa: E402  (test and bench helper, not library code)
 from crate_clip.train.stage_setup.engine import build_engine, init_distributed, model_dtype  # noqa: E402
 from crate_clip.train.run.run_config import config_from_dict, load_run_config  # noqa: E402
-from crate_clip.train.loop.stage_loop import (NonFiniteLossError, _make_loss, default_stream_factory,  # noqa: E402
-                                              run_training)
+from crate_clip.train.loop.parts.nonfinite_guard import NonFiniteLossError  # noqa: E402
+from crate_clip.train.loop.stage_loop import _make_loss, default_stream_factory, run_training  # noqa: E402
 from crate_clip.train.stage_setup.stage_model import resolve_stage  # noqa: E402
 from crate_clip.train.loop.train_step import forward_loss, train_step  # noqa: E402
 

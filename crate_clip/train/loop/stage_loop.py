@@ -2,8 +2,10 @@
 
     for each stage:   model (new, or the previous stage's weights with position embeddings resized)
                       -> engine (fresh AdamW + warm-up/cosine, deepspeed.initialize)
-                      -> steps (image mask in the tower, ClipLoss with local loss + gathered features)
-                      -> checkpoint every N steps and at the end -> zero-shot eval on all ranks
+                      -> steps: train_stage, a plain loop over steps (image mask in the tower, ClipLoss with local
+                         loss + gathered features) calling the hooks of the stage's parts (parts/: metrics, probe,
+                         non-finite guard, checkpoint cadence, mid-stage evals, stop agreement, EMA, ...)
+                      -> the stage's final checkpoint (every part's state) -> zero-shot eval on all ranks
     export the last stage's consolidated weights for open_clip, plot the curve.
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ from crate_clip.train.checkpointing.elastic_resume import (STREAM_TABLE, gather_
 from crate_clip.train.loop.batch_agreement import agreed_batches
 from crate_clip.train.loop.parts.checkpoint_cadence import CheckpointCadence
 from crate_clip.train.loop.parts.mid_stage_evals import MidStageEvals
-from crate_clip.train.loop.parts.nonfinite_guard import NonFiniteLossError, NonfiniteGuard  # noqa: F401 - its error
+from crate_clip.train.loop.parts.nonfinite_guard import NonfiniteGuard
 from crate_clip.train.loop.parts.progress_record import ProgressRecord, advance
 from crate_clip.train.loop.parts.rng_states import RngStates, seed_everything
 from crate_clip.train.loop.parts.stage_part import (LoopState, StagePart, job_wide_names, load_part_states,
