@@ -58,6 +58,7 @@ EVERY_SECTION = [
     ("precision=fp32", "precision", False),
     ("deepspeed.zero_stage=3", "deepspeed.zero_stage", True),
     ("deepspeed.overrides={communication_data_type: fp32}", "deepspeed.overrides.communication_data_type", False),
+    ("train.ema.decay=0.99", "train.ema.decay", False),   # the EMA weights evaluated and exported: named
     ("checkpoint.every_steps=5", "checkpoint.every_steps", True),
     ("checkpoint.keep_last=1", "checkpoint.keep_last", True),
     ("eval.after_each_stage=false", "eval.after_each_stage", True),

@@ -209,6 +209,9 @@ def test_crate_clip_export_of_any_checkpoint_and_of_the_last_is_the_trainers_exp
 # ---------------------------------------------------------------- the demo's config, shortened
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo" / "fashion_mnist.yaml"
 DEMO_KILL_AT = 3   # of stage 1's 6 steps: after its step-2 checkpoint, before the stage ends
+# train.ema on (docs/training.md, "EMA of the weights"): started at step 1, taken in at steps 3 and 5 of stage 1, so
+# the resume from its step-2 checkpoint goes on from a saved average that has not yet taken in a step
+DEMO_EMA = {"train.ema.decay": 0.9, "train.ema.every_steps": 2, "train.ema.start_step": 1}
 
 
 def _demo_cmd(run_dir: Path, data: Path, *extra: str) -> list[str]:
@@ -222,7 +225,7 @@ def _demo_cmd(run_dir: Path, data: Path, *extra: str) -> list[str]:
             "eval.full_image_size": 28, "stages.0.warmup_steps": 1,
             "stages.1.warmup_steps": 1,
             "checkpoint.every_steps": 2, "logging.every_steps": 1, "logging.progress": "false",
-            "logging.diagnostics_images": 8}
+            "logging.diagnostics_images": 8, **DEMO_EMA}
     return _train_cmd(DEMO_CONFIG, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], *extra)
 
 
@@ -259,6 +262,40 @@ def test_demo_killed_in_its_inherited_patch_stage_resumes_bit_for_bit(demo_refer
     assert _losses(run_dir) == _losses(demo_reference) and len(_losses(run_dir)) == 3 + 6
     ref, got = _export(demo_reference), _export(run_dir)
     assert set(ref) == set(got) and all(torch.equal(got[k], ref[k]) for k in ref)
+    from crate_clip.checkpoint_io.ema_state import ema_state_of_checkpoint
+    for tag in ("stage0-step00000003", "stage1-step00000006"):   # each stage's average, tensor for tensor
+        want, have = (ema_state_of_checkpoint(run / "checkpoints" / tag) for run in (demo_reference, run_dir))
+        assert want and set(have) == set(want) and all(torch.equal(have[k], want[k]) for k in want), tag
+
+
+def test_the_ema_weights_are_evaluated_beside_the_live_ones_and_exported_with_weights_ema(demo_reference,
+                                                                                         reference_run, tmp_path,
+                                                                                         capsys):
+    """train.ema's average: the stage-end evaluations run on it too (rows `"weights": "ema"`), `crate-clip export
+    --weights ema` writes it in place of the trained parameters (the default export stays the live weights), and a
+    checkpoint without one is refused in one line before its shards are read."""
+    from crate_clip.checkpoint_io.ema_state import ema_state_of_checkpoint, with_ema
+    from crate_clip.cli import main
+    from crate_clip.export.writer import export_state_equal, load_export
+    from crate_clip.train.checkpointing.checkpoints import consolidated_state_dict
+
+    rows = [r for r in read_jsonl(demo_reference / "results.jsonl") if r.get("at", "stage_end") == "stage_end"]
+    points = {kind: sorted((r["stage_index"], r["image_size"], r["resize"]) for r in rows
+                           if r.get("weights", "live") == kind) for kind in ("live", "ema")}
+    assert points["ema"] == points["live"] and len(points["live"]) >= 3, points
+    last = demo_reference / "checkpoints" / "stage1-step00000006"
+    live, ema = consolidated_state_dict(last), ema_state_of_checkpoint(last)
+    assert main(["export", str(demo_reference), "--weights", "ema", "--out", str(tmp_path / "ema")]) == 0
+    exported = load_export(tmp_path / "ema")[0]
+    assert export_state_equal(exported, with_ema(live, ema)) and not export_state_equal(exported, live)
+    card = (tmp_path / "ema" / "README.md").read_text()
+    assert "exponential moving average of the trained weights" in card
+    assert export_state_equal(load_export(demo_reference / "export")[0], live)   # the run's own export: live
+    capsys.readouterr()
+    assert main(["export", str(reference_run), "--weights", "ema", "--out", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no EMA weights" in err[0] and "fix:" in err[0], err
+    assert not (tmp_path / "none").exists()
 
 
 def test_demo_stages_log_the_tokens_and_flops_of_the_model_that_trains(demo_reference):

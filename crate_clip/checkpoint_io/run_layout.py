@@ -121,6 +121,11 @@ def linked_run_parts(run_dir: Path) -> list[tuple[str, Path]]:
     return found
 
 
+def rank_state_file(tag_dir: Path, rank: int) -> Path:
+    """A checkpoint's per-rank state file (the parts' states of train/loop/parts: stream, RNG, progress, EMA ...)."""
+    return Path(tag_dir) / f"train_state_rank{rank:05d}.pt"
+
+
 def checkpoints_dir(run_dir: Path) -> Path:
     """The run's checkpoints folder."""
     return Path(run_dir) / CHECKPOINTS_DIR
@@ -147,9 +152,10 @@ def export_dir(run_dir: Path) -> Path:
     return Path(run_dir) / EXPORT_DIR
 
 
-def checkpoint_export_dir(tag_dir: Path) -> Path:
-    """Where `crate-clip export` writes a checkpoint's export by default: <run>/exports/<tag>."""
-    return run_dir_of(tag_dir) / EXPORTS_DIR / Path(tag_dir).name
+def checkpoint_export_dir(tag_dir: Path, ema: bool = False) -> Path:
+    """Where `crate-clip export` writes a checkpoint's export by default: <run>/exports/<tag> (its EMA weights:
+    <tag>-ema)."""
+    return run_dir_of(tag_dir) / EXPORTS_DIR / (Path(tag_dir).name + ("-ema" if ema else ""))
 
 
 def lock_path(run_dir: Path) -> Path:

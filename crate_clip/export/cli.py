@@ -21,9 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a run folder, its checkpoints/ folder (the checkpoint `latest` names), or one checkpoint "
                         "folder such as runs/x/checkpoints/stage0-step00001000")
     p.add_argument("--stage", type=int, default=None, help="export that stage's last checkpoint instead")
+    p.add_argument("--weights", choices=("live", "ema"), default="live",
+                   help="live: the trained weights (default); ema: their exponential moving average that a run with "
+                        "train.ema kept (in the checkpoint), written to <run folder>/exports/<tag>-ema by default")
     p.add_argument("--out", type=Path, default=None,
-                   help="export folder (default: <run folder>/exports/<checkpoint tag>); an earlier export there "
-                        "is replaced")
+                   help="export folder (default: <run folder>/exports/<checkpoint tag>, -ema after it for "
+                        "--weights ema); an earlier export there is replaced")
     p.add_argument("--hub-id", default=None, metavar="ORG/NAME",
                    help="the Hugging Face repository the folder will be uploaded to: the model card's snippet "
                         "names it, and a HuggingFace tokenizer (CLIPA's BERT) is read from it by hf-hub:ORG/NAME")
@@ -52,6 +55,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     import crate_clip  # noqa: F401  (registers the model configs the checkpoint names)
     from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
+    from crate_clip.checkpoint_io.ema_state import required_ema_state, with_ema
     from crate_clip.checkpoint_io.safe_unpickling import trusted_checkpoints
     from crate_clip.core.errors import USER_ERRORS, report_error
     from crate_clip.core.writable_folders import check_writable
@@ -63,8 +67,9 @@ def main(argv=None) -> int:
     try:
         if args.out is not None:   # a read-only --out: said before the checkpoint is read
             check_writable(args.out, "--out")
-        source = export_source(args.checkpoint, args.stage, args.bert_vocab)
-        out = args.out or checkpoint_export_dir(source.tag_dir)
+        source = export_source(args.checkpoint, args.stage, args.bert_vocab, args.weights)
+        ema = args.weights == "ema"
+        out = args.out or checkpoint_export_dir(source.tag_dir, ema)
         check_out_dir(out)   # before the consolidation, which takes minutes for a large model
         check_writable(out, "--out")
         if args.trust_checkpoint:
@@ -72,10 +77,12 @@ def main(argv=None) -> int:
         # DeepSpeed's consolidation talks on stdout: with --json, stdout holds the result alone
         with phase(f"read {source.tag_dir} (its ZeRO shards consolidated to fp32 weights)"), \
                 trusted_checkpoints(args.trust_checkpoint), chatter_to_stderr(args.json):
+            averages = required_ema_state(source.tag_dir) if ema else None   # refused before the consolidation
             state = consolidated_state_dict(source.tag_dir)
+            state = with_ema(state, averages) if ema else state
         with phase(f"wrote the weights, open_clip config, tokenizer and model card to {out}"):
             export_checkpoint(source.tag_dir, out, state=state, bert_vocab=args.bert_vocab, hub_id=args.hub_id,
-                              repo_url=args.repo_url)
+                              repo_url=args.repo_url, weights=args.weights)
     except (*USER_ERRORS, TokenizerUnavailableError, FileExistsError) as err:   # one line naming the fix
         return report_error("crate-clip export", err)
     verify = None if args.no_verify else (lambda: verify_export(out, state, "crate-clip export"))
@@ -83,9 +90,9 @@ def main(argv=None) -> int:
     if args.json:
         return print_json_result({"out": str(out), "checkpoint": str(source.tag_dir), "load": f"local-dir:{out}",
                                   "stage": progress.stage_index, "step": progress.step,
-                                  "image_size": source.image_size}, verify)
-    print(f"wrote {out} from {source.tag_dir} (stage {progress.stage_index}, step "
-          f"{progress.step}, {source.image_size} px); load it with open_clip.create_model_and_transforms("
+                                  "image_size": source.image_size, **({"weights": "ema"} if ema else {})}, verify)
+    print(f"wrote {out} from {source.tag_dir}{' (its EMA weights)' if ema else ''} (stage {progress.stage_index}, "
+          f"step {progress.step}, {source.image_size} px); load it with open_clip.create_model_and_transforms("
           f"'local-dir:{out}') after `import crate_clip`")
     return verify() if verify else 0
 

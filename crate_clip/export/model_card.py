@@ -169,6 +169,11 @@ def _model_lines(source: ExportSource, config: dict, repo_url: str | None) -> li
              f"{progress.samples_seen:,} samples seen, {record.precision} training",
              f"- preprocessing: resize ({pre['resize_mode']}, {pre['interpolation']}) and center crop to "
              f"{vision['image_size']} px, mean {_numbers(pre['mean'])}, std {_numbers(pre['std'])}"]
+    if source.weights == "ema":
+        ema = (source.run_config.get("train") or {}).get("ema") or {}
+        lines.append(f"- weights: the exponential moving average of the trained weights over the stage (train.ema: "
+                     f"decay {ema.get('decay')}, every {ema.get('every_steps')} steps from stage step "
+                     f"{ema.get('start_step')}), not the trained weights themselves")
     return lines + ([f"- code: {repo_url}"] if repo_url else [])
 
 

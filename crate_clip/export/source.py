@@ -36,6 +36,7 @@ class ExportSource:
     record: CheckpointInfo   # its crate_clip.json
     bert_vocab: str | None
     results: list = field(default_factory=list)   # results.jsonl rows of the stages up to this checkpoint
+    weights: str = "live"    # which weights are exported: the trained ones, or 'ema' (train.ema's average)
 
     @property
     def run_config(self) -> dict:
@@ -86,9 +87,11 @@ class ExportSource:
                 for k in ("mean", "std")}
 
 
-def export_source(checkpoint: str | Path, stage: int | None = None, bert_vocab: str | None = None) -> ExportSource:
+def export_source(checkpoint: str | Path, stage: int | None = None, bert_vocab: str | None = None,
+                  weights: str = "live") -> ExportSource:
     """The checkpoint to export: `checkpoint` is a run folder, its checkpoints folder or one tag folder;
-    `stage` picks that stage's last checkpoint. `bert_vocab` stands in for the vocabulary the run recorded."""
+    `stage` picks that stage's last checkpoint. `bert_vocab` stands in for the vocabulary the run recorded.
+    `weights`: 'live' (the trained weights) or 'ema' (train.ema's average): the results listed are theirs."""
     tag_dir = choose_checkpoint(checkpoint, EXPORT, stage=stage, error=ExportSourceError).tag_dir
     record = read_record(tag_dir)
     if record is None or record.model_name is None:
@@ -98,7 +101,7 @@ def export_source(checkpoint: str | Path, stage: int | None = None, bert_vocab: 
     check_recorded_normalisation(record.normalisation, tag_dir / INFO_FILE,
                                  "the checkpoint's record is damaged: export another one")
     vocab = _vocab(record, bert_vocab, tag_dir)
-    return ExportSource(tag_dir, record, vocab, _results(tag_dir, record))
+    return ExportSource(tag_dir, record, vocab, _results(tag_dir, record, weights), weights)
 
 
 def _vocab(checkpoint: CheckpointInfo, bert_vocab: str | None, tag_dir: Path) -> str | None:
@@ -119,9 +122,10 @@ def _vocab(checkpoint: CheckpointInfo, bert_vocab: str | None, tag_dir: Path) ->
     return str(Path(bert_vocab))
 
 
-def _results(tag_dir: Path, record: CheckpointInfo) -> list[dict]:
-    """results.jsonl rows of the stages whose weights end in this checkpoint (the last row per evaluation); the file
-    read within MAX_RECORD_BYTES, each row checked (_row_problem) before it is used."""
+def _results(tag_dir: Path, record: CheckpointInfo, weights: str = "live") -> list[dict]:
+    """results.jsonl rows of the stages whose weights end in this checkpoint (the last row per evaluation), of the
+    `weights` exported (rows without 'weights' are the live weights'); the file read within MAX_RECORD_BYTES, each
+    row checked (_row_problem) before it is used."""
     run_dir = run_dir_of(tag_dir)
     stage, finished = record.progress.stage_index, record.ends_stage
     path = run_dir / RESULTS_FILE
@@ -135,6 +139,8 @@ def _results(tag_dir: Path, record: CheckpointInfo) -> list[dict]:
         if problem:
             raise ExportSourceError(f"{path}:{number}: {problem}: not a result row the trainer writes; fix: remove "
                                     "the line (or move the file away: the card then lists no results)")
+        if row.get("weights", "live") != weights:
+            continue
         if row.get("stage_index", -1) < stage or (finished and row.get("stage_index") == stage):
             rows[(row.get("stage_index"), row.get("eval"), row.get("image_size"), row.get("resize", "grid"))] = row
     return [rows[k] for k in sorted(rows, key=lambda k: (k[0] or 0, str(k[1]), k[2] or 0, k[3]))]
@@ -142,7 +148,7 @@ def _results(tag_dir: Path, record: CheckpointInfo) -> list[dict]:
 
 # the keys of a result row the export reads, and what each must be when present
 _ROW_KEYS = {"stage_index": (int,), "image_size": (int,), "eval": (str,), "resize": (str,), "stage_name": (str,),
-             "top1": (int, float), "top5": (int, float)}
+             "top1": (int, float), "top5": (int, float), "weights": (str,)}
 
 
 def _row_problem(row) -> str | None:

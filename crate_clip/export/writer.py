@@ -27,6 +27,7 @@ import torch
 from crate_clip.checkpoint_io.atomic_files import atomic_write, atomic_write_text, fsync_tree, replace_dir
 from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY, file_checksum
 from crate_clip.checkpoint_io.deepspeed_checkpoints import consolidated_state_dict
+from crate_clip.checkpoint_io.ema_state import ema_weights_of_checkpoint
 from crate_clip.core.patch_tiling import check_patch_tiling
 from crate_clip.models import clip_tokenizer, preprocess_cfg_for, tokenizer_record
 from crate_clip.models.export_files import CARD_FILE, CONFIG_FILE, LOCAL_DIR, WEIGHTS_FILE
@@ -56,14 +57,19 @@ def export_open_clip(state_dict: dict, model_name: str, out_dir: Path, *, image_
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: Path, *, stage: int | None = None, state: dict | None = None,
-                      bert_vocab: str | None = None, hub_id: str | None = None, repo_url: str | None = None) -> Path:
+                      bert_vocab: str | None = None, hub_id: str | None = None, repo_url: str | None = None,
+                      weights: str = "live") -> Path:
     """Export a training checkpoint (a run folder, its `checkpoints/` folder following `latest`, or one
     `<tag>/` folder; `stage`: that stage's last checkpoint) as an open_clip model folder with its model card
-    (linking `repo_url`); `state`: its consolidated weights when the caller has them. Returns OUT."""
+    (linking `repo_url`); `state`: its weights when the caller has them. `weights`: 'live' (the consolidated
+    trained weights) or 'ema' (with train.ema's average in their place: NoEmaError when it holds none). Returns
+    OUT."""
     from crate_clip.export.model_card import model_card
 
-    source = export_source(checkpoint, stage, bert_vocab)
-    state = consolidated_state_dict(source.tag_dir) if state is None else state
+    source = export_source(checkpoint, stage, bert_vocab, weights)
+    if state is None:
+        state = consolidated_state_dict(source.tag_dir)
+        state = ema_weights_of_checkpoint(source.tag_dir, state) if weights == "ema" else state
     config = export_config(source.model_name, image_size=source.image_size, context_length=source.context_length,
                            mean=source.mean, std=source.std, bert_vocab=source.bert_vocab,
                            patch_size=checkpoint_patch_size(state), tokenizer_name=source.tokenizer_name,

@@ -142,8 +142,9 @@ def summarize(run_dir: Path) -> list[dict]:
         patch = f" / patch {r['patch_size']}" if r.get("patch_size") else ""
         how = " (grid kept, kernel PI-resized)" if r.get("resize") == "patch" else (
             " (grid grown)" if r["image_size"] != r["stage_image_size"] else "")
+        ema = " (EMA weights)" if r.get("weights") == "ema" else ""
         print(f"  stage {r['stage_index']} {r['stage_name']:<8} trained at {r['stage_image_size']:>3} px, "
-              f"evaluated at {r['image_size']:>3} px{patch}{how}: {100 * r['top1']:6.2f}%")
+              f"evaluated at {r['image_size']:>3} px{patch}{how}{ema}: {100 * r['top1']:6.2f}%")
     return results
 
 
@@ -375,13 +376,14 @@ def _demo(args, record: dict | None = None) -> int:
         print(f"[demo] training stopped with exit code {rc} (the error is above); {kept}", file=sys.stderr)
         return rc
     probe = linear_probe_final(run_dir, train_dir.parent, test_dir, args.probe_train_images) if results else None
+    final = [r for r in results if r.get("weights", "live") == "live"][-1:] or results[-1:]   # the exported weights'
     if probe:
-        print(f"[demo] final model on the {results[-1]['n_images']:,} test images: zero-shot top-1 "
-              f"{100 * results[-1]['top1']:.2f}%, "
+        print(f"[demo] final model on the {final[0]['n_images']:,} test images: zero-shot top-1 "
+              f"{100 * final[0]['top1']:.2f}%, "
               f"linear probe top-1 {100 * probe['top1']:.2f}% ({probe['n_train']} labelled training images)")
     cfg = _run_config(args.config, overrides)
     recipe = run_recipe(cfg["stages"])
-    claims = savings_lines(run_dir, results[-1]["top1"], cfg["model"]["name"], recipe) if results else []
+    claims = savings_lines(run_dir, final[0]["top1"], cfg["model"]["name"], recipe) if results else []
     for line in claims:
         print(f"[demo] {line}")
     if record is not None:

@@ -187,13 +187,14 @@ def _released(error: UserError, *raised: BaseException) -> UserError:
 
 def stage_results(run_dir: Path) -> tuple[EvalRecord, ...]:
     """The results.jsonl rows of `run_dir` taken at a stage's end, the last one per (stage, evaluation, image size,
-    resize), in stage order, as EvalRecords."""
+    resize, weights: live or train.ema's), in stage order, as EvalRecords."""
     names = [f.name for f in dataclasses.fields(EvalRecord) if f.name != "results"]
     rows = {}
     for _, row in read_small_jsonl(Path(run_dir) / RESULTS_FILE):   # bounded, as the export reads it
         if isinstance(row, dict) and row.get("at", "stage_end") == "stage_end" and type(row.get("stage_index")) is int:
-            row = {"resize": "grid", "at": "stage_end", **row}   # rows written before these keys existed
-            rows[(row["stage_index"], str(row.get("eval")), row.get("image_size") or 0, row["resize"])] = row
+            row = {"resize": "grid", "at": "stage_end", "weights": "live", **row}   # rows without these keys
+            rows[(row["stage_index"], str(row.get("eval")), row.get("image_size") or 0, row["resize"],
+                  str(row["weights"]))] = row
     return tuple(EvalRecord(**{k: row.get(k) for k in names}, results={k: v for k, v in row.items() if k not in names})
                  for _, row in sorted(rows.items(), key=lambda item: item[0]))
 

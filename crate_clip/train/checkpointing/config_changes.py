@@ -69,6 +69,12 @@ FREE_TO_CHANGE: dict[str, str] = {
     "eval": "the evaluations after each stage and during it (every_samples / every_steps, max_time_share)",
     "logging": "metrics cadence, progress display, trackers (report_to), plot, white-box diagnostics",
 }
+# train.ema (the average kept beside the trained weights) is not free: its keys change the EMA weights the run
+# evaluates and exports, a product of the run that config_changes.jsonl accounts for, so a resume changes them only
+# where --allow-change names them. Named, a change acts from the checkpoint resumed from (train/loop/parts/
+# ema_weights.py): the saved average goes on with the new decay and every_steps; turned on, the average starts at
+# the resume step (or at start_step, if that is later); turned off, the saved average is dropped. The trained
+# weights are the same either way, so no train.ema change breaks the run's accounting (_breaks_accounting).
 # keys a first launch settles when the config leaves them unset, recorded in run_config.yaml: unset on a resume
 # means "the recorded value" (elastic_resume.launch_stream_settings reads it back from the checkpoint)
 SETTLED_AT_FIRST_LAUNCH = ("data.canonical_streams", "data.shuffle_buffer")

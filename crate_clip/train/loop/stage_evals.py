@@ -6,15 +6,21 @@ the stage's patch size divides it, and with the grid kept and the patch kernel P
 patch_change.set_resolution_by_patch) when the grid does; the images are resized to that size in both.
 results.jsonl is the record of which are done, so a run killed between two of them runs exactly the missing
 ones on resume from the stage's final checkpoint, which rotation never removes (CheckpointManager.prune).
+
+With train.ema on, the same evaluations run again on the stage's EMA weights (evaluate_ema_after_stage: the final
+checkpoint's, from its rank 0 file, on every rank); their rows say `"weights": "ema"` (rows without it are the live
+weights'), and each kind of weights has its own record of what is done.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Optional
 
 import torch.distributed as tdist
 
 from crate_clip.checkpoint_io.checkpoint_record import Progress
+from crate_clip.checkpoint_io.ema_state import ema_state_of_checkpoint, with_ema
 from crate_clip.checkpoint_io.run_layout import checkpoint_tag, eval_cache_dir
 from crate_clip.core.errors import UserError
 from crate_clip.models.open_clip_configs import image_patch_size
@@ -27,6 +33,9 @@ from crate_clip.train.stage_setup.stage_model import ResolvedStage
 from crate_clip.eval.model_loading import check_finite_weights
 from crate_clip.eval.registry import summary_line
 from crate_clip.eval.stage_hook import evaluate_stage
+
+
+LIVE, EMA = "live", "ema"   # which weights an evaluation row measured (EvalRecord.weights)
 
 
 class EvalRefusedError(UserError, RuntimeError):
@@ -52,26 +61,32 @@ class EvalRecord:
     global_step: int
     results: dict
     at: str = "stage_end"          # or 'mid_stage' (eval.every_samples / every_steps; rows without it: stage_end)
+    weights: str = LIVE            # or 'ema' (train.ema's average); a row without it: the live weights
 
     def as_dict(self) -> dict:
-        """The row: the fields, then the results beside them."""
-        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "results"}, **self.results}
+        """The row: the fields (`weights` only for EMA rows: the live weights' rows are as they always were), then
+        the results beside them."""
+        row = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "results"}
+        if row["weights"] == LIVE:
+            del row["weights"]
+        return {**row, **self.results}
 
 
 def evaluate_after_stage(cfg: RunConfig, stage: ResolvedStage, weights: dict, progress: Progress,
-                         log: MetricsLog, dist: DistInfo) -> list[dict]:
+                         log: MetricsLog, dist: DistInfo, kind: str = LIVE) -> list[dict]:
     """Zero-shot evaluation of the stage's consolidated weights on all ranks (images split across them),
     at the stage's resolution and, after a low-resolution stage, also at the full resolution; evaluations
     already in results.jsonl are not repeated; returns their rows. The fp32 weights run under autocast in the
     training precision (bf16 matmuls are several times faster on GPUs and CPUs with bf16 instructions; on a CPU
-    without them, AVX2 only, about 20x slower than fp32: BENCHMARKS.md, "Test suite")."""
+    without them, AVX2 only, about 20x slower than fp32: BENCHMARKS.md, "Test suite"). `kind`: which weights these
+    are (LIVE, or EMA: train.ema's average), recorded in each row."""
     spec_types = {e.name: e.type for e in cfg.eval.evals}
     records = []
-    for (size, resize), evals in agreed_missing_evals(cfg, stage.index, dist).items():
+    for (size, resize), evals in agreed_missing_evals(cfg, stage.index, dist, kind).items():
         try:
             model = build_eval_model(stage, weights, size, resize).to(dist.device).eval()
         except ValueError as exc:   # 'patch': the tower cannot keep its grid at `size` (recorded, not retried)
-            records += _skipped(stage, evals, size, resize, progress, log, str(exc))
+            records += _skipped(stage, evals, size, resize, progress, log, str(exc), kind)
             continue
         pixels = size if resize == "grid" else patch_input_size(model)   # both = size: the points tile exactly
         try:
@@ -89,7 +104,8 @@ def evaluate_after_stage(cfg: RunConfig, stage: ResolvedStage, weights: dict, pr
         for name, res in results.items():
             record = EvalRecord(stage.index, stage.name, name, size, stage.image_size, tower_patch_size(model),
                                 resize, stage.context_length, progress.samples_seen, progress.global_step,
-                                {k: v for k, v in res.items() if isinstance(v, (int, float, str, list)) or v is None})
+                                {k: v for k, v in res.items() if isinstance(v, (int, float, str, list)) or v is None},
+                                weights=kind)
             records.append(record.as_dict())
             log.log_eval(record, summary_line(res, eval_type=spec_types[name]))
         del model
@@ -97,15 +113,31 @@ def evaluate_after_stage(cfg: RunConfig, stage: ResolvedStage, weights: dict, pr
 
 
 def _skipped(stage: ResolvedStage, evals: list, size: int, resize: str, progress: Progress, log: MetricsLog,
-             reason: str) -> list[dict]:
+             reason: str, kind: str = LIVE) -> list[dict]:
     """Rows saying why the evaluations at (size, resize) were not run (they count as done)."""
     rows = []
     for spec in evals:
         record = EvalRecord(stage.index, stage.name, spec.name, size, stage.image_size, stage.patch_size, resize,
-                            stage.context_length, progress.samples_seen, progress.global_step, {"skipped": reason})
+                            stage.context_length, progress.samples_seen, progress.global_step, {"skipped": reason},
+                            weights=kind)
         rows.append(record.as_dict())
         log.log_eval(record, f"skipped: {reason}")
     return rows
+
+
+def evaluate_ema_after_stage(cfg: RunConfig, stage: ResolvedStage, tag_dir: Path, weights: dict, progress: Progress,
+                             log: MetricsLog, dist: DistInfo) -> list[dict]:
+    """train.ema on: the stage's evaluations of its EMA weights (those saved in its final checkpoint `tag_dir`, read
+    on every rank, in place of the live `weights`' trained parameters), rows `"weights": "ema"`; [] when train.ema
+    is off or they are done. A checkpoint without them (the stage ended before train.ema.start_step) is said."""
+    if not (cfg.train.ema.on and agreed_missing_evals(cfg, stage.index, dist, EMA)):
+        return []
+    ema = ema_state_of_checkpoint(tag_dir)
+    if ema is None:
+        log.print(f"[warn] stage {stage.index} ({stage.name}): train.ema is on but {tag_dir} holds no EMA weights "
+                  "(train.ema turned on after the stage ended?): only its live weights are evaluated")
+        return []
+    return evaluate_after_stage(cfg, stage, with_ema(weights, ema), progress, log, dist, kind=EMA)
 
 
 def build_eval_model(stage: ResolvedStage, weights: dict, size: int, resize: str):
@@ -138,23 +170,26 @@ def eval_points(cfg: RunConfig, stage_index: int) -> list[tuple[int, str]]:
     return points
 
 
-def missing_evals(cfg: RunConfig, stage_index: int) -> dict[tuple[int, str], list]:
+def missing_evals(cfg: RunConfig, stage_index: int, kind: str = LIVE) -> dict[tuple[int, str], list]:
     """(image size, resize) -> the declared evaluations of the stage not yet in results.jsonl there at the stage's
-    last step (rows of earlier versions, without 'resize', are grid rows)."""
-    if not (cfg.eval.after_each_stage and cfg.eval.evals):
+    last step, of the `kind` of weights (rows of earlier versions, without 'resize', are grid rows; without
+    'weights', the live weights')."""
+    if not (cfg.eval.after_each_stage and cfg.eval.evals) or (kind == EMA and not cfg.train.ema.on):
         return {}
     end = sum(s.steps for s in cfg.stages[:stage_index + 1])   # a stage made longer by an allowed change to its
     rows = [r for r in read_jsonl(cfg.run_dir / RESULTS_FILE)    # samples (config_changes.py) is evaluated again
-            if r.get("stage_index") == stage_index and r.get("global_step", end) == end]
+            if r.get("stage_index") == stage_index and r.get("global_step", end) == end
+            and r.get("weights", LIVE) == kind]
     done = {(r.get("eval"), r.get("image_size"), r.get("resize", "grid")) for r in rows}
     missing = {point: [e for e in cfg.eval.evals if (e.name, *point) not in done]
                for point in eval_points(cfg, stage_index)}
     return {point: evals for point, evals in missing.items() if evals}
 
 
-def agreed_missing_evals(cfg: RunConfig, stage_index: int, dist: DistInfo) -> dict[tuple[int, str], list]:
+def agreed_missing_evals(cfg: RunConfig, stage_index: int, dist: DistInfo,
+                         kind: str = LIVE) -> dict[tuple[int, str], list]:
     """missing_evals as rank 0 (which writes results.jsonl) sees it, on every rank: all run the same ones."""
-    missing = missing_evals(cfg, stage_index)
+    missing = missing_evals(cfg, stage_index, kind)
     if dist.world_size == 1:
         return missing
     box = [missing]

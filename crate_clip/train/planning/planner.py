@@ -8,7 +8,8 @@
                       adds the forward that runs again (checkpoint recompute, the accumulation's grad pass),
                       which is the part of the forward autograd records: a locked tower's no-grad forward
                       runs once per sample whatever k and checkpointing
-    state bytes       weights / grads / AdamW state per rank under the ZeRO stage and precision
+    state bytes       weights / grads / AdamW state per rank under the ZeRO stage and precision; with train.ema,
+                      rank 0's fp32 average of the trained parameters (the rank the plan's peak is of)
     activations       bytes per sample of a CPU training step (live tensors traced through dispatch, batch 2
                       and 4, slope = per sample), with and without gradient checkpointing, scaled to the dtype;
                       towers traced cut to 1 and 2 blocks and extrapolated linearly in depth; the step runs on
@@ -397,13 +398,15 @@ def locked_buffer_params(model) -> int:
 
 # ---------------------------------------------------------------- memory model
 def state_bytes_per_rank(trainable: int, frozen: int, precision: str, zero_stage: int, world: int,
-                         locked: int = 0) -> dict:
+                         locked: int = 0, ema: bool = False) -> dict:
     """Weights / gradients / optimizer bytes one rank holds (DeepSpeed mixed precision: bf16 working
     weights and gradients, fp32 master weights + AdamW m and v in the optimizer). `locked` weights are fp32
     buffers, which ZeRO does not partition: every rank holds them whole.
     ZeRO-1/2 as deepspeed/runtime/zero/stage_1_and_2.py holds them: the fp32 master partition is a clone even when the
     weights are fp32, and the gradients also fill a reduce bucket (REDUCE_BUCKET_ELEMENTS in the weights' dtype; on
-    a CPU only its written pages count: at most the trainable parameters, which is what is counted here)."""
+    a CPU only its written pages count: at most the trainable parameters, which is what is counted here).
+    `ema` (train.ema): rank 0 also holds an fp32 copy of the trainable parameters, whole whatever the ZeRO stage
+    (train/loop/parts/ema_weights.py), counted under "ema"; the plan is of rank 0, the rank holding the most."""
     half = precision in ("bf16", "fp16")
     w_b = 2 if half else 4
     weights = (trainable + frozen) * w_b
@@ -418,7 +421,7 @@ def state_bytes_per_rank(trainable: int, frozen: int, precision: str, zero_stage
     if zero_stage >= 3:
         weights /= world
     weights += 4 * locked
-    return {"weights": weights, "grads": grads, "optimizer": optim}
+    return {"weights": weights, "grads": grads, "optimizer": optim, **({"ema": 4 * trainable} if ema else {})}
 
 
 @dataclass
@@ -549,8 +552,9 @@ def plan_stage(stage, measure: StageMeasure, gpu_memory: int, peak_tflops: Optio
     `tune`: the fastest micro-batch and recomputed blocks that fit, instead of the configured checkpointing."""
     gpus, per_rank = stage.world_size, stage.per_rank_batch
     dtype_scale = 0.5 if stage.precision in ("bf16", "fp16") else 1.0  # activations measured in fp32
+    ema = stage.ema
     state = state_bytes_per_rank(measure.trainable_params, measure.frozen_params, stage.precision, stage.zero_stage,
-                                 gpus, measure.locked_params)
+                                 gpus, measure.locked_params, ema)
     fixed = sum(state.values()) + measure.activation_bytes_fixed * dtype_scale
     budget = gpu_memory * (1 - MEMORY_RESERVE) - CUDA_CONTEXT_BYTES
     sample_in = input_sample_bytes(stage)
@@ -609,8 +613,8 @@ def plan_stage(stage, measure: StageMeasure, gpu_memory: int, peak_tflops: Optio
                      zero_stage=stage.zero_stage, ranks_per_host=stage.stream.ranks_per_host if stage.stream else 1,
                      host_bytes=host_bytes_per_node(stage), peak_at_one=peak(StepChoice(1, True)) + CUDA_CONTEXT_BYTES,
                      state_by_zero={z: sum(state_bytes_per_rank(measure.trainable_params, measure.frozen_params,
-                                                                stage.precision, z, gpus,
-                                                                measure.locked_params).values()) for z in ZERO_STAGES})
+                                                                stage.precision, z, gpus, measure.locked_params,
+                                                                ema).values()) for z in ZERO_STAGES})
 
 
 def plan_run(stages: list, gpu_memory: int, gpu: Optional[str] = None, mfu: float = DEFAULT_MFU,
@@ -745,7 +749,8 @@ def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optiona
             + (f" + {p.repeated_flops_per_sample / 1e9:.1f} GFLOP forward run again ({_repeat_reason(p)})"
                if p.repeated_flops_per_sample else ""),
             f"  per-rank state    weights {_fmt_bytes(p.state_bytes['weights'])}, grads "
-            f"{_fmt_bytes(p.state_bytes['grads'])}, optimizer {_fmt_bytes(p.state_bytes['optimizer'])}",
+            f"{_fmt_bytes(p.state_bytes['grads'])}, optimizer {_fmt_bytes(p.state_bytes['optimizer'])}"
+            + (f", EMA {_fmt_bytes(p.state_bytes['ema'])} (rank 0, train.ema)" if "ema" in p.state_bytes else ""),
             f"  activations       {_fmt_bytes(p.activation_bytes_per_sample)}/sample "
             f"({_fmt_bytes(p.activation_bytes_per_sample_ckpt)} with grad checkpointing)"
             if not math.isnan(p.activation_bytes_per_sample) else "  activations       not measured",

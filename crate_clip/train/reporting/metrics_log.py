@@ -155,6 +155,7 @@ class MetricsLog:
         summary = summary or "  ".join(f"{k} {v:.4g}" for k, v in numbers.items())
         how = " (patch grid kept, kernel PI-resized)" if record.resize == "patch" else ""
         when = f", mid-stage at {record.samples_seen} samples" if getattr(record, "at", "") == "mid_stage" else ""
+        when += ", EMA weights" if getattr(record, "weights", "live") == "ema" else ""
         self.print(f"[eval] stage {record.stage_index} ({record.stage_name}{when}) {record.eval} at "
                    f"{record.image_size} px{how}: {summary}")
 
@@ -171,8 +172,10 @@ class MetricsLog:
 
 
 def eval_tag(record) -> str:
-    """The trackers' tag of an evaluation: its name, size and (kernel-resized) how: `eval/fmnist@28px-patch`."""
-    return f"eval/{record.eval}@{record.image_size}px" + ("-patch" if record.resize == "patch" else "")
+    """The trackers' tag of an evaluation: its name, size, (kernel-resized) how and (EMA) weights:
+    `eval/fmnist@28px-patch`, `eval/fmnist@28px-ema`."""
+    return (f"eval/{record.eval}@{record.image_size}px" + ("-patch" if record.resize == "patch" else "")
+            + ("-ema" if getattr(record, "weights", "live") == "ema" else ""))
 
 
 def image_grid(images: torch.Tensor, mean, std, columns: int = 8) -> torch.Tensor:

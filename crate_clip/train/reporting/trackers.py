@@ -24,7 +24,7 @@ STEP_COLUMNS = ("stage_index", "stage_name", "step", "global_step", "samples_see
                 "logit_scale", "grad_norm", "samples_per_s", "nonfinite_skipped", "skipped", "time")
 RESULT_COLUMNS = ("stage_index", "stage_name", "at", "eval", "image_size", "stage_image_size", "patch_size",
                   "resize", "samples_seen", "global_step", "top1", "top5", "mean_per_class", "mean_per_class_recall",
-                  "n_images", "skipped")
+                  "n_images", "skipped", "weights")   # weights: 'ema' for train.ema's rows, empty for the live
 
 
 class TrackerError(ConfigError):

@@ -82,7 +82,8 @@ def write_plot(run_dir: Path) -> Optional[Path]:
     steps = [r for r in records if r.get("loss") is not None]
     if not steps:
         return None
-    results = [r for r in read_jsonl(run_dir / RESULTS_FILE) if r.get("top1") is not None]
+    results = [r for r in read_jsonl(run_dir / RESULTS_FILE)   # the live weights' (train.ema's rows: results.jsonl)
+               if r.get("top1") is not None and r.get("weights", "live") == "live"]
     towers = whitebox_keys(records)
     if towers:  # per-layer white-box curves of each CRATE-alpha tower under the loss (logging.diagnostics_every)
         fig = plt.figure(figsize=(10, 4.8 + 3.5 * len(towers)), dpi=110)

@@ -260,6 +260,30 @@ class LoggingSection(Section):
                                     "tower)")
 
 
+class EmaSection(Section):
+    """An exponential moving average of the trained weights, kept beside them (on rank 0, fp32) and evaluated and
+    exportable beside them (`crate-clip export --weights ema`). It restarts in each stage (a stage may change the
+    weights' shapes: patch size, position embeddings)."""
+    decay: Optional[Float] = Field(None, gt=0, lt=1, description="the weight the average keeps of itself at each "
+                                   "update: ema = decay x ema + (1 - decay) x weights, about 1 / (1 - decay) updates "
+                                   "of memory (e.g. 0.999); null: no EMA")
+    every_steps: Int = Field(1, ge=1, description="an update every N optimizer steps (the memory in steps is "
+                             "every_steps / (1 - decay))")
+    start_step: Int = Field(0, ge=0, description="the step of each stage at which the average starts as a copy of "
+                            "the weights (0: the stage's starting weights); the updates follow every every_steps "
+                            "steps")
+
+    @property
+    def on(self) -> bool:
+        """Whether the run keeps an EMA of its weights."""
+        return self.decay is not None
+
+
+class TrainSection(Section):
+    """What the training keeps beside the trained weights."""
+    ema: EmaSection = EmaSection()
+
+
 class RunConfig(Section):
     """A whole run: model, data, stages, optimizer, precision, DeepSpeed, checkpoints, eval, logging."""
     run: RunSection = RunSection()
@@ -268,6 +292,7 @@ class RunConfig(Section):
                                description="the stream's own schema (crate_clip.data.train_stream.StreamConfig)")
     stages: list[StageConfig] = Field([], description="the training stages, in order")
     optimizer: OptimizerSection = OptimizerSection()
+    train: TrainSection = TrainSection()
     precision: Precision = Field("bf16", description="bf16 / fp16 / fp32 (on CPU: bf16 or fp32)")
     deepspeed: DeepSpeedSection = DeepSpeedSection()
     checkpoint: CheckpointSection = CheckpointSection()
@@ -345,6 +370,17 @@ class RunConfig(Section):
                  "checkpoint's, e.g. 32), or model.lock_text: false")
                 for i, s in enumerate(self.stages) if s.context_length != first]
 
+    def _ema_problems(self) -> list[tuple[str, str]]:
+        """train.ema starts within every stage: a stage that ends before start_step would have no EMA to evaluate
+        or export."""
+        ema = self.train.ema
+        short = [(i, s.steps) for i, s in enumerate(self.stages) if ema.on and s.steps <= ema.start_step]
+        if not short:
+            return []
+        i, steps = short[0]
+        return [("train.ema.start_step", f"{ema.start_step}, but stages.{i} has {steps} steps (the EMA restarts in "
+                                         f"each stage); fix: a start_step below {min(s for _, s in short)}")]
+
     def training_plan(self) -> list[str]:
         """What training will do, stage by stage: the steps and samples it runs (StageConfig.steps and
         trained_samples, the numbers the trainer counts), then a line for each stage whose samples are rounded."""
@@ -380,6 +416,7 @@ class RunConfig(Section):
         if self.logging.diagnostics_every and not self.eval.evals:
             problems.append(("logging.diagnostics_every", "the probe batch comes from eval.evals[0]; fix: declare "
                                                           "an eval set or set it to 0"))
+        problems += self._ema_problems()
         if "seed" in self.data.model_fields_set:
             problems.append(("data.seed", "set per stage from run.seed; fix: remove it and set run.seed"))
         return problems

@@ -55,6 +55,7 @@ class ResolvedStage:
     interpolation: str = "bicubic"   # the training crop's resampling filter (data.crop_interpolation)
     stream: Optional[StreamSettings] = None   # canonical streams, shuffle buffer, workers (stream_layout's one rule)
     checkpoint_blocks: Optional[int] = None   # image-tower blocks recomputed (None: model.grad_checkpointing's all/none)
+    ema: bool = False              # train.ema on: rank 0 holds an fp32 average of the trained parameters
 
     @property
     def loader_streams(self) -> int:
@@ -171,7 +172,7 @@ def resolve_stage(cfg: RunConfig, index: int, world_size: int = 1, device: str =
         stream=stream or stream_settings(cfg.data, world_size,
                                          math.gcd(*(t.global_batch // world_size for t in cfg.stages)),
                                          None, ranks_per_host or ranks_on_this_host(world_size)),
-        checkpoint_blocks=s.checkpoint_blocks, **norm)
+        checkpoint_blocks=s.checkpoint_blocks, ema=cfg.train.ema.on, **norm)
     if s.micro_batch == "auto" and device.startswith("cuda"):
         memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
         fitted = replace(stage, micro_batch=planner.fit_micro_batch(stage, memory))
