@@ -115,17 +115,17 @@ def main() -> int:
         if torch.distributed.get_rank() == 0:
             (out / name).write_text(json.dumps({**state, **extra}, indent=1))
 
-    def loading(run, engine, stage, tag_dir, universal):
+    def loading(run, engine, stage, tag_dir, universal, job_wide=()):
         start = time.perf_counter()
-        rank_state = load(run, engine, stage, tag_dir, universal)
+        rank_state = load(run, engine, stage, tag_dir, universal, job_wide)
         seconds = time.perf_counter() - start
         write_state(engine, "state_loaded.json", load_seconds=seconds, universal=universal)
         return rank_state
 
-    def saving(run, engine, stage, progress, stream):
-        tag_dir = save(run, engine, stage, progress, stream)
+    def saving(loop, stream_state=None):
+        tag_dir = save(loop, stream_state)
         if tag_dir.name == args.dump_at:
-            write_state(engine, "state_saved.json")
+            write_state(loop.engine, "state_saved.json")
         return tag_dir
 
     def recording(cfg, stage, dist):
