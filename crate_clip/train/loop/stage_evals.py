@@ -125,6 +125,14 @@ def _skipped(stage: ResolvedStage, evals: list, size: int, resize: str, progress
     return rows
 
 
+def evaluate_stage_end(cfg: RunConfig, stage: ResolvedStage, tag_dir: Path, weights: dict, progress: Progress,
+                       log: MetricsLog, dist: DistInfo) -> list[dict]:
+    """The evaluations of a stage's final checkpoint `tag_dir` (its consolidated `weights`): the live weights', then,
+    with train.ema on, the EMA weights' it holds."""
+    return (evaluate_after_stage(cfg, stage, weights, progress, log, dist)
+            + evaluate_ema_after_stage(cfg, stage, tag_dir, weights, progress, log, dist))
+
+
 def evaluate_ema_after_stage(cfg: RunConfig, stage: ResolvedStage, tag_dir: Path, weights: dict, progress: Progress,
                              log: MetricsLog, dist: DistInfo) -> list[dict]:
     """train.ema on: the stage's evaluations of its EMA weights (those saved in its final checkpoint `tag_dir`, read

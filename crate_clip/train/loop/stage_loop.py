@@ -36,6 +36,7 @@ from crate_clip.train.checkpointing.elastic_resume import (STREAM_TABLE, gather_
                                                            launch_stream_settings, needs_universal, resolve_auto)
 from crate_clip.train.loop.batch_agreement import agreed_batches
 from crate_clip.train.loop.parts.checkpoint_cadence import CheckpointCadence
+from crate_clip.train.loop.parts.ema_weights import EmaWeights
 from crate_clip.train.loop.parts.mid_stage_evals import MidStageEvals
 from crate_clip.train.loop.parts.nonfinite_guard import NonfiniteGuard
 from crate_clip.train.loop.parts.progress_record import ProgressRecord, advance
@@ -46,7 +47,7 @@ from crate_clip.train.loop.parts.step_metrics import StepMetrics
 from crate_clip.train.loop.parts.stop_agreement import StopAgreement, stop_stage
 from crate_clip.train.loop.parts.stream_position import StreamPosition
 from crate_clip.train.loop.parts.whitebox_diagnostics import WhiteboxDiagnostics
-from crate_clip.train.loop.stage_evals import agreed_missing_evals, evaluate_after_stage
+from crate_clip.train.loop.stage_evals import agreed_missing_evals, evaluate_stage_end
 from crate_clip.train.loop.stop_requests import agreed_stop, request_stop, share_between_ranks, stops_with_checkpoint
 from crate_clip.train.loop.train_step import train_step
 from crate_clip.train.reporting.deepspeed_output import (close_log, deepspeed_log_path, deepspeed_prints,
@@ -216,7 +217,7 @@ def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], st
         _record_config_changes(run, start)
         if _next_stage_carries(cfg, stage):   # its AdamW state is in the checkpoint: load it to pass it on
             run.carried = _state_of_checkpoint(run, stage, start.tag_dir)
-        return start.tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
+        return start.tag_dir, weights, evaluate_stage_end(cfg, stage, start.tag_dir, weights, progress, log, dist)
     # resuming: every weight comes from the checkpoint loaded below, the model only needs the stage's shapes
     model = stage.build_model(weights, read_files=start is None)
     # another world size or ZeRO stage: DeepSpeed's universal checkpoint (elastic_resume.py)
@@ -246,7 +247,7 @@ def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], st
     del engine, model, stream
     with deepspeed_prints():
         weights = consolidated_state_dict(tag_dir, verify=False)   # this job wrote and hashed it
-    return tag_dir, weights, evaluate_after_stage(cfg, stage, weights, progress, log, dist)
+    return tag_dir, weights, evaluate_stage_end(cfg, stage, tag_dir, weights, progress, log, dist)
 
 
 def _next_stage_carries(cfg: RunConfig, stage: ResolvedStage) -> bool:
@@ -325,7 +326,7 @@ def _evaluate_finished_stage(run: RunContext, i: int) -> list[dict]:
     stage = resolve_stage(cfg, i, dist.world_size, stream=run.stream)   # for its evaluations: no micro-batch fit
     with deepspeed_prints():
         weights = consolidated_state_dict(tag_dir)
-    return evaluate_after_stage(cfg, stage, weights, record.progress, log, dist)
+    return evaluate_stage_end(cfg, stage, tag_dir, weights, record.progress, log, dist)
 
 
 def _prepare_run_dir(cfg: RunConfig, streams: StreamSettings, start: ResumePoint, moved_aside: bool,
@@ -376,10 +377,17 @@ def _make_loss(dist: DistInfo) -> ClipLoss:
 def stage_parts(loop: LoopState) -> list[StagePart]:
     """The stage's parts, in the order their hooks run (stage_part.py): a feature of the loop is one entry here."""
     cfg, progress = loop.cfg, loop.progress
-    return [StreamPosition(loop.stream), RngStates(cfg.run.seed, loop.stage.index, progress, loop.dist.rank),
-            ProgressRecord(progress), WhiteboxDiagnostics(), StepMetrics(cfg.logging.every_steps),
-            NonfiniteGuard(cfg.run.max_nonfinite_in_a_row), CheckpointCadence(cfg.checkpoint.every_steps),
-            MidStageEvals(cfg.eval.max_time_share), StopAgreement()]
+    parts = [StreamPosition(loop.stream),
+             RngStates(cfg.run.seed, loop.stage.index, progress, loop.dist.rank),
+             ProgressRecord(progress),
+             WhiteboxDiagnostics(),                                  # before the metrics: its columns are the row's
+             StepMetrics(cfg.logging.every_steps),
+             NonfiniteGuard(cfg.run.max_nonfinite_in_a_row),         # after the metrics: the skipped step's row first
+             EmaWeights.for_stage(cfg, loop.stage, loop.dist),       # None unless train.ema
+             CheckpointCadence(cfg.checkpoint.every_steps),
+             MidStageEvals(cfg.eval.max_time_share),
+             StopAgreement()]                                        # last: the step's other parts are done
+    return [part for part in parts if part is not None]   # a feature that is off gives None
 
 
 def train_stage(loop: LoopState) -> Path:
