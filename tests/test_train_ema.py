@@ -176,3 +176,25 @@ def test_the_plan_counts_an_fp32_copy_of_the_trained_parameters_on_rank_0():
     assert with_ema.state_by_zero[3] - without.state_by_zero[3] == 4 * measure.trainable_params
     assert "EMA " in format_plan([with_ema], 4, 80 << 30, None, 0.4, 3, "bf16") and "(rank 0, train.ema)" in \
         format_plan([with_ema], 4, 80 << 30, None, 0.4, 3, "bf16")
+
+
+def test_each_kind_of_weights_has_its_own_record_of_the_stage_end_evaluations(tmp_path):
+    """A run killed between a stage's live and EMA evaluations: the resume finds the EMA ones missing (and only
+    those), and a finished earlier stage counts as missing evaluations until both kinds are in results.jsonl."""
+    import json
+
+    from crate_clip.train.loop.stage_evals import EMA, LIVE, missing_evals, stage_end_missing
+
+    raw = _raw(decay=0.99)
+    raw.update(run={"output_dir": str(tmp_path)}, eval={"evals": [{"name": "fm", "type": "zeroshot",
+                                                                   "dataset": "fashion_mnist", "data": "unused"}]})
+    cfg = config_from_dict(raw, check_paths=False)
+    row = {"stage_index": 0, "eval": "fm", "image_size": 16, "resize": "grid", "global_step": 4}
+    (tmp_path / "results.jsonl").write_text(json.dumps(row) + "\n")
+    assert missing_evals(cfg, 0, LIVE) == {} and [e.name for e in missing_evals(cfg, 0, EMA)[(16, "grid")]] == ["fm"]
+    assert stage_end_missing(cfg, 0, DIST)
+    with (tmp_path / "results.jsonl").open("a") as f:
+        f.write(json.dumps({**row, "weights": "ema"}) + "\n")
+    assert not stage_end_missing(cfg, 0, DIST)
+    del raw["train"]   # off: no EMA evaluation is ever missing
+    assert missing_evals(config_from_dict(raw, check_paths=False), 0, EMA) == {}

@@ -194,6 +194,12 @@ def missing_evals(cfg: RunConfig, stage_index: int, kind: str = LIVE) -> dict[tu
     return {point: evals for point, evals in missing.items() if evals}
 
 
+def stage_end_missing(cfg: RunConfig, stage_index: int, dist: DistInfo) -> bool:
+    """Whether any of the stage's end evaluations is missing from results.jsonl: the live weights', or (train.ema on)
+    the EMA weights' (a run killed between the two kinds); every rank answers as rank 0."""
+    return bool(agreed_missing_evals(cfg, stage_index, dist) or agreed_missing_evals(cfg, stage_index, dist, EMA))
+
+
 def agreed_missing_evals(cfg: RunConfig, stage_index: int, dist: DistInfo,
                          kind: str = LIVE) -> dict[tuple[int, str], list]:
     """missing_evals as rank 0 (which writes results.jsonl) sees it, on every rank: all run the same ones."""
