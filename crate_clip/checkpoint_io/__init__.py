@@ -7,6 +7,7 @@ checkpoint_record.py      crate_clip.json (CheckpointInfo, Progress, its schema;
 atomic_files.py           write-then-rename for files and folders, fsync of files and their folders
 deepspeed_checkpoints.py  a DeepSpeed checkpoint's files verified against its record, and
                           their consolidation to one fp32 state dict, for any ZeRO stage
+ema_state.py              the EMA weights (train.ema) in a checkpoint's rank 0 file, merged into its consolidated weights
 safe_unpickling.py        torch files read with weights_only=True and the allow-list of DeepSpeed's classes;
                           the one-line refusal and the --trust-checkpoint opt-in
 trust_flag.py             that opt-in's flag, help and warning (no torch: the command parsers take them)
