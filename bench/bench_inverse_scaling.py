@@ -25,6 +25,7 @@ section is bench/bench_inverse_scaling_law.py's), docs/inverse_scaling.json and 
 
     python bench/bench_inverse_scaling.py                 # the study (about 90 min on the idle 2-core machine)
     python bench/bench_inverse_scaling.py --smoke         # a few seconds of training: the script works
+    python bench/bench_inverse_scaling.py --from-record   # no training: the section again from the stored JSON
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.demo_runs import DEMO_CONFIG, absolute_deepspeed  # noqa: E402
 from bench.report import section_head, write_section  # noqa: E402
+from bench.seed_spread import sd as seed_sd  # noqa: E402
+from bench.seed_spread import seed_spread  # noqa: E402
 
 DOCS = ROOT / "docs"
 WIDTHS = {"w128": "CRATE-alpha-CLIPA-tiny", "w64": "CRATE-alpha-CLIPA-tiny-w64"}
@@ -59,9 +62,17 @@ ARMS = ("full", "clipa", "clipa-p9")
 # the fine-tune's (image size, patch): the grid grows to 4x4, or the 3x3 grid is kept at 27 px (patches that tile)
 FINE = {"clipa": (28, 7), "clipa-p9": (27, 9)}
 SECTION = "inverse-scaling-study"
+HOW_TO_READ = ("**How to read ±** (the one convention of README.md, BENCHMARKS.md and docs/): each ± says what it "
+               "holds. A spread over seeds is the sample standard deviation, ddof 1 (\"SD\"). A contrast between "
+               "two runs of the same seed scored on the same test images has a paired standard error over the "
+               "images (\"SE paired over images\": d_i = correct_a_i - correct_b_i, SE = sqrt(var(d) / n)); it "
+               "holds the test set's noise, not the training runs'. So a contrast also gets its spread over seeds: "
+               "the SE of the mean of the seeds' own differences (\"SE over seeds\", SD / sqrt(seeds)), its t on "
+               "seeds - 1 degrees of freedom and its 95% t interval; a contrast's sign is claimed only where that "
+               "interval leaves out zero (`bench/seed_spread.py`).")
 DOC_HEAD = ("# Inverse scaling on Fashion-MNIST\n\nWritten by `bench/bench_inverse_scaling.py` (the compute-matched "
             "study) and `bench/bench_inverse_scaling_law.py` (the inverse scaling law), each between its own markers "
-            "(do not edit by hand).\n")
+            "(do not edit by hand).\n\n" + HOW_TO_READ + "\n")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "demo's, data/fashion_mnist, written first if missing")
     p.add_argument("--docs", type=Path, default=DOCS, help="where the table, JSON and plot go (default docs/)")
     p.add_argument("--label", default="", help="a note printed above the table (e.g. 'reduced configuration')")
+    p.add_argument("--from-record", action="store_true",
+                   help="train nothing: rewrite the section and JSON in --docs from its stored record (the seeds' "
+                        "statistics recomputed, the paired SEs as measured)")
     p.add_argument("--smoke", action="store_true", help="tiny runs (1 seed, 1 width, 256 samples, the full and "
                                                         "clipa-p9 arms unless --arms is given): checks the script, "
                                                         "measures nothing; writes under --out only")
@@ -315,7 +329,7 @@ def _shares(need: list[float | None], mine: list[dict], per_seed_full: dict) -> 
     """The FLOPs each seed needed as a share of its full arm's, over the seeds that reached it."""
     reached = [n / per_seed_full[r["seed"]]["total_flops"] for n, r in zip(need, mine) if n is not None]
     return {"reached": len(reached), "mean": float(np.mean(reached)) if reached else None,
-            "std": float(np.std(reached)) if reached else None}
+            "std": seed_sd(reached) if reached else None}
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -333,7 +347,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             first = _shares([flops_to_reach(r["points"], t) for r, t in zip(mine, targets)], mine, per_seed_full)
             final = _shares([flops_to_stay(r["points"], t) for r, t in zip(mine, targets)], mine, per_seed_full)
             row = {"width": width, "model": WIDTHS[width], "arm": arm, "seeds": len(mine),
-                   "final_top1_mean": float(np.mean(finals)), "final_top1_std": float(np.std(finals, ddof=0)),
+                   "final_top1_mean": float(np.mean(finals)), "final_top1_std": seed_sd(finals),
                    "final_images": mine[0]["points"][-1].get("images"),
                    "total_flops": float(np.mean([r["total_flops"] for r in mine])),
                    # the first checkpoint crossing (a low-resolution model may cross before its fine-tune)
@@ -347,8 +361,25 @@ def summarize(runs: list[dict]) -> list[dict]:
             if arm != "full" and all("correct" in r for r in mine):
                 diff, se = pooled_paired([(per_seed_full[r["seed"]]["correct"], r["correct"]) for r in mine])
                 row["vs_full_mean"], row["vs_full_se"] = 100 * diff, 100 * se
+            if arm != "full" and len(mine) > 1:   # the training runs' noise, which the paired SE does not hold
+                row["vs_full_seeds"] = seed_record([f - 100 * t for f, t in zip(finals, targets)])
             rows.append(row)
     return rows
+
+
+def seed_record(values: list[float]) -> dict:
+    """seed_spread() of one contrast's per-seed values, as the JSON records it."""
+    spread = seed_spread(values)
+    return {"per_seed": values, "sd": spread.sd, "se": spread.se, "t": spread.t, "df": spread.df,
+            "low": spread.low, "high": spread.high}
+
+
+def seed_cell(record: dict | None) -> str:
+    """A contrast's spread over seeds as a table cell: '± 0.29 (t +9.1, 2 df; +1.42 to +3.94)'."""
+    if not record:
+        return "-"
+    return (f"± {record['se']:.2f} (t {record['t']:+.1f}, {record['df']} df; {record['low']:+.2f} to "
+            f"{record['high']:+.2f})")
 
 
 def _share_cell(mean: float | None, std: float | None, reached: int, seeds: int) -> str:
@@ -370,12 +401,16 @@ def markdown(args, meta: dict, rows: list[dict]) -> str:
               f"as the fine-tune does: clipa `--resize grid`, clipa-p9 `--resize patch`): the curve's checkpoints "
               f"on {args.eval_images:,} test images, each final model on {args.final_images:,}. 'vs full' = the "
               "final top-1 minus the full arm's (same seed) ± its paired standard error (per-image agreement, "
-              "seeds pooled). 'FLOPs to the full arm's final top-1', as a share of the full arm's FLOPs: "
-              "**first crossing** = the first checkpoint that reaches it (an arm may reach it before its end, "
-              "then lose it); **final model** = from where the curve stays at or above it to the end, so the "
-              "model the arm ends with has it ('not reached' when the final model ends below).", "",
-              "| width | arm | seeds | samples | final top-1 (%) | vs full (points) | FLOPs to full's final: "
-              "first crossing | FLOPs to full's final: final model |", "|---|---|---|---|---|---|---|---|"]
+              "seeds pooled), and over seeds: ± the SE of the mean of the seeds' own differences, its t on seeds - 1 "
+              "df and 95% interval (the training runs' noise, which the paired SE does not hold; a difference "
+              "stands where that interval leaves out zero). 'FLOPs to the full arm's final top-1', as a share "
+              "of the full arm's FLOPs: **first crossing** = the first checkpoint that reaches it (an arm may "
+              "reach it before its end, then lose it); **final model** = from where the curve stays at or above "
+              "it to the end, so the model the arm ends with has it ('not reached' when the final model ends "
+              "below).", "",
+              "| width | arm | seeds | samples | final top-1 (%, ± SD over seeds) | vs full (points, ± SE paired "
+              "over images) | vs full over seeds (± SE, t, 95% interval) | FLOPs to full's final: first crossing "
+              "(± SD) | FLOPs to full's final: final model (± SD) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         first = _share_cell(r["flops_share_mean"], r["flops_share_std"], r["reached"], r["seeds"])
         final = _share_cell(r.get("final_share_mean"), r.get("final_share_std"), r.get("final_reached", 0),
@@ -383,10 +418,39 @@ def markdown(args, meta: dict, rows: list[dict]) -> str:
         versus = f"{r['vs_full_mean']:+.2f} ± {r['vs_full_se']:.2f}" if "vs_full_mean" in r else "-"
         samples = " + ".join(f"{s:,}" for s in r["samples"])
         lines.append(f"| {r['model']} | {r['arm']} | {r['seeds']} | {samples} | "
-                     f"{r['final_top1_mean']:.2f} ± {r['final_top1_std']:.2f} | {versus} | {first} | {final} |")
-    lines += ["", "± after a top-1 or a share: the standard deviation over seeds. "
-                  "![top-1 vs FLOPs](inverse_scaling.png)"]
+                     f"{r['final_top1_mean']:.2f} ± {r['final_top1_std']:.2f} | {versus} | "
+                     f"{seed_cell(r.get('vs_full_seeds'))} | {first} | {final} |")
+    lines += ["", "± after a top-1 or a share: the sample standard deviation over seeds (ddof 1); see "
+                  "\"How to read ±\" above. ![top-1 vs FLOPs](inverse_scaling.png)"]
     return "\n".join(lines)
+
+
+def rewrite_from_record(docs: Path) -> None:
+    """The section and JSON again from the stored record alone, no training: the seeds' statistics recomputed from
+    each run's record, the paired image-level SEs as measured (the per-image lists stay beside the runs)."""
+    record = json.loads((docs / "inverse_scaling.json").read_text())
+    measured = {(r["width"], r["arm"]): r for r in record["rows"]}
+    rows = summarize(record["runs"])
+    for row in rows:
+        kept = measured[(row["width"], row["arm"])]
+        if "vs_full_se" in kept and "vs_full_se" not in row:
+            row["vs_full_mean"], row["vs_full_se"] = kept["vs_full_mean"], kept["vs_full_se"]
+    meta = {k: v for k, v in record.items() if k not in ("rows", "runs")}
+    args = argparse.Namespace(**{k: meta[k] for k in ("samples", "eval_images", "final_images", "label")})
+    (docs / "inverse_scaling.json").write_text(json.dumps({**meta, "rows": rows, "runs": record["runs"]}, indent=1))
+    write_kept_head(docs / "inverse_scaling.md", SECTION, markdown(args, meta, rows), meta["date"])
+
+
+def write_kept_head(path: Path, name: str, text: str, date: str) -> None:
+    """write_doc_section(), with the section's paragraph saying when, where and how it ran (the one that starts with
+    the run's `date`) kept as the page has it: a note added there about how the run was made stays when the
+    section is rewritten from its record."""
+    page = path.read_text() if path.is_file() else ""
+    begin = page.find(f"<!-- BEGIN {name} -->")
+    old = page[begin:page.find(f"<!-- END {name} -->", begin)].split("\n\n") if begin >= 0 else []
+    kept = next((part for part in old if part.startswith(date)), None)
+    new = [kept if kept and part.startswith(date) else part for part in text.split("\n\n")]
+    write_doc_section(path, name, "\n\n".join(new))
 
 
 def write_docs(args, runs: list[dict], rows: list[dict], started: str, wall: float) -> None:
@@ -447,6 +511,9 @@ def main(argv=None) -> int:
     from crate_clip.train.demo import run_recipe
 
     args = parse_args(argv)
+    if args.from_record:
+        rewrite_from_record(args.docs)
+        return 0
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     base_cfg = yaml.safe_load(DEMO_CONFIG.read_text())
     data_dir = data_folder(args.data_dir)

@@ -20,6 +20,7 @@ the paired SE does not hold.
     python bench/bench_inverse_scaling_law.py                       # the sweep: 3 seeds, ~75 min on the idle 2-core CPU
     python bench/bench_inverse_scaling_law.py --samples 12800 --seeds 1 --label "reduced: 25% of the samples"
     python bench/bench_inverse_scaling_law.py --quick               # seconds of training: the script works
+    python bench/bench_inverse_scaling_law.py --from-record         # no training: the section from the JSON
 
 Writes its section of docs/inverse_scaling.md (between `inverse-scaling-law` markers; the study's section is the
 other script's), docs/inverse_scaling_law.json and docs/inverse_scaling_law.png.
@@ -72,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-dir", type=Path, default=None, help="as bench_inverse_scaling.py's --data-dir")
     p.add_argument("--docs", type=Path, default=study.DOCS, help="where the section, JSON and plot go (default docs/)")
     p.add_argument("--label", default="", help="a note printed above the table (e.g. 'reduced: 25%% of the samples')")
+    p.add_argument("--from-record", action="store_true",
+                   help="train nothing: rewrite the section and JSON in --docs from its stored record (the seeds' "
+                        "statistics recomputed, the paired SEs as measured)")
     p.add_argument("--quick", action="store_true", help="tiny runs (1 seed, w64, 4 and 16 tokens, 256 samples, 50 "
                                                         "test images; its 16-token run is the study's --smoke full "
                                                         "arm): checks the script, measures nothing; writes under "
@@ -117,39 +121,57 @@ def _pairs(runs: list[dict], width: str, tokens: int, seed_list: list[int]) -> l
             if (width, REFERENCE, s) in by and (width, tokens, s) in by]
 
 
+def _seed_changes(top1: dict, width: str, tokens: int, seeds: list[int]) -> list[float]:
+    """Each seed's change (points) of the `tokens` run from its width's 16-token run, for the seeds with both."""
+    return [100 * (top1[(width, tokens, s)] - top1[(width, REFERENCE, s)]) for s in seeds
+            if (width, tokens, s) in top1 and (width, REFERENCE, s) in top1]
+
+
 def summarize(runs: list[dict]) -> dict:
-    """Per width and token length: top-1 over seeds and its change from 16 tokens (paired SE, seeds pooled); per
-    short token length: the change at the widest width minus at the narrowest (per image, paired SE)."""
+    """Per width and token length: top-1 over seeds and its change from 16 tokens (paired SE, seeds pooled; and
+    over seeds); per short token length: the change at the widest width minus at the narrowest (per image, paired
+    SE; and over seeds). Runs without per-image lists (a stored record) give the seeds' statistics only."""
     widths = [w for w in WIDTHS if any(r["width"] == w for r in runs)]
     tokens = sorted({r["tokens"] for r in runs})
     seeds = sorted({r["seed"] for r in runs})
+    per_image = all("correct" in r for r in runs)
+    top1 = {(r["width"], r["tokens"], r["seed"]): r["top1"] for r in runs}
     rows = []
     for w in widths:
         for t in tokens:
             mine = [r for r in runs if r["width"] == w and r["tokens"] == t]
             if not mine:
                 continue
-            top1 = np.array([100 * r["top1"] for r in mine])
+            mine_top1 = [100 * r["top1"] for r in mine]
             row = {"width": w, "model": WIDTHS[w], "tokens": t, "image_size": TOKENS[t], "seeds": len(mine),
                    "samples": mine[0]["samples"], "total_flops": mine[0]["total_flops"],
-                   "top1_mean": float(top1.mean()), "top1_std": float(top1.std(ddof=1)) if len(mine) > 1 else 0.0}
-            pairs = _pairs(runs, w, t, seeds)
+                   "top1_mean": float(np.mean(mine_top1)), "top1_std": study.seed_sd(mine_top1)}
+            pairs = _pairs(runs, w, t, seeds) if per_image else []
             if t != REFERENCE and pairs:
                 row["change_mean"], row["change_se"] = (100 * v for v in study.pooled_paired(pairs))
+            changes = _seed_changes(top1, w, t, seeds)
+            if t != REFERENCE and len(changes) > 1:   # the training runs' noise, which the paired SE does not hold
+                row["change_seeds"] = study.seed_record(changes)
             rows.append(row)
     contrasts = []
     small, large = widths[0], widths[-1]
     for t in (t for t in tokens if t != REFERENCE and small != large):
-        # per seed, per image: the narrow tower's change, then the wide one's (both against their own 16-token run)
-        changes = {w: {s: [b - a for a, b in zip(*pair[0])] for s in seeds if (pair := _pairs(runs, w, t, [s]))}
-                   for w in (small, large)}
-        both = [(changes[small][s], changes[large][s]) for s in seeds if s in changes[small] and s in changes[large]]
-        if both:
-            mean, se = (100 * v for v in study.pooled_paired(both))
-            # each seed's own contrast: the paired SE holds the test images' noise, these the training runs'
-            per_seed = [100 * (sum(wide) - sum(narrow)) / len(wide) for narrow, wide in both]
-            contrasts.append({"tokens": t, "small": small, "large": large, "seeds": len(both), "difference": mean,
-                              "se": se, "per_seed": per_seed})
+        # each seed's own contrast (the wide tower's change minus the narrow one's): the training runs' noise
+        both = [s for s in seeds if _seed_changes(top1, small, t, [s]) and _seed_changes(top1, large, t, [s])]
+        if not both:
+            continue
+        per_seed = [_seed_changes(top1, large, t, [s])[0] - _seed_changes(top1, small, t, [s])[0] for s in both]
+        contrast = {"tokens": t, "small": small, "large": large, "seeds": len(both),
+                    "difference": float(np.mean(per_seed)), "per_seed": per_seed}
+        if per_image:
+            # per seed, per image: the narrow tower's change, then the wide one's (each against its 16-token run)
+            changes = {w: {s: [b - a for a, b in zip(*_pairs(runs, w, t, [s])[0])] for s in both}
+                       for w in (small, large)}
+            contrast["difference"], contrast["se"] = (100 * v for v in study.pooled_paired(
+                [(changes[small][s], changes[large][s]) for s in both]))
+        if len(both) > 1:
+            contrast["over_seeds"] = study.seed_record(per_seed)
+        contrasts.append(contrast)
     return {"rows": rows, "contrasts": contrasts}
 
 
@@ -161,28 +183,62 @@ def markdown(args, meta: dict, summary: dict) -> str:
               f"tokens, the demo's batch, rate and schedule; no fine-tune. Zero-shot top-1 of each final model at "
               f"its own input on {args.eval_images:,} test images. Change = top-1 at the token length minus at 16 "
               f"tokens, same width and seed (negative: accuracy lost to the shorter tokens), ± its paired standard "
-              f"error (per-image agreement, seeds pooled).", "",
-              "| width | image tokens | image px | samples | training TFLOP | seeds | zero-shot top-1 (%) "
-              "| change from 16 tokens (points) |", "|---|---|---|---|---|---|---|---|"]
+              f"error (per-image agreement, seeds pooled), and over seeds: ± the SE of the mean of the seeds' own "
+              f"changes, its t on seeds - 1 df and 95% interval (the training runs' noise, which the paired SE does "
+              f"not hold).", "",
+              "| width | image tokens | image px | samples | training TFLOP | seeds | zero-shot top-1 (%, ± SD over "
+              "seeds) | change from 16 tokens (points, ± SE paired over images) | change over seeds (± SE, t, 95% "
+              "interval) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         spread = f" ± {r['top1_std']:.2f}" if r["seeds"] > 1 else ""
         change = f"{r['change_mean']:+.2f} ± {r['change_se']:.2f}" if "change_mean" in r else "-"
         lines.append(f"| {r['model']} | {r['tokens']} | {r['image_size']} | {r['samples']:,} | "
-                     f"{r['total_flops'] / 1e12:.2f} | {r['seeds']} | {r['top1_mean']:.2f}{spread} | {change} |")
-    lines += ["", "± after a top-1: the standard deviation over seeds."]
+                     f"{r['total_flops'] / 1e12:.2f} | {r['seeds']} | {r['top1_mean']:.2f}{spread} | {change} | "
+                     f"{study.seed_cell(r.get('change_seeds'))} |")
+    lines += ["", "± after a top-1: the sample standard deviation over seeds (ddof 1); see \"How to read ±\" above."]
     if summary["contrasts"]:
         lines += ["", "Does the loss to shorter tokens shrink as the tower grows? The change at the widest tower minus "
                       "the change at the narrowest, per image (positive: the wider tower loses less or gains more), ± "
-                      "its paired standard error over the test images, and each seed's own contrast (their spread is "
-                      "the training runs' noise, which the paired standard error does not hold):", ""]
-        for c in summary["contrasts"]:
-            z = c["difference"] / c["se"] if c["se"] else float("nan")
-            seeds = ", ".join(f"{v:+.2f}" for v in c["per_seed"])
-            lines.append(f"- {c['tokens']} tokens: {WIDTHS[c['large']]} vs {WIDTHS[c['small']]}: "
-                         f"{c['difference']:+.2f} ± {c['se']:.2f} points (z {z:+.1f}, {c['seeds']} seed(s); per seed "
-                         f"{seeds})")
+                      "its paired standard error over the test images; then over seeds, from each seed's own "
+                      "contrast (their spread is the training runs' noise, which the paired standard error does not "
+                      "hold): the contrast's sign stands only where the seeds' 95% interval leaves out zero.", ""]
+        lines += [contrast_line(c) for c in summary["contrasts"]]
     lines += ["", FULL_SIZE, "", "![top-1 vs image tokens, one line per width](inverse_scaling_law.png)"]
     return "\n".join(lines)
+
+
+def contrast_line(c: dict) -> str:
+    """One width contrast: the paired SE over images, then the spread over seeds and whether it sets the sign."""
+    paired = f" ± {c['se']:.2f} SE paired over images (z {c['difference'] / c['se']:+.1f})" if c.get("se") else ""
+    seeds = ", ".join(f"{v:+.2f}" for v in c["per_seed"])
+    spread = c.get("over_seeds")
+    if spread:
+        verdict = "the seeds set its sign" if spread["low"] > 0 or spread["high"] < 0 else \
+            "the seeds do not set its sign"
+        over = (f"; over {c['seeds']} seeds ± {spread['se']:.2f} SE (t {spread['t']:+.1f} on {spread['df']} df, 95% "
+                f"interval {spread['low']:+.2f} to {spread['high']:+.2f}): {verdict}")
+    else:
+        over = f"; {c['seeds']} seed: no spread over seeds"
+    return (f"- {c['tokens']} tokens: {WIDTHS[c['large']]} vs {WIDTHS[c['small']]}: {c['difference']:+.2f} points"
+            f"{paired}{over} (per seed {seeds})")
+
+
+def rewrite_from_record(docs: Path) -> None:
+    """The section and JSON again from the stored record alone, no training: the seeds' statistics recomputed from
+    each run's record, the paired image-level SEs as measured (the per-image lists stay beside the runs)."""
+    record = json.loads((docs / "inverse_scaling_law.json").read_text())
+    summary = summarize(record["runs"])
+    rows = {(r["width"], r["tokens"]): r for r in record["rows"]}
+    for row in summary["rows"]:
+        kept = rows[(row["width"], row["tokens"])]
+        row.update({k: kept[k] for k in ("change_mean", "change_se") if k in kept})
+    contrasts = {c["tokens"]: c for c in record["contrasts"]}
+    for c in summary["contrasts"]:
+        c.update({k: contrasts[c["tokens"]][k] for k in ("difference", "se") if k in contrasts[c["tokens"]]})
+    meta = {k: v for k, v in record.items() if k not in ("rows", "contrasts", "runs")}
+    args = argparse.Namespace(**{k: meta[k] for k in ("samples", "eval_images", "label")})
+    (docs / "inverse_scaling_law.json").write_text(json.dumps({**meta, **summary, "runs": record["runs"]}, indent=1))
+    study.write_kept_head(docs / "inverse_scaling.md", SECTION, markdown(args, meta, summary), meta["date"])
 
 
 def write_docs(args, runs: list[dict], started: str, wall: float) -> None:
@@ -232,6 +288,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_record:
+        rewrite_from_record(args.docs)
+        return 0
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     base_cfg = yaml.safe_load(study.DEMO_CONFIG.read_text())
     data_dir = study.data_folder(args.data_dir)

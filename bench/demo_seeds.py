@@ -8,7 +8,10 @@ fine-tune are then scored on every test image at the same input, 27 px with 9 px
 the stage-0 final checkpoint (21 px / patch 7, its 3x3 grid kept and the kernel PI-resized: `--resize patch`) and
 the final checkpoint, each by `crate-clip eval zeroshot --per-image-out`. The difference's standard error comes
 from per-image agreement: d_i = correct_final_i - correct_stage0_i, SE = sqrt(var(d) / n) (images both models get
-right or wrong add nothing). Prints one row per seed, the mean +- std over seeds and the pooled paired gain.
+right or wrong add nothing). Prints one row per seed, the mean ± SD over seeds (ddof 1), and the mean gain twice:
+± its paired SE (the seeds' image-level SEs combined: the test set's noise) and ± its SE over seeds with a t on
+seeds - 1 df and a 95% interval (the training runs' noise; the gain's sign stands only where that interval leaves
+out zero): docs/inverse_scaling.md, "How to read ±".
 """
 import argparse
 import csv
@@ -23,6 +26,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.demo_runs import run_demo  # noqa: E402
+from bench.seed_spread import sd, seed_spread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_SIZE, STAGE0 = 27, 0
@@ -94,24 +98,24 @@ def mean_std(values: list[float]) -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "-"
-    m = sum(values) / len(values)
-    s = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
-    return f"{100 * m:.2f} +- {100 * s:.2f}"
+    return f"{100 * sum(values) / len(values):.2f} ± {100 * sd(values):.2f}"
 
 
 def table(rows: list[dict]) -> str:
     pct = lambda v: "-" if v is None else f"{100 * v:.2f}"   # noqa: E731
     lines = ["| seed | stage 0 @21 | stage 0 @27 (patch) | final @27 | linear probe "
-             "| final - stage 0 @27 (paired SE) |", "|---|---|---|---|---|---|"]
+             "| final - stage 0 @27 (± SE paired over images) |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['seed']} | {pct(r['stage0_21'])} | {pct(r['stage0_27'])} | {pct(r['final_27'])} | "
-                     f"{pct(r['probe'])} | {100 * r['gain']:+.2f} +- {100 * r['se']:.2f} "
+                     f"{pct(r['probe'])} | {100 * r['gain']:+.2f} ± {100 * r['se']:.2f} "
                      f"(z {r['gain'] / r['se']:+.1f}) |")
     gain = sum(r["gain"] for r in rows) / len(rows)
     se = math.sqrt(sum(r["se"] ** 2 for r in rows)) / len(rows)   # seeds' test-set noise, independent fits
-    lines.append(f"| mean +- std | {mean_std([r['stage0_21'] for r in rows])} | "
+    over_seeds = seed_spread([100 * r["gain"] for r in rows]).text()
+    lines.append(f"| mean ± SD over seeds | {mean_std([r['stage0_21'] for r in rows])} | "
                  f"{mean_std([r['stage0_27'] for r in rows])} | {mean_std([r['final_27'] for r in rows])} | "
-                 f"{mean_std([r['probe'] for r in rows])} | {100 * gain:+.2f} +- {100 * se:.2f} (z {gain / se:+.1f}) |")
+                 f"{mean_std([r['probe'] for r in rows])} | {100 * gain:+.2f} ± {100 * se:.2f} (z {gain / se:+.1f}); "
+                 f"{over_seeds} |")
     return "\n".join(lines)
 
 

@@ -198,3 +198,38 @@ def test_a_study_page_shows_its_command_without_one_machines_folders():
     assert shown == "`python bench/x.py --seeds 3 --label 'a b'` (its data, runs and docs folders passed as options)"
     assert shown_command("python bench/x.py --out /o") == "`python bench/x.py` (its runs folder passed as options)"
     assert shown_command("python bench/x.py --quick") == "`python bench/x.py --quick`"
+
+
+# the spread of a contrast over its training seeds (issue 53 item 3)
+
+def test_a_contrasts_spread_over_seeds_is_a_t_on_seeds_minus_one_df():
+    _bench()   # puts the checkout on sys.path, as the bench scripts run
+    from bench.seed_spread import sd, seed_spread
+
+    assert sd([1.0, 2.0, 3.0]) == pytest.approx(1.0) and sd([5.0]) == 0.0   # ddof 1 (ddof 0 would give 0.82)
+    # the demo's fine-tune gain per seed: +0.48 with a paired SE of 0.10 over images, but over its seeds
+    gain = seed_spread([-0.09, 0.69, 0.84])
+    assert (gain.mean, gain.se, gain.t, gain.df) == pytest.approx((0.48, 0.2883, 1.665, 2), abs=1e-3)
+    assert (gain.low, gain.high) == pytest.approx((0.48 - 4.3027 * 0.2883, 0.48 + 4.3027 * 0.2883), abs=1e-3)
+    assert not gain.supported and "t +1.7 on 2 df, 95% interval -0.76 to +1.72" in gain.text()
+    width = seed_spread([-0.63, -2.09, -1.75])    # the width contrast at 4 tokens: every seed below zero, yet
+    assert width.t == pytest.approx(-3.38, abs=0.01) and not width.supported   # 95% interval -3.39 to +0.41
+    assert seed_spread([2.2, 2.7, 3.1]).supported and seed_spread([-8.9, -8.1, -8.6]).supported
+    assert seed_spread([0.5]).text() == "1 seed: no spread over seeds"
+
+
+def test_the_pages_tables_are_what_the_scripts_give_from_the_stored_records(tmp_path):
+    """docs/inverse_scaling.md's two sections are rewritten from docs/inverse_scaling*.json alone (no training):
+    the committed page is what the scripts give now (one ddof, the seeds' spread beside each paired SE)."""
+    law = _law()
+    for name in ("inverse_scaling.md", "inverse_scaling.json", "inverse_scaling_law.json"):
+        (tmp_path / name).write_text((ROOT / "docs" / name).read_text())
+    assert law.study.main(["--from-record", "--docs", str(tmp_path)]) == 0
+    assert law.main(["--from-record", "--docs", str(tmp_path)]) == 0
+    assert (tmp_path / "inverse_scaling.md").read_text() == (ROOT / "docs" / "inverse_scaling.md").read_text()
+    rows = json.loads((tmp_path / "inverse_scaling.json").read_text())["rows"]
+    finals = {(r["width"], r["arm"]): r for r in rows}
+    full = finals[("w128", "full")]
+    assert full["final_top1_std"] > 0 and "vs_full_seeds" not in full
+    spread = finals[("w128", "clipa-p9")]["vs_full_seeds"]
+    assert len(spread["per_seed"]) == 3 and spread["df"] == 2 and spread["low"] < spread["high"]
