@@ -18,7 +18,8 @@ import yaml
 
 import warm_python
 from file_snapshots import snapshot
-from train_fixtures import REPO_ROOT, ranks_cmd, read_jsonl, run_env, run_job, tiny_config, write_config
+from train_fixtures import (REPO_ROOT, ranks_cmd, read_jsonl, run_env, run_job, tiny_config, train_in_process,
+                            write_config)
 
 DOCS = REPO_ROOT / "docs" / "training.md"
 
@@ -263,6 +264,7 @@ def test_a_changed_resume_is_refused_unless_named_then_recorded_and_scheduled_as
     from crate_clip.cli import main
     from crate_clip.core.errors import EXIT_CONFIG
     from crate_clip.train.demo import _refused_changes
+    from crate_clip.train.run.run_config import load_run_config
     from crate_clip.train.stage_setup.optim import warmup_cosine
 
     stage = {"name": "only", "image_size": 16, "context_length": 16, "samples": 16, "global_batch": 8, "lr": 2e-3,
@@ -271,8 +273,7 @@ def test_a_changed_resume_is_refused_unless_named_then_recorded_and_scheduled_as
                       logging={"every_steps": 1, "progress": False, "tensorboard": False, "plot": False})
     cfg["data"]["num_workers"] = 0
     config, run_dir = write_config(cfg, tmp_path / "run.yaml"), tmp_path / "run"
-    first = _train(config)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-6000:]
+    train_in_process(config)   # the runs that go through: in this process; the refusals: the command's own output
     recorded = (run_dir / "run_config.yaml").read_bytes()
 
     # a longer stage at another peak LR, not named: refused before any work, one line per key, nothing written
@@ -296,9 +297,8 @@ def test_a_changed_resume_is_refused_unless_named_then_recorded_and_scheduled_as
     assert _refused_changes(str(config), ["stages.0.lr=0.01"], ["stages.0"]) == 0 and _snapshot(run_dir) == before
 
     # named: it goes through, is recorded, the first run_config.yaml stays as it was
-    allowed = _train(config, "--resume", "latest", *changed, "--allow-change", "stages.0.lr",
-                     "--allow-change", "stages.0.samples")
-    assert allowed.returncode == 0, allowed.stdout[-3000:] + allowed.stderr[-6000:]
+    train_in_process(load_run_config(config, [a for a in changed if a != "--set"]), resume="latest",
+                     allow_changes=("stages.0.lr", "stages.0.samples"))
     assert (run_dir / "run_config.yaml").read_bytes() == recorded
     rows = read_jsonl(run_dir / "config_changes.jsonl")
     assert [(r["global_step"], r["key"], r["old"], r["new"], r["named"]) for r in rows] == [
@@ -320,8 +320,7 @@ def test_a_changed_resume_is_refused_unless_named_then_recorded_and_scheduled_as
 
     # later resumes compare with the recorded config and its changes: the changed config needs no flag (the run is
     # finished: nothing to train), the first one is now the change
-    again = _train(config, "--resume", "latest", *changed)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-6000:]
+    train_in_process(load_run_config(config, [a for a in changed if a != "--set"]), resume="latest")
     back = _train(config, "--resume", "latest")
     assert back.returncode == EXIT_CONFIG and "  stages.0.lr: 0.01 -> 0.002" in back.stderr.splitlines()
     assert len(read_jsonl(run_dir / "config_changes.jsonl")) == 3

@@ -15,8 +15,7 @@ import torch
 
 import crate_clip  # noqa: F401
 from crate_clip.models import register_open_clip_configs
-import warm_python
-from train_fixtures import run_env, tiny_config, write_config
+from train_fixtures import tiny_config, train_in_process
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BERT_VOCAB = REPO_ROOT.parent / "shared" / "bert_base_uncased"
@@ -207,22 +206,16 @@ def test_an_export_never_replaces_a_folder_that_is_not_an_export(tmp_path):
 
 @pytest.mark.slow
 def test_two_identical_runs_give_byte_identical_exports(tiny_fmnist, tmp_path):
-    """The same config trained twice (one process, fp32: the same kernels in the same order) exports the same
-    bytes, model card included: checksums and caches of exports work."""
+    """The same config trained twice (one process each time, fp32: the same kernels in the same order; here both in
+    this process, train_fixtures.train_in_process) exports the same bytes, model card included: checksums and caches
+    of exports work."""
     stages = [{"name": "s", "image_size": 16, "patch_size": 8, "context_length": 16, "samples": 16,
                "global_batch": 8, "lr": 2e-3}]
-    procs = []
     for name in ("a", "b"):
         cfg = tiny_config(tmp_path / name, tiny_fmnist, precision="fp32", stages=stages, evals=False,
                           logging={"tensorboard": False, "plot": False, "progress": False})
         cfg["data"]["num_workers"] = 0
-        config = write_config(cfg, tmp_path / f"{name}.yaml")
-        procs.append(warm_python.Popen([sys.executable, "-m", "crate_clip.train.cli", "--config", str(config)],
-                                      env=run_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    for proc in procs:
-        log, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, log[-4000:]
+        train_in_process(cfg)
     files = sorted(p.name for p in (tmp_path / "a" / "export").iterdir())
     assert files == ["README.md", "open_clip_config.json", "open_clip_model.safetensors"]
     for name in files:

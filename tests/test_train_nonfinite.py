@@ -1,13 +1,14 @@
 """NaN / inf losses and gradients: a non-finite loss or gradient on ONE rank skips the step on every rank (weights
-untouched) under every ZeRO stage and is counted; K in a row stop the run with a message naming the step and a
-checkpoint that loads. The logged gradient norm is the global L2 norm before clipping, under every stage."""
+untouched) under every ZeRO stage and is counted (a 2-rank job); K in a row stop the run with a message naming the
+step and a checkpoint that loads (in this process, a world of one). The logged gradient norm is the global L2 norm
+before clipping, under every stage."""
 import json
 import math
 
 import pytest
 import torch
 
-from train_fixtures import ranks_cmd, read_jsonl, run_job, tiny_config, write_config
+from train_fixtures import ranks_cmd, read_jsonl, run_job, tiny_config, train_in_process, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -58,7 +59,13 @@ def test_nonfinite_gradient_is_skipped_and_the_norm_logged_under_every_zero_stag
 
 
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tiny_fmnist, tmp_path):
+    """In this process, a world of one (train_fixtures.train_in_process): the guard's counting, its stop, the message
+    and the checkpoint it leaves need no second rank (a NaN on one rank of two skipping the step on both is the
+    gradpoison job's loop run above)."""
     from crate_clip.train.checkpointing.checkpoints import consolidated_state_dict, read_info
+    from crate_clip.train.loop.parts.nonfinite_guard import NonFiniteLossError
+    from crate_clip.train.loop.stage_loop import default_stream_factory
+    from train_workers import PoisonedStream
 
     run_dir = tmp_path / "run"
     stages = [{"name": "only", "image_size": 16, "context_length": 16, "samples": 320, "global_batch": 16,
@@ -67,12 +74,17 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tiny_fmnist, tmp_p
     # bf16 (3.5x slower matmuls); the bf16 skip path (ZeRO-2, weights kept) is checked by the gradpoison probe
     cfg = tiny_config(run_dir, tiny_fmnist, zero_stage=0, precision="fp32", stages=stages, every_steps=6,
                       evals=False, run={"max_nonfinite_in_a_row": 3})
-    proc = run_job(ranks_cmd(2, "nonfinite", str(write_config(cfg, tmp_path / "run.yaml"))), timeout=240)
-    out = proc.stdout + proc.stderr
-    assert "NONFINITE-STOP" in out, out[-6000:]
-    # rank 1 saw NaN at batch 3 (one skip), then inf/NaN at 7, 8, 9: the third in a row stops the run
-    assert "3 non-finite losses in a row" in out and "stage 0 (only) step 9" in out
-    assert "stage0-step00000009" in out and "run.max_nonfinite_in_a_row" in out
+    poison = {3: float("nan"), 7: float("inf"), 8: float("nan"), 9: float("inf")}   # batch 3: one skip; 7-9: a stop
+
+    def poisoned(cfg, stage, dist):
+        return PoisonedStream(default_stream_factory(cfg, stage, dist), dist.rank, poison, poisoned_rank=0)
+
+    with pytest.raises(NonFiniteLossError) as stopped:
+        train_in_process(cfg, stream_factory=poisoned)
+    assert not torch.distributed.is_initialized()   # gone with the run: a later test of this worker starts clean
+    said = str(stopped.value)
+    assert "3 non-finite losses in a row" in said and "stage 0 (only) step 9" in said, said
+    assert "stage0-step00000009" in said and "run.max_nonfinite_in_a_row" in said, said
 
     records = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
     assert records[2]["loss"] is not None and records[3]["loss"] is None

@@ -171,6 +171,43 @@ def run_jobs(cmds: list[list[str]], parallel: int = 2, timeout: int = 600) -> li
     return done
 
 
+def train_in_process(config, *, resume: str | None = None, stream_factory=None, allow_changes: tuple = (),
+                     overwrite: bool = False) -> dict:
+    """The trainer (stage_loop.run_training) in this pytest process, as plain `crate-clip train` runs it: a world of
+    one on gloo, made by the trainer's own init_distributed; for what needs no second rank and no process of its own
+    (a stage's loop, its logs, evaluations, checkpoints and export). `config`: a dict (tiny_config), a YAML path or a
+    RunConfig; `stream_factory` as run_training's (a stream that injects a fault). One torch thread, as each launched
+    job's process (run_env). Returns run_training's summary; what it raises propagates.
+
+    Afterwards the process is as it was for the tests after it in this pytest worker: the Python API's
+    process_state_kept gives back the environment variables a world of one sets, the random generators, the warning
+    filters and DeepSpeed's logger, and the process group is destroyed with DeepSpeed's cached references to it (a
+    next run would otherwise broadcast over a group that is gone)."""
+    import torch
+
+    from crate_clip.train.loop.stage_loop import run_training
+    from crate_clip.train.python_api import _destroy_process_group, process_state_kept
+    from crate_clip.train.run.run_config import RunConfig, config_from_dict, load_run_config
+
+    if isinstance(config, dict):
+        config = config_from_dict(config, base_dir=Path("."), check_paths=False)
+    elif not isinstance(config, RunConfig):
+        config = load_run_config(config)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with process_state_kept():
+            try:
+                return run_training(config, resume=resume, stream_factory=stream_factory, overwrite=overwrite,
+                                    allow_changes=tuple(allow_changes))
+            finally:
+                import torch.distributed as tdist
+                if tdist.is_available() and tdist.is_initialized():
+                    _destroy_process_group()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Records of a JSONL file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

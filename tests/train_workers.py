@@ -1,7 +1,6 @@
 """Multi-process bodies of the training tests, launched with torchrun (not collected by pytest).
 
     train_workers.py zero OUT.json          ZeRO 1/2/3 engines: per-rank footprint + losses of 3 steps
-    train_workers.py nonfinite CONFIG.yaml  a run whose stream yields NaN/inf images on rank 1 at set steps
     train_workers.py accum OUT.json         gradients / updated weights with k = 4 micro-batches vs k = 1
     train_workers.py gradpoison OUT_DIR     a finite loss with a NaN gradient on rank 1 at step 1, ZeRO 0-3
     train_workers.py lock OUT_DIR           ZeRO 2/3 engines with a locked pretrained text tower vs trainable
@@ -22,7 +21,6 @@ import crate_clip  # noqa: E402,F401
 from bench import zero_footprint  # noqa: E402  (test and bench helper, not library code)
 from crate_clip.train.stage_setup.engine import build_engine, init_distributed, model_dtype  # noqa: E402
 from crate_clip.train.run.run_config import config_from_dict, load_run_config  # noqa: E402
-from crate_clip.train.loop.parts.nonfinite_guard import NonFiniteLossError  # noqa: E402
 from crate_clip.train.loop.stage_loop import _make_loss, default_stream_factory, run_training  # noqa: E402
 from crate_clip.train.stage_setup.stage_model import resolve_stage  # noqa: E402
 from crate_clip.train.loop.train_step import forward_loss, train_step  # noqa: E402
@@ -132,15 +130,16 @@ def lock_probe(out_dir: Path) -> None:
 
 
 class PoisonedStream:
-    """The real training stream, with the images of chosen batches made NaN or inf on rank 1 only."""
+    """The real training stream, with the images of chosen batches made NaN or inf on one rank (`poisoned_rank`: 1 in
+    a 2-rank job, whose rank 0 reads finite images; 0 in a world of one)."""
 
-    def __init__(self, stream, rank: int, poison: dict[int, float]):
-        self.stream, self.rank, self.poison = stream, rank, poison
+    def __init__(self, stream, rank: int, poison: dict[int, float], poisoned_rank: int = 1):
+        self.stream, self.rank, self.poison, self.poisoned_rank = stream, rank, poison, poisoned_rank
 
     def __iter__(self):
         for images, tokens in self.stream:
             batch_no = self.stream.state_dict()["batches"]  # 1-based: batches consumed so far
-            if self.rank == 1 and batch_no in self.poison:
+            if self.rank == self.poisoned_rank and batch_no in self.poison:
                 images = torch.full_like(images, self.poison[batch_no])
             yield images, tokens
 
@@ -152,22 +151,6 @@ class PoisonedStream:
 
     def skip_counts(self):
         return self.stream.skip_counts()
-
-
-def nonfinite_run(config: Path) -> int:
-    """Batch 3 is NaN, batches 7, 8, 9 are inf (rank 1): one skip, then a stop after 3 in a row."""
-    cfg = load_run_config(config)
-    poison = {3: float("nan"), 7: float("inf"), 8: float("nan"), 9: float("inf")}
-
-    def factory(cfg, stage, dist):
-        return PoisonedStream(default_stream_factory(cfg, stage, dist), dist.rank, poison)
-
-    try:
-        run_training(cfg, stream_factory=factory)
-    except NonFiniteLossError as exc:
-        print(f"NONFINITE-STOP: {exc}", flush=True)
-        return 3
-    return 0
 
 
 TINY, CRATE_TEXT = "CRATE-alpha-CLIPA-tiny", "CRATE-alpha-CLIPA-tiny-crate-text"
@@ -330,7 +313,7 @@ if __name__ == "__main__":
         from eval_fixtures import distributed_worker
         distributed_worker(str(arg))
     else:
-        code = nonfinite_run(arg)
+        raise SystemExit(f"train_workers.py: unknown mode {mode!r}")
     torch.distributed.destroy_process_group()
     # leave without the interpreter's teardown: with every output written, C++ destructors at exit aborted a
     # worker now and then ("terminate called without an active exception", SIGABRT; ~1 in 20 runs of the
