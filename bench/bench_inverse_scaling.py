@@ -385,7 +385,8 @@ def seed_cell(record: dict | None) -> str:
 def _share_cell(mean: float | None, std: float | None, reached: int, seeds: int) -> str:
     if mean is None:
         return "not reached"
-    return (f"{100 * mean:.0f} ± {100 * std:.0f}%" + ("" if reached == seeds else f" ({reached}/{seeds} seeds)"))
+    spread = f" ± {100 * std:.0f}" if reached > 1 else ""   # one seed has no spread, not a spread of 0
+    return f"{100 * mean:.0f}{spread}%" + ("" if reached == seeds else f" ({reached}/{seeds} seeds)")
 
 
 def markdown(args, meta: dict, rows: list[dict]) -> str:
@@ -416,9 +417,10 @@ def markdown(args, meta: dict, rows: list[dict]) -> str:
         final = _share_cell(r.get("final_share_mean"), r.get("final_share_std"), r.get("final_reached", 0),
                             r["seeds"])
         versus = f"{r['vs_full_mean']:+.2f} ± {r['vs_full_se']:.2f}" if "vs_full_mean" in r else "-"
+        spread = f" ± {r['final_top1_std']:.2f}" if r["seeds"] > 1 else ""
         samples = " + ".join(f"{s:,}" for s in r["samples"])
         lines.append(f"| {r['model']} | {r['arm']} | {r['seeds']} | {samples} | "
-                     f"{r['final_top1_mean']:.2f} ± {r['final_top1_std']:.2f} | {versus} | "
+                     f"{r['final_top1_mean']:.2f}{spread} | {versus} | "
                      f"{seed_cell(r.get('vs_full_seeds'))} | {first} | {final} |")
     lines += ["", "± after a top-1 or a share: the sample standard deviation over seeds (ddof 1); see "
                   "\"How to read ±\" above. ![top-1 vs FLOPs](inverse_scaling.png)"]
