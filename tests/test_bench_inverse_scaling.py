@@ -233,3 +233,16 @@ def test_the_pages_tables_are_what_the_scripts_give_from_the_stored_records(tmp_
     assert full["final_top1_std"] > 0 and "vs_full_seeds" not in full
     spread = finals[("w128", "clipa-p9")]["vs_full_seeds"]
     assert len(spread["per_seed"]) == 3 and spread["df"] == 2 and spread["low"] < spread["high"]
+
+
+def test_the_demo_seeds_table_gives_the_mean_gain_over_images_and_over_seeds():
+    _bench()
+    spec = importlib.util.spec_from_file_location("demo_seeds", ROOT / "bench" / "demo_seeds.py")
+    seeds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seeds)
+    rows = [{"seed": s, "stage0_21": None, "stage0_27": a, "final_27": b, "probe": None, "gain": b - a, "se": se}
+            for s, (a, b, se) in enumerate([(0.8649, 0.8640, 0.0016), (0.8605, 0.8674, 0.0019),
+                                            (0.8572, 0.8656, 0.0018)])]
+    mean = seeds.table(rows).splitlines()[-1]
+    assert mean.startswith("| mean ± SD over seeds | - | 86.09 ± 0.39 | 86.57 ± 0.17 | - |")
+    assert "+0.48 ± 0.10 (z +4.7); ± 0.29 SE over 3 seeds, t +1.7 on 2 df, 95% interval -0.76 to +1.72" in mean
