@@ -44,9 +44,9 @@ def test_the_studys_figures_only_for_a_run_of_the_studied_recipe(tmp_path):
     own, claim = savings_lines(run, 0.85, "M", DEMO_ARM, study=study)
     assert own.startswith("this run: zero-shot top-1 85.00% after 0.60 TFLOP")
     assert claim == ("the CLIPA recipe as the demo runs it (fine-tune at patch 9, the 3x3 grid kept) reached the "
-                     "full-resolution recipe's final top-1 with 62 ± 5% of its FLOPs (3/3 seeds; final top-1 33.80% "
-                     "vs 44.90%) (bench/bench_inverse_scaling.py, 2026-12-02 04:00 UTC, 3 seeds; REDUCED "
-                     "configuration)")
+                     "full-resolution recipe's final top-1 with 62 ± 5% (SD over seeds) of its FLOPs (3/3 seeds; "
+                     "final top-1 33.80% vs 44.90%) (bench/bench_inverse_scaling.py, 2026-12-02 04:00 UTC, 3 seeds; "
+                     "REDUCED configuration)")
     smoke = run_recipe([{**DEMO_ARM[0], "samples": 640}, {**DEMO_ARM[1], "patch_size": None, "samples": 64}])
     assert smoke[1]["patch_size"] == 7   # a stage without one keeps the patch set before it
     own, refusal = savings_lines(run, 0.85, "M", smoke, study=study)

@@ -206,8 +206,9 @@ def _study_line(rec: dict, row: dict, full: dict | None, what: str) -> str:
         return f"at equal FLOPs {what} did not reach the full-resolution recipe's final top-1 in the study {where}"
     ends = (f"; final top-1 {row['final_top1_mean']:.2f}% vs {full['final_top1_mean']:.2f}%"
             if full and "final_top1_mean" in row else "")
-    return (f"{what} reached the full-resolution recipe's final top-1 with {100 * row['flops_share_mean']:.0f} ± "
-            f"{100 * row['flops_share_std']:.0f}% of its FLOPs ({row['reached']}/{row['seeds']} seeds{ends}) {where}")
+    spread = f" ± {100 * row['flops_share_std']:.0f}% (SD over seeds)" if row["reached"] > 1 else "%"
+    return (f"{what} reached the full-resolution recipe's final top-1 with {100 * row['flops_share_mean']:.0f}"
+            f"{spread} of its FLOPs ({row['reached']}/{row['seeds']} seeds{ends}) {where}")
 
 
 def _own_line(run_dir: Path, final_top1: float, recipe: list[dict]) -> str | None:
