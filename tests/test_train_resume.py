@@ -1,9 +1,9 @@
 """Two-process training of the tiny CRATE-alpha CLIP on real Fashion-MNIST shards, end to end:
 a run killed with SIGKILL in the middle of a stage and resumed ends exactly like an uninterrupted run (also
-the demo's own config, killed in the stage that inherits its patch size); the stage transition resizes the
-position embeddings; the zero-shot hook runs after each stage (at the stage's and at the full resolution); the
-export loads through open_clip's local-dir loader; the throughput records carry the tokens and FLOPs per sample
-of the model that trains."""
+the demo's own config, killed in the stage that inherits its patch size: one process, its reference run in this
+one); the stage transition resizes the position embeddings; the zero-shot hook runs after each stage (at the
+stage's and at the full resolution); the export loads through open_clip's local-dir loader; the throughput records
+carry the tokens and FLOPs per sample of the model that trains."""
 import json
 import os
 import signal
@@ -17,7 +17,7 @@ import torch
 import warm_python
 from processes import descendants
 from train_fixtures import (REPO_ROOT, TINY_EVAL_IMAGES, default_stages, ranks_cmd, read_jsonl, run_env, run_job,
-                            tiny_config, write_config)
+                            tiny_config, train_in_process, write_config)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -214,10 +214,10 @@ DEMO_KILL_AT = 3   # of stage 1's 6 steps: after its step-2 checkpoint, before t
 DEMO_EMA = {"train.ema.decay": 0.9, "train.ema.every_steps": 2, "train.ema.start_step": 1}
 
 
-def _demo_cmd(run_dir: Path, data: Path, *extra: str) -> list[str]:
+def _demo_sets(run_dir: Path, data: Path) -> list[str]:
     """The demo config (stage 0: 21 px at patch 7; stage 1: 28 px, inheriting patch 7: the demo's own stage 1 sets
     27 px at patch 9; here 28 px with patch_size unset, so patch 7 is inherited and the grid grows to 4x4) cut to 3 + 6
-    steps of 32 samples on the small data set, a checkpoint every 2 steps, every step logged."""
+    steps of 32 samples on the small data set, a checkpoint every 2 steps, every step logged: its `--set`s."""
     sets = {"run.output_dir": str(run_dir), "data.sources": json.dumps([str(data / "train")]),
             "data.shuffle_buffer": 100, "eval.evals.0.data": str(data / "test"), "eval.evals.0.batch_size": 100,
             "stages.0.samples": 96, "stages.1.samples": 192, "stages.0.global_batch": 32,
@@ -226,15 +226,21 @@ def _demo_cmd(run_dir: Path, data: Path, *extra: str) -> list[str]:
             "stages.1.warmup_steps": 1,
             "checkpoint.every_steps": 2, "logging.every_steps": 1, "logging.progress": "false",
             "logging.diagnostics_images": 8, **DEMO_EMA}
-    return _train_cmd(DEMO_CONFIG, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], *extra)
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
+def _demo_cmd(run_dir: Path, data: Path, *extra: str) -> list[str]:
+    """The shortened demo as one training process (the scenario is a kill in a stage that inherits its patch size,
+    not the ranks; two ranks resuming exactly is the SIGKILL test above), forked by fork_ranks as a launcher."""
+    sets = [a for assignment in _demo_sets(run_dir, data) for a in ("--set", assignment)]
+    return ranks_cmd(1, "--config", str(DEMO_CONFIG), *sets, *extra, module="crate_clip.train.cli")
 
 
 @pytest.fixture(scope="module")
 def demo_reference(tmp_path_factory, tiny_fmnist):
-    """The shortened demo, uninterrupted."""
+    """The shortened demo, uninterrupted, in this process (a world of one, as the killed job's)."""
     run_dir = tmp_path_factory.mktemp("demo_reference") / "run"
-    proc = run_job(_demo_cmd(run_dir, tiny_fmnist), timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    train_in_process(DEMO_CONFIG, _demo_sets(run_dir, tiny_fmnist))
     return run_dir
 
 

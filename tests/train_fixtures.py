@@ -171,12 +171,13 @@ def run_jobs(cmds: list[list[str]], parallel: int = 2, timeout: int = 600) -> li
     return done
 
 
-def train_in_process(config, *, resume: str | None = None, stream_factory=None, allow_changes: tuple = (),
-                     overwrite: bool = False) -> dict:
+def train_in_process(config, overrides: list[str] | tuple = (), *, resume: str | None = None, stream_factory=None,
+                     allow_changes: tuple = (), overwrite: bool = False) -> dict:
     """The trainer (stage_loop.run_training) in this pytest process, as plain `crate-clip train` runs it: a world of
     one on gloo, made by the trainer's own init_distributed; for what needs no second rank and no process of its own
     (a stage's loop, its logs, evaluations, checkpoints and export). `config`: a dict (tiny_config), a YAML path or a
-    RunConfig; `stream_factory` as run_training's (a stream that injects a fault). One torch thread, as each launched
+    RunConfig; `overrides`: `--set` assignments ("stages.0.lr=1e-3") on a YAML path, read as the command reads them;
+    `stream_factory` as run_training's (a stream that injects a fault). One torch thread, as each launched
     job's process (run_env). Returns run_training's summary; what it raises propagates.
 
     Afterwards the process is as it was for the tests after it in this pytest worker: the Python API's
@@ -192,7 +193,7 @@ def train_in_process(config, *, resume: str | None = None, stream_factory=None, 
     if isinstance(config, dict):
         config = config_from_dict(config, base_dir=Path("."), check_paths=False)
     elif not isinstance(config, RunConfig):
-        config = load_run_config(config)
+        config = load_run_config(config, list(overrides), check_paths=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
