@@ -1,7 +1,7 @@
 """Multi-process body of test_train_optimizer_carry.py (not collected by pytest): `crate_clip.train.cli ARGS` with
 the carry checked in the ranks themselves. Right after a stage's optimizer took the previous stage's AdamW state,
 the state is gathered back from the ZeRO partitions and compared with what was carried; rank 0 writes the result
-to $CARRY_CHECK_OUT (JSON).
+to $CARRY_CHECK_OUT (JSON). Imported, it only defines the check (checked_apply).
 
     python tests/fork_ranks.py 2 tests/optimizer_carry_worker.py --config C.yaml
 """
@@ -23,7 +23,9 @@ from crate_clip.train.cli import main  # noqa: E402
 _apply = stage_loop.apply_state
 
 
-def _checked_apply(engine, carried):
+def checked_apply(engine, carried):
+    """stage_loop.apply_state, then the carried state gathered back and compared (rank 0 writes $CARRY_CHECK_OUT);
+    test_train_optimizer_carry.py also puts it in place in its own process for a run there."""
     report = _apply(engine, carried)
     back = optimizer_carry.collect_state(engine)   # a collective: every rank
     check = {
@@ -39,5 +41,6 @@ def _checked_apply(engine, carried):
     return report
 
 
-stage_loop.apply_state = _checked_apply
-sys.exit(main())
+if __name__ == "__main__":
+    stage_loop.apply_state = checked_apply
+    sys.exit(main())
