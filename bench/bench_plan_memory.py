@@ -281,6 +281,8 @@ def row(name: str, plan: dict, run: dict) -> str:
     return (f"| {name} | {proc_plan / MiB:.0f} MiB | {proc_meas / MiB:.0f} MiB | {proc_plan / proc_meas:.2f} "
             f"| {(proc_plan - base) / MiB:.0f} / {(proc_meas - base) / MiB:.0f} MiB = "
             f"{(proc_plan - base) / (proc_meas - base):.2f} "
+            f"| {p['step'] / MiB:.0f} / {(proc_meas - p['runtime']) / MiB:.0f} MiB = "
+            f"{p['step'] / (proc_meas - p['runtime']):.2f} "
             f"| {host_plan / MiB:.0f} MiB ({', '.join(f'{v / MiB:.0f}' for v in h.values())}) "
             f"| {host_meas / MiB:.0f} MiB ({run['host']['workers'] / MiB:.0f}, {run['host']['in_flight'] / MiB:.0f}) "
             f"| {host_plan / host_meas:.2f} |")
@@ -299,15 +301,17 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child_run(args.child)))
         return 0
-    from crate_clip.train.planning.planner import MEMORY_TERMS
+    from crate_clip.train.planning.planner import MEMORY_TERMS, STEP_MARGIN
 
     OUT.mkdir(parents=True, exist_ok=True)
     pattern = make_shards() if not (OUT / "shards").is_dir() else str(OUT / "shards" / "{00000000..00000003}.tar")
     sample_bytes = raw_sample_bytes(OUT / "shards")
     lines = ["| config | process memory planned | measured | planned / measured | above the trainer at its model "
              "build: planned / measured "
+             "| the step (state, activations, logits, batch: what a GPU holds besides its CUDA context): planned / "
+             "measured less the CPU runtime "
              "| host memory planned (decode workers, shuffle buffers, batches in flight) | measured (workers, in "
-             "flight) | planned / measured |", "|---|---|---|---|---|---|---|---|"]
+             "flight) | planned / measured |", "|---|---|---|---|---|---|---|---|---|"]
     for name in args.case or list(CASES):
         config, saved = write_config(name, pattern), OUT / f"measured_{name}_{args.malloc}.json"
         if args.reuse and saved.is_file():
@@ -319,6 +323,7 @@ def main(argv=None) -> int:
         print(name, json.dumps({"planned": plan, "measured": run}), flush=True)
         lines.append(row(name, plan, run))
     print("\n".join(lines))
+    print(f"the plan's fits add STEP_MARGIN = {STEP_MARGIN:.0%} to the step (what the larger config measured above it)")
     objects = sample_object_bytes(OUT / "shards" / "00000000.tar")
     print(f"raw sample bytes of these shards: {sample_bytes:.0f}, and {objects:.0f} of Python objects a buffered "
           f"sample; malloc: {args.malloc}")

@@ -12,13 +12,14 @@ from crate_clip.data.stream_layout import stream_settings
 from crate_clip.train.checkpointing.elastic_resume import launch_stream_settings
 from crate_clip.train.plan_cli import main as plan_main
 from crate_clip.train.planning.planner import (CUDA_CONTEXT_BYTES, RAW_SAMPLE_BYTES, SAMPLE_OBJECT_BYTES,
-                                               measure_stage, plan_stage)
+                                               STEP_MARGIN, fit_budget, gpu_memory_for, measure_stage,
+                                               plan_stage)
 from crate_clip.train.run.run_config import config_from_dict, load_run_config
 from crate_clip.train.stage_setup.stage_model import resolve_stage
 
 TINY = "CRATE-alpha-CLIPA-tiny"
-# a GPU whose 90% leaves 27 MiB for the step once the CUDA context is in (the process memory the planner fits)
-GPU_27_MIB_FREE = str(30 * 2 ** 20 + int(CUDA_CONTEXT_BYTES / 0.9) + 1)
+# a GPU that fits a step planned at 27 MiB (with the margin; less the reserve, the CUDA context and the headroom)
+GPU_27_MIB_FREE = str(int(gpu_memory_for(27 * 2 ** 20 + CUDA_CONTEXT_BYTES)) + 1)
 LOCKED = {"lock_text": True, "lock_logit_scale": True, "text_pretrained": "text.pt"}
 
 
@@ -51,15 +52,15 @@ def test_the_tune_recomputes_the_fewest_blocks_that_fit():
     assert (none.checkpoint_blocks, none.accumulation_steps, none.repeated_flops_per_sample) == (0, 1, 0)
     every = plan_stage(replace(stage, checkpoint_blocks=stage.image_depth), m, 2 ** 40, 989.0, 0.4)
     # between the two, with the CUDA context
-    memory = int(((none.peak_bytes_per_rank + every.peak_bytes_per_rank) / 2 + CUDA_CONTEXT_BYTES) / 0.9)
+    memory = int(gpu_memory_for((none.peak_bytes_per_rank + every.peak_bytes_per_rank) / 2 + CUDA_CONTEXT_BYTES))
     tuned = plan_stage(stage, m, memory, 989.0, 0.4, tune=True)
     depth = stage.image_depth
     assert 0 < tuned.checkpoint_blocks < depth and tuned.accumulation_steps == 1
-    assert tuned.peak_bytes_per_rank + CUDA_CONTEXT_BYTES <= memory * 0.9
+    assert tuned.peak_bytes_per_rank * (1 + STEP_MARGIN) <= fit_budget(memory)
     fewer = plan_stage(replace(stage, checkpoint_blocks=tuned.checkpoint_blocks - 1, micro_batch=16), m,
                        memory, 989.0, 0.4)
     # one block fewer does not fit
-    assert fewer.micro_batch != 16 or fewer.peak_bytes_per_rank + CUDA_CONTEXT_BYTES > memory * 0.9
+    assert fewer.micro_batch != 16 or fewer.peak_bytes_per_rank * (1 + STEP_MARGIN) > fit_budget(memory)
     assert tuned.repeated_flops_per_sample == pytest.approx(m.grad_forward_flops_per_sample * tuned.checkpoint_blocks
                                                             / depth)
     assert tuned.gpu_hours < every.gpu_hours
@@ -191,7 +192,7 @@ def test_micro_batch_auto_is_the_largest_that_fits_a_gpu():
     stage = resolve_stage(config_from_dict(_raw(), check_paths=False), 0)
     assert fit_micro_batch(stage, 2 ** 40) == 16
     one = plan_stage(stage, measure_stage(stage), 2 ** 40, None, 0.4)
-    tight = int((one.peak_bytes_per_rank - one.activation_bytes_per_sample * 8 + CUDA_CONTEXT_BYTES) / 0.9)
+    tight = int(gpu_memory_for(one.peak_bytes_per_rank - one.activation_bytes_per_sample * 8 + CUDA_CONTEXT_BYTES))
     assert fit_micro_batch(stage, tight) < 16
     with pytest.raises(ConfigError, match="micro_batch: auto"):
         fit_micro_batch(stage, CUDA_CONTEXT_BYTES)

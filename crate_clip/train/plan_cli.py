@@ -1,4 +1,5 @@
-"""`crate-clip plan CONFIG --gpus N --gpu-memory 80GiB [--gpu h100] [--mfu 0.4] [--json]`: fit and time a run;
+"""`crate-clip plan CONFIG --gpus N --gpu-memory 80GiB [--gpu h100] [--hfu 0.4 | --mfu 0.38] [--json]`: fit and
+time a run;
 `crate-clip plan --resume RUN_DIR --gpus N ...`: the same for the rest of a run in progress, resumed on N GPUs."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 from crate_clip.core.cli_conventions import CommandParser
 from crate_clip.core.errors import ConfigError, report_error
-from crate_clip.train.planning.plan_inputs import DEFAULT_MFU, GPU_TABLE, parse_bytes
+from crate_clip.train.planning.plan_inputs import DEFAULT_HFU, GPU_TABLE, Efficiency, parse_bytes
 
 PROG = "crate-clip plan"
 
@@ -24,15 +25,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _mfu(text: str) -> float:
-    """argparse type: a model FLOPs utilisation in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text}: MFU is a fraction of the peak in (0, 1], e.g. 0.4 for 40%")
-    return value
+def _fraction(name: str):
+    """argparse type: a utilisation (`name`: MFU or HFU) in (0, 1]."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"{text}: {name} is a fraction of the peak in (0, 1], e.g. 0.4 for 40%")
+        return value
+    return parse
 
 
 def _gpu_memory(text: str) -> int:
@@ -60,8 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", type=_gpu_memory, default=None,
                    help="memory per GPU, e.g. 80GiB, 141G, 512MiB (default: the --gpu's)")
     p.add_argument("--gpu", default=None, help=f"GPU type for the bf16 peak: {', '.join(GPU_TABLE)}")
-    p.add_argument("--mfu", type=_mfu, default=DEFAULT_MFU,
-                   help=f"model FLOPs utilisation assumed for time, in (0, 1] (default: {DEFAULT_MFU})")
+    speed = p.add_mutually_exclusive_group()
+    speed.add_argument("--hfu", type=_fraction("HFU"), default=None,
+                       help="hardware FLOPs utilisation assumed for time, in (0, 1]: the fraction of the peak on the "
+                            "executed FLOPs (model FLOPs + the forward recomputed or run again for accumulation); "
+                            f"the plan prints the MFU that results (default: {DEFAULT_HFU})")
+    speed.add_argument("--mfu", type=_fraction("MFU"), default=None,
+                       help="model FLOPs utilisation assumed for time instead, in (0, 1]: the fraction of the peak on "
+                            "the model FLOPs alone, as metrics.jsonl's mfu and bench/bench_gpu.py measure it; the "
+                            "plan prints the HFU that needs")
     p.add_argument("--config", dest="config_option", default=None, metavar="CONFIG",
                    help="the run config YAML, as `crate-clip train --config` takes it (same as the positional)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -189,10 +199,11 @@ def main(argv=None) -> int:
     except (ConfigError, ResumeError) as exc:
         return report_error(PROG, exc)
     memory = args.gpu_memory or GPU_TABLE[gpu_key][1] * 2 ** 30
+    efficiency = Efficiency("mfu", args.mfu) if args.mfu is not None else Efficiency("hfu", args.hfu or DEFAULT_HFU)
     if args.tune:
-        plans, configured = tune_run(stages, memory, args.gpu, args.mfu)
+        plans, configured = tune_run(stages, memory, args.gpu, efficiency)
     else:
-        plans, configured = plan_run(stages, memory, args.gpu, args.mfu, memory=not args.no_memory), None
+        plans, configured = plan_run(stages, memory, args.gpu, efficiency, memory=not args.no_memory), None
     unfit = unfit_line(plans, memory, args.host_memory)
     if unfit:   # one line, exit 2: the stage, the memory short, a setting that fits
         return report_error(PROG, ConfigError(unfit))
@@ -205,7 +216,7 @@ def main(argv=None) -> int:
         print(json.dumps({"resume": summary, "stages": rows} if summary else rows, indent=1))
     else:
         print((format_resume(summary) + "\n" if summary else "")
-              + format_plan(plans, args.gpus, memory, args.gpu, args.mfu, plans[0].zero_stage, stages[0].precision)
+              + format_plan(plans, args.gpus, memory, args.gpu, efficiency, plans[0].zero_stage, stages[0].precision)
               + ("\n" + format_tune(plans, configured) if configured else "")
               + (f"\nwrote {args.write_config}" if args.write_config else ""))
     return 0

@@ -1,6 +1,8 @@
-"""What a user gives the planner on the command line: the known GPUs (bf16 peak, memory), the default MFU,
-byte sizes such as 80GiB. No torch here, so that `crate-clip plan --help` builds its parser at once."""
+"""What a user gives the planner on the command line: the known GPUs (bf16 peak, memory), the efficiency assumed
+for time (Efficiency: HFU or MFU), byte sizes such as 80GiB. No torch here, so that `crate-clip plan --help` builds
+its parser at once."""
 import math
+from dataclasses import dataclass
 
 # dense bf16 tensor-core peak (TFLOP/s, no sparsity) and memory (GiB) of known GPUs
 GPU_TABLE = {
@@ -8,7 +10,37 @@ GPU_TABLE = {
     "a100": (312.0, 80), "a100-40gb": (312.0, 40), "l40s": (362.0, 48), "a10g": (70.0, 24),
     "l4": (121.0, 24), "v100": (125.0, 32),  # v100: fp16 (no bf16)
 }
-DEFAULT_MFU = 0.40
+# The default assumption is on executed FLOPs (HFU): the GPU runs a recomputed forward as fast as any other, so a
+# plan that recomputes more takes longer (what --tune weighs). 0.40 is what `--mfu` meant until issue 53, where the
+# planner timed the executed FLOPs (recomputation included) at it: the same times, now named for what they assume.
+DEFAULT_HFU = 0.40
+HFU_WORDS = "executed FLOPs, recomputation included"
+MFU_WORDS = "model FLOPs, as the training meter counts them"
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The fraction of the GPUs' bf16 peak a plan's time assumes, on one of two FLOP counts:
+    - "hfu" (hardware FLOPs utilisation): executed FLOPs, i.e. the model FLOPs (forward + backward, what the
+      training meter and bench/bench_gpu.py count) plus the forward that runs again (checkpoint recompute, the
+      accumulation's grad pass);
+    - "mfu" (model FLOPs utilisation): the model FLOPs alone, the `mfu` that metrics.jsonl logs and
+      bench/bench_gpu.py measures; time = model FLOPs / (GPUs x peak x MFU), and the recomputation shows as the
+      HFU that time needs (MFU x executed / model).
+    Either way the other one is derived, never assumed, and no figure counting recomputed FLOPs is called MFU."""
+    kind: str      # "hfu" or "mfu": which one is assumed
+    value: float
+
+    def on_executed(self, model_flops: float, executed_flops: float) -> float:
+        """The HFU this assumption gives for work of `model_flops` that executes `executed_flops`."""
+        return self.value if self.kind == "hfu" else self.value * executed_flops / model_flops
+
+    def on_model(self, model_flops: float, executed_flops: float) -> float:
+        """The MFU this assumption gives for that work."""
+        return self.value if self.kind == "mfu" else self.value * model_flops / executed_flops
+
+
+DEFAULT_EFFICIENCY = Efficiency("hfu", DEFAULT_HFU)
 
 
 BYTE_SUFFIXES = (("tib", 2 ** 40), ("tb", 2 ** 40), ("t", 2 ** 40), ("gib", 2 ** 30), ("gb", 2 ** 30),
