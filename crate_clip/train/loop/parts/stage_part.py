@@ -66,6 +66,7 @@ class LoopState:
     lr: float = 0.0              # the learning rate the step used
     result: Any = None           # train_step.StepResult of the step
     measured: dict = dataclasses.field(default_factory=dict)   # extra columns of the step's metrics row
+    probed_step: Optional[int] = None   # the last step the white-box probe measured (on every rank: its row is due)
     parts: list = dataclasses.field(default_factory=list)   # the stage's StageParts, in hook order
     saved: Optional[Path] = None  # the checkpoint saved after this step, if any (the cadence's, a guard's)
     saver: Optional[Callable] = None   # stage_loop's save of every part's state: saver(loop, stream_state) -> Path

@@ -34,7 +34,8 @@ class StepMetrics(StagePart):
         if progress.step == 1:   # the stage's first batch, as the model sees it (rank 0's share)
             log.log_images(f"train_samples/stage{stage.index}_{stage.name}", loop.images, progress.samples_seen,
                            stage.mean, stage.std)
-        if progress.step % self.every_steps and not loop.last and result.loss is not None and not loop.measured:
+        probed = loop.probed_step == progress.step   # not loop.measured: {} on ranks other than 0
+        if progress.step % self.every_steps and not loop.last and result.loss is not None and not probed:
             return
         perf = self.meter.record()
         warning = self.meter.data_wait_warning(perf)

@@ -19,4 +19,5 @@ class WhiteboxDiagnostics(StagePart):
     def on_step_end(self, loop) -> None:
         if self.probe and self.probe.due(loop.progress.step, loop.last):
             with rng_untouched(loop.dist):
-                loop.measured.update(self.probe.measure())
+                loop.measured.update(self.probe.measure())   # {} on ranks other than 0
+            loop.probed_step = loop.progress.step   # every rank logs the row: it gathers the skip counters
