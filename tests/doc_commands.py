@@ -163,6 +163,8 @@ class Run:
 
 # Tests that run several documented commands, each with its own small data.
 DEMO = "tests/test_train_demo.py::test_demo_runs_end_to_end_on_a_few_images"
+EMA_EXPORT = ("tests/test_train_resume.py::"
+              "test_the_ema_weights_are_evaluated_beside_the_live_ones_and_exported_with_weights_ema")
 DOC_EXPORTS = ("tests/test_checkpoint_rotation.py::"
                "test_keep_last_1_keeps_each_stage_end_and_the_docs_export_commands_run_as_written")
 SLURM = ("tests/test_slurm_preemption.py::"
@@ -290,6 +292,9 @@ COVERED_BY = {
     "runs/fashion_mnist_demo/export/open_clip_model.safetensors --data data/fmnist_wds --dataset fashion_mnist":
         DOC_EXPORTS,
     "crate-clip export runs/my_run": DOC_EXPORTS,
+    "crate-clip export --weights ema": EMA_EXPORT,
+    "crate-clip export runs/my_run --weights ema": EMA_EXPORT,
+    "crate-clip export CHECKPOINT --weights ema": EMA_EXPORT,
     "crate-clip export runs/my_run/checkpoints/stage0-step00010000 --out exports/day3": DOC_EXPORTS,
     "crate-clip export runs/my_run --stage 0": DOC_EXPORTS,
     "crate-clip export runs/my_run --out exports/my_model --hub-id my-org/crate-alpha-clipa-demo": DOC_EXPORTS,

@@ -43,7 +43,8 @@ from crate_clip.checkpoint_io.checkpoint_record import (INFO_FILE, CheckpointInf
                                                         read_info_checked, read_latest_tag, read_record, save_order)
 from crate_clip.checkpoint_io.deepspeed_checkpoints import LATEST_FILE, consolidated_state_dict  # noqa: F401
 from crate_clip.checkpoint_io.run_layout import (DAMAGED_SUFFIX, REPLACED_SUFFIX, checkpoint_tag,  # noqa: F401
-                                                 is_own_staging, linked_outside, staging_name, tag_position)
+                                                 is_own_staging, linked_outside, rank_state_file, staging_name,
+                                                 tag_position)
 from crate_clip.checkpoint_io.file_checksums import CHECKSUMS_KEY
 from crate_clip.checkpoint_io.safe_unpickling import (TRUST_FLAG, UntrustedCheckpointError, check_checkpoint_folder,
                                                       deepspeed_reads, load_torch_file)
@@ -98,11 +99,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def rank_state_path(tag_dir: Path, rank: int) -> Path:
-    """The per-rank client state file of one checkpoint."""
-    return Path(tag_dir) / f"train_state_rank{rank:05d}.pt"
-
-
 class CheckpointManager:
     """Saves, finds, prunes and loads the checkpoints of one run (`<run_dir>/checkpoints`)."""
 
@@ -144,7 +140,7 @@ class CheckpointManager:
         with recorded_writes(engine) as writes:   # a full disk on any rank: all finish DeepSpeed's save, then stop
             engine.save_checkpoint(str(self.root), tag=staging.name, client_state={"crate_clip": info},
                                    save_latest=False)
-            path = rank_state_path(staging, self.rank)
+            path = rank_state_file(staging, self.rank)
             writes.run(path, lambda: atomic_torch_save(rank_state, path))
             for name, text in shared_files.items() if self.rank == 0 else ():
                 writes.run(staging / name, lambda: atomic_write_text(staging / name, text))
@@ -281,7 +277,7 @@ class CheckpointManager:
         """This rank's (or saved rank `rank`'s) states of the stage loop's parts: data-stream position, RNG states,
         progress, ..."""
         rank = self.rank if rank is None else rank
-        path = rank_state_path(tag_dir, rank)
+        path = rank_state_file(tag_dir, rank)
         if not path.is_file():
             raise ResumeError(f"{path}: missing; the checkpoint holds no state for rank {rank}")
         try:

@@ -58,11 +58,11 @@ from crate_clip.checkpoint_io.file_checksums import (CHECKSUMS_KEY, ChecksumMism
 from crate_clip.checkpoint_io.checkpoint_choice import AUTO, LATEST, RESUME, choose_checkpoint
 from crate_clip.checkpoint_io.checkpoint_record import CheckpointInfo, read_record
 from crate_clip.checkpoint_io.deepspeed_checkpoints import UNIVERSAL_DIR
-from crate_clip.checkpoint_io.run_layout import EXPORT_DIR, RESULTS_FILE
+from crate_clip.checkpoint_io.run_layout import EXPORT_DIR, RESULTS_FILE, rank_state_file
 from crate_clip.checkpoint_io.safe_unpickling import deepspeed_reads, load_torch_file
 from crate_clip.core.errors import ConfigError
 from crate_clip.core.shard_sources import expand_source
-from crate_clip.train.checkpointing.checkpoints import CheckpointManager, ResumeError, rank_state_path
+from crate_clip.train.checkpointing.checkpoints import CheckpointManager, ResumeError
 from crate_clip.train.run.run_config import RunConfig
 from crate_clip.train.run.run_dir import ExistingRunError
 from crate_clip.data.stream_layout import (KEY as STREAMS_KEY, STATE_VERSION, LayoutError, StreamSettings,
@@ -113,7 +113,7 @@ def saved_canonical_streams(tag_dir: Path, record: Optional[CheckpointInfo]) -> 
     table = Path(tag_dir) / STREAM_TABLE
     if table.is_file():
         return int(read_small_json(table)["canonical_streams"])
-    rank0 = rank_state_path(tag_dir, 0)
+    rank0 = rank_state_file(tag_dir, 0)
     stream = load_torch_file(rank0, allow=()).get("stream") if rank0.is_file() else None
     return int(stream["canonical_streams"]) if stream and "canonical_streams" in stream else None
 
@@ -194,7 +194,7 @@ def stream_state_for(tag_dir: Path, rank: int, world_size: int, saved_world_size
         if path.is_file():
             table = read_small_json(path)
         else:
-            states = [load_torch_file(rank_state_path(tag_dir, r), allow=()).get("stream")
+            states = [load_torch_file(rank_state_file(tag_dir, r), allow=()).get("stream")
                       for r in range(saved_world_size)]
             if any(s is None for s in states):
                 return None

@@ -47,7 +47,7 @@ from crate_clip.train.loop.parts.step_metrics import StepMetrics
 from crate_clip.train.loop.parts.stop_agreement import StopAgreement, stop_stage
 from crate_clip.train.loop.parts.stream_position import StreamPosition
 from crate_clip.train.loop.parts.whitebox_diagnostics import WhiteboxDiagnostics
-from crate_clip.train.loop.stage_evals import agreed_missing_evals, evaluate_stage_end
+from crate_clip.train.loop.stage_evals import evaluate_stage_end, stage_end_missing
 from crate_clip.train.loop.stop_requests import agreed_stop, request_stop, share_between_ranks, stops_with_checkpoint
 from crate_clip.train.loop.train_step import train_step
 from crate_clip.train.reporting.deepspeed_output import (close_log, deepspeed_log_path, deepspeed_prints,
@@ -315,7 +315,7 @@ def _evaluate_finished_stage(run: RunContext, i: int) -> list[dict]:
     """The evaluations of an earlier stage that are not in results.jsonl, from its final checkpoint (which
     rotation never removes: CheckpointManager.prune)."""
     cfg, dist, log = run.cfg, run.dist, run.log
-    if not agreed_missing_evals(cfg, i, dist):
+    if not stage_end_missing(cfg, i, dist):   # the live weights' or train.ema's
         return []
     tag_dir = run.ckpts.root / checkpoint_tag(i, cfg.stages[i].steps)
     record = read_record(tag_dir)
