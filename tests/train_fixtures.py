@@ -1,10 +1,12 @@
 """Shared pieces of the training tests: a small real Fashion-MNIST data set, run configs, launching torchrun."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -201,10 +203,16 @@ def train_in_process(config, overrides: list[str] | tuple = (), *, resume: str |
             try:
                 return run_training(config, resume=resume, stream_factory=stream_factory, overwrite=overwrite,
                                     allow_changes=tuple(allow_changes))
+            except BaseException as exc:
+                # the traceback's frames hold the stream's DataLoader iterator, whose workers would live on with the
+                # test's exception (torch's SIGCHLD handler then fails a later run of this process when one dies)
+                traceback.clear_frames(exc.__traceback__)
+                raise
             finally:
                 import torch.distributed as tdist
                 if tdist.is_available() and tdist.is_initialized():
                     _destroy_process_group()
+                gc.collect()   # an iterator left in a reference cycle: its workers shut down now, not at some later test
     finally:
         torch.set_num_threads(threads)
 
