@@ -58,8 +58,8 @@ def _config(run_dir: Path, data: Path, zero_stage: int, text_file: Path, path: P
     pretrained text tower (buffers), a patch-size change (4 -> 8 px), 2 accumulated micro-batches, and
     random image-token masks (drawn from the RNG states a resume restores)."""
     stages = _stage(patch_size=8, micro_batch=8, image_mask="random", image_mask_ratio=0.5)
-    cfg = tiny_config(run_dir, data, zero_stage=zero_stage, stages=stages, every_steps=1, evals=False,
-                      logging={"tensorboard": False, "plot": False},
+    cfg = tiny_config(run_dir, data, zero_stage=zero_stage, precision="bf16", stages=stages, every_steps=1,
+                      evals=False, logging={"tensorboard": False, "plot": False},
                       model={"text_pretrained": str(text_file), "lock_text": True, "lock_logit_scale": True})
     return write_config(cfg, path)
 

@@ -47,7 +47,7 @@ def default_stages() -> list[dict]:
     ]
 
 
-def tiny_config(run_dir: Path, data: Path, *, zero_stage: int = 2, precision: str = "bf16",
+def tiny_config(run_dir: Path, data: Path, *, zero_stage: int = 2, precision: str = "fp32",
                 stages: list[dict] | None = None, every_steps: int = 0, evals: bool = True, **sections) -> dict:
     """A two-stage run config of the tiny model on the small data set (16 px, then 28 px)."""
     stages = stages or default_stages()
