@@ -12,16 +12,13 @@ both kinds of weights. Prints one row per seed, the mean +- std over seeds (the 
 paired difference.
 """
 import argparse
-import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.demo_runs import run_demo  # noqa: E402
-from bench.demo_seeds import mean_std, paired, per_image_eval, run_results  # noqa: E402
-from bench.seed_spread import seed_spread  # noqa: E402
+from bench.demo_seeds import paired, per_image_eval, report, run_results, seeds_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,23 +45,9 @@ def seed_row(runs_dir: Path, seed: int, data: Path, decay: float) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    """The seeds' rows and their mean, in the demo_seeds table's form: the gain's SE paired over images beside its
-    spread over seeds (bench/seed_spread.py)."""
-    pct = lambda v: "-" if v is None else f"{100 * v:.2f}"   # noqa: E731
-    lines = ["| seed | stage 0 live @21 | stage 0 EMA @21 | final live @27 | final EMA @27 "
-             "| EMA - live @27 (± SE paired over images) |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['seed']} | {pct(r['live_stage0_21'])} | {pct(r['ema_stage0_21'])} | {pct(r['live_27'])} | "
-                     f"{pct(r['ema_27'])} | {100 * r['gain']:+.2f} ± {100 * r['se']:.2f} "
-                     f"(z {r['gain'] / r['se'] if r['se'] else 0:+.1f}) |")
-    gain = sum(r["gain"] for r in rows) / len(rows)
-    se = math.sqrt(sum(r["se"] ** 2 for r in rows)) / len(rows)   # seeds' test-set noise, independent fits
-    over_seeds = seed_spread([100 * r["gain"] for r in rows]).text()
-    lines.append(f"| mean ± SD over seeds | {mean_std([r['live_stage0_21'] for r in rows])} | "
-                 f"{mean_std([r['ema_stage0_21'] for r in rows])} | {mean_std([r['live_27'] for r in rows])} | "
-                 f"{mean_std([r['ema_27'] for r in rows])} | {100 * gain:+.2f} ± {100 * se:.2f} "
-                 f"(z {gain / se if se else 0:+.1f}); {over_seeds} |")
-    return "\n".join(lines)
+    """The seeds' rows and their mean, as demo_seeds' table: EMA - live beside both kinds' scores."""
+    return seeds_table(rows, [("stage 0 live @21", "live_stage0_21"), ("stage 0 EMA @21", "ema_stage0_21"),
+                              ("final live @27", "live_27"), ("final EMA @27", "ema_27")], "EMA - live @27")
 
 
 def main() -> None:
@@ -76,13 +59,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
     rows = [seed_row(args.runs_dir, s, args.data, args.decay) for s in args.seeds]
-    for r in rows:
-        if r["logged_ema_27"] is not None and abs(r["ema_27"] - r["logged_ema_27"]) > 1e-9:
-            print(f"[bench] seed {r['seed']}: EMA @27 {r['ema_27']:.4f} here, {r['logged_ema_27']:.4f} in the run's "
-                  "results.jsonl", flush=True)
-    print(table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    report(rows, [("EMA @27", "ema_27", "logged_ema_27")], table(rows), args.json)
 
 
 if __name__ == "__main__":

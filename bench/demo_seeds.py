@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -102,20 +103,26 @@ def mean_std(values: list[float]) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    return seeds_table(rows, [("stage 0 @21", "stage0_21"), ("stage 0 @27 (patch)", "stage0_27"),
+                              ("final @27", "final_27"), ("linear probe", "probe")], "final - stage 0 @27")
+
+
+def seeds_table(rows: list[dict], columns: list[tuple[str, str]], gain: str) -> str:
+    """A row per seed with `columns` ((header, key) of a top-1 in [0, 1]) and the seed's paired contrast (its 'gain'
+    and 'se'), then the mean row: each column's mean ± SD over seeds, the contrast's SE paired over images beside its
+    spread over seeds (bench/seed_spread.py)."""
     pct = lambda v: "-" if v is None else f"{100 * v:.2f}"   # noqa: E731
-    lines = ["| seed | stage 0 @21 | stage 0 @27 (patch) | final @27 | linear probe "
-             "| final - stage 0 @27 (± SE paired over images) |", "|---|---|---|---|---|---|"]
+    z = lambda g, se: g / se if se else 0   # noqa: E731   (identical predictions: no spread to scale by)
+    lines = ["| seed | " + " | ".join(h for h, _ in columns) + f" | {gain} (± SE paired over images) |",
+             "|---" * (len(columns) + 2) + "|"]
     for r in rows:
-        lines.append(f"| {r['seed']} | {pct(r['stage0_21'])} | {pct(r['stage0_27'])} | {pct(r['final_27'])} | "
-                     f"{pct(r['probe'])} | {100 * r['gain']:+.2f} ± {100 * r['se']:.2f} "
-                     f"(z {r['gain'] / r['se']:+.1f}) |")
-    gain = sum(r["gain"] for r in rows) / len(rows)
+        lines.append(f"| {r['seed']} | " + " | ".join(pct(r[k]) for _, k in columns)
+                     + f" | {100 * r['gain']:+.2f} ± {100 * r['se']:.2f} (z {z(r['gain'], r['se']):+.1f}) |")
+    mean = sum(r["gain"] for r in rows) / len(rows)
     se = math.sqrt(sum(r["se"] ** 2 for r in rows)) / len(rows)   # seeds' test-set noise, independent fits
     over_seeds = seed_spread([100 * r["gain"] for r in rows]).text()
-    lines.append(f"| mean ± SD over seeds | {mean_std([r['stage0_21'] for r in rows])} | "
-                 f"{mean_std([r['stage0_27'] for r in rows])} | {mean_std([r['final_27'] for r in rows])} | "
-                 f"{mean_std([r['probe'] for r in rows])} | {100 * gain:+.2f} ± {100 * se:.2f} (z {gain / se:+.1f}); "
-                 f"{over_seeds} |")
+    lines.append("| mean ± SD over seeds | " + " | ".join(mean_std([r[k] for r in rows]) for _, k in columns)
+                 + f" | {100 * mean:+.2f} ± {100 * se:.2f} (z {z(mean, se):+.1f}); {over_seeds} |")
     return "\n".join(lines)
 
 
@@ -128,14 +135,21 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
     rows = [seed_row(args.runs_dir, s, args.data, args.probe_train_images) for s in args.seeds]
+    report(rows, [("stage0_27", "stage0_27", "logged_stage0_27"), ("final_27", "final_27", "logged_final_27")],
+           table(rows), args.json)
+
+
+def report(rows: list[dict], checked: list[tuple[str, str, str]], text: str, json_path: Optional[Path]) -> None:
+    """Say each score measured here that differs from the trainer's own evaluation of the same weights (`checked`:
+    (label, key here, key of the logged score)), print the table `text`, and write the rows to `json_path`."""
     for r in rows:
-        for ours, logged in (("stage0_27", "logged_stage0_27"), ("final_27", "logged_final_27")):
+        for label, ours, logged in checked:
             if r[logged] is not None and abs(r[ours] - r[logged]) > 1e-9:
-                print(f"[bench] seed {r['seed']}: {ours} {r[ours]:.4f} here, {r[logged]:.4f} in the run's "
+                print(f"[bench] seed {r['seed']}: {label} {r[ours]:.4f} here, {r[logged]:.4f} in the run's "
                       "results.jsonl", flush=True)
-    print(table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    print(text)
+    if json_path:
+        json_path.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
