@@ -203,12 +203,7 @@ def stage_end_missing(cfg: RunConfig, stage_index: int, dist: DistInfo) -> bool:
 def agreed_missing_evals(cfg: RunConfig, stage_index: int, dist: DistInfo,
                          kind: str = LIVE) -> dict[tuple[int, str], list]:
     """missing_evals as rank 0 (which writes results.jsonl) sees it, on every rank: all run the same ones."""
-    missing = missing_evals(cfg, stage_index, kind)
-    if dist.world_size == 1:
-        return missing
-    box = [missing]
-    tdist.broadcast_object_list(box, src=0)
-    return box[0]
+    return rank0s(missing_evals(cfg, stage_index, kind), dist)
 
 
 # ---------------------------------------------------------------- during a stage (eval.every_samples / every_steps)
@@ -285,8 +280,13 @@ class EvalBudget:
 
 def agreed(decision: bool, dist: DistInfo) -> bool:
     """Rank 0's decision on every rank (their clocks differ)."""
+    return bool(rank0s(decision, dist))
+
+
+def rank0s(value, dist: DistInfo):
+    """Rank 0's `value` (any picklable object) on every rank: what rank 0 alone reads or keeps, decided alike."""
     if dist.world_size == 1:
-        return decision
-    box = [decision]
+        return value
+    box = [value]
     tdist.broadcast_object_list(box, src=0)
-    return bool(box[0])
+    return box[0]

@@ -21,10 +21,10 @@ from __future__ import annotations
 from typing import Iterator, Optional
 
 import torch
-import torch.distributed as tdist
 
 from crate_clip.checkpoint_io.ema_state import EMA_PART
 from crate_clip.train.loop.parts.stage_part import LoopState, StagePart
+from crate_clip.train.loop.stage_evals import rank0s
 from crate_clip.train.run.run_config import EmaSection
 
 GATHER_ELEMENTS = 1 << 26   # ZeRO-3: parameters gathered together per update (256 MiB in fp32 at most)
@@ -51,7 +51,7 @@ class EmaWeights(StagePart):
     def on_stage_start(self, loop: LoopState) -> None:
         """Fresh, or resumed without a saved average (train.ema turned on at the resume): start at start_step, or
         now if the stage is past it. Resumed from a checkpoint saved before this part saw its step: take it in."""
-        self.seen = _agreed(self.seen, loop)   # rank 0 holds the saved state: every rank decides alike
+        self.seen = rank0s(self.seen, loop.dist)   # rank 0 holds the saved state: every rank decides alike
         if self.averages is not None:
             self._check_fits(loop.engine)
             self.averages = {k: v.to(loop.dist.device) for k, v in self.averages.items()}
@@ -142,12 +142,3 @@ def _trained_parameters(engine) -> Iterator[tuple[str, torch.Tensor]]:
         with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
             yield from group
         group, size = ([item], item[1].ds_numel) if item is not None else ([], 0)
-
-
-def _agreed(seen: Optional[int], loop: LoopState) -> Optional[int]:
-    """Rank 0's `seen` on every rank (its saved state is the job's)."""
-    if loop.dist.world_size == 1:
-        return seen
-    box = [seen]
-    tdist.broadcast_object_list(box, src=0)
-    return box[0]
