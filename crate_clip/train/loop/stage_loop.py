@@ -45,7 +45,7 @@ from crate_clip.train.loop.parts.stage_part import (LoopState, StagePart, job_wi
                                                     part_states)
 from crate_clip.train.loop.parts.step_metrics import StepMetrics
 from crate_clip.train.loop.parts.stop_agreement import StopAgreement, stop_stage
-from crate_clip.train.loop.parts.stream_position import StreamPosition
+from crate_clip.train.loop.parts.stream_position import StreamPosition, stream_state
 from crate_clip.train.loop.parts.whitebox_diagnostics import WhiteboxDiagnostics
 from crate_clip.train.loop.stage_evals import evaluate_stage_end, stage_end_missing
 from crate_clip.train.loop.stop_requests import agreed_stop, request_stop, share_between_ranks, stops_with_checkpoint
@@ -403,7 +403,7 @@ def train_stage(loop: LoopState) -> Path:
     while progress.step < stage.steps:
         loop.saved, loop.measured = None, {}
         _hooks(loop, "on_step_start")
-        position = _stream_state(stream)   # before the fetch: a rank whose batch is dropped below must not skip it
+        position = stream_state(stream)   # before the fetch: a rank whose batch is dropped below must not skip it
         try:
             batches, (loop.images, tokens) = _next_batch(batches, stream, run.cfg, run.dist)
         except Exception as exc:   # a data source given up on: every rank raised at this batch (agreed_batches)
@@ -437,12 +437,8 @@ def _next_batch(batches, stream, cfg: RunConfig, dist: DistInfo):
 
 
 # ---------------------------------------------------------------- checkpoints
-def _stream_state(stream) -> Optional[dict]:
-    return stream.state_dict() if hasattr(stream, "state_dict") else None
-
-
-def _save(loop: LoopState, stream_state: Optional[dict] = None) -> Path:
-    """Every rank: a checkpoint of the step just trained, holding every part's state (`stream_state`: the data
+def _save(loop: LoopState, position: Optional[dict] = None) -> Path:
+    """Every rank: a checkpoint of the step just trained, holding every part's state (`position`: the data
     position to record instead of the stream's now)."""
     run, stage, progress = loop.run, loop.stage, loop.progress
     cfg, ckpts = run.cfg, run.ckpts
@@ -452,8 +448,8 @@ def _save(loop: LoopState, stream_state: Optional[dict] = None) -> Path:
                           tokenizer_record(cfg.model.tokenizer or cfg.model.name, cfg.model.bert_vocab),
                           progress)
     rank_state = part_states(loop.parts)
-    if stream_state is not None:
-        rank_state[StreamPosition.name] = stream_state
+    if position is not None:
+        rank_state[StreamPosition.name] = position
     table = gather_stream_table(rank_state.get(StreamPosition.name), ckpts.rank, ckpts.world_size)   # a collective
     return ckpts.save(loop.engine, checkpoint_tag(progress.stage_index, progress.step), info.as_dict(), rank_state,
                       shared_files={STREAM_TABLE: json.dumps(table)} if table else None)

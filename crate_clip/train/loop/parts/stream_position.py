@@ -16,8 +16,13 @@ class StreamPosition(StagePart):
         self.stream = stream
 
     def state_dict(self) -> Optional[dict]:
-        return self.stream.state_dict() if hasattr(self.stream, "state_dict") else None
+        return stream_state(self.stream)
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         if state is not None:
             self.stream.load_state_dict(state)
+
+
+def stream_state(stream) -> Optional[dict]:
+    """A stream's position (None for a stream without one: a test's list of batches)."""
+    return stream.state_dict() if hasattr(stream, "state_dict") else None
