@@ -46,6 +46,13 @@ def child_with_env(parent: int, entry: str) -> Optional[int]:
     return next((p for p in children(parent) if entry.encode() in _read(p, "environ").split(b"\0")), None)
 
 
+def process_with_env(*entries: str) -> Optional[int]:
+    """A process of the machine whose environment holds every one of `entries`, or None: a launcher's rank where the
+    launcher is not this test's child (a stand-in's, tests/README.md)."""
+    wanted = [e.encode() for e in entries]
+    return next((p for p in pids() if all(e in _read(p, "environ").split(b"\0") for e in wanted)), None)
+
+
 def running(cmdline: str) -> bool:
     """Whether a process whose command line (NUL-separated, as /proc shows it) contains `cmdline` is running."""
     return any(cmdline.encode() in _read(p, "cmdline") for p in pids())

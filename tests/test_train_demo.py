@@ -12,20 +12,20 @@ TINY_RUN = ["stages.0.samples=128", "stages.0.global_batch=64", "stages.0.warmup
             "logging.progress=false", "logging.tensorboard=false"]
 
 
-def _warm_launcher(monkeypatch) -> None:
-    """The demo's torchrun launcher forked warm (torchrun's workers stay fresh interpreters)."""
+def _warm_launcher(monkeypatch, request) -> None:
+    """The demo's torchrun launcher forked warm (with the test's `request`, torchrun's workers too, as stand-ins)."""
     from crate_clip.train import demo
     from train_fixtures import warm_subprocess
 
-    warm_subprocess(monkeypatch, demo)
+    warm_subprocess(monkeypatch, demo, request)
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd, monkeypatch):
+def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd, monkeypatch, request):
     from crate_clip.train.demo import main
 
-    _warm_launcher(monkeypatch)
+    _warm_launcher(monkeypatch, request)
 
     run = tmp_path / "run"
     argv = ["--data-dir", str(tmp_path / "data"), "--run-dir", str(run), "--nproc", "2",
@@ -98,10 +98,10 @@ def _timm_scores_what_eval_scored(export, test_dir, final: dict) -> None:
 
 
 @pytest.mark.multiproc
-def test_a_failed_demo_says_so_and_prints_no_results(fashion_mnist_dir, tmp_path, capfd, monkeypatch):
+def test_a_failed_demo_says_so_and_prints_no_results(fashion_mnist_dir, tmp_path, capfd, monkeypatch, request):
     from crate_clip.train.demo import main
 
-    _warm_launcher(monkeypatch)
+    _warm_launcher(monkeypatch, request)
 
     run = tmp_path / "run"
     missing = tmp_path / "missing.pt"   # a file only the trainer reads: the demo's own config check passes

@@ -33,7 +33,7 @@ import torch
 
 import warm_python
 from elastic_workers import global_batches, losses
-from processes import child_with_env
+from processes import process_with_env
 from train_fixtures import REPO_ROOT, ranks_cmd, read_jsonl, run_env, run_job, tiny_config, torchrun_cmd, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -244,16 +244,21 @@ def test_torchrun_restarts_a_killed_rank_and_ends_with_the_uninterrupted_export(
                        "--resume", "auto", module="crate_clip.train.cli")
     at = cmd.index("--master_addr")
     cmd[at:at] = ["--max-restarts", "1"]
-    proc = warm_python.Popen(cmd, env=run_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True)   # torchrun's workers: fresh interpreters
+    # torchrun's workers are stand-ins for warm commands (tests/README.md): killing one kills its command
+    env = warm_python.stand_in_env(run_env())
+    proc = warm_python.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
     killed, deadline, metrics = None, time.time() + 300, run_dir / "metrics.jsonl"
     while killed is None and time.time() < deadline and proc.poll() is None:
         steps = [r["step"] for r in read_jsonl(metrics)] if metrics.exists() else []
         if steps and max(steps) >= EVERY + 2:   # after the step-4 checkpoint, mid-stage
-            killed = child_with_env(proc.pid, "RANK=1")   # the rank torchrun's agent started
-            os.kill(killed, signal.SIGKILL)
+            # the rank torchrun's agent started: a stand-in with this test's variables, not the test's grandchild
+            killed = process_with_env("RANK=1", f"WARM_CPU_FILE={env['WARM_CPU_FILE']}")
+            if killed:
+                os.kill(killed, signal.SIGKILL)
         time.sleep(0.02)
     out, err = proc.communicate(timeout=400)
+    warm_python.count_stand_in_cpu(env)
     assert killed and proc.returncode == 0, out[-3000:] + err[-6000:]
     assert re.search(r"resuming from .*stage0-step0000000[48]", out), out[-3000:]
     assert sorted(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")) == list(range(1, STEPS + 1))

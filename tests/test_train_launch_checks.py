@@ -28,7 +28,7 @@ import warm_python
 from crate_clip.train.stage_setup.engine import _free_port
 from file_snapshots import snapshot
 from processes import running
-from train_fixtures import REPO_ROOT, run_env, tiny_config, write_config
+from train_fixtures import REPO_ROOT, run_env, stand_in_run_env, tiny_config, write_config
 
 STAGE = {"name": "s", "image_size": 16, "context_length": 16, "samples": 64, "global_batch": 8, "lr": 1e-3}
 
@@ -165,12 +165,12 @@ def test_keys_and_batches_against_the_processes_come_together(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_launched_workers_exit_code_is_the_trainers_own(tmp_path):
+def test_launched_workers_exit_code_is_the_trainers_own(tmp_path, request):
     """torchrun says 1 for any failed worker; `crate-clip train --nproc` says the worker's code (4: nothing to
     resume) with the worker's one line and no ChildFailedError block."""
     data = _user_files(tmp_path)
     config = _config(tmp_path, tmp_path / "run", data)
-    proc = _train(config, "--nproc", "1", "--resume", "latest")
+    proc = _train(config, "--nproc", "1", "--resume", "latest", env=stand_in_run_env(request))
     assert proc.returncode == 4, proc.stderr
     assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert "crate-clip train: --resume latest" in proc.stderr, proc.stderr
