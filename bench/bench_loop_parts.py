@@ -161,7 +161,7 @@ def markdown(runs: list[dict], trees: list[dict], rounds: int, command: str, ste
     commits = ", ".join(f"{t['name']} = `{t['commit'][:7]}`" for t in trees)
     return f"""## Issue 52: the stage loop as parts, no slower (`bench/bench_loop_parts.py`)
 
-`{command}`; {machine_line()}, {cpu_model()}, {os.cpu_count()} cores shared with other sessions. Commits: {commits}, each
+`{command}`; {machine_line()}, {cpu_model()}, {os.cpu_count()} cores (what the rest of the machine kept busy: the last column). Commits: {commits}, each
 run from its own worktree (PYTHONPATH and cwd = the tree). Each run is bench_open_clip_train's arm as it is:
 crate-clip trains `{oct_bench.MODEL}` at {oct_bench.IMAGE_SIZE} px, fp32, global batch {oct_bench.GLOBAL_BATCH}
 on {oct_bench.NPROC} processes with the demo's DeepSpeed settings (from each tree's demo config), {steps} steps;
