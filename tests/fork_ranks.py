@@ -47,6 +47,7 @@ def main(argv: list[str]) -> int:
     # what every rank would import first (warm_python.RANK_PRELOAD), imported once before the fork so the ranks
     # start warm (not the entry point itself: run_as_main runs it afresh as __main__)
     warm_python.preload(warm_python.RANK_PRELOAD)
+    warm_python.frozen_heap()   # (already frozen when forked by the warm interpreter: then only what came since)
     from crate_clip.train.stage_setup.engine import _free_port   # the trainer's own (preloaded above)
 
     port = _free_port()

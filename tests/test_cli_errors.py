@@ -129,13 +129,14 @@ def test_a_latest_file_that_is_not_text_counts_as_missing(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_under_torchrun_the_process_code_is_the_last_line(tmp_path):
+def test_under_torchrun_the_process_code_is_the_last_line(tmp_path, request):
     """torchrun exits 1 for any failing worker: the refused run says its own code (2) last."""
-    from train_fixtures import run_job, torchrun_cmd
+    from train_fixtures import run_job, stand_in_run_env, torchrun_cmd
 
     config = tmp_path / "bad.yaml"
     config.write_text("run: {output_dir: %s}\nstagez: []\n" % (tmp_path / "run"))
-    proc = run_job(torchrun_cmd(1, "train", "--config", str(config), module="crate_clip.cli"))
+    proc = run_job(torchrun_cmd(1, "train", "--config", str(config), module="crate_clip.cli"),
+                   env=stand_in_run_env(request))   # torchrun's worker: a stand-in for a warm command
     assert proc.returncode == 1, proc.stderr[-3000:]
     ours = [line for line in proc.stderr.splitlines() if line.startswith("crate-clip")]
     assert "stagez: unknown key" in proc.stderr and not (tmp_path / "run").exists()

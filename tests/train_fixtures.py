@@ -152,17 +152,19 @@ def stand_in_run_env(request) -> dict:
     return env
 
 
-def run_job(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+def run_job(cmd: list[str], timeout: int = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a launched job to completion (output captured; shown on failure by the caller), forked by the warm
     interpreter where it can be (warm_python.py). A job whose worker
     aborted (SIGABRT from C++ destructors at interpreter exit: "terminate called without an active exception",
     seen in ~1 of 20 runs of two train_workers probes, which skip that teardown) runs once more, with a
-    warning in pytest's summary that carries the crash."""
-    proc = warm_python.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    warning in pytest's summary that carries the crash. `env`: the job's environment if not run_env()
+    (stand_in_run_env)."""
+    env = env or run_env()
+    proc = warm_python.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 and "SIGABRT" in proc.stderr:
         warnings.warn(f"a worker of {' '.join(cmd[-3:])} aborted; ran the job again. Its stderr:\n"
                       f"{proc.stderr[-4000:]}")
-        proc = warm_python.run(cmd, env=run_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+        proc = warm_python.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
     return proc
 
 

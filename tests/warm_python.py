@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -346,10 +347,21 @@ def preload(modules) -> None:
         importlib.import_module(name)
 
 
+def frozen_heap() -> None:
+    """The heap as it is now left out of every later cycle collection, here and in the processes forked from here
+    (gc.freeze, as Python's docs advise before fork without exec): a forked command's full collection would otherwise
+    walk the ~10^6 objects of the preloaded imports (~0.25 s of CPU each time) and write to every page holding them
+    (copy-on-write: the command's own copy of pages it could have shared). What the command itself makes is still
+    collected; the imports' own garbage is collected once, now."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(path: str) -> None:
     """Preload, then fork each requested command; send its PID, then its exit code and CPU time when it ends."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     preload(PRELOAD)
+    frozen_heap()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
