@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+import warm_python
+from train_fixtures import run_env
+
 from crate_clip.cli import SUBCOMMANDS, main
 
 PARSERS = {"eval": ("crate_clip.eval.cli", "build_parser"), "shards": ("crate_clip.data.cli", "_parser"),
@@ -91,8 +94,14 @@ def test_flop_rates_print_in_the_unit_that_fits():
     assert flop_rate(312.46, on_gpu=True) == ("TFLOP/s/gpu", "312.5")
 
 
-def _python(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+def _python(code: str, base: str | None = None) -> str:
+    """`python -c code`'s output: a fresh interpreter, or one forked from the warm one of `base` (warm_python.BASES)
+    where only the imports after it are the point."""
+    if base:
+        done = warm_python.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, base=base,
+                               env=run_env())   # one thread, as the suite's commands
+    else:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -148,9 +157,11 @@ def test_task_modules_import_no_torch():
 @pytest.mark.parametrize("order", ["import crate_clip, timm, open_clip", "import open_clip, crate_clip",
                                    "import timm, crate_clip, open_clip", "import crate_clip, open_clip"])
 def test_crate_towers_are_registered_in_either_import_order(order):
+    # torch imported before (the interpreter of base "torch"): the order of crate_clip, timm and open_clip is the
+    # command's own
     out = _python(f"{order}\nimport timm, open_clip\n"
                   "print('crate_alpha_tiny_patch16_224' in timm.list_models('crate*'),"
-                  " 'CRATE-alpha-CLIPA-tiny' in open_clip.list_models())")
+                  " 'CRATE-alpha-CLIPA-tiny' in open_clip.list_models())", base="torch")
     assert out.split() == ["True", "True"]
 
 

@@ -1,14 +1,18 @@
-"""Every Python snippet of README.md and docs/ runs as written in a fresh interpreter. A snippet's placeholders
+"""Every Python snippet of README.md and docs/ runs as written in an interpreter that has imported none of the project
+(forked from one that imported the libraries alone: torch, torchvision, timm, open_clip, transformers; the project's
+imports, open_clip's registration of its towers among them, are the snippet's own). A snippet's placeholders
 are named in an HTML comment just above it (`<!-- snippet-test substitutes: A B -->`): the test replaces each
 with a real stand-in made here (every named one must have one, and must occur in the snippet). A snippet that
 cannot run here says why (`<!-- snippet-test skips: reason -->`) and is reported as a skip with that reason."""
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+import warm_python
+from train_fixtures import run_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -56,7 +60,10 @@ def test_doc_snippet_runs_as_written(marker, words, code, stand_ins, tmp_path):
         assert placeholder in stand_ins, f"no stand-in for the placeholder {placeholder!r}"
         assert placeholder in code, f"the placeholder {placeholder!r} is not in the snippet"
         code = code.replace(placeholder, stand_ins[placeholder])
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # forked from the interpreter that imported the libraries alone (torch, open_clip, ...; none of the project, which
+    # the snippet imports itself), in the environment of the suite's commands (one thread)
+    done = warm_python.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                           env=run_env(), base="libraries")
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -72,6 +79,6 @@ def test_image_statistics_are_open_clips():
 
 def test_stream_imports_first_in_a_fresh_interpreter():
     """`from crate_clip.data import build_train_stream` as a program's first import (docs/data.md's snippet)."""
-    done = subprocess.run([sys.executable, "-c", "from crate_clip.data import StreamConfig, build_train_stream"],
-                          capture_output=True, text=True, timeout=300)
+    done = warm_python.run([sys.executable, "-c", "from crate_clip.data import StreamConfig, build_train_stream"],
+                           capture_output=True, text=True, timeout=300, env=run_env(), base="libraries")
     assert done.returncode == 0, done.stderr[-2000:]

@@ -2,13 +2,13 @@
 reached, with HF_HUB_OFFLINE=1 and also without it (this machine has no hub access: transformers alone retries
 for tens of seconds), and still loads a tokenizer that is in the HuggingFace cache."""
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+import warm_python
+from train_fixtures import run_env
 
 from crate_clip.models.clip_tokenizers import BERT_TOKENIZER_CONFIG
 
@@ -27,9 +27,12 @@ print("SECONDS", time.monotonic() - start)
 
 
 def _run(tmp_path: Path, offline: bool) -> tuple[str, float]:
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env = {k: v for k, v in run_env().items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_HOME=str(tmp_path / "hf_home"), **({"HF_HUB_OFFLINE": "1"} if offline else {}))
-    done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, env=env, timeout=600)
+    # forked from the interpreter that imported torch alone (HF_HUB_OFFLINE is read by huggingface_hub's import,
+    # which comes after, in the command)
+    done = warm_python.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, env=env, timeout=600,
+                           base="torch")
     assert done.returncode == 0, done.stderr[-2000:]
     head, seconds = done.stdout.rsplit("SECONDS", 1)
     return head.strip(), float(seconds)

@@ -47,8 +47,10 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 LOST_AFTER_S = 5
 
 
-def _config(root: Path, data: Path, name: str, **data_keys) -> Path:
-    cfg = tiny_config(root / name, data, precision="fp32", stages=[STAGE], every_steps=2, evals=False,
+def _config(root: Path, data: Path, name: str, every_steps: int = 0, **data_keys) -> Path:
+    """The run config of `name`; `every_steps` for the runs that resume (the others save at the stage's end only:
+    a save changes nothing the run trains, which the preempted runs' bit-exact comparison with one_node shows)."""
+    cfg = tiny_config(root / name, data, precision="fp32", stages=[STAGE], every_steps=every_steps, evals=False,
                       logging={"every_steps": 1, "progress": False, "tensorboard": False, "plot": False},
                       run={"name": name, "output_dir": str(root / name), "seed": 3,
                            "lost_rank_timeout_s": LOST_AFTER_S})
@@ -152,7 +154,7 @@ def test_elastic_torchrun_survives_a_node_crash_and_takes_the_node_back(one_node
     (root, expected), (made, env) = one_node, cluster
     n1, n2 = made.nodes
     # the first launch's 2 hosts, one stream each: 200 a stream, as the one-node run's explicit buffer
-    config = _config(root, tiny_fmnist, "elastic", host_shuffle_buffer=200)
+    config = _config(root, tiny_fmnist, "elastic", every_steps=2, host_shuffle_buffer=200)
     run_dir = root / "elastic"
 
     def torchrun(node, out):
@@ -205,7 +207,7 @@ def test_slurm_two_nodes_preempted_then_a_node_lost(one_node, tiny_fmnist, clust
     finishes on node 1 alone."""
     (root, expected), (made, env) = one_node, cluster
     n1, n2 = made.nodes
-    config = _config(root, tiny_fmnist, "slurm", shuffle_buffer=200)
+    config = _config(root, tiny_fmnist, "slurm", every_steps=2, shuffle_buffer=200)
     run_dir = root / "slurm"
     env = dict(env, PATH=f"{Path(sys.executable).parent}:{env['PATH']}")   # `crate-clip`, as an installed one
     with slurm_cluster(made) as slurm:

@@ -18,7 +18,10 @@ the fork where the project reads it (core.errors.STARTED_BY_LAUNCHER, the tempor
 A command runs in a fresh interpreter instead (subprocess itself) when the warm one could differ from it: interpreter
 options (`python -X ...`), a variable read when a library loads (OMP_*, MALLOC_*, LD_*, PYTHONPATH, ...) set
 differently from the zygote's, or other Popen arguments (preexec_fn, pass_fds, ...). The zygote is started at
-the first command and ends with the pytest process (the kernel ends it: PR_SET_PDEATHSIG).
+the first command and ends with the pytest process (the kernel ends it: PR_SET_PDEATHSIG). A command whose point is
+to import the project itself (a documentation snippet, an export loaded with only `import crate_clip`, the order of
+the imports) names a lighter zygote, `base="libraries"` or `base="torch"` (BASES), which still saves it those
+imports.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import gc
 import importlib
 import json
 import os
+import resource
 import runpy
 import select
 import selectors
@@ -50,6 +54,13 @@ RANK_PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "deepspeed.runtime.zero.m
                 "matplotlib.pyplot", "crate_clip.train.loop.stage_loop")
 # What the commands import first: a rank's modules and the CLIs'.
 PRELOAD = RANK_PRELOAD + ("crate_clip.train.cli", "crate_clip.cli", "crate_clip.eval.cli", "crate_clip.export.cli")
+# What a command finds imported, by the warm interpreter ("base") it is forked from: "project", the default, as above;
+# "libraries", the libraries alone and none of the project, for a command whose point is to import the project itself
+# (a documentation snippet, an export loaded with only `import crate_clip`); "torch" alone, for a command whose
+# point is the order of the other imports (crate_clip's, timm's, open_clip's) or a variable they read as they load
+# (huggingface_hub's HF_HUB_OFFLINE). One interpreter per base and pytest process, each started at its first command.
+BASES = {"project": PRELOAD, "libraries": ("torch", "torchvision", "timm", "open_clip", "transformers"),
+         "torch": ("torch",)}
 # Variables a library reads as it loads (or the interpreter as it starts): a command that sets one differently from
 # the zygote runs in a fresh interpreter.
 LOAD_TIME_VARS = ("OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME",
@@ -57,7 +68,10 @@ LOAD_TIME_VARS = ("OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_", "PYTHONPATH
                   "TRANSFORMERS_", "CUDA_", "NCCL_")
 PR_SET_PDEATHSIG = 1
 _CHILD_CPU = [0.0]   # user + system s of the finished warm commands of this process (read by cpu_cost.py)
-_zygote: dict = {}
+_zygotes: dict[str, dict] = {base: {} for base in BASES}
+_zygote = _zygotes["project"]   # the one stand-ins, attach() and socket_path() mean
+# the load-time variables a base's imports do not read: a command may set them otherwise and still be forked
+NOT_READ_BY = {"torch": ("DS_", "HF_", "TRANSFORMERS_")}
 
 
 def launched_cpu_s() -> float:
@@ -176,58 +190,65 @@ def run(cmd, *, capture_output=False, timeout=None, **kwargs) -> subprocess.Comp
 
 
 def Popen(cmd, *, env=None, cwd=None, stdin=None, stdout=None, stderr=None, text=False, start_new_session=False,
-          **others):
-    """subprocess.Popen for the suite's Python commands: a WarmProcess when it can be, else a subprocess.Popen."""
+          base="project", **others):
+    """subprocess.Popen for the suite's Python commands: a WarmProcess when it can be, else a subprocess.Popen.
+    `base`: the warm interpreter it is forked from (BASES)."""
     env = dict(os.environ if env is None else env)
-    if others or not _forkable(list(map(str, cmd)), env):
+    if others or not _forkable(list(map(str, cmd)), env, base):
         return subprocess.Popen(cmd, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                                 start_new_session=start_new_session, **others)
-    return WarmProcess(list(map(str, cmd)), env, cwd, stdin, stdout, stderr, text, start_new_session)
+    return WarmProcess(list(map(str, cmd)), env, cwd, stdin, stdout, stderr, text, start_new_session, base=base)
 
 
-def _forkable(cmd: list[str], env: dict) -> bool:
+def _forkable(cmd: list[str], env: dict, base: str = "project") -> bool:
     """A `python -m MODULE`, `python -c CODE` or `python SCRIPT.py` command whose load-time variables are the
     zygote's (its environment is the first such command's)."""
     if len(cmd) < 2 or cmd[0] != sys.executable or (cmd[1].startswith("-") and cmd[1] not in ("-m", "-c")):
         return False
     if cmd[1] in ("-m", "-c") and len(cmd) < 3:
         return False
-    zygote_env = _zygote.get("env", env)
-    return all(env.get(k) == zygote_env.get(k) for k in set(env) | set(zygote_env) if k.startswith(LOAD_TIME_VARS))
+    zygote_env, unread = _zygotes[base].get("env", env), NOT_READ_BY.get(base, ())
+    return all(env.get(k) == zygote_env.get(k) for k in set(env) | set(zygote_env)
+               if k.startswith(LOAD_TIME_VARS) and not k.startswith(unread))
 
 
-def _connect(env: dict) -> socket.socket:
-    """A connection to this process's zygote, started at the first command with that command's environment."""
-    if "socket" not in _zygote:
+def _connect(env: dict, base: str = "project") -> socket.socket:
+    """A connection to this process's zygote of `base`, started at its first command with that command's
+    environment."""
+    zygote = _zygotes[base]
+    if "socket" not in zygote:
         folder = tempfile.mkdtemp(prefix="warm-python-")
         path = os.path.join(folder, "socket")
-        proc = subprocess.Popen([sys.executable, __file__, path], env=env, cwd=folder, stdin=DEVNULL,
+        proc = subprocess.Popen([sys.executable, __file__, path, base], env=env, cwd=folder, stdin=DEVNULL,
                                 stdout=PIPE, text=True)
-        said = []   # what the imports print (DeepSpeed's accelerator line), then "ready"
-        while not said or said[-1] not in ("ready\n", ""):
+        said = []   # what the imports print (DeepSpeed's accelerator line), then "ready CPU_SECONDS"
+        while not said or not (said[-1].startswith("ready ") or said[-1] == ""):
             said.append(proc.stdout.readline())
         proc.stdout.close()
-        if said[-1] != "ready\n":
+        if not said[-1].startswith("ready "):
             raise RuntimeError(f"the warm Python did not start (exit code {proc.wait()}): {''.join(said)[-3000:]}")
-        _zygote.update(socket=path, proc=proc, folder=folder, env={k: v for k, v in env.items() if k.startswith(LOAD_TIME_VARS)})
-        atexit.register(_stop_zygote)
+        zygote.update(socket=path, proc=proc, folder=folder, env={k: v for k, v in env.items() if k.startswith(LOAD_TIME_VARS)})
+        atexit.register(_stop_zygote, zygote)
+        if base != "project":   # a lighter base's imports count for the test that started it (the project's for
+            count_launched_cpu(float(said[-1].split()[1]))   # none: tests/README.md, "Warm interpreters")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    sock.connect(_zygote["socket"])
+    sock.connect(zygote["socket"])
     return sock
 
 
-def _stop_zygote() -> None:
-    proc = _zygote.get("proc")
+def _stop_zygote(zygote: dict) -> None:
+    proc = zygote.get("proc")
     if proc and proc.poll() is None:
         proc.terminate()
         proc.wait()
-    shutil.rmtree(_zygote.get("folder", ""), ignore_errors=True)
+    shutil.rmtree(zygote.get("folder", ""), ignore_errors=True)
 
 
 class WarmProcess:
     """A command forked by the zygote, with the parts of subprocess.Popen's interface the tests use."""
 
-    def __init__(self, args, env, cwd, stdin, stdout, stderr, text, start_new_session, stand_in_for=None):
+    def __init__(self, args, env, cwd, stdin, stdout, stderr, text, start_new_session, stand_in_for=None,
+                 base="project"):
         self.args, self.returncode, self._text = args, None, text
         self.max_rss_kb = None   # the command's peak RSS once it ended (its pages shared with the zygote included)
         self.stdin = self.stdout = self.stderr = None
@@ -236,7 +257,7 @@ class WarmProcess:
         ends, theirs = self._streams(stdin, stdout, stderr)
         request = {"argv": args[1:], "env": env, "cwd": str(cwd or os.getcwd()), "new_session": start_new_session,
                    "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN, "stand_in": stand_in_for}
-        self._conn = _connect(env)
+        self._conn = _connect(env, base)
         try:
             socket.send_fds(self._conn, [json.dumps(request).encode()], theirs)
             reply = json.loads(self._conn.recv(4096) or b"{}")
@@ -357,10 +378,11 @@ def frozen_heap() -> None:
     gc.freeze()
 
 
-def serve(path: str) -> None:
-    """Preload, then fork each requested command; send its PID, then its exit code and CPU time when it ends."""
+def serve(path: str, base: str = "project") -> None:
+    """Preload `base`'s modules, then fork each requested command; send its PID, then its exit code and CPU time when
+    it ends."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    preload(PRELOAD)
+    preload(BASES[base])
     frozen_heap()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
@@ -368,7 +390,8 @@ def serve(path: str) -> None:
     mine = selectors.DefaultSelector()
     mine.register(listener, selectors.EVENT_READ)
     running: dict[int, tuple[int, socket.socket]] = {}   # pidfd -> (pid, connection)
-    print("ready", flush=True)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    print(f"ready {usage.ru_utime + usage.ru_stime}", flush=True)   # what the imports cost
     os.dup2(2, 1)   # the caller stopped reading this pipe
     while True:
         for key, _ in mine.select():
@@ -527,4 +550,4 @@ def _as_at_start(sigint_ignored: bool) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(*sys.argv[1:3])
