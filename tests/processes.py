@@ -41,11 +41,6 @@ def _read(pid: int, name: str) -> bytes:
         return b""
 
 
-def child_with_env(parent: int, entry: str) -> Optional[int]:
-    """The child of `parent` whose environment holds `entry` (e.g. "RANK=1": a launcher's rank), or None."""
-    return next((p for p in children(parent) if entry.encode() in _read(p, "environ").split(b"\0")), None)
-
-
 def process_with_env(*entries: str) -> Optional[int]:
     """A process of the machine whose environment holds every one of `entries`, or None: a launcher's rank where the
     launcher is not this test's child (a stand-in's, tests/README.md)."""

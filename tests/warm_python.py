@@ -19,9 +19,8 @@ A command runs in a fresh interpreter instead (subprocess itself) when the warm 
 options (`python -X ...`), a variable read when a library loads (OMP_*, MALLOC_*, LD_*, PYTHONPATH, ...) set
 differently from the zygote's, or other Popen arguments (preexec_fn, pass_fds, ...). The zygote is started at
 the first command and ends with the pytest process (the kernel ends it: PR_SET_PDEATHSIG). A command whose point is
-to import the project itself (a documentation snippet, an export loaded with only `import crate_clip`, the order of
-the imports) names a lighter zygote, `base="libraries"` or `base="torch"` (BASES), which still saves it those
-imports.
+to import the project itself (a documentation snippet, the order of the imports) names a lighter zygote,
+`base="libraries"` or `base="torch"` (BASES), which still saves it the imports of the libraries.
 """
 from __future__ import annotations
 
@@ -56,7 +55,7 @@ RANK_PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "deepspeed.runtime.zero.m
 PRELOAD = RANK_PRELOAD + ("crate_clip.train.cli", "crate_clip.cli", "crate_clip.eval.cli", "crate_clip.export.cli")
 # What a command finds imported, by the warm interpreter ("base") it is forked from: "project", the default, as above;
 # "libraries", the libraries alone and none of the project, for a command whose point is to import the project itself
-# (a documentation snippet, an export loaded with only `import crate_clip`); "torch" alone, for a command whose
+# (a documentation snippet); "torch" alone, for a command whose
 # point is the order of the other imports (crate_clip's, timm's, open_clip's) or a variable they read as they load
 # (huggingface_hub's HF_HUB_OFFLINE). One interpreter per base and pytest process, each started at its first command.
 BASES = {"project": PRELOAD, "libraries": ("torch", "torchvision", "timm", "open_clip", "transformers"),
@@ -227,7 +226,8 @@ def _connect(env: dict, base: str = "project") -> socket.socket:
         proc.stdout.close()
         if not said[-1].startswith("ready "):
             raise RuntimeError(f"the warm Python did not start (exit code {proc.wait()}): {''.join(said)[-3000:]}")
-        zygote.update(socket=path, proc=proc, folder=folder, env={k: v for k, v in env.items() if k.startswith(LOAD_TIME_VARS)})
+        zygote.update(socket=path, proc=proc, folder=folder,
+                      env={k: v for k, v in env.items() if k.startswith(LOAD_TIME_VARS)})
         atexit.register(_stop_zygote, zygote)
         if base != "project":   # a lighter base's imports count for the test that started it (the project's for
             count_launched_cpu(float(said[-1].split()[1]))   # none: tests/README.md, "Warm interpreters")
