@@ -382,6 +382,11 @@ def seed_cell(record: dict | None) -> str:
             f"{record['high']:+.2f})")
 
 
+def versus_cell(row: dict) -> str:
+    """A row's difference from the full arm, ± its SE paired over images, as a table cell ('-' without one)."""
+    return f"{row['vs_full_mean']:+.2f} ± {row['vs_full_se']:.2f}" if "vs_full_mean" in row else "-"
+
+
 def _share_cell(mean: float | None, std: float | None, reached: int, seeds: int) -> str:
     if mean is None:
         return "not reached"
@@ -416,11 +421,10 @@ def markdown(args, meta: dict, rows: list[dict]) -> str:
         first = _share_cell(r["flops_share_mean"], r["flops_share_std"], r["reached"], r["seeds"])
         final = _share_cell(r.get("final_share_mean"), r.get("final_share_std"), r.get("final_reached", 0),
                             r["seeds"])
-        versus = f"{r['vs_full_mean']:+.2f} ± {r['vs_full_se']:.2f}" if "vs_full_mean" in r else "-"
         spread = f" ± {r['final_top1_std']:.2f}" if r["seeds"] > 1 else ""
         samples = " + ".join(f"{s:,}" for s in r["samples"])
         lines.append(f"| {r['model']} | {r['arm']} | {r['seeds']} | {samples} | "
-                     f"{r['final_top1_mean']:.2f}{spread} | {versus} | "
+                     f"{r['final_top1_mean']:.2f}{spread} | {versus_cell(r)} | "
                      f"{seed_cell(r.get('vs_full_seeds'))} | {first} | {final} |")
     lines += ["", "± after a top-1 or a share: the sample standard deviation over seeds (ddof 1); see "
                   "\"How to read ±\" above. ![top-1 vs FLOPs](inverse_scaling.png)"]

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.bench_inverse_scaling import (DOCS, FINETUNE_LR_RATIO, data_folder, flops_per_sample,  # noqa: E402
                                          pooled_paired, run_config, score_final, seed_cell, seed_record, stage,
-                                         train, write_doc_section)
+                                         train, versus_cell, write_doc_section)
 from bench.demo_runs import DEMO_CONFIG  # noqa: E402
 from bench.report import section_head  # noqa: E402
 from bench.seed_spread import sd as seed_sd  # noqa: E402
@@ -173,9 +173,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     for r in rows:
         share = f"; {100 * r['flops_share']:.0f}%" if "flops_share" in r else ""
         spread = f" ± {r['top1_sd']:.2f}" if r.get("top1_sd") is not None else ""
-        versus = f"{r['vs_full_mean']:+.2f} ± {r['vs_full_se']:.2f}" if "vs_full_mean" in r else "-"
         lines.append(f"| {r['model']} | {r['arm']} | {r['seeds']} | {r['tokens']} | "
-                     f"{r['total_flops'] / 1e12:.1f}{share} | {r['top1_mean']:.2f}{spread} | {versus} | "
+                     f"{r['total_flops'] / 1e12:.1f}{share} | {r['top1_mean']:.2f}{spread} | {versus_cell(r)} | "
                      f"{seed_cell(r.get('vs_full_seeds'))} |")
     lines += ["", "± after a top-1: the sample standard deviation over seeds (ddof 1). "
                   "![top-1 vs training FLOPs](token_strategies.png)"]
