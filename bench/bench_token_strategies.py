@@ -202,8 +202,15 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_docs(meta: dict, runs: list[dict]) -> None:
+def write_docs(meta: dict, runs: list[dict], measured: list[dict] = ()) -> None:
+    """The JSON, the section and the plot of `runs`; a paired difference that cannot be recomputed (the per-image
+    scores are not beside the runs: another checkout) is taken from the rows `measured` before."""
     rows = summarize(runs)
+    before = {(r["width"], r["arm"]): r for r in measured}
+    for row in rows:
+        kept = before.get((row["width"], row["arm"]), {})
+        if "vs_full_se" in kept and "vs_full_se" not in row:
+            row["vs_full_mean"], row["vs_full_se"] = kept["vs_full_mean"], kept["vs_full_se"]
     meta["docs"].mkdir(parents=True, exist_ok=True)
     record = {**{k: v for k, v in meta.items() if k != "docs"}, "rows": rows,
               "runs": [{k: v for k, v in r.items() if k != "correct"} for r in runs]}
@@ -250,7 +257,7 @@ def main(argv=None) -> int:
     if args.from_record:
         record = json.loads((args.docs / "token_strategies.json").read_text())
         write_docs({**{k: v for k, v in record.items() if k not in ("rows", "runs")}, "docs": args.docs},
-                   record["runs"])
+                   recorded_runs(args.docs, args.out, set()), record["rows"])
         return 0
     base_cfg = copy.deepcopy(yaml.safe_load(DEMO_CONFIG.read_text()))
     data_dir = data_folder(args.data_dir)

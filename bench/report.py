@@ -41,12 +41,16 @@ FOLDER_OPTIONS = {"--data-dir": "data", "--out": "runs", "--docs": "docs"}
 
 def shown_command(command: str) -> str:
     """A study's command as a page shows it: without the folders it read and wrote (paths of one machine, kept in
-    the study's JSON), which a note names, so that the command a reader copies is one that runs anywhere."""
+    the study's JSON), which a note names, so that the command a reader copies is one that runs anywhere; without its
+    --label, which the section prints above it."""
     words, kept, folders = shlex.split(command), [], []
     while words:
         word = words.pop(0)
         name, has_value, _ = word.partition("=")
-        if name in FOLDER_OPTIONS:
+        if name == "--label":   # the run's label: printed in bold above the command (section_head)
+            if not has_value and words:
+                words.pop(0)
+        elif name in FOLDER_OPTIONS:
             folders.append(FOLDER_OPTIONS[name])
             if not has_value and words:
                 words.pop(0)
