@@ -362,7 +362,6 @@ NOT_HERE = {
     "python bench/bench_patch_size.py": "a benchmark: three demo runs, ~15 min (BENCHMARKS.md)",
     "python bench/bench_token_strategies.py --seeds 1": "a benchmark: ten demo-sized runs a seed, ~25 min "
     "(tests/test_bench_token_strategies.py checks its arms' configs and tokens)",
-    "python bench/bench_token_strategies.py --first-seed 1 --seeds 1": "a benchmark: its second seed, ~25 min",
     "python bench/bench_text_tower.py --demo --data-dir /tmp/fmnist": "a benchmark: a full demo run per text tower",
     "python bench/bench_segmentation.py --train --write --figures": "a benchmark: trains two towers on the demo data",
 }
