@@ -243,7 +243,7 @@ def recorded_runs(docs: Path, out: Path, redone: set) -> list[dict]:
     """The runs of the stored record whose (width, arm, seed) this invocation does not redo, each with its
     per-image correctness where its score is still beside the run (score_final's `<run>.final.json`)."""
     path = docs / "token_strategies.json"
-    runs = [r for r in json.loads(path.read_text())["runs"]] if path.is_file() else []
+    runs = json.loads(path.read_text())["runs"] if path.is_file() else []
     kept = [r for r in runs if (r["width"], r["arm"], r["seed"]) not in redone]
     for r in kept:
         scored = out / f"{r['width']}_{r['arm']}_s{r['seed']}.final.json"
