@@ -111,9 +111,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def stage(name: str, shape: dict, samples: int, lr: float, base: dict, warmup: int, patch: int = 7) -> dict:
-    """A run-config stage of the demo's batch and weight decay with `shape` (size, text length, mask) and `patch`."""
+    """A run-config stage of the demo's batch and weight decay with `shape` (size, text length, masks) and `patch`;
+    every image token unless `shape` masks them (the demo's own stage 0 masks, an arm's does not by default)."""
     warmup = max(0, min(warmup, samples // base["global_batch"] // 4))   # short (smoke) stages: a shorter warm-up
-    return {**{k: base[k] for k in ("global_batch", "weight_decay", "image_mask")}, "name": name,
+    return {**{k: base[k] for k in ("global_batch", "weight_decay")}, "image_mask": "none", "name": name,
             "patch_size": patch, **shape, "samples": samples, "lr": lr, "warmup_steps": warmup}
 
 

@@ -19,6 +19,10 @@ from .pos_tagging import select_pos_tagger, split_words
 TextMask = Literal["truncate", "random", "block", "syntax"]
 TEXT_MASKS = get_args(TextMask)
 _PRIORITY = {"noun": 0, "adj": 1, "verb": 2, "other": 3}
+# the syntax mask's ids of the first distinct (caption, budget) pairs a reducer meets: tagging costs ~0.5 ms a
+# caption, and a small data set repeats its captions (the demo's ~1,000 distinct ones); web captions rarely repeat,
+# so the cache stops growing at this size rather than evicting
+SYNTAX_CACHE_SIZE = 16384
 
 
 def load_tokenizer(name: str = "clip-bpe"):
@@ -47,6 +51,7 @@ class TextReducer:
                 raise ValueError(f"text_mask {mask!r} needs a BPE tokenizer with encode/sot/eot "
                                  f"(open_clip SimpleTokenizer); {type(self.tokenizer).__name__} has none")
         self.pos_tagger = pos_tagger
+        self._syntax_cache: dict[tuple[str, int], list[int]] = {}
         if mask == "syntax" and pos_tagger is None:
             self.pos_tagger = select_pos_tagger(pos_source)
 
@@ -81,9 +86,12 @@ class TextReducer:
 
     def syntax_ids(self, text: str, budget: int) -> list[int]:
         """BPE ids of the words kept by part-of-speech priority within `budget` tokens, in caption order."""
-        kept = self.syntax_words(text, budget)
-        ids = [i for w in kept for i in self.tokenizer.encode(w)]
-        return ids[:budget]
+        ids = self._syntax_cache.get((text, budget))
+        if ids is None:
+            ids = [i for w in self.syntax_words(text, budget) for i in self.tokenizer.encode(w)][:budget]
+            if len(self._syntax_cache) < SYNTAX_CACHE_SIZE:
+                self._syntax_cache[(text, budget)] = ids
+        return list(ids)
 
     def syntax_words(self, text: str, budget: int) -> list[str]:
         """Words kept by the syntax mask (nouns, adjectives, verbs, rest; earlier first), caption order."""

@@ -89,6 +89,23 @@ def test_syntax_keeps_nouns_then_adjectives(tagger):
         assert TOK.decode(content(reducer(text))).split() == expected
 
 
+def test_syntax_cache_returns_what_tagging_gives_and_stops_growing(monkeypatch):
+    """Repeated captions are tagged once; a cached row equals a fresh reducer's, and the cache holds at most its
+    size (web captions rarely repeat)."""
+    import crate_clip.data.text_reduction as text_reduction
+
+    monkeypatch.setattr(text_reduction, "SYNTAX_CACHE_SIZE", 2)
+    tagger = BuiltinTagger()
+    reducer = TextReducer(8, "syntax", TOK, pos_tagger=tagger)
+    captions = [LONG, LONG + " today", "a black and white photo of the ankle boot on a table", LONG]
+    rows = [reducer(c) for c in captions]
+    for caption, row in zip(captions, rows):
+        assert np.array_equal(row, TextReducer(8, "syntax", TOK, pos_tagger=tagger)(caption))
+    assert len(reducer._syntax_cache) == 2
+    rows[0][1] = 0   # a returned row is the caller's own: changing it leaves the cache alone
+    assert np.array_equal(reducer(LONG), rows[3])
+
+
 def test_syntax_respects_token_budget_and_context_lengths():
     tagger = select_pos_tagger("auto")
     for length in (8, 16, 32):

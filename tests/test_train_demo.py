@@ -43,9 +43,9 @@ def test_demo_runs_end_to_end_on_a_few_images(fashion_mnist_dir, tmp_path, capfd
     assert record["training_flops"] > 0 and record["export"] == str(run / "export") and len(record["claims"]) == 2
     assert "zero-shot top-1 on the 40 Fashion-MNIST test images" in out and "stage 1 fullres" in out
     assert "(grid kept, kernel PI-resized)" in out and "TFLOP of training (step meter, 192 samples)" in out
-    # a smoke run is not the studied recipe: the study's figures are not printed as its own
-    assert "are not claimed for this run: it differs from the study's clipa-p9 arm: stage 0" in out
-    assert "of its FLOPs (" not in out
+    # a smoke run is not the recorded recipe: the comparison at equal FLOPs is not printed as its own
+    assert "(demo_recipe.json) is not claimed for this run: stage 0 samples 128, the record's 245760" in out
+    assert "full-resolution training (" not in out
     vision_cfg = json.loads((run / "export" / "open_clip_config.json").read_text())["model_cfg"]["vision_cfg"]
     assert (vision_cfg["image_size"], vision_cfg["patch_size"]) == (27, 9)
     assert (run / "training_curve.png").is_file()

@@ -1,5 +1,5 @@
 """The README's first command: Fashion-MNIST shards -> two-stage CLIPA-style training of the tiny CRATE-alpha
-CLIP with two CPU processes under ZeRO-2 -> zero-shot accuracy after each stage, plot and export.
+CLIP with two CPU processes under ZeRO stage 0 -> zero-shot accuracy after each stage, plot and export.
 
     python -m crate_clip.train.demo [--nproc 2] [--set stages.0.samples=...] [--resume]
 """
@@ -27,7 +27,7 @@ CONFIGS_DIR = next((d for d in (Path(__file__).resolve().parents[1] / "configs",
                     if d.is_dir()), REPO_ROOT / "configs")
 DEMO_CONFIG = CONFIGS_DIR / "demo" / "fashion_mnist.yaml"
 DEB_PACKAGE = DEBIAN_PACKAGES["fashion_mnist"]
-STUDY_RESULTS = REPO_ROOT / "docs" / "inverse_scaling.json"   # written by bench/bench_inverse_scaling.py
+RECIPE_RESULTS = REPO_ROOT / "docs" / "demo_recipe.json"   # written by bench/bench_demo_recipe.py
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,12 +166,10 @@ def training_flops(run_dir: Path) -> tuple[float, int, float] | None:
     return spent, done, last[max(last)]["flops_per_sample"]
 
 
-# the study's CLIPA arms, the demo's shape first
-STUDY_ARMS = {"clipa-p9": "the CLIPA recipe as the demo runs it (fine-tune at patch 9, the 3x3 grid kept)",
-              "clipa": "the paper's CLIPA shape (fine-tune at patch 7, the grid grown to 4x4)"}
-# what a run shares with a study arm for the arm's figures to be the run's: each stage's shape, batch, samples and
-# rate (bench/bench_inverse_scaling.py records these keys of every arm's stages in docs/inverse_scaling.json)
-RECIPE_KEYS = ("image_size", "patch_size", "context_length", "text_mask", "global_batch", "samples", "lr")
+# what a run must share with a recorded recipe for the record's figures to be its own (bench/bench_demo_recipe.py
+# records these keys of the demo's stages; the studies record them for every arm)
+RECIPE_KEYS = ("image_size", "patch_size", "image_mask", "image_mask_ratio", "context_length", "text_mask",
+               "global_batch", "samples", "lr")
 
 
 def run_recipe(stages: list[dict]) -> list[dict]:
@@ -181,34 +179,6 @@ def run_recipe(stages: list[dict]) -> list[dict]:
         patch = stage.get("patch_size") or patch
         recipe.append({**{k: stage.get(k) for k in RECIPE_KEYS}, "patch_size": patch})
     return recipe
-
-
-def recipe_difference(recipe: list[dict], study_stages: list[dict] | None) -> str | None:
-    """The first way `recipe` differs from a study arm's stages ('stage 0 context_length 16, the study's 8'),
-    None when it is the arm's recipe."""
-    if not study_stages:
-        return "the study recorded no recipe for it"
-    if len(recipe) != len(study_stages):
-        return f"{len(recipe)} stages, the study's {len(study_stages)}"
-    for i, (mine, theirs) in enumerate(zip(recipe, study_stages)):
-        for key in RECIPE_KEYS:
-            a, b = mine.get(key), theirs.get(key)
-            if a != b and not (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-9 * abs(b)):
-                return f"stage {i} {key} {a}, the study's {b}"
-    return None
-
-
-def _study_line(rec: dict, row: dict, full: dict | None, what: str) -> str:
-    """One study arm's recorded result: the FLOPs it needed to reach the full arm's final top-1."""
-    label = "; " + rec["label"].split(" (")[0] if rec.get("label") else ""
-    where = f"(bench/bench_inverse_scaling.py, {rec['date']}, {row['seeds']} seeds{label})"
-    if row["flops_share_mean"] is None:
-        return f"at equal FLOPs {what} did not reach the full-resolution recipe's final top-1 in the study {where}"
-    ends = (f"; final top-1 {row['final_top1_mean']:.2f}% vs {full['final_top1_mean']:.2f}%"
-            if full and "final_top1_mean" in row else "")
-    spread = f" ± {100 * row['flops_share_std']:.0f}% (SD over seeds)" if row["reached"] > 1 else "%"
-    return (f"{what} reached the full-resolution recipe's final top-1 with {100 * row['flops_share_mean']:.0f}"
-            f"{spread} of its FLOPs ({row['reached']}/{row['seeds']} seeds{ends}) {where}")
 
 
 def _own_line(run_dir: Path, final_top1: float, recipe: list[dict]) -> str | None:
@@ -224,26 +194,43 @@ def _own_line(run_dir: Path, final_top1: float, recipe: list[dict]) -> str | Non
             f"its last stage's input ({shape})")
 
 
+def recipe_difference(recipe: list[dict], recorded: list[dict]) -> str | None:
+    """The first way `recipe` differs from a recorded one ('stage 0 samples 640, the record's 122880'), None when it
+    is the same."""
+    if len(recipe) != len(recorded):
+        return f"{len(recipe)} stages, the record's {len(recorded)}"
+    for i, (mine, theirs) in enumerate(zip(recipe, recorded)):
+        for key in RECIPE_KEYS:
+            a, b = mine.get(key), theirs.get(key)
+            if a != b and not (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-9 * abs(b)):
+                return f"stage {i} {key} {a}, the record's {b}"
+    return None
+
+
+def equal_flops_line(model: str, recipe: list[dict], record: Path = RECIPE_RESULTS) -> str | None:
+    """bench/bench_demo_recipe.py's measurement for a run of the recorded recipe and tower: the recipe's final top-1
+    over its seeds against full-resolution training of equal FLOPs; for another run, why it is not claimed."""
+    rec = json.loads(record.read_text()) if record.is_file() else None
+    if rec is None:
+        return None
+    why = (f"the record trained {rec['model']}" if rec["model"] != model
+           else recipe_difference(recipe, rec["recipe"]))
+    if why:
+        return f"the comparison at equal FLOPs ({record.name}) is not claimed for this run: {why}"
+    s, full = rec["summary"], rec["full_shape"]
+    return (f"at equal FLOPs ({rec['demo_flops'] / 1e12:.2f} TFLOP): this recipe ended at {s['demo_mean']:.2f} ± "
+            f"{s['demo_sd']:.2f}%, full-resolution training ({full['image_size']} px / patch {full['patch_size']}, "
+            f"every image token, {rec['full_samples']:,} samples) at {s['full_mean']:.2f} ± {s['full_sd']:.2f}% "
+            f"(± SD over {s['seeds']} seeds; full - this recipe {s['full_minus_demo']:+.2f} ± {s['paired_se']:.2f} "
+            f"paired over images, {s['over_seeds']}; bench/bench_demo_recipe.py, {rec['date']})")
+
+
 def savings_lines(run_dir: Path, final_top1: float, model: str, recipe: list[dict],
-                  study: Path = STUDY_RESULTS) -> list[str]:
-    """What this run spent and scored (its step meter's FLOPs), and the compute-matched study's recorded result
-    (the FLOPs a CLIPA arm needed to reach the full arm's accuracy) only for a run of that arm's recipe (model and
-    RECIPE_KEYS of every stage); for any other run, the way it differs from the study's demo arm."""
-    rec = json.loads(study.read_text()) if study.is_file() else {}
-    rows = {(r["model"], r["arm"]): r for r in rec.get("rows", [])}
-    lines = [line for line in [_own_line(run_dir, final_top1, recipe)] if line]
-    for arm, what in STUDY_ARMS.items():
-        row = rows.get((model, arm))
-        if row is not None and recipe_difference(recipe, row.get("stages")) is None:
-            return lines + [_study_line(rec, row, rows.get((model, "full")), what)]
-    demo_arm = next(iter(STUDY_ARMS))
-    if rec:
-        row = rows.get((model, demo_arm))
-        why = (f"it differs from the study's {demo_arm} arm: {recipe_difference(recipe, row.get('stages'))}" if row
-               else f"the study trained no {model}")
-        lines.append(f"the compute-matched study's figures (docs/inverse_scaling.md) are not claimed for this run: "
-                     f"{why}")
-    return lines
+                  record: Path = RECIPE_RESULTS) -> list[str]:
+    """What this run spent and scored (its step meter's FLOPs) against the same samples all at its last stage's
+    input, and the recorded comparison of its recipe with full-resolution training at equal FLOPs."""
+    lines = [_own_line(run_dir, final_top1, recipe), equal_flops_line(model, recipe, record)]
+    return [line for line in lines if line]
 
 
 def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_images: int) -> dict | None:
