@@ -305,21 +305,24 @@ def test_the_ema_weights_are_evaluated_beside_the_live_ones_and_exported_with_we
 
 
 def test_demo_stages_log_the_tokens_and_flops_of_the_model_that_trains(demo_reference):
-    """Stage 0 runs at 21 px with 7 px patches (9 patches), stage 1 at 28 px with the patch size it inherits
-    (16 patches); each record's FLOPs per sample are what torch's counter counts on that model."""
+    """Stage 0 runs at 21 px with 7 px patches, 3 of its 9 patch tokens kept (the demo's random mask) and 8 text
+    tokens; stage 1 at 28 px with the patch size it inherits (16 patches) and 16 text tokens; each record's FLOPs per
+    sample are what torch's counter counts on that model as it trains (in train mode, the mask drawn)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from crate_clip.models import create_clip
+    from crate_clip.models.clip_factory import set_image_token_mask
     from crate_clip.train.loop.train_step import attention_kernel
 
     rows = read_jsonl(demo_reference / "metrics.jsonl")
-    for stage, size in ((0, 21), (1, 28)):
+    for stage, size, patches, context, mask in ((0, 21, 3, 8, ("random", 0.67)), (1, 28, 16, 16, ("none", 0.0))):
         (tokens, flops), = {(r["tokens_per_sample"], r["flops_per_sample"]) for r in rows if r["stage_index"] == stage}
-        assert tokens == 1 + (size // 7) ** 2 + 16   # class token + patches + text tokens
+        assert tokens == 1 + patches + context   # class token + the patches kept + text tokens
         model = create_clip("CRATE-alpha-CLIPA-tiny", pretrained=_export(demo_reference), image_size=size,
-                            context_length=16)
+                            context_length=context).train()
+        set_image_token_mask(model, *mask)
         assert model.visual.trunk.patch_size == 7
-        images, text = torch.randn(2, 3, size, size), torch.randint(1, 1000, (2, 16))
+        images, text = torch.randn(2, 3, size, size), torch.randint(1, 1000, (2, context))
         with attention_kernel("auto", "cpu"), FlopCounterMode(display=False) as counter:   # as training on a CPU
             image_f, text_f, scale = model(image=images, text=text)[:3]
             logits, labels = scale * image_f @ text_f.t(), torch.arange(2)
