@@ -9,7 +9,7 @@ Both finals are scored zero-shot on all 10,000 test images, each at its own inpu
 images (the test set's noise) beside the seeds' own spread (bench/seed_spread.py): docs/inverse_scaling.md, "How to
 read ±". Writes docs/demo_recipe.json, which the demo reads to print the comparison for a run of the same recipe.
 
-    python bench/bench_demo_recipe.py --seeds 0 1 2      # ~10 min a seed on a quiet 2-core CPU
+    python bench/bench_demo_recipe.py --seeds 0 1 2      # ~15 min a seed on a quiet 2-core CPU
 
 The demo runs land in --out as seed<N>/ (bench/demo_seeds.py reads the same layout for the per-stage table) and
 the full-resolution runs as full_s<N>/; finished runs are reused.

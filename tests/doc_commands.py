@@ -364,7 +364,7 @@ NOT_HERE = {
         "a benchmark: six runs at two widths, ~40 min (tests/test_bench_token_strategies.py checks its arms' configs "
         "and tokens)",
     "python bench/bench_demo_recipe.py --seeds 0 1 2": "a benchmark: the demo and a full-resolution run of equal "
-    "FLOPs a seed, ~10 min (tests/test_bench_demo_recipe.py checks the equal FLOPs and the summary)",
+    "FLOPs a seed, ~15 min (tests/test_bench_demo_recipe.py checks the equal FLOPs and the summary)",
     "python bench/bench_text_tower.py --demo --data-dir /tmp/fmnist": "a benchmark: a full demo run per text tower",
     "python bench/bench_segmentation.py --train --write --figures": "a benchmark: trains two towers on the demo data",
 }
