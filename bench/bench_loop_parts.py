@@ -43,6 +43,7 @@ from report import machine_line, markdown_table, write_section  # noqa: E402
 PACKAGE_LINKS = {"crate_clip/data": "../data_pipelines", "crate_clip/eval": "../eval",
                  "crate_clip/configs": "../configs"}
 OPEN_CLIP = "open_clip_train"
+HEADING = "Issue 52: the stage loop as parts, no slower"
 
 
 # ------------------------------------------------------------------------------------------------- the trees
@@ -146,12 +147,25 @@ def _span(values: list[float]) -> str:
             f"{statistics.geometric_mean(values):.3f}, standard error {100 * error:.1f}%)")
 
 
-def markdown(runs: list[dict], trees: list[dict], rounds: int, command: str, steps: int) -> str:
+def _ends(runs: list[dict]) -> str:
+    """Each arm's median launch to first step, last step to exit and wall (s)."""
+    parts = []
+    for arm in ("before", "after", OPEN_CLIP):
+        mine = [r for r in runs if r["arm"] == arm]
+        parts.append(f"{arm} {statistics.median(r['first_step_s'] for r in mine):.1f} / "
+                     f"{statistics.median(r['exit_after_s'] for r in mine):.1f} / "
+                     f"{statistics.median(r['wall_s'] for r in mine):.1f}")
+    return "; ".join(parts)
+
+
+def markdown(runs: list[dict], trees: list[dict], rounds: int, command: str, steps: int,
+             heading: str = HEADING) -> str:
     per_run = markdown_table(
         ["run", "round", "arm", "samples/s", "step (ms)", "CPU a step (ms)", "window (steps)", "wall (s)",
-         "rest of machine (cores busy)"],
+         "launch to 1st step (s)", "last step to exit (s)", "rest of machine (cores busy)"],
         [[str(i + 1), str(r["round"] + 1), r["arm"], f"{r['samples_per_s']:.1f}", f"{r['step_ms']:.0f}",
-          f"{r['cpu_ms_per_step']:.0f}", f"{r['window_steps']:.0f}", f"{r['wall_s']:.1f}", f"{r['others_cores']:.2f}"]
+          f"{r['cpu_ms_per_step']:.0f}", f"{r['window_steps']:.0f}", f"{r['wall_s']:.1f}",
+          f"{r['first_step_s']:.1f}", f"{r['exit_after_s']:.1f}", f"{r['others_cores']:.2f}"]
          for i, r in enumerate(runs)])
     rows = round_rows(runs, rounds)
     per_round = markdown_table(
@@ -159,7 +173,7 @@ def markdown(runs: list[dict], trees: list[dict], rounds: int, command: str, ste
          "after / oct samples/s", "before / oct CPU a step", "after / oct CPU a step", "rest of machine (max)"], rows)
     speed, cpu, before_oc, after_oc = ([float(r[i]) for r in rows] for i in (1, 3, 4, 5))
     commits = ", ".join(f"{t['name']} = `{t['commit'][:7]}`" for t in trees)
-    return f"""## Issue 52: the stage loop as parts, no slower (`bench/bench_loop_parts.py`)
+    return f"""## {heading} (`bench/bench_loop_parts.py`)
 
 `{command}`; {machine_line()}, {cpu_model()}, {os.cpu_count()} cores (what the rest of the machine kept busy: the last column). Commits: {commits}, each
 run from its own worktree (PYTHONPATH and cwd = the tree). Each run is bench_open_clip_train's arm as it is:
@@ -176,7 +190,10 @@ Per round (before and after back to back; above 1 in samples/s is the first name
 {per_round}
 
 After / before samples/s {_span(speed)} (goal >= 0.98); CPU a step {_span(cpu)}.
-crate-clip / open_clip_train samples/s: before {_span(before_oc)}; after {_span(after_oc)}."""
+crate-clip / open_clip_train samples/s: before {_span(before_oc)}; after {_span(after_oc)}.
+Launch to the end of the first step / last step to exit / wall, medians in s (the first step: the step-
+{oct_bench.WARM_STEPS} log point less the steps after the first at the steady step time, alike for all arms):
+{_ends(runs)}."""
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -187,6 +204,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4, help="rounds of the three runs, order alternating")
     parser.add_argument("--steps", type=int, default=oct_bench.STEPS, help="steps a run (default: %(default)s)")
     parser.add_argument("--no-write", action="store_true", help="print the section, leave BENCHMARKS.md alone")
+    parser.add_argument("--section", default="loop-parts", help="BENCHMARKS.md section to write (default: %(default)s)")
+    parser.add_argument("--heading", default=HEADING, help="the section's heading")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     oct_bench.make_shards()
@@ -204,12 +223,13 @@ def main() -> int:
     command = (f".venv/bin/python bench/bench_loop_parts.py --before {trees[0]['commit'][:7]} "
                f"--after {trees[1]['commit'][:7]} --rounds {args.rounds}")
     command += f" --steps {args.steps}" if args.steps != oct_bench.STEPS else ""
+    command += f" --section {args.section} --heading '{args.heading}'" if args.section != "loop-parts" else ""
     (OUT / "results.json").write_text(json.dumps(
         {"command": command, "trees": [{k: str(v) for k, v in t.items()} for t in trees], "runs": runs}, indent=1))
-    text = markdown(runs, trees, args.rounds, command, args.steps)
+    text = markdown(runs, trees, args.rounds, command, args.steps, args.heading)
     print(text)
     if not args.no_write:
-        write_section("loop-parts", text)
+        write_section(args.section, text)
     return 0
 
 
@@ -231,7 +251,8 @@ def measure(trees: list[dict], baseline_py: Path, rounds: int, steps: int) -> li
                 result = run_open_clip(baseline_py, trees[0]["tree"], work, steps)
             else:
                 result = run_crate_clip(by_name[name], work, steps)
-            result.update(oct_bench.steady_state(result.pop("points"), result.pop("cpu_series")))
+            result.update(oct_bench.steady_state(result.pop("points"), result.pop("cpu_series"),
+                                                 result["launch_time"], result["exit_time"]))
             result["round"] = index
             print(json.dumps(result), flush=True)
             with open(OUT / "runs.jsonl", "a") as kept:   # each run as it ends: a stopped bench keeps its runs

@@ -187,7 +187,8 @@ def run_arm(name: str, command: list[str], env: dict, cwd: Path, log_file: Path)
     others = max(0.0, _busy_cpu_s() - busy0 - own_cpu) / wall
     if code != 0:
         raise SystemExit(f"{name} exited {code}; its output: {log_file}")
-    return {"arm": name, "points": points, "wall_s": wall, "cpu_s": own_cpu, "others_cores": others, **mem}
+    return {"arm": name, "points": points, "wall_s": wall, "cpu_s": own_cpu, "others_cores": others,
+            "launch_time": t0, "exit_time": t0 + wall, **mem}
 
 
 def crate_clip_points(run_dir: Path) -> list[tuple[int, float]]:
@@ -201,15 +202,20 @@ def _cpu_at(series: list[tuple[float, float]], t: float) -> float:
     return max((cpu for when, cpu in series if when <= t), default=0.0)
 
 
-def steady_state(points: list[tuple[int, float]], cpu_series: list[tuple[float, float]]) -> dict:
+def steady_state(points: list[tuple[int, float]], cpu_series: list[tuple[float, float]], launch_time: float,
+                 exit_time: float) -> dict:
     """Samples/s, step time and the job's CPU time a step, from the first log point at or after WARM_STEPS to the
-    last one. CPU a step barely moves with the machine's load, wall time does."""
+    last one. CPU a step barely moves with the machine's load, wall time does. The ends: launch to the end of the
+    first step (the window's first log point less its steps after the first at the steady step time: both trainers
+    alike, though only open_clip_train logs its first step) and the last step's log point to exit."""
     window = [p for p in points if p[0] >= WARM_STEPS * GLOBAL_BATCH]
     (s0, t0), (s1, t1) = window[0], window[-1]
     steps = (s1 - s0) / GLOBAL_BATCH
+    step_s = (t1 - t0) / steps
     cpu = _cpu_at(cpu_series, t1) - _cpu_at(cpu_series, t0)
-    return {"samples_per_s": (s1 - s0) / (t1 - t0), "step_ms": 1000 * (t1 - t0) / steps, "window_steps": steps,
-            "cpu_ms_per_step": 1000 * cpu / steps}
+    return {"samples_per_s": (s1 - s0) / (t1 - t0), "step_ms": 1000 * step_s, "window_steps": steps,
+            "cpu_ms_per_step": 1000 * cpu / steps,
+            "first_step_s": t0 - launch_time - (s0 / GLOBAL_BATCH - 1) * step_s, "exit_after_s": exit_time - t1}
 
 
 # ------------------------------------------------------------------------------------------------- report
@@ -231,10 +237,12 @@ def markdown(runs: list[dict], command: str, steps: int) -> str:
     from report import machine_line, markdown_table
     per_run = markdown_table(
         ["run", "trainer", "samples/s", "step (ms)", "CPU a step (ms)", "window (steps)", "CPU (s)",
-         "ranks' peak RSS (GiB)", "job peak RSS (GiB)", "wall (s)", "rest of machine (cores busy)"],
+         "ranks' peak RSS (GiB)", "job peak RSS (GiB)", "wall (s)", "launch to 1st step (s)", "last step to exit (s)",
+         "rest of machine (cores busy)"],
         [[str(i + 1), r["arm"], f"{r['samples_per_s']:.1f}", f"{r['step_ms']:.0f}", f"{r['cpu_ms_per_step']:.0f}",
           f"{r['window_steps']:.0f}", f"{r['cpu_s']:.1f}", f"{r['ranks_peak_sum_gib']:.2f}", f"{r['job_peak_gib']:.2f}",
-          f"{r['wall_s']:.1f}", f"{r['others_cores']:.2f}"] for i, r in enumerate(runs)])
+          f"{r['wall_s']:.1f}", f"{r['first_step_s']:.1f}", f"{r['exit_after_s']:.1f}", f"{r['others_cores']:.2f}"]
+         for i, r in enumerate(runs)])
     ratios = _ratio_rows(runs)
     ratio_table = markdown_table(
         ["pair", "samples/s", "step time", "CPU a step", "CPU (whole run)", "ranks' peak RSS", "job peak RSS", "wall"],
@@ -309,7 +317,8 @@ def main() -> int:
                 config.write_text(json.dumps(crate_clip_config(work / "run", args.steps)))
                 result = run_arm(arm, crate_clip_command(config), env, ROOT, work / "output.log")
                 result["points"] = crate_clip_points(work / "run")
-            result.update(steady_state(result.pop("points"), result.pop("cpu_series")))
+            result.update(steady_state(result.pop("points"), result.pop("cpu_series"), result["launch_time"],
+                                       result["exit_time"]))
             print(json.dumps(result), flush=True)
             runs.append(result)
     command = ".venv/bin/python bench/bench_open_clip_train.py"

@@ -46,11 +46,11 @@ from pathlib import Path
 
 PIPE, STDOUT, DEVNULL, TimeoutExpired = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL, subprocess.TimeoutExpired
 # What every training rank imports first (fork_ranks.py preloads these). None starts a thread at import (the ranks
-# create their process groups and pools themselves). The muon module: deepspeed.initialize imports it to check the
-# optimizer (deepspeed/runtime/zero/utils.py), and with it torch.compile's inductor: ~1 s of CPU in every rank.
+# create their process groups and pools themselves). Not DeepSpeed's muon module: the ranks import it themselves, as
+# the product does, with its compile deferred (stage_setup/deepspeed_imports.py), at no cost worth preloading.
 # matplotlib.pyplot: rank 0's training curve at the end (~0.4 s; the backend is chosen when the curve is drawn).
-RANK_PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "deepspeed.runtime.zero.muon.muon_optimizer", "open_clip",
-                "matplotlib.pyplot", "crate_clip.train.loop.stage_loop")
+RANK_PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "open_clip", "matplotlib.pyplot",
+                "crate_clip.train.loop.stage_loop")
 # What the commands import first: a rank's modules and the CLIs'.
 PRELOAD = RANK_PRELOAD + ("crate_clip.train.cli", "crate_clip.cli", "crate_clip.eval.cli", "crate_clip.export.cli")
 # What a command finds imported, by the warm interpreter ("base") it is forked from: "project", the default, as above;

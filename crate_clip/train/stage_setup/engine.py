@@ -12,13 +12,13 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 
 from crate_clip.core.file_kinds import read_regular_text
 from crate_clip.core.safe_yaml import MAX_CONFIG_BYTES, load_yaml
 from crate_clip.train.run.launcher_watch import watch_launcher
+from crate_clip.train.stage_setup.deepspeed_imports import import_muon_lazily
 from crate_clip.train.stage_setup.optim import build_optimizer, build_schedule
 from crate_clip.train.run.run_config import RunConfig
 
@@ -173,6 +173,7 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, stage, dist: DistInfo, 
     ds, own_clip = deepspeed_config(cfg, stage, load_universal), None
     if clips_in_train_step(cfg, stage):
         own_clip, ds["gradient_clipping"] = ds["gradient_clipping"], 0.0   # DeepSpeed's default clips at 1.0
+    import_muon_lazily()   # before the engine imports it at full cost (deepspeed_imports.py)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=ds)
     engine.grad_clip_in_step = own_clip   # what train_step clips to itself; None: DeepSpeed measures and clips
     return engine
