@@ -47,6 +47,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 PRECISION = "bf16"
 STEPS, SMOKE_STEPS = 10, 3          # timed steps per case (after 3 warm-up steps)
 MIN_STEPS = 2                       # timed even when the budget ran out during warm-up (compilation)
+NOT_MEASURED_ON_CPU = ("Without a GPU this run measured none of the targets: the rows are tiny models on the CPU "
+                       "that check the code paths (eager and compiled, MFU by model FLOPs); the GPU's samples/s, "
+                       "MFU, compiled/eager speed-up, compile time, peak memory and device JPEG decoding are not "
+                       "measured.")
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,7 @@ def train_case(dist, case: Case, steps: int, budget_s: float) -> dict:
     mem = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
     engine.destroy()
     return {**asdict(case), "text_tower": text_tower(case), "steps_timed": len(times), "warmup_s": warm_s,
+            "first_steps_extra_s": warm_s - 3 * step_s,   # compiled: the compile time; eager: allocator warm-up
             "step_s": step_s, "samples_per_s": case.batch / step_s, "gflops_per_sample": flops / 1e9,
             "tflops": tflops, "mfu": tflops / peak if peak else None, "peak_memory_gib": mem}
 
@@ -254,11 +259,11 @@ def _row(r: dict) -> str:
     head = (f"| {r['group']} | {r['model']} | {r['text_tower']} | {r['image_size']} | {r['tokens']} | "
             f"{r['image_mask']} | {r['batch']} | {'yes' if r['compile'] else 'no'} |")
     if "error" in r:
-        return head + f" error: {r['error'][:80]} | | | | | |"
+        return head + f" error: {r['error'][:80]} | | | | | | |"
     mfu = f"{r['mfu']:.0%}" if r["mfu"] is not None else "-"
     mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
     return head + (f" {_num(r['samples_per_s'])} | {_num(1000 * r['step_s'])} | {_num(r['gflops_per_sample'])} | "
-                   f"{_num(r['tflops'])} | {mfu} | {mem} |")
+                   f"{_num(r['tflops'])} | {mfu} | {mem} | {r['first_steps_extra_s']:.1f} |")
 
 
 def summary_lines(results: list[dict], pair: Pair) -> list[str]:
@@ -291,8 +296,10 @@ def markdown(results: list[dict], decode: list[dict] | str, device_name: str, pa
     lines = [machine_line(), "", f"Device: {device_name}. {PRECISION}, ZeRO-1, 1 process, median step of the timed "
              "steps; FLOPs: FlopCounterMode over one forward + backward of the model that trains.", "",
              "| group | model | text tower | px | tokens | image mask | batch | compile | samples/s | step ms | "
-             "GFLOP/sample | TFLOP/s | MFU | peak GiB |", "|" + "---|" * 14]
+             "GFLOP/sample | TFLOP/s | MFU | peak GiB | first 3 steps' extra s |", "|" + "---|" * 15]
     lines += [_row(r) for r in results] + [""] + summary_lines(results, pair)
+    if device_name == "CPU":
+        lines += ["", NOT_MEASURED_ON_CPU]
     lines += ["", "Training stream (bench_data.py's DataComp-like shards, batch 32, 1 worker process), images/s:", ""]
     if isinstance(decode, str):
         return "\n".join(lines + [f"not measured: {decode}"])

@@ -360,9 +360,10 @@ NOT_HERE = {
     "torch==2.14.1 torchvision==0.29.1": "the wheel and its dependencies into a fresh environment (GBs), by hand",
     "pip install wandb": "a network install",
     "python bench/bench_patch_size.py": "a benchmark: three demo runs, ~15 min (BENCHMARKS.md)",
-    "python bench/bench_token_strategies.py --widths w64 w256 --arms full resize-grow-4 random-4 --seeds 1":
-        "a benchmark: six runs at two widths, ~40 min (tests/test_bench_token_strategies.py checks its arms' configs "
-        "and tokens)",
+    "python bench/bench_token_strategies.py --widths w64 w256 --arms full resize-grow-4 random-4 --first-seed 1 "
+    "--seeds 2":
+        "a benchmark: twelve runs at two widths, ~60 min (tests/test_bench_token_strategies.py checks its arms' "
+        "configs and tokens)",
     "python bench/bench_demo_recipe.py --seeds 0 1 2": "a benchmark: the demo and a full-resolution run of equal "
     "FLOPs a seed, ~15 min (tests/test_bench_demo_recipe.py checks the equal FLOPs and the summary)",
     "python bench/bench_text_tower.py --demo --data-dir /tmp/fmnist": "a benchmark: a full demo run per text tower",

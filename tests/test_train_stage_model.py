@@ -117,3 +117,33 @@ def test_plan_reports_a_batch_that_does_not_split_over_the_gpus(capsys):
     err = capsys.readouterr().err
     assert "stages.0.global_batch: 64 is not divisible by the 3 processes; fix:" in err and "Traceback" not in err
     assert plan_main([demo, "--gpus", "2"]) == 2 and "--gpu-memory: required" in capsys.readouterr().err
+
+
+def test_a_compiled_stage_says_so_and_its_plan_counts_the_compile(capsys):
+    """Issue 55 item 1: each stage's one line says whether it compiles its towers and why; the plan adds the
+    compile (each stage compiles afresh) to a compiled stage's time, and only to a compiled one's."""
+    from crate_clip.train.planning.plan_inputs import COMPILE_S_PER_STAGE
+    from crate_clip.train.stage_setup.stage_model import compile_line
+
+    eager, compiled = _cfg(), _cfg(compile=True)
+    line = compile_line(resolve_stage(eager, 0), "cpu")
+    assert line.startswith("[compile] stage low: eager (model.compile: false)") and "bench_compile.py" in line
+    assert "not measured on a GPU" in compile_line(resolve_stage(eager, 0), "cuda:0")
+    assert compile_line(resolve_stage(compiled, 1), "cpu").startswith(
+        "[compile] stage full: both towers compiled (model.compile: true)")
+    plans = {}
+    for name, cfg in (("eager", eager), ("compiled", compiled)):
+        stages = [resolve_stage(cfg, i, 1) for i in range(2)]
+        plans[name] = [planner_plan(s) for s in stages]
+    for before, after in zip(plans["eager"], plans["compiled"]):
+        assert (before.compile_s, after.compile_s) == (0.0, COMPILE_S_PER_STAGE)
+        assert after.wall_hours * 3600 == pytest.approx(before.wall_hours * 3600 + COMPILE_S_PER_STAGE)
+        assert after.mfu == before.mfu   # the rate is the same; the compile is time on top of it
+    from crate_clip.train.planning.planner import format_plan
+    text = format_plan(plans["compiled"], 1, 80 * 2 ** 30, "h100", 0.4, 1, "fp32")
+    assert text.count(f"the time includes {COMPILE_S_PER_STAGE:.0f} s of compiling (model.compile") == 2
+
+
+def planner_plan(stage):
+    from crate_clip.train.planning.planner import gpu_peak_tflops, plan_stage
+    return plan_stage(stage, measure_stage(stage, memory=False), 80 * 2 ** 30, gpu_peak_tflops("h100"), 0.4)

@@ -62,7 +62,7 @@ from crate_clip.train.run.run_lock import run_folder_lock
 from crate_clip.train.stage_setup.engine import DistInfo, build_engine, init_distributed, model_dtype
 from crate_clip.train.stage_setup.optim import restore_schedule_settings, schedule_settings
 from crate_clip.train.stage_setup.optimizer_carry import CARRY, CarriedState, apply_state, check_carry, collect_state
-from crate_clip.train.stage_setup.stage_model import ResolvedStage, resolve_stage
+from crate_clip.train.stage_setup.stage_model import ResolvedStage, compile_line, resolve_stage
 
 
 # ---------------------------------------------------------------- the run (entry point)
@@ -220,6 +220,7 @@ def run_stage(run: RunContext, stage: ResolvedStage, weights: Optional[dict], st
         return start.tag_dir, weights, evaluate_stage_end(cfg, stage, start.tag_dir, weights, progress, log, dist)
     # resuming: every weight comes from the checkpoint loaded below, the model only needs the stage's shapes
     model = stage.build_model(weights, read_files=start is None)
+    log.print(compile_line(stage, dist.device))
     # another world size or ZeRO stage: DeepSpeed's universal checkpoint (elastic_resume.py)
     universal = start is not None and needs_universal(start.tag_dir, dist.world_size, stage.zero_stage)
     with deepspeed_prints():

@@ -43,6 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from crate_clip.core.errors import ConfigError
 from crate_clip.train.planning.plan_inputs import (DEFAULT_EFFICIENCY, GPU_TABLE, HFU_WORDS,  # noqa: F401 (API)
                                                    MFU_WORDS, Efficiency, parse_bytes)
+from crate_clip.train.planning.plan_inputs import COMPILE_S_PER_STAGE
 
 MEMORY_RESERVE = 0.10       # the caching allocator's fragmentation, NCCL's buffers (the CUDA context: below)
 # Of the usable memory (the GPU's less MEMORY_RESERVE and the CUDA context: what a step may hold), a fit leaves this
@@ -499,6 +500,7 @@ class StagePlan:
     efficiency_assumed: str = "hfu"          # which of hfu / mfu the time assumes (the other is derived)
     hfu: Optional[float] = None              # of the peak on the executed FLOPs (total_flops)
     mfu: Optional[float] = None              # of the peak on the model FLOPs (model_flops), as the training meter
+    compile_s: float = 0.0                   # model.compile: the towers' compile before the first step, in the time
 
     @property
     def host_bytes_total(self) -> float:
@@ -649,8 +651,9 @@ def plan_stage(stage, measure: StageMeasure, gpu_memory: int, peak_tflops: Optio
     model_total = measure.flops_per_sample * stage.steps * stage.global_batch
     hfu = efficiency.on_executed(model_total, total)
     wall = gpu_h = cores = None
+    compile_s = COMPILE_S_PER_STAGE if stage.model.compile else 0.0
     if peak_tflops:
-        seconds = total / (gpus * peak_tflops * 1e12 * hfu)   # = model FLOPs / (GPUs x peak x MFU)
+        seconds = total / (gpus * peak_tflops * 1e12 * hfu) + compile_s   # = model FLOPs / (GPUs x peak x MFU)
         wall, gpu_h = seconds / 3600, seconds * gpus / 3600
         per_gpu_rate = peak_tflops * 1e12 * hfu / (measure.flops_per_sample + repeated)
         cores = {"cpu": per_gpu_rate / loader_rate(CPU_DECODE_RATE, stage.image_size),
@@ -675,7 +678,7 @@ def plan_stage(stage, measure: StageMeasure, gpu_memory: int, peak_tflops: Optio
                                                                 ema).values()) for z in ZERO_STAGES},
                      usable_bytes=usable_bytes(gpu_memory), step_margin_bytes=STEP_MARGIN * planned_peak,
                      model_flops=model_total, efficiency_assumed=efficiency.kind, hfu=hfu,
-                     mfu=efficiency.on_model(model_total, total))
+                     mfu=efficiency.on_model(model_total, total), compile_s=compile_s)
 
 
 def plan_run(stages: list, gpu_memory: int, gpu: Optional[str] = None, efficiency=DEFAULT_EFFICIENCY,
@@ -838,9 +841,11 @@ def _efficiency_words(plans: list[StagePlan], efficiency) -> str:
 
 
 def _utilisation_words(p: StagePlan) -> str:
-    """The stage's total line's tail: its HFU and MFU, the assumed one first."""
+    """The stage's total line's tail: its HFU and MFU, the assumed one first; the compile the time includes."""
     pair = [f"HFU {p.hfu:.1%}", f"MFU {p.mfu:.1%}"]
-    return "; " + " -> ".join(pair if p.efficiency_assumed == "hfu" else pair[::-1])
+    compiling = (f"; the time includes {p.compile_s:.0f} s of compiling (model.compile; assumed: the CPU's measured "
+                 "largest, bench/bench_compile.py)" if p.compile_s and p.wall_hours is not None else "")
+    return "; " + " -> ".join(pair if p.efficiency_assumed == "hfu" else pair[::-1]) + compiling
 
 
 def format_plan(plans: list[StagePlan], gpus: int, gpu_memory: int, gpu: Optional[str], efficiency,

@@ -22,6 +22,7 @@ from crate_clip.core.errors import ConfigError
 from crate_clip.data.stream_layout import StreamSettings, stream_settings
 from crate_clip.models import create_clip, preprocess_cfg_for, set_image_token_mask
 from crate_clip.train.planning import planner
+from crate_clip.train.planning.plan_inputs import COMPILE_WORDS
 from crate_clip.train.stage_setup.engine import model_dtype, zero_stage_of
 from crate_clip.train.run.run_config import ModelSection, RunConfig, StageConfig
 from crate_clip.train.stage_setup.text_lock import apply_text_config
@@ -191,6 +192,16 @@ def _checkpoint_first_blocks(model: nn.Module, blocks: int, text: bool) -> None:
         raise ConfigError("stages.N.checkpoint_blocks: this model's image tower recomputes all its blocks or none; "
                           "fix: remove the key and set model.grad_checkpointing")
     trunk.grad_checkpointing, trunk.checkpoint_blocks = blocks > 0, blocks
+
+
+def compile_line(stage: ResolvedStage, device: str) -> str:
+    """The one console line saying whether the stage compiles its towers, and why (COMPILE_WORDS: what compiling
+    was measured to give)."""
+    setting = f"[compile] stage {stage.name}: " + ("both towers compiled (model.compile: true)" if stage.model.compile
+                                                    else "eager (model.compile: false)")
+    if device.startswith("cuda"):
+        return f"{setting}; compiled against eager is not measured on a GPU yet (bench/bench_gpu.py runs both)"
+    return f"{setting}; {COMPILE_WORDS}"
 
 
 def compile_towers(model: nn.Module) -> None:
