@@ -146,14 +146,24 @@ def summarize(runs: list[dict]) -> list[dict]:
             if arm != "full" and paired_seeds:
                 row["flops_share"] = row["total_flops"] / float(np.mean([full[r["seed"]]["total_flops"]
                                                                          for r in paired_seeds]))
-                if all("correct" in r and "correct" in full[r["seed"]] for r in paired_seeds):
-                    diff, se = pooled_paired([(full[r["seed"]]["correct"], r["correct"]) for r in paired_seeds])
+                scored = [r for r in paired_seeds if "correct" in r and "correct" in full[r["seed"]]]
+                if scored:   # the seeds whose per-image scores are beside the runs (another checkout: some or none)
+                    diff, se = pooled_paired([(full[r["seed"]]["correct"], r["correct"]) for r in scored])
                     row["vs_full_mean"], row["vs_full_se"] = 100 * diff, 100 * se
+                    row["vs_full_paired_seeds"] = sorted(r["seed"] for r in scored)
                 if len(paired_seeds) > 1:
                     row["vs_full_seeds"] = seed_record([100 * (r["top1"] - full[r["seed"]]["top1"])
                                                         for r in paired_seeds])
             rows.append(row)
     return rows
+
+
+def paired_cell(row: dict) -> str:
+    """versus_cell, naming the seeds it pools where they are not all of the row's (per-image scores of the others
+    were left in another checkout)."""
+    seeds = row.get("vs_full_paired_seeds")
+    some = seeds is not None and len(seeds) < row["seeds"]
+    return versus_cell(row) + (f" (seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))})" if some else "")
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -174,7 +184,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         share = f"; {100 * r['flops_share']:.0f}%" if "flops_share" in r else ""
         spread = f" ± {r['top1_sd']:.2f}" if r.get("top1_sd") is not None else ""
         lines.append(f"| {r['model']} | {r['arm']} | {r['seeds']} | {r['tokens']} | "
-                     f"{r['total_flops'] / 1e12:.1f}{share} | {r['top1_mean']:.2f}{spread} | {versus_cell(r)} | "
+                     f"{r['total_flops'] / 1e12:.1f}{share} | {r['top1_mean']:.2f}{spread} | {paired_cell(r)} | "
                      f"{seed_cell(r.get('vs_full_seeds'))} |")
     lines += ["", "± after a top-1: the sample standard deviation over seeds (ddof 1). "
                   "![top-1 vs training FLOPs](token_strategies.png)"]
@@ -209,8 +219,12 @@ def write_docs(meta: dict, runs: list[dict], measured: list[dict] = ()) -> None:
     before = {(r["width"], r["arm"]): r for r in measured}
     for row in rows:
         kept = before.get((row["width"], row["arm"]), {})
-        if "vs_full_se" in kept and "vs_full_se" not in row:
+        # kept only where it pooled every seed the row has now (a record without the list pooled all its seeds)
+        kept_seeds = kept.get("vs_full_paired_seeds", list(range(kept.get("seeds", 0))))
+        if "vs_full_se" in kept and len(kept_seeds) > len(row.get("vs_full_paired_seeds", [])) \
+                and len(kept_seeds) == row["seeds"]:
             row["vs_full_mean"], row["vs_full_se"] = kept["vs_full_mean"], kept["vs_full_se"]
+            row["vs_full_paired_seeds"] = kept_seeds
     meta["docs"].mkdir(parents=True, exist_ok=True)
     record = {**{k: v for k, v in meta.items() if k != "docs"}, "rows": rows,
               "runs": [{k: v for k, v in r.items() if k != "correct"} for r in runs]}
@@ -264,6 +278,8 @@ def main(argv=None) -> int:
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     todo = [(w, a, s) for s in seeds for w in args.widths for a in args.arms]   # seed-major: whole seeds first
     runs = recorded_runs(args.docs, args.out, set(todo)) if not args.smoke else []
+    record_file = args.docs / "token_strategies.json"
+    measured = json.loads(record_file.read_text())["rows"] if record_file.is_file() and not args.smoke else []
     load = os.getloadavg()[2] if hasattr(os, "getloadavg") else float("nan")
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()} {os.cpu_count()} CPU cores, load {load:.1f} (15-min average)",
@@ -275,7 +291,7 @@ def main(argv=None) -> int:
     for width, arm, seed in todo:
         runs.append(one_run(args, base_cfg, data_dir, width, arm, seed))
         meta["wall_seconds"] = time.perf_counter() - t0
-        write_docs(meta, runs)   # kept up to date: an interrupted study keeps what it measured
+        write_docs(meta, runs, measured)   # kept up to date: an interrupted study keeps what it measured
     print(markdown(meta, summarize(runs)))
     return 0
 

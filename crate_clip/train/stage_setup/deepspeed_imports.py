@@ -2,10 +2,11 @@
 
 DeepSpeed imports its Muon optimizer in every engine (ZeRO's optimizer check, the ZeRO 1-2 gradient reduction, the
 ZeRO-3 and bf16 optimizers), and that module wraps three functions in torch.compile as it loads: the wrapping imports
-torch's compiler stack, 1.5-2.8 s of CPU in every rank at every launch (BENCHMARKS.md, "Start-up"). Our runs step a
-torch AdamW, so the Muon functions are never called. The import cannot simply be refused: DeepSpeed imports the
-module without a fallback on every ZeRO >= 1 step. So it is imported once, first, with the wrapping deferred to the
-first call, which is when torch.compile compiles anyway.
+torch's compiler stack, 1.2-1.35 s of CPU in a rank that has imported the rest of its stack (2.7-2.9 s alone;
+BENCHMARKS.md, "Issue 55: launch, step and exit beside open_clip_train"), at every launch. Our runs step a torch
+AdamW, so the Muon functions are never called. The import cannot simply be refused: DeepSpeed imports the module
+without a fallback on every ZeRO >= 1 step. So it is imported once, first, with the wrapping deferred to the first
+call, which is when torch.compile compiles anyway.
 """
 from __future__ import annotations
 
