@@ -66,8 +66,9 @@ def make_shards() -> None:
                     "--samples-per-shard", "6000", "--no-progress"], check=True, stdout=subprocess.DEVNULL)
 
 
-def open_clip_command(py: Path, steps: int) -> list[str]:
-    """torchrun + open_clip_train.main with the shared settings (no checkpoint, no evaluation)."""
+def open_clip_command(py: Path, steps: int, compiled: bool = False) -> list[str]:
+    """torchrun + open_clip_train.main with the shared settings (no checkpoint, no evaluation); `compiled`: its
+    --torchcompile (torch.compile of the whole model)."""
     return [str(py), "-m", "torch.distributed.run", "--nproc_per_node", str(NPROC),
             str(ROOT / "bench" / "open_clip_train_entry.py"),
             "--model", MODEL, "--train-data", SHARD_PATTERN, "--dataset-type", "webdataset", "--dataset-resampled",
@@ -77,15 +78,15 @@ def open_clip_command(py: Path, steps: int) -> list[str]:
             "--eps", "1e-6", "--grad-clip-norm", "1.0", "--force-image-size", str(IMAGE_SIZE),
             "--force-context-length", str(CONTEXT), "--aug-cfg", "scale=(1.0,1.0)", "--save-frequency", "0",
             "--zeroshot-frequency", "0", "--log-every-n-steps", str(LOG_EVERY), "--seed", "0",
-            "--dist-backend", "gloo", "--device", "cpu", "--name", "run"]
+            "--dist-backend", "gloo", "--device", "cpu", "--name", "run"] + (["--torchcompile"] if compiled else [])
 
 
-def crate_clip_config(run_dir: Path, steps: int) -> dict:
+def crate_clip_config(run_dir: Path, steps: int, compiled: bool = False) -> dict:
     """The same run as a crate-clip config: one stage, the demo's DeepSpeed settings, no evaluation, no
     diagnostics."""
     return {
         "run": {"name": "bench-open-clip-train", "output_dir": str(run_dir), "seed": 0},
-        "model": {"name": MODEL},
+        "model": {"name": MODEL, "compile": compiled},
         "data": {"sources": [SHARD_PATTERN], "mode": "resampled", "num_workers": WORKERS, "crop_scale": [1.0, 1.0]},
         "stages": [{"name": "s0", "image_size": IMAGE_SIZE, "context_length": CONTEXT, "global_batch": GLOBAL_BATCH,
                     "samples": steps * GLOBAL_BATCH, "lr": LR, "warmup_steps": WARMUP, "weight_decay": WD}],
@@ -233,7 +234,7 @@ def _ratio_rows(runs: list[dict]) -> list[list[str]]:
     return rows
 
 
-def markdown(runs: list[dict], command: str, steps: int) -> str:
+def markdown(runs: list[dict], command: str, steps: int, compiled: bool = False) -> str:
     from report import machine_line, markdown_table
     per_run = markdown_table(
         ["run", "trainer", "samples/s", "step (ms)", "CPU a step (ms)", "window (steps)", "CPU (s)",
@@ -252,7 +253,12 @@ def markdown(runs: list[dict], command: str, steps: int) -> str:
     load = ("The rest of the machine was idle in every run (at most "
             f"{busiest:.2f} cores busy), so the wall-clock ratios are the trainers' own." if busiest < 0.25 else
             "On a machine this busy the wall-clock ratios move with the other jobs' load; CPU a step does not.")
-    return f"""## Issue 40: crate-clip beside open_clip_train (`bench/bench_open_clip_train.py`)
+    heading = ("Issue 55: crate-clip beside open_clip_train, both compiled" if compiled else
+               "Issue 40: crate-clip beside open_clip_train")
+    both = (" Both compiled: open_clip_train with its `--torchcompile` (torch.compile of the whole model), crate-clip "
+            "with `model.compile: true` (both towers); the window from step 10 leaves the compile out, launch to "
+            "exit holds it." if compiled else "")
+    return f"""## {heading} (`bench/bench_open_clip_train.py`)
 
 `{command}`; {machine_line()}, {os.cpu_count()} cores shared with other jobs (last column); each rank and
 loader worker runs 1 torch thread (OMP_NUM_THREADS=1, what torchrun sets by default).
@@ -265,7 +271,7 @@ DDP (gloo) in a venv with webdataset 0.2.86 (its data code fails with >= 1.0); c
 metrics.jsonl on, evaluations and white-box diagnostics off. Samples/s and step time: wall clock from step
 {WARM_STEPS} to step {steps} on each trainer's own log points; CPU a step: the whole job's CPU time (ranks and
 loader workers) over the same window, which the load of the rest of the machine barely moves; CPU and wall: launch
-to exit (crate-clip's include its final checkpoint, export and plot).
+to exit (crate-clip's include its final checkpoint, export and plot).{both}
 
 {per_run}
 
@@ -290,6 +296,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=STEPS, help="steps a run (default: %(default)s)")
     parser.add_argument("--pairs", type=int, default=2, help="back-to-back A/B pairs, order alternating")
     parser.add_argument("--no-write", action="store_true", help="print the section, leave BENCHMARKS.md alone")
+    parser.add_argument("--compile", action="store_true", help="both compiled: open_clip_train --torchcompile, "
+                                                               "crate-clip model.compile: true (section "
+                                                               "open-clip-train-compiled)")
     args = parser.parse_args()
     if args.steps < WARM_STEPS + 2 * LOG_EVERY:
         parser.error(f"--steps {args.steps}: at least {WARM_STEPS + 2 * LOG_EVERY} (the window starts at step "
@@ -311,10 +320,11 @@ def main() -> int:
             work.mkdir(parents=True)
             if arm == "open_clip_train":
                 # cwd = work: open_clip_train writes ./logs/run there (torchrun's parser takes --logs for its own)
-                result = run_arm(arm, open_clip_command(baseline_py, args.steps), env, work, work / "output.log")
+                result = run_arm(arm, open_clip_command(baseline_py, args.steps, args.compile), env, work,
+                                 work / "output.log")
             else:
                 config = work / "config.yaml"   # JSON is YAML
-                config.write_text(json.dumps(crate_clip_config(work / "run", args.steps)))
+                config.write_text(json.dumps(crate_clip_config(work / "run", args.steps, args.compile)))
                 result = run_arm(arm, crate_clip_command(config), env, ROOT, work / "output.log")
                 result["points"] = crate_clip_points(work / "run")
             result.update(steady_state(result.pop("points"), result.pop("cpu_series"), result["launch_time"],
@@ -322,11 +332,11 @@ def main() -> int:
             print(json.dumps(result), flush=True)
             runs.append(result)
     command = ".venv/bin/python bench/bench_open_clip_train.py"
-    command += f" --steps {args.steps}" if args.steps != STEPS else ""
-    text = markdown(runs, command, args.steps)
+    command += (f" --steps {args.steps}" if args.steps != STEPS else "") + (" --compile" if args.compile else "")
+    text = markdown(runs, command, args.steps, args.compile)
     print(text)
     if not args.no_write:
-        write_section("open-clip-train", text)
+        write_section("open-clip-train-compiled" if args.compile else "open-clip-train", text)
     return 0
 
 

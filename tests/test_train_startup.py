@@ -6,7 +6,8 @@ import sys
 import warm_python
 from train_fixtures import run_env
 
-# Forked from the interpreter that imported torch alone: DeepSpeed and the compiler stack are the program's own
+# Forked from the warm interpreter that imported what a rank imports first (torch, DeepSpeed, open_clip, whose
+# torchvision imports torch._dynamo): what the plain import adds is inductor's compile_fx and functorch.compile
 PROGRAM = r"""
 import sys
 import torch
@@ -18,7 +19,7 @@ before = compiler.compile
 assert import_muon_lazily() is True
 assert compiler.compile is before, "deepspeed.runtime.compiler.compile was not restored"
 assert MUON_MODULE in sys.modules
-print("INDUCTOR", "torch._inductor" in sys.modules, "DYNAMO", "torch._dynamo" in sys.modules)
+print("COMPILER", "torch._inductor.compile_fx" in sys.modules, "functorch.compile" in sys.modules)
 assert import_muon_lazily() is False   # imported already: nothing done twice
 
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam   # what the engines import: no cost now
@@ -39,9 +40,10 @@ print("SAME", torch.equal(out, ref), "SHAPE", tuple(out.shape), "CLASS", MuonWit
 
 def test_deepspeed_muon_module_loads_without_the_compiler_and_its_kernels_still_run():
     done = warm_python.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, env=run_env(),
-                           timeout=300, base="torch")
+                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("INDUCTOR", "SAME")))
-    # the plain import of the module imports torch._inductor (torch.compile's default backend) and torch._dynamo
-    assert lines["INDUCTOR"] == "False DYNAMO False", done.stdout
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("COMPILER", "SAME")))
+    # the plain import of the module imports inductor's compile_fx (torch.compile's default backend), functorch's
+    # compile and ~560 other modules
+    assert lines["COMPILER"] == "False False", done.stdout
     assert lines["SAME"] == "True SHAPE (8, 12) CLASS MuonWithAuxAdam", done.stdout
