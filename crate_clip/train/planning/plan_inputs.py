@@ -18,11 +18,11 @@ HFU_WORDS = "executed FLOPs, recomputation included"
 MFU_WORDS = "model FLOPs, as the training meter counts them"
 # model.compile: true compiles both towers before each stage's first step (each stage builds a new model, which
 # compiles afresh). Measured on the CPU only (bench/bench_compile.py, BENCHMARKS.md "Issue 55: torch.compile of both
-# towers on the CPU"), with an empty inductor cache: 44-71 s a stage at the demo's shapes, 86-105 s for the B/16
-# image tower; ~3 s with the cache a previous run left. A GPU's compile is not measured: the plan adds the largest
-# measured to each compiled stage's time, as a stated assumption.
-COMPILE_S_PER_STAGE = 105.0
-COMPILE_WORDS = ("on the CPU compiled steps were 1.01-1.20x faster than eager, for 44-105 s of compiling a stage "
+# towers on the CPU", an idle 2-core Xeon), with an empty inductor cache: 37-49 s a stage at the demo's shapes, 49-53
+# s for the B/16 image tower; 2-3 s with the cache a previous run left. A GPU's compile is not measured: the plan adds
+# about the largest measured to each compiled stage's time, as a stated assumption.
+COMPILE_S_PER_STAGE = 55.0
+COMPILE_WORDS = ("on the CPU compiled steps were 1.03-1.13x faster than eager, for 37-53 s of compiling a stage "
                  "(bench/bench_compile.py)")
 
 
