@@ -34,7 +34,7 @@ from bench.bench_inverse_scaling import (DOCS, flops_per_sample, paired, run_con
 from bench.bench_token_strategies import FULL, TEXT  # noqa: E402
 from bench.demo_runs import DEMO_CONFIG, run_demo  # noqa: E402
 from bench.demo_seeds import per_image_eval  # noqa: E402
-from bench.seed_spread import sd, seed_spread  # noqa: E402
+from bench.seed_spread import mean_paired_se, sd, seed_spread  # noqa: E402
 
 RECORD = "demo_recipe.json"
 
@@ -74,7 +74,7 @@ def summary(rows: list[dict]) -> dict:
     spread = seed_spread(diffs)
     return {"seeds": len(rows), "demo_mean": 100 * sum(demo) / len(demo), "demo_sd": 100 * sd(demo),
             "full_mean": 100 * sum(full) / len(full), "full_sd": 100 * sd(full),
-            "full_minus_demo": spread.mean, "paired_se": 100 * (sum(r["se"] ** 2 for r in rows) ** 0.5) / len(rows),
+            "full_minus_demo": spread.mean, "paired_se": 100 * mean_paired_se([r["se"] for r in rows]),
             "over_seeds": spread.text(), "supported": spread.supported}
 
 

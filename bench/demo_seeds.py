@@ -27,7 +27,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.demo_runs import run_demo  # noqa: E402
-from bench.seed_spread import sd, seed_spread  # noqa: E402
+from bench.seed_spread import mean_paired_se, sd, seed_spread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_SIZE, STAGE0 = 27, 0
@@ -119,7 +119,7 @@ def seeds_table(rows: list[dict], columns: list[tuple[str, str]], gain: str) -> 
         lines.append(f"| {r['seed']} | " + " | ".join(pct(r[k]) for _, k in columns)
                      + f" | {100 * r['gain']:+.2f} ± {100 * r['se']:.2f} (z {z(r['gain'], r['se']):+.1f}) |")
     mean = sum(r["gain"] for r in rows) / len(rows)
-    se = math.sqrt(sum(r["se"] ** 2 for r in rows)) / len(rows)   # seeds' test-set noise, independent fits
+    se = mean_paired_se([r["se"] for r in rows])
     over_seeds = seed_spread([100 * r["gain"] for r in rows]).text()
     lines.append("| mean ± SD over seeds | " + " | ".join(mean_std([r[k] for r in rows]) for _, k in columns)
                  + f" | {100 * mean:+.2f} ± {100 * se:.2f} (z {z(mean, se):+.1f}); {over_seeds} |")

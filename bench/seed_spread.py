@@ -63,3 +63,9 @@ def seed_spread(values: list[float]) -> SeedSpread:
 def sd(values: list[float]) -> float:
     """The sample standard deviation over seeds (ddof 1): the pages' one convention for a spread; 0 for one seed."""
     return seed_spread(values).sd if len(values) > 1 else 0.0
+
+
+def mean_paired_se(ses: list[float]) -> float:
+    """The SE paired over images of a mean over seeds of per-seed contrasts, each with its own paired SE: the seeds'
+    test-set noise, independent fits, so sqrt(sum se^2) / n. It holds no spread between the training runs."""
+    return math.sqrt(sum(se ** 2 for se in ses)) / len(ses)
