@@ -4,9 +4,9 @@ Importing this package makes the CRATE / CRATE-alpha towers available to timm an
 configs to open_clip, so `timm.create_model('crate_alpha_base_patch16_224')` and
 `open_clip.create_model_and_transforms('CRATE-alpha-CLIPA-L-14')` work afterwards, whichever is imported first.
 
-The registration (crate_clip.models: torch, timm and open_clip, seconds of CPU) happens when it is needed: at
-once when timm or open_clip is already imported, else right after the first of them finishes importing (a
-post-import hook), so `import crate_clip` alone, and every `crate-clip ... --help`, stays cheap.
+The registration (crate_clip.models.registration: torch, timm and open_clip, seconds of CPU) happens when it is
+needed: at once when timm or open_clip is already imported, else right after the first of them finishes importing
+(a post-import hook), so `import crate_clip` alone, and every `crate-clip ... --help`, stays cheap.
 """
 import importlib
 import importlib.abc
@@ -14,7 +14,7 @@ import sys
 
 __version__ = "0.1.0"
 
-_REGISTRY_MODULE = "crate_clip.models"
+_REGISTRY_MODULE = "crate_clip.models.registration"
 _HOOKED = ("timm", "open_clip")
 _importing: set = set()   # hooked modules whose own import is under way (open_clip imports timm midway)
 
@@ -30,8 +30,9 @@ def _crate_clip_half_imported(done: str = "") -> bool:
 
 
 def _register_when_ready(done: str = "") -> None:
-    """Import crate_clip.models (which registers everything) once no hooked module and no crate_clip submodule is
-    half-imported; until then it is pending, and the end of each crate_clip submodule's import tries again."""
+    """Import crate_clip.models.registration (which registers everything) once no hooked module and no crate_clip
+    submodule is half-imported; until then it is pending, and the end of each crate_clip submodule's import tries
+    again."""
     global _pending
     if _REGISTRY_MODULE in sys.modules:
         _pending = False
@@ -99,9 +100,9 @@ def __getattr__(name: str):
     """`crate_clip.models` (and its registration) on first use; `crate_clip.create_clip`, the one front door for
     models (crate_clip.models.clip_factory), from it."""
     if name == "models":
-        return importlib.import_module(_REGISTRY_MODULE)
+        return importlib.import_module("crate_clip.models")
     if name == "create_clip":
-        return importlib.import_module(_REGISTRY_MODULE).create_clip
+        return importlib.import_module("crate_clip.models").create_clip
     raise AttributeError(f"module 'crate_clip' has no attribute {name!r}")
 
 

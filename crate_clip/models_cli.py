@@ -73,7 +73,7 @@ def list_weights(name_filter, as_json: bool) -> int:
 
 def registered_models() -> list[str]:
     """The open_clip config names crate-clip registers (its model_configs/*.json), sorted."""
-    from crate_clip.models.open_clip_configs import MODEL_CONFIG_DIR
+    from crate_clip.models.model_config_files import MODEL_CONFIG_DIR
 
     return sorted(path.stem for path in MODEL_CONFIG_DIR.glob("*.json"))
 

@@ -128,6 +128,19 @@ def test_subcommand_help_imports_no_torch(argv):
     assert out.strip().splitlines()[-1] == "0 []", out[-2000:]
 
 
+def test_the_launchers_checks_import_no_model_stack(tmp_path):
+    """`crate-clip train --nproc N` checks the whole config before it starts any worker, then starts them: it imports
+    torch (torchrun) but not timm, open_clip, torchvision, transformers or DeepSpeed, seconds of CPU before the first
+    worker starts that only the workers use. --validate runs the same checks; the missing data makes it exit 2, after
+    every check ran."""
+    out = _python("import sys\nfrom crate_clip.cli import main\nimport crate_clip.train.worker_launch\n"
+                  f"code = main(['train', 'configs/demo/fashion_mnist.yaml', '--validate', '--set', "
+                  f"'data.sources=[{tmp_path}/none]', '--set', 'run.output_dir={tmp_path}/run'])\n"
+                  "print(code, sorted(m for m in ('timm', 'open_clip', 'torchvision', 'transformers', 'deepspeed') "
+                  "if m in sys.modules))", base="torch")
+    assert out.strip().splitlines()[-1] == "2 []", out[-2000:]
+
+
 def test_each_task_module_has_its_settings_and_the_parts_the_cli_names():
     import pkgutil
 

@@ -148,6 +148,26 @@ def test_tower_names_carry_patch_and_size_and_resolve_without_registration():
     assert timm.create_model(legacy).patch_size == 5
 
 
+def test_a_shipped_configs_patch_is_read_from_its_json_as_open_clip_reads_it():
+    """The run config's checks read a shipped config's patch from its JSON (no open_clip import in the launching
+    process): the same patch as from the config open_clip registered and the tower name timm builds, for every
+    JSON; another name is asked from open_clip."""
+    from crate_clip.models.clip_tower_names import tower_arch
+    from crate_clip.models.model_config_files import MODEL_CONFIG_DIR, parametric_patch
+    from crate_clip.models.model_patch_size import image_patch_size
+    from crate_clip.models.open_clip_configs import registered_patch_size
+
+    names = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.json"))
+    assert len(names) >= 15
+    for name in names:
+        assert image_patch_size(name) == registered_patch_size(name) is not None, name
+    assert [parametric_patch(t) for t in ("crate_alpha_clipa.w16_d1_h2_p5_20", "crate_alpha_clipa_w16_d1_h2_p5_20",
+                                          "crate_alpha_clipa_large_patch14_224", "crate_alpha_clipa.w16_p4")] \
+        == [5, 5, None, None]
+    assert tower_arch("crate_alpha_clipa_large_patch14_224")["patch_size"] == 14
+    assert image_patch_size("ViT-B-32") == 32 and image_patch_size("no-such-model") is None
+
+
 UNTILED = ("stages.1: image_size 28 is not a multiple of patch_size 9 (the patch convolution would drop 1 pixel row "
            "and column); use 27 or 36")
 

@@ -26,7 +26,8 @@ from crate_clip.models.export_files import LOCAL_DIR
 from crate_clip.models.weights_source import CHECKPOINT, EXPORT, FILE, NAME, parse_weights_source
 from crate_clip.models.export_folder_check import export_weights_file
 from crate_clip.models.export_loading import create_from_export
-from crate_clip.models.open_clip_configs import image_patch_size, preprocess_cfg_for
+from crate_clip.models.model_patch_size import image_patch_size
+from crate_clip.models.open_clip_configs import preprocess_cfg_for
 from crate_clip.models.patch_change import checkpoint_patch_size, load_clip_weights_at_patch, set_fresh_patch_size
 
 Weights = Union[str, Path, Dict[str, torch.Tensor]]

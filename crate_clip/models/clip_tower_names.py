@@ -15,17 +15,14 @@ as for every timm architecture. The underscore form `crate_alpha_clipa_w.._p<pat
 towers, one registered name each (`register_clip_tower`, called for the JSONs of a config folder and by
 `register_tower_of`).
 """
-import re
 from typing import Dict, Optional
 
 from timm.models import generate_default_cfgs, is_model, register_model
 
 from crate_clip.models import crate_alpha
 from crate_clip.models.crate_alpha import VARIANTS
+from crate_clip.models.model_config_files import FAMILY, TAG as _TAG, UNDERSCORE as _UNDERSCORE
 
-FAMILY = "crate_alpha_clipa"
-_TAG = re.compile(r"^w(\d+)_d(\d+)_h(\d+)_p(\d+)_(\d+)$")
-_UNDERSCORE = re.compile(r"^crate_alpha_clipa_(w\d+_d\d+_h\d+_p\d+_\d+)$")
 FORM = f"{FAMILY}.w<width>_d<depth>_h<heads>_p<patch>_<px>"
 DEFAULT_TAG = "w768_d12_h12_p16_224"
 WEIGHT_SOURCES = ("file", "url", "hf_hub_id", "state_dict")   # the pretrained_cfg keys timm loads weights from

@@ -18,9 +18,9 @@ import open_clip
 
 from crate_clip.models.clip_tower_names import register_clip_tower, tower_arch
 from crate_clip.core.image_normalization import IMAGENET_MEAN, IMAGENET_STD, OPENAI_MEAN, OPENAI_STD
+from crate_clip.models.model_config_files import MODEL_CONFIG_DIR
 from crate_clip.models.open_clip_text_tower import check_text_tower_config
 
-MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 DEFAULT_PREPROCESS = {"mode": "RGB", "mean": OPENAI_MEAN, "std": OPENAI_STD,
                       "interpolation": "bicubic", "resize_mode": "shortest", "fill_color": 0}
 # the official CRATE-alpha-CLIPA protocol (torch_inference/eval_in1k.py; main_clip.py normalises the same way)
@@ -43,9 +43,10 @@ def register_open_clip_configs(config_dir: Path = MODEL_CONFIG_DIR) -> List[str]
     return names
 
 
-def image_patch_size(model_name: str) -> int | None:
-    """The image tower's patch size in pixels from the open_clip config (no model is built): a CRATE tower's
-    name's, else vision_cfg.patch_size; None when the config does not say or the name is not a registered config."""
+def registered_patch_size(model_name: str) -> int | None:
+    """The image tower's patch size in pixels from the config open_clip has registered (no model is built): a CRATE
+    tower's name's, else vision_cfg.patch_size; None when the config does not say or the name is not registered.
+    model_patch_size.image_patch_size answers for the shipped configs without importing open_clip."""
     vision = (open_clip.get_model_config(model_name) or {}).get("vision_cfg", {})
     patch = (tower_arch(vision.get("timm_model_name") or "") or {}).get("patch_size") or vision.get("patch_size")
     return int(patch) if patch else None

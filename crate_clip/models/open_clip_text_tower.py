@@ -8,8 +8,8 @@ tower, e.g. crate_text.py for `"crate_alpha"`) builds that kind, every other tex
 unchanged (OPEN_CLIP_TEXT). Such a config must also set `"custom_text": true` (open_clip's CLIP class would unpack
 its text tower's parts into itself and run its own text forward); `check_text_tower_config` says so when it is
 missing. Without `import crate_clip`, open_clip rejects the config (`CLIPTextCfg` has no `tower` key) instead of
-silently building another tower. A new kind is one module that registers itself (imported by models/__init__.py)
-and its model configs.
+silently building another tower. A new kind is one module that registers itself (imported by
+models/registration.py) and its model configs.
 """
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ from typing import Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from timm.layers import resample_abs_pos_embed
 
 POS_EMBED_RESIZE_MODES = ("grid_2d", "official_1d")
 
@@ -52,6 +51,8 @@ def resize_image_pos_embed(pos: torch.Tensor, new_grid: Sequence[int], old_grid:
     dtype = pos.dtype
     x = pos.float() if dtype in (torch.float16, torch.bfloat16) else pos
     if mode == "grid_2d":
+        from timm.layers import resample_abs_pos_embed   # importing timm registers the towers: not for the constants
+
         out = resample_abs_pos_embed(x, new_size=list(new_grid), old_size=list(old_grid), num_prefix_tokens=1)
     else:
         out = _resize_sequence(x, 1 + new_grid[0] * new_grid[1])

@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import open_clip
-
 from crate_clip.checkpoint_io.checkpoint_choice import is_deepspeed_checkpoint
 from crate_clip.models.export_files import CONFIG_FILE, LOCAL_DIR
 
@@ -85,5 +83,7 @@ def open_clip_tag(spec: str) -> Optional[tuple[str, str]]:
     if ":" not in spec or spec.startswith((LOCAL_DIR, HF_HUB)):
         return None
     model, tag = spec.split(":", 1)
+    import open_clip   # here, not at the top: a run config's checks parse sources without importing the model stack
+
     known = model in open_clip.list_models() or bool(open_clip.list_pretrained_tags_by_model(model))
     return (model, tag) if known else None

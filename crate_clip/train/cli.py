@@ -105,7 +105,6 @@ def _train(args, argv: list[str], stop_signals: tuple[int, ...]) -> int:
     from crate_clip.checkpoint_io.run_layout import checkpoints_dir
     from crate_clip.train.checkpointing.checkpoints import ResumeError
     from crate_clip.train.run.run_lock import RunLockedError
-    from crate_clip.train.loop.stage_loop import run_training
 
     watch_launcher()   # under torchrun / deepspeed / accelerate: stop when the launcher is gone
     # DeepSpeed 0.19 and open_clip's ClipLoss (gather_with_grad) still call torch collectives under their old
@@ -146,6 +145,9 @@ def _train(args, argv: list[str], stop_signals: tuple[int, ...]) -> int:
         from crate_clip.train.worker_launch import run_workers, torchrun_args
 
         return run_workers(torchrun_args(args.nproc, _without_nproc(argv)))
+    # the training loop imports the model stack (timm, open_clip, DeepSpeed: seconds): a launcher does not
+    from crate_clip.train.loop.stage_loop import run_training
+
     try:
         # after a stop the save signals are ignored: a second one cannot cut the requeue or the exit short
         with trusted_checkpoints(args.trust_checkpoint), \

@@ -241,7 +241,7 @@ def linear_probe_final(run_dir: Path, data_dir: Path, test_dir: Path, train_imag
     from crate_clip.data.sources.fashion_mnist import write_fashion_mnist_eval_folder
     from crate_clip.eval.tasks import linear_probe
     from crate_clip.eval.model_loading import load_eval_model
-    from crate_clip.models.export_files import CONFIG_FILE   # crate_clip.models: torch, so not at module level
+    from crate_clip.models.export_files import CONFIG_FILE
     from crate_clip.train.reporting.metrics_log import log_probe
 
     export = export_dir(run_dir)

@@ -23,7 +23,7 @@ from crate_clip.checkpoint_io.checkpoint_record import Progress
 from crate_clip.checkpoint_io.ema_state import ema_state_of_checkpoint, with_ema
 from crate_clip.checkpoint_io.run_layout import checkpoint_tag, eval_cache_dir
 from crate_clip.core.errors import UserError
-from crate_clip.models.open_clip_configs import image_patch_size
+from crate_clip.models.model_patch_size import image_patch_size
 from crate_clip.models.patch_change import (patch_for_image_size, patch_input_size, set_resolution_by_patch,
                                            tower_patch_size)
 from crate_clip.train.stage_setup.engine import DistInfo

@@ -20,10 +20,9 @@ from crate_clip.core.config_schema import Bool, Float, Int, Section, error_lines
 from crate_clip.core.file_kinds import special_file
 from crate_clip.core.safe_yaml import load_yaml, load_yaml_file
 from crate_clip.core.patch_tiling import grid_tiling_problem, patch_tiling_problem, tiling_sizes
-from crate_clip.models.open_clip_configs import image_patch_size
+from crate_clip.models.model_patch_size import image_patch_size
 from crate_clip.models.pos_embed import POS_EMBED_RESIZE_MODES
 from crate_clip.models.export_files import LOCAL_DIR
-from crate_clip.models.text_sources import check_text_source
 from crate_clip.models.weights_source import LOCAL_DIR_KIND, parse_weights_source
 from crate_clip.models.token_masks import TokenMask
 from crate_clip.data.device_decode import Decode
@@ -93,6 +92,9 @@ class ModelSection(Section):
         """text_pretrained names a usable source; a locked text tower starts from pretrained weights."""
         problems = []
         if self.text_pretrained:
+            # text_sources imports open_clip and the CLIP build: only a config that names a text tower pays for it
+            from crate_clip.models.text_sources import check_text_source
+
             error = check_text_source(self.text_pretrained)
             if error:
                 problems.append(("text_pretrained", error.split(": ", 1)[1]))
