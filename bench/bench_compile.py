@@ -163,8 +163,7 @@ SHAPE_WORDS = """- demo-s0: the demo's stage 0 (CRATE-alpha-CLIPA-tiny, 21 px / 
 
 def markdown(results: dict, command: str, note: str = "") -> str:
     """The `compile` section of BENCHMARKS.md."""
-    from bench_loop_parts import cpu_model
-    from report import machine_line
+    from report import cpu_model, machine_line
     runs = len(next(iter(results.values())))
     return f"""## Issue 55: torch.compile of both towers on the CPU (`bench/bench_compile.py`)
 

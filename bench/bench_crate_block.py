@@ -174,8 +174,7 @@ def table(rows: list[dict]) -> str:
 
 
 def markdown(rounds: list[list[dict]], command: str) -> str:
-    from bench_loop_parts import cpu_model
-    from report import machine_line
+    from report import cpu_model, machine_line
 
     rows = [r for one in rounds for r in one]
     speed = {arm: [r["ms"]["eager"] / r["ms"][arm] for r in rows] for arm in ("compiled", "hand-fused")}

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out" / "loop_parts"
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_open_clip_train as oct_bench  # noqa: E402
-from report import machine_line, markdown_table, write_section  # noqa: E402
+from report import cpu_model, machine_line, markdown_table, write_section  # noqa: E402
 
 # what the editable install maps into crate_clip, as links inside a worktree
 PACKAGE_LINKS = {"crate_clip/data": "../data_pipelines", "crate_clip/eval": "../eval",
@@ -128,15 +128,6 @@ def round_rows(runs: list[dict], rounds: int) -> list[list[str]]:
                      f"{_ratio(before, oc, 'cpu_ms_per_step'):.2f}", f"{_ratio(after, oc, 'cpu_ms_per_step'):.2f}",
                      f"{load:.2f}"])
     return rows
-
-
-def cpu_model() -> str:
-    """The CPU's model name and its widest vector extension (/proc/cpuinfo)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    widest = next((f for f in ("amx_tile", "avx512f", "avx2") if f in flags), "no AVX2")
-    return f"{model} ({widest})"
 
 
 def _span(values: list[float]) -> str:

@@ -3,11 +3,14 @@ and loader workers, trained by `python -m open_clip_train.main` (the open_clip_t
 DDP) and by `crate-clip train --nproc 2` (its own launcher; DeepSpeed at the demo's ZeRO stage), two CPU processes
 each. Writes the `open-clip-train` section of BENCHMARKS.md.
 
-    .venv/bin/python bench/bench_open_clip_train.py      # ~4-5 min on 2 cores (shards and baseline venv: once)
+    .venv/bin/python bench/bench_open_clip_train.py          # ~4-5 min on 2 cores (shards and baseline venv: once)
+    .venv/bin/python bench/bench_open_clip_train.py --wide   # the wider tower (~12 min; section open-clip-train-wide)
 
 - Model: `CRATE-alpha-CLIPA-tiny`, the demo's, as registered with open_clip after `import crate_clip`, at its
   config's geometry (28 px, patch 4: 49 tokens), context 16, fp32. The demo's 21 px / patch-7 stage is not
   comparable: open_clip_train cannot change a tower's patch size (crate-clip PI-resizes the kernel at stage start).
+  `--wide`: `CRATE-alpha-CLIP-B-16` (the CRATE-alpha B/16 image tower, width 768, 12 blocks, and open_clip's
+  12-layer text tower of width 512) at 64 px / patch 16 (16 tokens), global batch 32, lr 5e-4.
 - Data: Fashion-MNIST's 60,000 training images as DataComp-layout shards (`crate-clip shards fashion-mnist`, 10
   shards), read in resampled mode by both, 1 DataLoader worker a rank, no crop (scale 1.0), ImageNet/OpenAI
   normalisation as each trainer does it.
@@ -49,10 +52,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 from demo_runs import demo_deepspeed  # noqa: E402
 
 MODEL = "CRATE-alpha-CLIPA-tiny"
-IMAGE_SIZE, CONTEXT = 28, 16
+IMAGE_SIZE, PATCH, CONTEXT = 28, 4, 16
 GLOBAL_BATCH, NPROC, WORKERS = 64, 2, 1
 STEPS, WARM_STEPS, LOG_EVERY = 60, 10, 10
 LR, WARMUP, WD = 2e-3, 10, 0.1
+# --wide rebinds these module settings before anything runs (the arms and the section read them)
+WIDE = dict(MODEL="CRATE-alpha-CLIP-B-16", IMAGE_SIZE=64, PATCH=16, GLOBAL_BATCH=32, LR=5e-4)
+WIDE_STEPS = 30
 SAMPLE_EVERY_S = 0.2
 OPEN_CLIP_LINE = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\s*\d+")
 
@@ -235,7 +241,7 @@ def _ratio_rows(runs: list[dict]) -> list[list[str]]:
 
 
 def markdown(runs: list[dict], command: str, steps: int, compiled: bool = False) -> str:
-    from report import machine_line, markdown_table
+    from report import cpu_model, machine_line, markdown_table
     per_run = markdown_table(
         ["run", "trainer", "samples/s", "step (ms)", "CPU a step (ms)", "window (steps)", "CPU (s)",
          "ranks' peak RSS (GiB)", "job peak RSS (GiB)", "wall (s)", "launch to 1st step (s)", "last step to exit (s)",
@@ -255,14 +261,18 @@ def markdown(runs: list[dict], command: str, steps: int, compiled: bool = False)
             "On a machine this busy the wall-clock ratios move with the other jobs' load; CPU a step does not.")
     heading = ("Issue 55: crate-clip beside open_clip_train, both compiled" if compiled else
                "Issue 40: crate-clip beside open_clip_train")
+    if MODEL != "CRATE-alpha-CLIPA-tiny":
+        heading = f"Issue 55: crate-clip beside open_clip_train, a wider tower ({MODEL} at {IMAGE_SIZE} px)" + (
+            ", both compiled" if compiled else "")
     both = (" Both compiled: open_clip_train with its `--torchcompile` (torch.compile of the whole model), crate-clip "
             "with `model.compile: true` (both towers); the window from step 10 leaves the compile out, launch to "
             "exit holds it." if compiled else "")
     return f"""## {heading} (`bench/bench_open_clip_train.py`)
 
-`{command}`; {machine_line()}, {os.cpu_count()} cores shared with other jobs (last column); each rank and
+`{command}`; {machine_line()}, {cpu_model()}, {os.cpu_count()} cores shared with other jobs (last column); each rank and
 loader worker runs 1 torch thread (OMP_NUM_THREADS=1, what torchrun sets by default).
-Both train `{MODEL}` (the demo's model, from crate-clip's open_clip config) at {IMAGE_SIZE} px / patch 4 and
+Both train `{MODEL}` ({"the demo's model" if MODEL == "CRATE-alpha-CLIPA-tiny" else "a wider tower"}, from \
+crate-clip's open_clip config) at {IMAGE_SIZE} px / patch {PATCH} and
 context {CONTEXT}, fp32, global batch {GLOBAL_BATCH} ({NPROC} processes x {GLOBAL_BATCH // NPROC}), {steps} steps,
 AdamW (lr {LR:g}, {WARMUP} warm-up steps, cosine, wd {WD}, betas 0.9/0.95, clip 1.0), {WORKERS} loader worker a
 rank, resampled reading of the same 10 Fashion-MNIST DataComp-layout shards, no crop. open_clip_train: torchrun +
@@ -293,13 +303,17 @@ def _span(values: list[float]) -> str:
 # ------------------------------------------------------------------------------------------------- main
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=STEPS, help="steps a run (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=None, help=f"steps a run (default: {STEPS}; --wide {WIDE_STEPS})")
+    parser.add_argument("--wide", action="store_true", help="the wider tower (section open-clip-train-wide)")
     parser.add_argument("--pairs", type=int, default=2, help="back-to-back A/B pairs, order alternating")
     parser.add_argument("--no-write", action="store_true", help="print the section, leave BENCHMARKS.md alone")
     parser.add_argument("--compile", action="store_true", help="both compiled: open_clip_train --torchcompile, "
                                                                "crate-clip model.compile: true (section "
                                                                "open-clip-train-compiled)")
     args = parser.parse_args()
+    if args.wide:
+        globals().update(WIDE)
+    args.steps = args.steps or (WIDE_STEPS if args.wide else STEPS)
     if args.steps < WARM_STEPS + 2 * LOG_EVERY:
         parser.error(f"--steps {args.steps}: at least {WARM_STEPS + 2 * LOG_EVERY} (the window starts at step "
                      f"{WARM_STEPS} and needs two log points)")
@@ -332,11 +346,12 @@ def main() -> int:
             print(json.dumps(result), flush=True)
             runs.append(result)
     command = ".venv/bin/python bench/bench_open_clip_train.py"
-    command += (f" --steps {args.steps}" if args.steps != STEPS else "") + (" --compile" if args.compile else "")
+    command += (" --wide" if args.wide else "") + (f" --steps {args.steps}" if args.steps != (
+        WIDE_STEPS if args.wide else STEPS) else "") + (" --compile" if args.compile else "")
     text = markdown(runs, command, args.steps, args.compile)
     print(text)
     if not args.no_write:
-        write_section("open-clip-train-compiled" if args.compile else "open-clip-train", text)
+        write_section("open-clip-train" + ("-wide" if args.wide else "") + ("-compiled" if args.compile else ""), text)
     return 0
 
 

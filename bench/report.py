@@ -66,3 +66,12 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     """A markdown table of already formatted cells."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def cpu_model() -> str:
+    """The CPU's model name and its widest vector extension (/proc/cpuinfo)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    widest = next((f for f in ("amx_tile", "avx512f", "avx2") if f in flags), "no AVX2")
+    return f"{model} ({widest})"

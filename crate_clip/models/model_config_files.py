@@ -23,7 +23,6 @@ def shipped_config(model_name: str) -> dict | None:
 def parametric_patch(tower: str) -> int | None:
     """The patch size a parametric tower name carries (either form); None for any other name."""
     arch, _, tag = tower.partition(".")
-    m = TAG.match(tag) if arch == FAMILY else UNDERSCORE.match(tower)
-    if m and arch != FAMILY:
-        m = TAG.match(m.group(1))
+    underscore = UNDERSCORE.match(tower)
+    m = TAG.match(tag if arch == FAMILY else underscore.group(1) if underscore else "")
     return int(m.group(4)) if m else None
