@@ -87,7 +87,7 @@ def one_run(commit: str, label: str, parent: Path) -> dict:
 def table(runs: list[dict]) -> str:
     from report import markdown_table
 
-    rows = [[str(i + 1), r["arm"], f"`{r['commit']}`", f"{r['wall_s'] / 60:.0f}:{r['wall_s'] % 60:04.1f}", f"{r['cpu_s']:.0f}",
+    rows = [[str(i + 1), r["arm"], f"`{r['commit']}`", f"{int(r['wall_s'] // 60)}:{r['wall_s'] % 60:04.1f}", f"{r['cpu_s']:.0f}",
              f"{r['install_s']:.0f}", " / ".join(f"{s['train_s']:.0f}" for s in r["stages"]),
              " / ".join(f"{s['step_ms']:.1f}" for s in r["stages"]), f"{r['rest_s']:.0f}",
              f"{100 * r['top1']:.2f}%" if r["top1"] is not None else "-"] for i, r in enumerate(runs)]
@@ -99,8 +99,9 @@ def markdown(runs: list[dict], command: str) -> str:
     from report import cpu_model, machine_line
 
     by_arm = {arm: [r for r in runs if r["arm"] == arm] for arm in ("before", "after")}
-    wall = {arm: sum(r["wall_s"] for r in rs) / len(rs) for arm, rs in by_arm.items()}
-    step = {arm: sum(r["stages"][0]["step_ms"] for r in rs) / len(rs) for arm, rs in by_arm.items()}
+    pairs = [{r["arm"]: r for r in runs[i:i + 2]} for i in range(0, len(runs) - 1, 2)]   # back-to-back pairs
+    wall = ", ".join(f"{p['after']['wall_s'] / p['before']['wall_s']:.3f}" for p in pairs)
+    step = ", ".join(f"{p['after']['stages'][0]['step_ms'] / p['before']['stages'][0]['step_ms']:.3f}" for p in pairs)
     return f"""## Issue 55: a fresh clone's `make demo`, before and after (`bench/bench_fresh_demo.py`)
 
 `{command}`; {machine_line()}, {cpu_model()}. Each commit cloned afresh into a temporary folder (no venv, data or
@@ -111,9 +112,15 @@ written, start-up, evaluations, the white-box probe, export, exit).
 
 {table(runs)}
 
-After / before: `make demo` {wall['after'] / wall['before']:.3f}x the wall clock, stage 0's step \
-{step['after'] / step['before']:.3f}x. The issue 53 goal (a fresh clone to its result in under 4 minutes on 2 cores)
-is {"met" if max(r["wall_s"] for r in by_arm["after"]) < 240 else "not met"}."""
+After / before, per back-to-back pair: `make demo` {wall}x the wall clock, stage 0's step {step}x; the same commit's
+runs differ by up to {_drift(by_arm):.0f}% in stage 0's step (the machine's drift). The issue 53 goal (a fresh clone to its result in under 4 minutes on 2 cores) is \
+{"met" if max(r["wall_s"] for r in by_arm["after"]) < 240 else "not met"}."""
+
+
+def _drift(by_arm: dict) -> float:
+    """The largest spread (%) of stage 0's step between runs of one commit."""
+    steps = [[r["stages"][0]["step_ms"] for r in rs] for rs in by_arm.values() if len(rs) > 1]
+    return max((100 * (max(s) / min(s) - 1) for s in steps), default=0.0)
 
 
 def main() -> int:
@@ -125,7 +132,11 @@ def main() -> int:
     p.add_argument("--append", action="store_true", help="add the runs to results.json's and write the section from "
                                                          "all of them (a later pair in the other order)")
     p.add_argument("--no-write", action="store_true", help="results.json only, BENCHMARKS.md untouched")
+    p.add_argument("--from-json", action="store_true", help="the section again from bench/out/fresh_demo/results.json")
     args = p.parse_args()
+    if args.from_json:
+        record = json.loads((OUT / "results.json").read_text())
+        return write(markdown(record["runs"], "`; then `".join(record["commands"])), args.no_write)
     OUT.mkdir(parents=True, exist_ok=True)
     order = [("before", args.before), ("after", args.after)][::-1 if args.after_first else 1]
     plan = [pair for i in range(args.rounds) for pair in (order if i % 2 == 0 else order[::-1])]
@@ -139,9 +150,13 @@ def main() -> int:
         kept = json.loads((OUT / "results.json").read_text())
         record = {"commands": kept["commands"] + [command], "runs": kept["runs"] + runs}
     (OUT / "results.json").write_text(json.dumps(record, indent=1))
-    text = markdown(record["runs"], "`; then `".join(record["commands"]))
+    return write(markdown(record["runs"], "`; then `".join(record["commands"])), args.no_write)
+
+
+def write(text: str, print_only: bool) -> int:
+    """Print the section; write it into BENCHMARKS.md unless `print_only`."""
     print(text)
-    if not args.no_write:
+    if not print_only:
         from report import write_section
 
         write_section("fresh-demo", text)
