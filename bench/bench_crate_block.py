@@ -165,7 +165,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         e = r["ms"]["eager"]
         out.append([r["shape"], f"{e:.3f}", f"{r['ms']['compiled']:.3f} ({e / r['ms']['compiled']:.2f}x)",
-                    f"{r['ms']['hand-fused']:.3f} ({e / r['ms']['hand-fused']:.2f}x)", f"{100 * r['matmul_share']:.0f}%",
+                    f"{r['ms']['hand-fused']:.3f} ({e / r['ms']['hand-fused']:.2f}x)",
+                    f"{100 * r['matmul_share']:.0f}%",
                     f"{r['compile_s']:.1f}", f"{r['flops_per_sample']['eager'] / 1e6:.3f}",
                     "equal" if r["flops_per_sample"]["eager"] == r["flops_per_sample"]["hand-fused"] else "differ",
                     f"{max(r['max_rel_diff']['compiled'], r['max_rel_diff']['hand-fused']):.0e}"])
@@ -179,15 +180,16 @@ def markdown(rounds: list[list[dict]], command: str) -> str:
     rows = [r for one in rounds for r in one]
     speed = {arm: [r["ms"]["eager"] / r["ms"][arm] for r in rows] for arm in ("compiled", "hand-fused")}
     share = [r["matmul_share"] for r in rows]
-    return f"""## Issue 55: the CRATE-alpha block's own cost and its element-wise chain fused (`bench/bench_crate_block.py`)
+    heading = "Issue 55: the CRATE-alpha block's own cost and its element-wise chain fused"
+    return f"""## {heading} (`bench/bench_crate_block.py`)
 
 `{command}`; {machine_line()}, {cpu_model()}. One CRATE-alpha block (LN, MSSA, LN, ISTA with the decoupled
 dictionary and the residual), forward and backward, one thread, the trainer's CPU attention kernel; arms timed
 alternately (medians of ms a step). compiled: torch.compile (inductor) of the block, which fuses the element-wise
 chain (ISTA's shrink and ReLUs, the residual adds, the LayerNorms) and leaves the matmuls to the library; hand-fused:
 ISTA's backward written out (z1's gradient accumulated inside the matmul that makes it, D's three gradients summed
-inside the matmuls). Largest rel. diff: of the output and every gradient against eager (fp32). The matmul share is of the
-eager block's CPU self time (torch's profiler). Shapes: demo-s0 and demo-s1 are the demo's image-tower block at its
+inside the matmuls). Largest rel. diff: of the output and every gradient against eager (fp32). The matmul share is of
+the eager block's CPU self time (torch's profiler). Shapes: demo-s0 and demo-s1 are the demo's image-tower block at its
 two stages (width 128, 4 heads, 4 and 10 tokens, 32 samples); wide is the CLIPA B/16 block (width 768, 12 heads,
 17 tokens, 16 samples). {len(rounds)} round(s), one row each.
 
@@ -195,7 +197,8 @@ two stages (width 128, 4 heads, 4 and 10 tokens, 32 samples); wide is the CLIPA 
 
 Compiled {min(speed['compiled']):.2f}-{max(speed['compiled']):.2f}x eager, hand-fused \
 {min(speed['hand-fused']):.2f}-{max(speed['hand-fused']):.2f}x; matmul-class ops take {100 * min(share):.0f}-\
-{100 * max(share):.0f}% of the eager block's CPU time, so fusing everything else can win at most the rest. {_verdict(speed['hand-fused'])} `model.compile: true` is the fused path (whole steps: the `compile` section;
+{100 * max(share):.0f}% of the eager block's CPU time, so fusing everything else can win at most the rest. \
+{_verdict(speed['hand-fused'])} `model.compile: true` is the fused path (whole steps: the `compile` section;
 tests/test_models_tower.py checks the compiled block's forward and backward against eager). FLOPs a sample are equal
 (the same matmuls; inductor leaves them to the library). Compile: the compiled arm's first step, with inductor's
 on-disk cache as the machine had it; a later round reuses the graphs the process compiled. One CPU class (the

@@ -87,7 +87,8 @@ def one_run(commit: str, label: str, parent: Path) -> dict:
 def table(runs: list[dict]) -> str:
     from report import markdown_table
 
-    rows = [[str(i + 1), r["arm"], f"`{r['commit']}`", f"{int(r['wall_s'] // 60)}:{r['wall_s'] % 60:04.1f}", f"{r['cpu_s']:.0f}",
+    rows = [[str(i + 1), r["arm"], f"`{r['commit']}`", f"{int(r['wall_s'] // 60)}:{r['wall_s'] % 60:04.1f}",
+             f"{r['cpu_s']:.0f}",
              f"{r['install_s']:.0f}", " / ".join(f"{s['train_s']:.0f}" for s in r["stages"]),
              " / ".join(f"{s['step_ms']:.1f}" for s in r["stages"]), f"{r['rest_s']:.0f}",
              f"{100 * r['top1']:.2f}%" if r["top1"] is not None else "-"] for i, r in enumerate(runs)]
@@ -113,7 +114,8 @@ written, start-up, evaluations, the white-box probe, export, exit).
 {table(runs)}
 
 After / before, per back-to-back pair: `make demo` {wall}x the wall clock, stage 0's step {step}x; the same commit's
-runs differ by up to {_drift(by_arm):.0f}% in stage 0's step (the machine's drift). The issue 53 goal (a fresh clone to its result in under 4 minutes on 2 cores) is \
+runs differ by up to {_drift(by_arm):.0f}% in stage 0's step (the machine's drift). The issue 53 goal (a fresh \
+clone to its result in under 4 minutes on 2 cores) is \
 {"met" if max(r["wall_s"] for r in by_arm["after"]) < 240 else "not met"}."""
 
 
