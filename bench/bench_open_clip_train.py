@@ -10,7 +10,8 @@ each. Writes the `open-clip-train` section of BENCHMARKS.md.
   config's geometry (28 px, patch 4: 49 tokens), context 16, fp32. The demo's 21 px / patch-7 stage is not
   comparable: open_clip_train cannot change a tower's patch size (crate-clip PI-resizes the kernel at stage start).
   `--wide`: `CRATE-alpha-CLIP-B-16` (the CRATE-alpha B/16 image tower, width 768, 12 blocks, and open_clip's
-  12-layer text tower of width 512) at 64 px / patch 16 (16 tokens), global batch 32, lr 5e-4.
+  12-layer text tower of width 512) at 64 px / patch 16 (16 tokens), global batch 32, lr 5e-4; open_clip_train
+  then saves its final checkpoint, as crate-clip does (at this size the save is most of the exit).
 - Data: Fashion-MNIST's 60,000 training images as DataComp-layout shards (`crate-clip shards fashion-mnist`, 10
   shards), read in resampled mode by both, 1 DataLoader worker a rank, no crop (scale 1.0), ImageNet/OpenAI
   normalisation as each trainer does it.
@@ -56,8 +57,9 @@ IMAGE_SIZE, PATCH, CONTEXT = 28, 4, 16
 GLOBAL_BATCH, NPROC, WORKERS = 64, 2, 1
 STEPS, WARM_STEPS, LOG_EVERY = 60, 10, 10
 LR, WARMUP, WD = 2e-3, 10, 0.1
+SAVES = False   # open_clip_train saves its final checkpoint (at the wide tower the save is most of the exit)
 # --wide rebinds these module settings before anything runs (the arms and the section read them)
-WIDE = dict(MODEL="CRATE-alpha-CLIP-B-16", IMAGE_SIZE=64, PATCH=16, GLOBAL_BATCH=32, LR=5e-4)
+WIDE = dict(MODEL="CRATE-alpha-CLIP-B-16", IMAGE_SIZE=64, PATCH=16, GLOBAL_BATCH=32, LR=5e-4, SAVES=True)
 WIDE_STEPS = 30
 SAMPLE_EVERY_S = 0.2
 OPEN_CLIP_LINE = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\s*\d+")
@@ -72,9 +74,9 @@ def make_shards() -> None:
                     "--samples-per-shard", "6000", "--no-progress"], check=True, stdout=subprocess.DEVNULL)
 
 
-def open_clip_command(py: Path, steps: int, compiled: bool = False) -> list[str]:
-    """torchrun + open_clip_train.main with the shared settings (no checkpoint, no evaluation); `compiled`: its
-    --torchcompile (torch.compile of the whole model)."""
+def open_clip_command(py: Path, steps: int, compiled: bool = False, saves: bool = False) -> list[str]:
+    """torchrun + open_clip_train.main with the shared settings (no evaluation; no checkpoint unless `saves`: its
+    final one, --save-frequency 1); `compiled`: its --torchcompile (torch.compile of the whole model)."""
     return [str(py), "-m", "torch.distributed.run", "--nproc_per_node", str(NPROC),
             str(ROOT / "bench" / "open_clip_train_entry.py"),
             "--model", MODEL, "--train-data", SHARD_PATTERN, "--dataset-type", "webdataset", "--dataset-resampled",
@@ -82,8 +84,9 @@ def open_clip_command(py: Path, steps: int, compiled: bool = False) -> list[str]
             "--batch-size", str(GLOBAL_BATCH // NPROC), "--workers", str(WORKERS), "--precision", "fp32",
             "--lr", str(LR), "--warmup", str(WARMUP), "--wd", str(WD), "--beta1", "0.9", "--beta2", "0.95",
             "--eps", "1e-6", "--grad-clip-norm", "1.0", "--force-image-size", str(IMAGE_SIZE),
-            "--force-context-length", str(CONTEXT), "--aug-cfg", "scale=(1.0,1.0)", "--save-frequency", "0",
-            "--zeroshot-frequency", "0", "--log-every-n-steps", str(LOG_EVERY), "--seed", "0",
+            "--force-context-length", str(CONTEXT), "--aug-cfg", "scale=(1.0,1.0)",
+            "--save-frequency", "1" if saves else "0", "--zeroshot-frequency", "0",
+            "--log-every-n-steps", str(LOG_EVERY), "--seed", "0",
             "--dist-backend", "gloo", "--device", "cpu", "--name", "run"] + (["--torchcompile"] if compiled else [])
 
 
@@ -267,6 +270,7 @@ def markdown(runs: list[dict], command: str, steps: int, compiled: bool = False)
     both = (" Both compiled: open_clip_train with its `--torchcompile` (torch.compile of the whole model), crate-clip "
             "with `model.compile: true` (both towers); the window from step 10 leaves the compile out, launch to "
             "exit holds it." if compiled else "")
+    saves = "; open_clip_train saves its final checkpoint too (--save-frequency 1)" if SAVES else ""
     return f"""## {heading} (`bench/bench_open_clip_train.py`)
 
 `{command}`; {machine_line()}, {cpu_model()}, {os.cpu_count()} cores shared with other jobs (last column); each rank and
@@ -281,7 +285,7 @@ DDP (gloo) in a venv with webdataset 0.2.86 (its data code fails with >= 1.0); c
 metrics.jsonl on, evaluations and white-box diagnostics off. Samples/s and step time: wall clock from step
 {WARM_STEPS} to step {steps} on each trainer's own log points; CPU a step: the whole job's CPU time (ranks and
 loader workers) over the same window, which the load of the rest of the machine barely moves; CPU and wall: launch
-to exit (crate-clip's include its final checkpoint, export and plot).{both}
+to exit (crate-clip's include its final checkpoint, export and plot{saves}).{both}
 
 {per_run}
 
@@ -334,7 +338,7 @@ def main() -> int:
             work.mkdir(parents=True)
             if arm == "open_clip_train":
                 # cwd = work: open_clip_train writes ./logs/run there (torchrun's parser takes --logs for its own)
-                result = run_arm(arm, open_clip_command(baseline_py, args.steps, args.compile), env, work,
+                result = run_arm(arm, open_clip_command(baseline_py, args.steps, args.compile, SAVES), env, work,
                                  work / "output.log")
             else:
                 config = work / "config.yaml"   # JSON is YAML
