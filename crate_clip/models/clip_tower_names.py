@@ -21,7 +21,7 @@ from timm.models import generate_default_cfgs, is_model, register_model
 
 from crate_clip.models import crate_alpha
 from crate_clip.models.crate_alpha import VARIANTS
-from crate_clip.models.model_config_files import FAMILY, TAG as _TAG, UNDERSCORE as _UNDERSCORE
+from crate_clip.models.model_config_files import FAMILY, TAG as _TAG, parametric_tag
 
 FORM = f"{FAMILY}.w<width>_d<depth>_h<heads>_p<patch>_<px>"
 DEFAULT_TAG = "w768_d12_h12_p16_224"
@@ -56,11 +56,7 @@ def _tag_arch(tag: str, name: str) -> Dict:
 
 def parse_clip_tower_name(name: str) -> Dict:
     """Architecture kwargs of a parametric CLIP tower name (either form); ValueError for any other name."""
-    arch, _, tag = name.partition(".")
-    if arch == FAMILY:
-        return _tag_arch(tag, name)
-    m = _UNDERSCORE.match(name)
-    return _tag_arch(m.group(1) if m else "", name)
+    return _tag_arch(parametric_tag(name), name)
 
 
 def tower_arch(name: str) -> Optional[Dict]:

@@ -20,9 +20,17 @@ def shipped_config(model_name: str) -> dict | None:
     return json.loads(path.read_text()) if shipped else None
 
 
+def parametric_tag(tower: str) -> str:
+    """The `w.._d.._h.._p.._px` part of a parametric tower name, either form (the tag after `crate_alpha_clipa.`, or
+    the underscore form's); '' for any other name. TAG matches it when it is well formed."""
+    arch, _, tag = tower.partition(".")
+    if arch == FAMILY:
+        return tag
+    underscore = UNDERSCORE.match(tower)
+    return underscore.group(1) if underscore else ""
+
+
 def parametric_patch(tower: str) -> int | None:
     """The patch size a parametric tower name carries (either form); None for any other name."""
-    arch, _, tag = tower.partition(".")
-    underscore = UNDERSCORE.match(tower)
-    m = TAG.match(tag if arch == FAMILY else underscore.group(1) if underscore else "")
+    m = TAG.match(parametric_tag(tower))
     return int(m.group(4)) if m else None
