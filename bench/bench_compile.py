@@ -197,14 +197,6 @@ def reading(results: dict) -> str:
             "(the machine above); a GPU is not measured (bench/bench_gpu.py runs both).")
 
 
-def write(text: str, print_only: bool) -> None:
-    """Print the section; write it into BENCHMARKS.md unless `print_only`."""
-    print(text)
-    if not print_only:
-        from report import write_section
-        write_section("compile", text)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -216,12 +208,14 @@ def main() -> int:
     p.add_argument("--note", default="", help="a line about the conditions, printed under the table")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    from report import print_section   # torch with it: after the arguments
+
     if args.child:
         print(json.dumps(child(args.child.split(","), args.steps)))
         return 0
     if args.from_json:
         record = json.loads((OUT / "results.json").read_text())
-        write(markdown(record["results"], record["command"], record.get("note", "")), args.no_write)
+        print_section("compile", markdown(record["results"], record["command"], record.get("note", "")), args.no_write)
         return 0
     rounds, steps = (1, 3) if args.smoke else (args.rounds, args.steps)
     arms = [["demo-s0", "demo-s1"]] if args.smoke else [["demo-s0", "demo-s1"], ["wide"]]
@@ -232,7 +226,7 @@ def main() -> int:
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "results.json").write_text(json.dumps({"command": command, "note": args.note, "results": results},
                                                      indent=1))
-    write(markdown(results, command, args.note), args.no_write or args.smoke)
+    print_section("compile", markdown(results, command, args.note), args.no_write or args.smoke)
     return 0
 
 

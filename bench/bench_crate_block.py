@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from report import print_section  # noqa: E402
 OUT = ROOT / "bench" / "out" / "crate_block"
 SHAPES = {"demo-s0": dict(width=128, heads=4, tokens=4, batch=32),
           "demo-s1": dict(width=128, heads=4, tokens=10, batch=32),
@@ -225,7 +226,8 @@ def main() -> int:
     args = p.parse_args()
     if args.from_json:
         record = json.loads((OUT / "results.json").read_text())
-        return write(markdown(record["results"], record["command"]), args.no_write)
+        print_section("crate-block", markdown(record["results"], record["command"]), args.no_write)
+        return 0
     torch.set_num_threads(1)
     names, reps, rounds = (["demo-s0"], 4, 1) if args.smoke else (list(SHAPES), args.reps, args.rounds)
     results = [[run_shape(name, reps) for name in names] for _ in range(rounds)]
@@ -238,16 +240,7 @@ def main() -> int:
     if not args.smoke:   # a smoke run leaves the measurement's record alone
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "results.json").write_text(json.dumps({"command": command, "results": results}, indent=1))
-    return write(markdown(results, command), args.no_write or args.smoke)
-
-
-def write(text: str, print_only: bool) -> int:
-    """Print the section; write it into BENCHMARKS.md unless `print_only`."""
-    print(text)
-    if not print_only:
-        from report import write_section
-
-        write_section("crate-block", text)
+    print_section("crate-block", markdown(results, command), args.no_write or args.smoke)
     return 0
 
 

@@ -119,6 +119,11 @@ clone to its result in under 4 minutes on 2 cores) is \
 {"met" if max(r["wall_s"] for r in by_arm["after"]) < 240 else "not met"}."""
 
 
+def section(record: dict) -> str:
+    """The section of a results.json record: every run, under the commands that made them."""
+    return markdown(record["runs"], "`; then `".join(record["commands"]))
+
+
 def _drift(by_arm: dict) -> float:
     """The largest spread (%) of stage 0's step between runs of one commit."""
     steps = [[r["stages"][0]["step_ms"] for r in rs] for rs in by_arm.values() if len(rs) > 1]
@@ -136,9 +141,12 @@ def main() -> int:
     p.add_argument("--no-write", action="store_true", help="results.json only, BENCHMARKS.md untouched")
     p.add_argument("--from-json", action="store_true", help="the section again from bench/out/fresh_demo/results.json")
     args = p.parse_args()
+    from report import print_section   # torch with it: after the arguments
+
     if args.from_json:
         record = json.loads((OUT / "results.json").read_text())
-        return write(markdown(record["runs"], "`; then `".join(record["commands"])), args.no_write)
+        print_section("fresh-demo", section(record), args.no_write)
+        return 0
     OUT.mkdir(parents=True, exist_ok=True)
     order = [("before", args.before), ("after", args.after)][::-1 if args.after_first else 1]
     plan = [pair for i in range(args.rounds) for pair in (order if i % 2 == 0 else order[::-1])]
@@ -152,16 +160,7 @@ def main() -> int:
         kept = json.loads((OUT / "results.json").read_text())
         record = {"commands": kept["commands"] + [command], "runs": kept["runs"] + runs}
     (OUT / "results.json").write_text(json.dumps(record, indent=1))
-    return write(markdown(record["runs"], "`; then `".join(record["commands"])), args.no_write)
-
-
-def write(text: str, print_only: bool) -> int:
-    """Print the section; write it into BENCHMARKS.md unless `print_only`."""
-    print(text)
-    if not print_only:
-        from report import write_section
-
-        write_section("fresh-demo", text)
+    print_section("fresh-demo", section(record), args.no_write)
     return 0
 
 

@@ -26,6 +26,13 @@ def write_section(name: str, markdown: str, path: Path = BENCHMARKS_MD) -> None:
     path.write_text(text)
 
 
+def print_section(name: str, markdown: str, print_only: bool = False) -> None:
+    """Print a bench's section; write it into BENCHMARKS.md as section `name` unless `print_only`."""
+    print(markdown)
+    if not print_only:
+        write_section(name, markdown)
+
+
 def section_head(title: str, label: str | None, meta: dict) -> list[str]:
     """A study's section opening: its heading, the run's label in bold if given, and the line saying when, where,
     with which command and for how long it ran (`meta`: date, machine, command, wall_seconds)."""
